@@ -1,0 +1,79 @@
+"""The attention backend interface and the metadata of one flat batch.
+
+KV cache layout (one tensor for the whole model, allocated by the runner):
+    kv_cache: [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]
+A layer sees `kv_cache[layer]`: [2, num_blocks, block_size, num_kv_heads, head_dim]
+(index 0 = K, 1 = V). Slot s lives at block s // block_size, offset s % block_size.
+
+Flat batch: the scheduled tokens of all sequences are concatenated; sequence i owns tokens
+[query_start_loc[i], query_start_loc[i + 1]). Its new tokens sit at positions
+[context_len_i, seq_len_i) where context_len_i = seq_len_i - query_len_i tokens are already in
+the cache (a cached prefix, earlier prefill chunks or earlier decode steps).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(slots=True)
+class AttentionMetadata:
+    slot_mapping: torch.Tensor
+    """[num_tokens] int64: cache slot for each new token's K/V; a negative slot is padding (skipped)."""
+    query_start_loc: torch.Tensor
+    """[num_seqs + 1] int32: cumulative query lengths (device)."""
+    seq_lens: torch.Tensor
+    """[num_seqs] int32: context + new tokens of each sequence after this step (device)."""
+    block_tables: torch.Tensor
+    """[num_seqs, max_num_blocks] int32: each sequence's block ids, right-padded with 0 (device)."""
+    query_lens_cpu: list[int]
+    """Host copy of the query lengths (for launch decisions without a device sync)."""
+    seq_lens_cpu: list[int]
+    """Host copy of seq_lens."""
+    max_query_len: int
+    max_seq_len: int
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.seq_lens_cpu)
+
+    @property
+    def is_decode_only(self) -> bool:
+        """Every sequence has exactly one new token."""
+        return self.max_query_len == 1
+
+
+class AttentionBackend(ABC):
+    """Writes new K/V into the paged cache and attends each sequence over its block table.
+
+    Rules: `forward` writes K/V for every non-padding slot before reading; it never reads or writes
+    cache slots outside the block tables and slot mapping it is given; it does not modify q/k/v.
+    """
+
+    name: str
+
+    @abstractmethod
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        """q: [T, Hq, D], k/v: [T, Hkv, D], kv_cache: [2, NB, BS, Hkv, D] -> out [T, Hq, D].
+
+        Each new token attends causally: to its sequence's cached context and to the new tokens
+        at or before its own position. Hq is a multiple of Hkv (grouped-query attention).
+        """
+
+    def copy_blocks(self, kv_cache: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Copies whole blocks src[i] -> dst[i] in every layer (copy-on-write, swaps).
+
+        kv_cache: [num_layers, 2, NB, BS, Hkv, D]; src/dst: [n] int64 on kv_cache's device.
+        """
+        kv_cache[:, :, dst] = kv_cache[:, :, src]

@@ -1,0 +1,142 @@
+"""One frozen config tree for the engine, validated on construction.
+
+Built once by the entry point (CLI flags / environment) or by `LLM(...)` and passed down.
+Nothing inside `engine/` reads the environment.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields, replace
+from typing import Any
+
+DTYPES = ("float32", "float16", "bfloat16")
+DEVICES = ("auto", "cpu", "cuda")
+ATTENTION_BACKENDS = ("auto", "torch", "cupy")
+PREEMPTION_MODES = ("recompute", "swap")
+
+
+def _check(cond: bool, msg: str) -> None:
+    if not cond:
+        raise ValueError(msg)
+
+
+@dataclass(frozen=True, slots=True)
+class ModelConfig:
+    path: str
+    """Local Hugging Face checkpoint folder (config.json + safetensors + tokenizer files)."""
+    dtype: str = "float32"
+    """Compute and KV-cache dtype: float32, float16 or bfloat16."""
+    max_model_len: int | None = None
+    """Longest prompt + output in tokens; None takes the checkpoint's max_position_embeddings."""
+    model_id: str | None = None
+    """Identity mixed into block hashes and reported by the API; None uses the folder name."""
+
+    def __post_init__(self) -> None:
+        _check(bool(self.path), "model path must not be empty")
+        _check(self.dtype in DTYPES, f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        _check(
+            self.max_model_len is None or self.max_model_len > 0,
+            f"max_model_len must be positive, got {self.max_model_len}",
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class CacheConfig:
+    block_size: int = 16
+    """Token positions per KV block."""
+    num_device_blocks: int | None = None
+    """Device KV blocks; None sizes the pool from device_memory_gib."""
+    device_memory_gib: float = 1.0
+    """KV pool budget in GiB when num_device_blocks is None."""
+    enable_prefix_caching: bool = True
+    cpu_swap_gib: float = 0.5
+    """Host (pinned on CUDA) tier size in GiB; 0 turns the CPU tier off."""
+    num_cpu_blocks: int | None = None
+    """Exact CPU-tier size in blocks (overrides cpu_swap_gib; used by tests)."""
+    disk_dir: str | None = None
+    """Directory of the persistent disk tier; None turns it off."""
+    disk_gib: float = 10.0
+    """Disk tier size budget in GiB."""
+    preemption_mode: str = "recompute"
+    """recompute (drop KV, recompute later) or swap (move KV to the CPU tier and back)."""
+    max_pinned_fraction: float = 0.5
+    """Largest share of each pool that TTL-pinned prefixes may hold."""
+
+    def __post_init__(self) -> None:
+        _check(self.block_size in (8, 16, 32, 64), f"block_size must be 8, 16, 32 or 64, got {self.block_size}")
+        _check(
+            self.num_device_blocks is None or self.num_device_blocks >= 1,
+            f"num_device_blocks must be >= 1, got {self.num_device_blocks}",
+        )
+        _check(self.device_memory_gib > 0, "device_memory_gib must be > 0")
+        _check(self.cpu_swap_gib >= 0, "cpu_swap_gib must be >= 0")
+        _check(self.num_cpu_blocks is None or self.num_cpu_blocks >= 0, "num_cpu_blocks must be >= 0")
+        _check(self.disk_gib > 0, "disk_gib must be > 0")
+        _check(
+            self.preemption_mode in PREEMPTION_MODES,
+            f"preemption_mode must be one of {PREEMPTION_MODES}, got {self.preemption_mode!r}",
+        )
+        _check(0.0 <= self.max_pinned_fraction <= 1.0, "max_pinned_fraction must be in [0, 1]")
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerConfig:
+    max_num_seqs: int = 256
+    """Most sequences in one step."""
+    max_num_batched_tokens: int = 2048
+    """Token budget of one step (decode tokens + prefill chunks)."""
+    max_n: int = 16
+    """Largest n (parallel samples) one request may ask for."""
+    max_logprobs: int = 20
+    """Largest number of top logprobs one request may ask for."""
+
+    def __post_init__(self) -> None:
+        _check(self.max_num_seqs >= 1, "max_num_seqs must be >= 1")
+        _check(self.max_num_batched_tokens >= 1, "max_num_batched_tokens must be >= 1")
+        _check(self.max_n >= 1, "max_n must be >= 1")
+        _check(self.max_logprobs >= 0, "max_logprobs must be >= 0")
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    model: ModelConfig
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    device: str = "auto"
+    """auto (cuda when available), cpu or cuda."""
+    attention_backend: str = "auto"
+    """auto (cupy on CUDA when CuPy is present, else torch), torch or cupy."""
+    seed: int = 0
+    """Seed for requests without their own seed."""
+
+    def __post_init__(self) -> None:
+        _check(self.device in DEVICES, f"device must be one of {DEVICES}, got {self.device!r}")
+        _check(
+            self.attention_backend in ATTENTION_BACKENDS,
+            f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}",
+        )
+
+    @classmethod
+    def from_kwargs(cls, model: str, **kwargs: Any) -> EngineConfig:
+        """Builds the tree from flat keyword arguments (as `LLM(model, **kwargs)` takes them)."""
+        parts: dict[type, dict[str, Any]] = {ModelConfig: {}, CacheConfig: {}, SchedulerConfig: {}}
+        top: dict[str, Any] = {}
+        top_names = {f.name for f in fields(cls)} - {"model", "cache", "scheduler"}
+        for key, value in kwargs.items():
+            for part in parts:
+                if key in {f.name for f in fields(part)}:
+                    parts[part][key] = value
+                    break
+            else:
+                if key not in top_names:
+                    raise ValueError(f"unknown engine option {key!r}")
+                top[key] = value
+        return cls(
+            model=ModelConfig(path=model, **parts[ModelConfig]),
+            cache=CacheConfig(**parts[CacheConfig]),
+            scheduler=SchedulerConfig(**parts[SchedulerConfig]),
+            **top,
+        )
+
+    def with_model_len(self, max_model_len: int) -> EngineConfig:
+        return replace(self, model=replace(self.model, max_model_len=max_model_len))

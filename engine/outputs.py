@@ -1,0 +1,98 @@
+"""What the engine hands back: offline outputs and streamed deltas."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+FINISH_REASONS = ("stop", "length", "abort", "error")
+
+
+@dataclass(slots=True)
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]
+    """Top-k (token id, logprob) pairs, best first; empty when logprobs=0."""
+
+
+@dataclass(slots=True)
+class CachedTokens:
+    """Prompt tokens served from the prefix cache, split by tier."""
+
+    device: int = 0
+    cpu: int = 0
+    disk: int = 0
+
+    @property
+    def total(self) -> int:
+        return self.device + self.cpu + self.disk
+
+
+@dataclass(slots=True)
+class RequestMetrics:
+    """Wall-clock timestamps (time.monotonic()) of one request's life."""
+
+    arrival: float
+    first_scheduled: float | None = None
+    first_token: float | None = None
+    finished: float | None = None
+
+    @property
+    def queue_time(self) -> float | None:
+        return None if self.first_scheduled is None else self.first_scheduled - self.arrival
+
+    @property
+    def ttft(self) -> float | None:
+        return None if self.first_token is None else self.first_token - self.arrival
+
+    @property
+    def e2e(self) -> float | None:
+        return None if self.finished is None else self.finished - self.arrival
+
+
+@dataclass(slots=True)
+class CompletionOutput:
+    """One of a request's n samples. In a streamed delta, text/token_ids/logprobs are new only."""
+
+    index: int
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] | None = None
+    finish_reason: str | None = None
+    """stop, length, abort or error; None while running."""
+    stop_reason: int | str | None = None
+    """The stop token id or stop string that ended the sample, if any."""
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    """One request's state. `LLM.generate` returns it cumulative; `AsyncEngine` streams deltas."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool = False
+    num_cached_tokens: int = 0
+    cached_tokens: CachedTokens = field(default_factory=CachedTokens)
+    metrics: RequestMetrics | None = None
+    error: str | None = None
+    """Why the request failed (finish_reason "error")."""
+    pinned: bool | None = None
+    """For requests with pin_ttl_s: whether the prefix could be pinned (False: over the cap)."""
+
+    # Shortcuts to the first sample (what most callers with n=1 want).
+    @property
+    def text(self) -> str:
+        return self.outputs[0].text
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.outputs[0].token_ids
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.outputs[0].finish_reason

@@ -1,0 +1,80 @@
+"""Replica-level facts: what model is served and how loaded the engine and its cache are."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True, slots=True)
+class ModelInfo:
+    model_id: str
+    """Identity used in block hashes and reported by the API (folder name unless configured)."""
+    family: str
+    """llama or qwen2."""
+    architecture: str
+    """The checkpoint's architectures[0], e.g. LlamaForCausalLM."""
+    max_model_len: int
+    block_size: int
+    dtype: str
+    vocab_size: int
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    num_device_blocks: int
+    eos_token_ids: tuple[int, ...]
+
+    @property
+    def kv_capacity_tokens(self) -> int:
+        return self.num_device_blocks * self.block_size
+
+
+@dataclass(slots=True)
+class TierStats:
+    """One cache tier (device, cpu or disk)."""
+
+    name: str
+    num_blocks: int = 0
+    """Capacity in blocks (disk: blocks that fit the size budget)."""
+    used_blocks: int = 0
+    """Blocks holding KV: in use by requests or cached for reuse."""
+    cached_blocks: int = 0
+    """Blocks with a hash that a later prompt can hit."""
+    pinned_blocks: int = 0
+    queries: int = 0
+    """Prompt tokens looked up in this tier."""
+    hits: int = 0
+    """Prompt tokens served from this tier."""
+    spills: int = 0
+    """Blocks copied out of this tier to the next one before reuse."""
+    swap_ins: int = 0
+    """Blocks brought from this tier back to the device."""
+    evictions: int = 0
+    """Cached blocks dropped from this tier."""
+    bytes_moved: int = 0
+
+    @property
+    def usage(self) -> float:
+        return self.used_blocks / self.num_blocks if self.num_blocks else 0.0
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hits / self.queries if self.queries else 0.0
+
+
+@dataclass(slots=True)
+class EngineStats:
+    num_running: int = 0
+    num_waiting: int = 0
+    num_preemptions: int = 0
+    kv_usage: float = 0.0
+    """Share of device blocks in use by running requests (cached-but-free blocks do not count)."""
+    prefix_queries: int = 0
+    """Prompt tokens looked up in the prefix cache (all tiers)."""
+    prefix_hits: int = 0
+    """Prompt tokens served from any tier."""
+    free_device_blocks: int = 0
+    tiers: list[TierStats] = field(default_factory=list)
+
+    @property
+    def prefix_hit_rate(self) -> float:
+        return self.prefix_hits / self.prefix_queries if self.prefix_queries else 0.0
