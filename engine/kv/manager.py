@@ -1,0 +1,287 @@
+"""The prefix-caching KV cache manager: per-sequence block tables over a device `BlockPool`.
+
+Pure Python on integer block ids. It decides which blocks a sequence uses, shares, caches and
+frees, and returns copy plans (`KVPlan`) that the runner carries out before the next forward.
+
+Rules:
+- `match_prefix` finds the longest run of cached full blocks, device tier first, then the lower
+  tiers (CPU, disk) when present; it never covers the whole sequence: the last token is always
+  computed, so the sampler has logits to work with.
+- `allocate` is all or nothing: it either takes every block the step needs or changes nothing.
+- A sequence's blocks are freed tail first (see `BlockPool` for the eviction order).
+- A partly filled block shared by forked samples is copied on write by whichever sample
+  appends to it while it is still shared.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from engine.kv.block_pool import Block, BlockPool
+from engine.kv.hashing import BlockHash
+from engine.kv.plan import KVPlan
+
+
+class SeqLike(Protocol):
+    """What the manager reads of a sequence (engine.sequence.Sequence satisfies it)."""
+
+    seq_id: int
+    token_ids: list[int]
+    block_hashes: list[BlockHash]
+    num_computed_tokens: int
+    num_cached_blocks: int
+
+
+class LowerTiers(Protocol):
+    """The CPU and disk tiers below the device pool (engine/kv/tiers.py)."""
+
+    def find(self, block_hash: BlockHash) -> str | None:
+        """The tier ("cpu" or "disk") that holds this hash, or None. Does not modify anything."""
+        ...
+
+    def fetch(self, block_hash: BlockHash, dst_block_id: int, plan: KVPlan) -> None:
+        """Plans the copy of a found block into a device block (swap-in or disk load)."""
+        ...
+
+    def on_device_evict(self, block_id: int, block_hash: BlockHash, plan: KVPlan) -> None:
+        """A cached device block is about to be reused: plan its spill if worth keeping."""
+        ...
+
+    def end_step(self) -> None:
+        """The runner has carried out the step's plan: release the step's transient references."""
+        ...
+
+
+@dataclass(slots=True)
+class PrefixMatch:
+    device_blocks: list[Block] = field(default_factory=list)
+    """Cached device blocks of the prefix, in order."""
+    lower_hits: list[tuple[str, BlockHash]] = field(default_factory=list)
+    """(tier, hash) of the blocks after the device hits that a lower tier holds, in order."""
+    block_size: int = 16
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.device_blocks) + len(self.lower_hits)
+
+    @property
+    def num_tokens(self) -> int:
+        return self.num_blocks * self.block_size
+
+    def tokens_by_tier(self) -> dict[str, int]:
+        out = {"device": len(self.device_blocks) * self.block_size, "cpu": 0, "disk": 0}
+        for tier, _ in self.lower_hits:
+            out[tier] += self.block_size
+        return out
+
+
+@dataclass(slots=True)
+class TierCounters:
+    queries: int = 0
+    """Prompt tokens looked up (device: every admitted prompt token; lower tiers: past the device hit)."""
+    hits: int = 0
+
+
+class KVCacheManager:
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        *,
+        enable_caching: bool = True,
+        max_pinned_fraction: float = 0.5,
+    ) -> None:
+        self.block_size = block_size
+        self.enable_caching = enable_caching
+        self.pool = BlockPool(num_blocks, on_evict=self._on_evict)
+        self.tiers: LowerTiers | None = None
+        self.tables: dict[int, list[Block]] = {}
+        """seq_id -> its blocks in order."""
+        self.plan = KVPlan()
+        """Copies accumulated since the last `take_plan`."""
+        self.counters = {"device": TierCounters(), "cpu": TierCounters(), "disk": TierCounters()}
+        self.max_pinned = int(max_pinned_fraction * num_blocks)
+        self.pins: dict[int, float] = {}
+        """block_id -> expiry time of its pin (a pin holds one reference)."""
+
+    # -- lookups -------------------------------------------------------------------------------
+    @property
+    def num_free_blocks(self) -> int:
+        return self.pool.num_free
+
+    @property
+    def num_blocks(self) -> int:
+        return self.pool.num_blocks
+
+    def block_ids(self, seq_id: int) -> list[int]:
+        return [b.block_id for b in self.tables.get(seq_id, ())]
+
+    def match_prefix(self, seq: SeqLike) -> PrefixMatch:
+        """Longest cached prefix of the sequence's tokens (never all of them). Changes nothing."""
+        match = PrefixMatch(block_size=self.block_size)
+        if not self.enable_caching:
+            return match
+        max_blocks = (len(seq.token_ids) - 1) // self.block_size
+        hashes = seq.block_hashes[:max_blocks]
+        i = 0
+        for i, h in enumerate(hashes):  # noqa: B007
+            b = self.pool.lookup(h)
+            if b is None:
+                break
+            match.device_blocks.append(b)
+        else:
+            i = len(hashes)
+        if self.tiers is not None:
+            for h in hashes[i:]:
+                tier = self.tiers.find(h)
+                if tier is None:
+                    break
+                match.lower_hits.append((tier, h))
+        return match
+
+    def record_admission(self, num_prompt_tokens: int, match: PrefixMatch) -> None:
+        """Counts one admitted prompt's lookup (queries and hits in tokens, per tier)."""
+        by_tier = match.tokens_by_tier()
+        dev = self.counters["device"]
+        dev.queries += num_prompt_tokens
+        dev.hits += by_tier["device"]
+        remaining = num_prompt_tokens - by_tier["device"]
+        for tier in ("cpu", "disk"):
+            if self.tiers is None:
+                break
+            c = self.counters[tier]
+            c.queries += remaining
+            c.hits += by_tier[tier]
+            remaining -= by_tier[tier]
+
+    # -- allocation ----------------------------------------------------------------------------
+    def blocks_needed(self, seq: SeqLike, num_new_tokens: int, match: PrefixMatch | None) -> int:
+        """Free blocks `allocate` would consume (new blocks, copy-on-write, free hit blocks)."""
+        table = self.tables.get(seq.seq_id, [])
+        computed = seq.num_computed_tokens + (match.num_tokens if match else 0)
+        total = -(-(computed + num_new_tokens) // self.block_size)
+        held = len(table) + (match.num_blocks if match else 0)
+        need = max(0, total - held)
+        if match:
+            need += sum(1 for b in match.device_blocks if b.ref_cnt == 0)
+        if self._needs_cow(table, seq.num_computed_tokens, num_new_tokens):
+            need += 1
+        return need
+
+    def _needs_cow(self, table: list[Block], num_computed: int, num_new: int) -> bool:
+        if not table or num_new == 0 or num_computed % self.block_size == 0:
+            return False
+        last = table[(num_computed - 1) // self.block_size]
+        return last.ref_cnt > 1
+
+    def allocate(self, seq: SeqLike, num_new_tokens: int, match: PrefixMatch | None = None) -> bool:
+        """Gives the sequence room for `num_new_tokens` more tokens (after a prefix match).
+
+        All or nothing: returns False and changes nothing when the pool is short.
+        """
+        if self.blocks_needed(seq, num_new_tokens, match) > self.pool.num_free:
+            return False
+        table = self.tables.setdefault(seq.seq_id, [])
+        if match is not None and match.num_blocks:
+            assert not table, "a prefix match applies to a sequence without blocks"
+            self.pool.touch(match.device_blocks)
+            table.extend(match.device_blocks)
+            if match.lower_hits:
+                assert self.tiers is not None
+                fetched = self.pool.allocate(len(match.lower_hits))
+                for blk, (_, h) in zip(fetched, match.lower_hits, strict=True):
+                    self.tiers.fetch(h, blk.block_id, self.plan)
+                    self.pool.cache(blk, h)
+                table.extend(fetched)
+            seq.num_computed_tokens = match.num_tokens
+            seq.num_cached_blocks = match.num_blocks
+        if self._needs_cow(table, seq.num_computed_tokens, num_new_tokens):
+            i = (seq.num_computed_tokens - 1) // self.block_size
+            old = table[i]
+            (new,) = self.pool.allocate(1)
+            self.plan.cow.append((old.block_id, new.block_id))
+            table[i] = new
+            self.pool.free([old])
+        total = -(-(seq.num_computed_tokens + num_new_tokens) // self.block_size)
+        if total > len(table):
+            table.extend(self.pool.allocate(total - len(table)))
+        return True
+
+    def cache_blocks(self, seq: SeqLike) -> None:
+        """Registers the sequence's newly full, computed blocks in the prefix cache."""
+        if not self.enable_caching:
+            return
+        table = self.tables.get(seq.seq_id)
+        if table is None:
+            return
+        n_full = min(seq.num_computed_tokens // self.block_size, len(seq.block_hashes))
+        for i in range(seq.num_cached_blocks, n_full):
+            self.pool.cache(table[i], seq.block_hashes[i])
+        seq.num_cached_blocks = max(seq.num_cached_blocks, n_full)
+
+    def fork(self, parent: SeqLike, child: SeqLike) -> None:
+        """The child shares every block of the parent (copy-on-write on the partial tail)."""
+        blocks = self.tables[parent.seq_id]
+        self.pool.touch(blocks)
+        self.tables[child.seq_id] = list(blocks)
+        child.num_cached_blocks = parent.num_cached_blocks
+
+    def free(self, seq: SeqLike) -> None:
+        """Releases the sequence's blocks, tail first; cached ones stay findable until reused."""
+        blocks = self.tables.pop(seq.seq_id, None)
+        if blocks:
+            self.pool.free(reversed(blocks))
+
+    def take_plan(self) -> KVPlan:
+        plan, self.plan = self.plan, KVPlan()
+        return plan
+
+    def end_step(self) -> None:
+        if self.tiers is not None:
+            self.tiers.end_step()
+
+    def _on_evict(self, block: Block, block_hash: BlockHash) -> None:
+        if block.block_id in self.pins:
+            raise AssertionError(f"pinned {block} reached the free queue")
+        if self.tiers is not None:
+            self.tiers.on_device_evict(block.block_id, block_hash, self.plan)
+
+    # -- pinning -------------------------------------------------------------------------------
+    def pin(self, seq: SeqLike, num_tokens: int, until: float) -> bool:
+        """Keeps the sequence's first full blocks covering `num_tokens` out of eviction until `until`.
+
+        Returns False (and pins nothing) when that would exceed the pinned-block cap.
+        """
+        table = self.tables.get(seq.seq_id, [])
+        blocks = [b for b in table[: num_tokens // self.block_size] if b.block_hash is not None]
+        new = [b for b in blocks if b.block_id not in self.pins]
+        if len(self.pins) + len(new) > self.max_pinned:
+            return False
+        self.pool.touch(new)
+        for b in blocks:
+            self.pins[b.block_id] = max(until, self.pins.get(b.block_id, 0.0))
+        return True
+
+    def expire_pins(self, now: float) -> None:
+        expired = [bid for bid, t in self.pins.items() if t <= now]
+        for bid in expired:
+            del self.pins[bid]
+        self.pool.free(self.pool.blocks[bid] for bid in expired)
+
+    def reset(self) -> bool:
+        """Drops every cached hash (only when no sequence holds blocks). Returns success."""
+        self.expire_pins(float("inf"))
+        return self.pool.reset()
+
+    def check_integrity(self) -> None:
+        self.pool.check_integrity()
+        refs = [0] * self.pool.num_blocks
+        for blocks in self.tables.values():
+            for b in blocks:
+                refs[b.block_id] += 1
+        for bid in self.pins:
+            refs[bid] += 1
+        for b in self.pool.blocks:
+            if refs[b.block_id] != b.ref_cnt:
+                raise AssertionError(f"{b} has ref_cnt {b.ref_cnt} but {refs[b.block_id]} holders")
