@@ -1,0 +1,100 @@
+"""Hypothesis state machine over the device-tier allocator: integrity after every step."""
+
+from __future__ import annotations
+
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from engine.kv.manager import KVCacheManager
+from tests.kv.test_manager import BS, FakeSeq
+
+NUM_BLOCKS = 12
+# A small alphabet of prompt "stems" so that prompts share prefixes and hit the cache.
+STEMS = [list(range(i * 4, i * 4 + 4)) for i in range(4)]
+
+
+class AllocatorMachine(RuleBasedStateMachine):
+    def __init__(self) -> None:
+        super().__init__()
+        self.kv = KVCacheManager(NUM_BLOCKS, BS, max_pinned_fraction=0.25)
+        self.live: dict[int, FakeSeq] = {}
+        self.next_id = 0
+        self.now = 0.0
+
+    @rule(stems=st.lists(st.sampled_from(range(4)), min_size=1, max_size=4), tail=st.integers(0, 5))
+    def admit(self, stems: list[int], tail: int) -> None:
+        tokens = [t for s in stems for t in STEMS[s]] + list(range(100, 100 + tail))
+        seq = FakeSeq(self.next_id, tokens)
+        self.next_id += 1
+        free_before = self.kv.num_free_blocks
+        match = self.kv.match_prefix(seq)
+        assert match.num_tokens < len(tokens)
+        ok = self.kv.allocate(seq, len(tokens) - match.num_tokens, match)
+        if ok:
+            seq.num_computed_tokens = len(tokens)
+            self.kv.cache_blocks(seq)
+            self.live[seq.seq_id] = seq
+        else:
+            assert self.kv.num_free_blocks == free_before
+
+    @precondition(lambda self: bool(self.live))
+    @rule(data=st.data(), n=st.integers(1, 6))
+    def decode(self, data: st.DataObject, n: int) -> None:
+        seq = self.live[data.draw(st.sampled_from(sorted(self.live)))]
+        for _ in range(n):
+            seq.token_ids.append(7)
+            if not self.kv.allocate(seq, 1):
+                seq.token_ids.pop()
+                return
+            seq.num_computed_tokens += 1
+            seq.block_hashes = FakeSeq(0, seq.token_ids, extra=seq.extra).block_hashes
+            self.kv.cache_blocks(seq)
+        self.kv.take_plan()
+
+    @precondition(lambda self: bool(self.live))
+    @rule(data=st.data())
+    def fork(self, data: st.DataObject) -> None:
+        parent = self.live[data.draw(st.sampled_from(sorted(self.live)))]
+        child = FakeSeq(self.next_id, list(parent.token_ids))
+        self.next_id += 1
+        child.num_computed_tokens = parent.num_computed_tokens
+        self.kv.fork(parent, child)
+        self.live[child.seq_id] = child
+
+    @precondition(lambda self: bool(self.live))
+    @rule(data=st.data())
+    def free(self, data: st.DataObject) -> None:
+        sid = data.draw(st.sampled_from(sorted(self.live)))
+        self.kv.free(self.live.pop(sid))
+
+    @precondition(lambda self: bool(self.live))
+    @rule(data=st.data(), ttl=st.floats(0.5, 5.0))
+    def pin(self, data: st.DataObject, ttl: float) -> None:
+        seq = self.live[data.draw(st.sampled_from(sorted(self.live)))]
+        pinned_before = len(self.kv.pins)
+        if not self.kv.pin(seq, len(seq.token_ids), self.now + ttl):
+            assert len(self.kv.pins) == pinned_before
+        assert len(self.kv.pins) <= self.kv.max_pinned
+
+    @rule(dt=st.floats(0.1, 3.0))
+    def tick(self, dt: float) -> None:
+        self.now += dt
+        self.kv.expire_pins(self.now)
+
+    @invariant()
+    def integrity(self) -> None:
+        self.kv.check_integrity()
+        pool = self.kv.pool
+        assert pool.num_free + pool.num_used == NUM_BLOCKS
+
+    def teardown(self) -> None:
+        for seq in list(self.live.values()):
+            self.kv.free(seq)
+        self.kv.expire_pins(float("inf"))
+        assert self.kv.num_free_blocks == NUM_BLOCKS
+        self.kv.check_integrity()
+
+
+TestAllocator = AllocatorMachine.TestCase
+TestAllocator.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
