@@ -1,0 +1,368 @@
+"""The synchronous engine: add requests, step, collect streamed deltas."""
+
+from __future__ import annotations
+
+import itertools
+import os
+import time
+from collections.abc import Sequence as Seq
+
+import torch
+
+from engine.attention import get_attention_backend
+from engine.config import EngineConfig
+from engine.detokenizer import IncrementalDetokenizer
+from engine.kv.hashing import extra_keys
+from engine.kv.manager import KVCacheManager
+from engine.model_loader import (
+    apply_chat_template,
+    eos_token_ids,
+    kv_dims,
+    load_model,
+    load_tokenizer,
+    read_hf_config,
+)
+from engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from engine.runner import ModelRunner, StepSamples
+from engine.sampler import Sampler
+from engine.sampling_params import SamplingParams
+from engine.scheduler import Scheduler
+from engine.sequence import Request, Sequence, SeqStatus
+from engine.stats import EngineStats, ModelInfo, TierStats
+
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+Prompt = str | Seq[int]
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device 'cuda' was asked for but CUDA is not available; use --device cpu")
+    return torch.device(name)
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        mc = config.model
+        self.device = resolve_device(config.device)
+        self.dtype = _DTYPES[mc.dtype]
+        hf_config = read_hf_config(mc.path)
+        max_pos = int(getattr(hf_config, "max_position_embeddings", 2048))
+        if mc.max_model_len is not None and mc.max_model_len > max_pos:
+            raise ValueError(
+                f"max_model_len {mc.max_model_len} exceeds the model's max_position_embeddings {max_pos}"
+            )
+        self.max_model_len = mc.max_model_len or max_pos
+        self.backend = get_attention_backend(config.attention_backend, self.device)
+        self.model, hf_config = load_model(mc, self.device, self.backend)
+        self.tokenizer = load_tokenizer(mc.path)
+        num_layers, num_kv_heads, head_dim = kv_dims(hf_config)
+        cc = config.cache
+        elem = torch.empty((), dtype=self.dtype).element_size()
+        self.block_bytes = num_layers * 2 * cc.block_size * num_kv_heads * head_dim * elem
+        num_blocks = cc.num_device_blocks or max(1, int(cc.device_memory_gib * 2**30) // self.block_bytes)
+        kv_cache = torch.zeros(
+            (num_layers, 2, num_blocks, cc.block_size, num_kv_heads, head_dim),
+            dtype=self.dtype,
+            device=self.device,
+        )
+        self.vocab_size = int(hf_config.vocab_size)
+        eos = eos_token_ids(mc.path, hf_config, self.tokenizer)
+        self.model_info = ModelInfo(
+            model_id=mc.model_id or os.path.basename(os.path.normpath(mc.path)),
+            family="qwen2" if hf_config.model_type == "qwen2" else "llama",
+            architecture=(hf_config.architectures or ["LlamaForCausalLM"])[0],
+            max_model_len=self.max_model_len,
+            block_size=cc.block_size,
+            dtype=mc.dtype,
+            vocab_size=self.vocab_size,
+            num_layers=num_layers,
+            num_kv_heads=num_kv_heads,
+            head_dim=head_dim,
+            num_device_blocks=num_blocks,
+            eos_token_ids=eos,
+        )
+        self.config = config
+        self.kv = KVCacheManager(
+            num_blocks,
+            cc.block_size,
+            enable_caching=cc.enable_prefix_caching,
+            max_pinned_fraction=cc.max_pinned_fraction,
+        )
+        self.scheduler = Scheduler(config.scheduler, self.kv)
+        sampler = Sampler(self.vocab_size, self.device, config.seed)
+        self.runner = ModelRunner(
+            self.model, self.backend, kv_cache, sampler, cc.block_size, eos, self.device
+        )
+        self.requests: dict[str, Request] = {}
+        self._seq_ids = itertools.count()
+        self._request_ids = itertools.count()
+        self._touched: dict[str, Request] = {}
+        """Requests with news since the last step's outputs were built."""
+
+    # -- requests ------------------------------------------------------------------------------
+    def tokenize(self, prompt: Prompt | None = None, messages: list[dict[str, str]] | None = None) -> list[int]:
+        if messages is not None:
+            if prompt is not None:
+                raise ValueError("give either a prompt or chat messages, not both")
+            if not messages:
+                raise ValueError("chat messages are empty: give at least one message")
+            return apply_chat_template(self.tokenizer, messages)
+        if prompt is None:
+            raise ValueError("the prompt is empty: give text, token ids or chat messages")
+        if isinstance(prompt, str):
+            return list(self.tokenizer.encode(prompt, add_special_tokens=True))
+        return [int(t) for t in prompt]
+
+    def prepare_request(
+        self,
+        prompt: Prompt | None,
+        params: SamplingParams | None = None,
+        *,
+        request_id: str | None = None,
+        messages: list[dict[str, str]] | None = None,
+        cache_salt: str | None = None,
+        arrival: float | None = None,
+    ) -> Request:
+        """Validates and tokenizes a request without touching engine state (any thread may call).
+
+        Raises ValueError saying what to fix.
+        """
+        params = params or SamplingParams()
+        sc = self.config.scheduler
+        params.validate(vocab_size=self.vocab_size, max_n=sc.max_n, max_logprobs=sc.max_logprobs)
+        token_ids = self.tokenize(prompt, messages)
+        if not token_ids:
+            raise ValueError("the prompt is empty: give at least one token")
+        bad = next((t for t in token_ids if not 0 <= t < self.vocab_size), None)
+        if bad is not None:
+            raise ValueError(f"token id {bad} is outside the vocabulary [0, {self.vocab_size})")
+        if len(token_ids) >= self.max_model_len:
+            raise ValueError(
+                f"the prompt has {len(token_ids)} tokens but max_model_len is {self.max_model_len}: "
+                "shorten the prompt so that at least one token can be generated"
+            )
+        gens: list[torch.Generator | None] = [None] * params.n
+        if params.seed is not None:
+            gens = [
+                torch.Generator(device=self.device).manual_seed(params.seed + i) for i in range(params.n)
+            ]
+        return Request(
+            request_id=request_id if request_id is not None else f"req-{next(self._request_ids)}",
+            prompt_token_ids=token_ids,
+            params=params,
+            hash_extra=extra_keys(self.model_info.model_id, cache_salt),
+            metrics=RequestMetrics(arrival=arrival if arrival is not None else time.monotonic()),
+            generators=gens,
+        )
+
+    def enqueue(self, req: Request) -> None:
+        """Queues a prepared request (the step loop's thread only)."""
+        if req.request_id in self.requests:
+            raise ValueError(f"request id {req.request_id!r} is already in use")
+        seq = self._new_seq(req, 0, list(req.prompt_token_ids))
+        self.requests[req.request_id] = req
+        self.scheduler.add(seq)
+
+    def add_request(
+        self,
+        prompt: Prompt | None,
+        params: SamplingParams | None = None,
+        *,
+        request_id: str | None = None,
+        messages: list[dict[str, str]] | None = None,
+        cache_salt: str | None = None,
+        arrival: float | None = None,
+    ) -> Request:
+        """Validates and queues a request. Raises ValueError (saying what to fix) on bad input."""
+        if request_id is not None and request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        req = self.prepare_request(
+            prompt, params, request_id=request_id, messages=messages, cache_salt=cache_salt, arrival=arrival
+        )
+        self.enqueue(req)
+        return req
+
+    def _new_seq(self, req: Request, index: int, token_ids: list[int]) -> Sequence:
+        seq = Sequence(next(self._seq_ids), req, index, token_ids, self.kv.block_size)
+        seq.detokenizer = IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids, req.params)
+        if req.params.logprobs is not None:
+            seq.logprobs = []
+        req.seqs.append(seq)
+        return seq
+
+    def abort(self, request_id: str) -> bool:
+        """Finishes the request with reason "abort" and frees its blocks now."""
+        req = self.requests.get(request_id)
+        if req is None:
+            return False
+        for seq in req.seqs:
+            if seq.status is not SeqStatus.FINISHED:
+                self.scheduler.remove(seq)
+                seq.finish("abort")
+        self._touched[request_id] = req
+        return True
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    # -- the step ------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """One scheduling decision and one forward pass; returns deltas of requests with news."""
+        now = time.monotonic()
+        if self.kv.pins:
+            self.kv.expire_pins(now)
+        sched = self.scheduler.schedule()
+        for seq, message in sched.failed:
+            seq.finish("error")
+            seq.request.error = message
+            self._touched[seq.request.request_id] = seq.request
+        tables = [self.kv.block_ids(item.seq.seq_id) for item in sched.scheduled]
+        try:
+            results = self.runner.execute(sched, tables)
+        finally:
+            self.kv.end_step()
+        now = time.monotonic()
+        for item in sched.scheduled:
+            seq = item.seq
+            seq.num_computed_tokens += item.num_new_tokens
+            self.kv.cache_blocks(seq)
+            m = seq.request.metrics
+            if m.first_scheduled is None:
+                m.first_scheduled = now
+        for res in results:
+            self._process_samples(res, now)
+        return self.collect_outputs(now)
+
+    def _process_samples(self, res: StepSamples, now: float) -> None:
+        seq = res.item.seq
+        req = seq.request
+        self._touched[req.request_id] = req
+        if req.metrics.first_token is None:
+            req.metrics.first_token = now
+        if req.params.pin_ttl_s > 0 and req.pinned is None:
+            req.pinned = self.kv.pin(seq, len(req.prompt_token_ids), now + req.params.pin_ttl_s)
+        if len(res.token_ids) > 1:  # first tokens of n samples: fork the prompt's blocks
+            req.forked = True
+            children = [seq]
+            for i in range(1, len(res.token_ids)):
+                child = self._new_seq(req, i, list(req.prompt_token_ids))
+                child.num_computed_tokens = seq.num_computed_tokens
+                self.kv.fork(seq, child)
+                self.scheduler.add_running(child)
+                children.append(child)
+            for child, tok, lp in zip(children, res.token_ids, res.logprobs, strict=True):
+                self._append(child, tok, lp)
+            return
+        if not req.forked:
+            req.forked = True
+        self._append(seq, res.token_ids[0], res.logprobs[0])
+
+    def _append(self, seq: Sequence, token_id: int, logprob: object) -> None:
+        params = seq.request.params
+        seq.append_token(token_id)
+        if seq.logprobs is not None and logprob is not None:
+            seq.logprobs.append(logprob)  # type: ignore[arg-type]
+        n_out = seq.num_output_tokens
+        detok = seq.detokenizer
+        assert detok is not None
+        if token_id in params.stop_token_ids and n_out >= params.min_tokens:
+            self._finish(seq, "stop", token_id)
+            return
+        if not params.ignore_eos and token_id in self.model_info.eos_token_ids and n_out >= params.min_tokens:
+            self._finish(seq, "stop", None)
+            return
+        seq.pending_text += detok.add(token_id)
+        if detok.stop_string is not None:
+            self._finish(seq, "stop", detok.stop_string, flush=False)
+            return
+        max_tokens = params.max_tokens if params.max_tokens is not None else self.max_model_len
+        if n_out >= max_tokens or len(seq.token_ids) >= self.max_model_len:
+            self._finish(seq, "length", None)
+
+    def _finish(self, seq: Sequence, reason: str, stop_reason: int | str | None, flush: bool = True) -> None:
+        if flush and seq.detokenizer is not None:
+            seq.pending_text += seq.detokenizer.flush()
+        self.scheduler.remove(seq)
+        seq.finish(reason, stop_reason)
+
+    def collect_outputs(self, now: float | None = None) -> list[RequestOutput]:
+        """Deltas of every request with news since the last call (step() calls it)."""
+        now = time.monotonic() if now is None else now
+        outs = []
+        for rid, req in self._touched.items():
+            deltas = []
+            for seq in req.seqs:
+                new_tokens = seq.token_ids[seq.num_prompt_tokens + seq.sent_tokens :]
+                if not new_tokens and not seq.pending_text and seq.finish_reason is None:
+                    continue
+                if seq.final_sent:
+                    continue
+                lps = None
+                if seq.logprobs is not None:
+                    lps = seq.logprobs[seq.sent_logprobs :]
+                    seq.sent_logprobs = len(seq.logprobs)
+                deltas.append(
+                    CompletionOutput(
+                        index=seq.index,
+                        text=seq.pending_text,
+                        token_ids=new_tokens,
+                        logprobs=lps,
+                        finish_reason=seq.finish_reason,
+                        stop_reason=seq.stop_reason,
+                    )
+                )
+                seq.text += seq.pending_text
+                seq.pending_text = ""
+                seq.sent_tokens += len(new_tokens)
+                seq.final_sent = seq.finish_reason is not None
+            finished = req.finished
+            if finished:
+                req.metrics.finished = now
+                del self.requests[rid]
+            outs.append(
+                RequestOutput(
+                    request_id=rid,
+                    prompt_token_ids=req.prompt_token_ids,
+                    outputs=deltas,
+                    finished=finished,
+                    num_cached_tokens=req.num_cached_tokens,
+                    cached_tokens=req.cached_tokens,
+                    metrics=req.metrics,
+                    error=req.error,
+                    pinned=req.pinned,
+                )
+            )
+        self._touched = {}
+        return outs
+
+    # -- stats ---------------------------------------------------------------------------------
+    def get_stats(self) -> EngineStats:
+        kv = self.kv
+        in_use = kv.pool.num_used
+        dev = kv.counters["device"]
+        tiers = [
+            TierStats(
+                name="device",
+                num_blocks=kv.num_blocks,
+                used_blocks=in_use,
+                cached_blocks=len(kv.pool.cached),
+                pinned_blocks=len(kv.pins),
+                queries=dev.queries,
+                hits=dev.hits,
+                evictions=kv.pool.num_evictions,
+            )
+        ]
+        hits = dev.hits + kv.counters["cpu"].hits + kv.counters["disk"].hits
+        return EngineStats(
+            num_running=len(self.scheduler.running),
+            num_waiting=len(self.scheduler.waiting),
+            num_preemptions=self.scheduler.num_preemptions,
+            kv_usage=in_use / kv.num_blocks,
+            prefix_queries=dev.queries,
+            prefix_hits=hits,
+            free_device_blocks=kv.num_free_blocks,
+            tiers=tiers,
+        )

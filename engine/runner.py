@@ -1,0 +1,154 @@
+"""Builds the flat batch of a step, carries out the KV plan, runs the model and the sampler."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+
+from engine.attention.base import AttentionBackend, AttentionMetadata
+from engine.kv.plan import KVPlan
+from engine.outputs import TokenLogprob
+from engine.sampler import Sampler, SamplingRow
+from engine.scheduler import ScheduledSeq, SchedulerOutput
+
+
+class OffloadStore(Protocol):
+    """Carries out the CPU/disk parts of a plan (engine/kv_store.py)."""
+
+    def apply(self, plan: KVPlan, kv_cache: torch.Tensor) -> None: ...
+
+
+@dataclass(slots=True)
+class StepSamples:
+    item: ScheduledSeq
+    token_ids: list[int]
+    """One token per sample: n for a request's first token (before it forks), else 1."""
+    logprobs: list[TokenLogprob | None]
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        model: Any,
+        backend: AttentionBackend,
+        kv_cache: torch.Tensor,
+        sampler: Sampler,
+        block_size: int,
+        eos_token_ids: tuple[int, ...],
+        device: torch.device,
+    ) -> None:
+        self.model = model
+        self.backend = backend
+        self.kv_cache = kv_cache
+        """[num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]"""
+        self.sampler = sampler
+        self.block_size = block_size
+        self.eos_token_ids = eos_token_ids
+        self.device = device
+        self.offload: OffloadStore | None = None
+
+    def apply_plan(self, plan: KVPlan) -> None:
+        if self.offload is not None and (
+            plan.disk_store or plan.spill or plan.disk_load or plan.swap_in
+        ):
+            self.offload.apply(plan, self.kv_cache)
+        if plan.cow:
+            src = torch.tensor([s for s, _ in plan.cow], dtype=torch.long, device=self.device)
+            dst = torch.tensor([d for _, d in plan.cow], dtype=torch.long, device=self.device)
+            self.backend.copy_blocks(self.kv_cache, src, dst)
+
+    def _build_batch(
+        self, scheduled: list[ScheduledSeq], tables: list[list[int]]
+    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        bs = self.block_size
+        input_ids: list[int] = []
+        qlens: list[int] = []
+        starts: list[int] = []
+        for item in scheduled:
+            s, n = item.start, item.num_new_tokens
+            input_ids.extend(item.seq.token_ids[s : s + n])
+            qlens.append(n)
+            starts.append(s)
+        seq_lens = [s + n for s, n in zip(starts, qlens, strict=True)]
+        max_blocks = max(len(t) for t in tables)
+        # block_tables: [num_seqs, max_blocks]
+        block_tables = torch.tensor([t + [0] * (max_blocks - len(t)) for t in tables], dtype=torch.int32)
+        qlens_t = torch.tensor(qlens, dtype=torch.int64)
+        qsl = torch.zeros(len(qlens) + 1, dtype=torch.int64)
+        torch.cumsum(qlens_t, 0, out=qsl[1:])
+        num_tokens = len(input_ids)
+        # seq_idx[t]: which sequence token t belongs to; positions[t] = start + offset in chunk.
+        seq_idx = torch.repeat_interleave(torch.arange(len(qlens)), qlens_t)
+        positions = (
+            torch.arange(num_tokens) - qsl[:-1][seq_idx] + torch.tensor(starts, dtype=torch.int64)[seq_idx]
+        )
+        # slot = block_id * block_size + offset within the block
+        slots = block_tables[seq_idx, positions // bs].to(torch.int64) * bs + positions % bs
+        dev = self.device
+        meta = AttentionMetadata(
+            slot_mapping=slots.to(dev, non_blocking=True),
+            query_start_loc=qsl.to(torch.int32).to(dev, non_blocking=True),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32).to(dev, non_blocking=True),
+            block_tables=block_tables.to(dev, non_blocking=True),
+            query_lens_cpu=qlens,
+            seq_lens_cpu=seq_lens,
+            max_query_len=max(qlens),
+            max_seq_len=max(seq_lens),
+        )
+        ids = torch.tensor(input_ids, dtype=torch.int64).to(dev, non_blocking=True)
+        return ids, positions.to(dev, non_blocking=True), meta
+
+    @torch.inference_mode()
+    def execute(self, sched: SchedulerOutput, tables: list[list[int]]) -> list[StepSamples]:
+        """One forward over every scheduled token; samples where a chunk reaches a sequence's end.
+
+        `tables` holds each scheduled sequence's block ids, in `sched.scheduled` order.
+        """
+        self.apply_plan(sched.plan)
+        if not sched.scheduled:
+            return []
+        input_ids, positions, meta = self._build_batch(sched.scheduled, tables)
+        prepare = getattr(self.backend, "prepare", None)
+        if prepare is not None:
+            prepare(meta)
+        hidden = self.model(input_ids, positions, self.kv_cache, meta)  # [T, hidden]
+
+        rows: list[SamplingRow] = []
+        row_index: list[int] = []  # flat token index of each row's logits
+        owners: list[tuple[ScheduledSeq, int]] = []  # (item, number of rows)
+        end = 0
+        for item in sched.scheduled:
+            end += item.num_new_tokens
+            if not item.samples:
+                continue
+            seq, req = item.seq, item.seq.request
+            if not req.forked and req.params.n > 1:
+                n = req.params.n
+                prompt = req.prompt_token_ids
+                rows.extend(SamplingRow(req.params, prompt, [], req.generators[i]) for i in range(n))
+                row_index.extend([end - 1] * n)
+                owners.append((item, n))
+            else:
+                rows.append(
+                    SamplingRow(
+                        req.params,
+                        req.prompt_token_ids,
+                        seq.output_token_ids,
+                        req.generators[seq.index],
+                    )
+                )
+                row_index.append(end - 1)
+                owners.append((item, 1))
+        if not rows:
+            return []
+        idx = torch.tensor(row_index, dtype=torch.int64, device=hidden.device)
+        logits = self.model.compute_logits(hidden.index_select(0, idx))  # [rows, vocab] fp32
+        out = self.sampler(logits, rows, self.eos_token_ids)
+        results = []
+        k = 0
+        for item, n in owners:
+            results.append(StepSamples(item, out.token_ids[k : k + n], out.logprobs[k : k + n]))
+            k += n
+        return results

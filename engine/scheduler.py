@@ -1,0 +1,176 @@
+"""Continuous batching with one token budget per step, chunked prefill and preemption.
+
+Each step:
+1. Running sequences, oldest first, get their next token (decode) or the next chunk of an
+   unfinished prefill, while the budget lasts. When the pool is short, the newest running
+   sequence is preempted (recompute: its blocks are freed and it goes back to the front of the
+   waiting queue; its cached blocks stay findable, so it comes back through the prefix cache).
+2. If nothing was preempted, waiting sequences are admitted first come, first served, each with
+   its longest cached prefix and as much of the rest of its prompt as the budget allows. The
+   queue does not skip: when the head does not fit, admission stops for this step.
+A sequence that can never fit (it needs more blocks than the whole pool) finishes with an error
+instead of blocking the queue.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from engine.config import SchedulerConfig
+from engine.kv.manager import KVCacheManager, PrefixMatch
+from engine.kv.plan import KVPlan
+from engine.sequence import Sequence, SeqStatus
+
+
+@dataclass(slots=True)
+class ScheduledSeq:
+    seq: Sequence
+    num_new_tokens: int
+    """Tokens computed for this sequence in this step (1 for a decode)."""
+    start: int
+    """Position of the first of them (tokens before it are already in the cache)."""
+
+    @property
+    def samples(self) -> bool:
+        """This chunk reaches the sequence's last token: the step samples its next token."""
+        return self.start + self.num_new_tokens == len(self.seq.token_ids)
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    scheduled: list[ScheduledSeq] = field(default_factory=list)
+    plan: KVPlan = field(default_factory=KVPlan)
+    """Copies to carry out before the forward pass."""
+    preempted: list[Sequence] = field(default_factory=list)
+    failed: list[tuple[Sequence, str]] = field(default_factory=list)
+    """Sequences that can never be served, with the reason."""
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager) -> None:
+        self.config = config
+        self.kv = kv
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        seq.status = SeqStatus.WAITING
+        self.waiting.append(seq)
+
+    def add_running(self, seq: Sequence) -> None:
+        """A forked sample joins the running set directly (it shares its parent's blocks)."""
+        seq.status = SeqStatus.RUNNING
+        self.running.append(seq)
+
+    def remove(self, seq: Sequence) -> None:
+        """Takes a sequence out of the queues and frees its blocks (finish, abort, failure)."""
+        if seq.status is SeqStatus.RUNNING:
+            self.running.remove(seq)
+        elif seq.status is SeqStatus.WAITING:
+            self.waiting.remove(seq)
+        self.kv.free(seq)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def _can_ever_fit(self, seq: Sequence) -> bool:
+        return -(-len(seq.token_ids) // self.kv.block_size) <= self.kv.num_blocks
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.config.max_num_batched_tokens
+        scheduled_ids: set[int] = set()
+
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            num_new = min(seq.num_uncomputed, budget)
+            while not self.kv.allocate(seq, num_new):
+                victim = self.running[-1]
+                if victim is seq:
+                    break
+                self._preempt(victim, out)
+            else:
+                out.scheduled.append(ScheduledSeq(seq, num_new, seq.num_computed_tokens))
+                scheduled_ids.add(seq.seq_id)
+                budget -= num_new
+                i += 1
+                continue
+            # The pool cannot hold even this sequence alone.
+            if len(self.running) == 1 and not self._can_grow_alone(seq, num_new):
+                self.running.remove(seq)
+                self.kv.free(seq)
+                out.failed.append((seq, self._too_big_message(seq)))
+            else:
+                self._preempt(seq, out)
+            break
+
+        if out.preempted:
+            return self._finish(out)
+
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            seq = self.waiting[0]
+            if not self._can_ever_fit(seq):
+                self.waiting.popleft()
+                out.failed.append((seq, self._too_big_message(seq)))
+                continue
+            match = self.kv.match_prefix(seq) if seq.num_computed_tokens == 0 else None
+            cached = match.num_tokens if match else 0
+            num_new = min(len(seq.token_ids) - seq.num_computed_tokens - cached, budget)
+            if not self.kv.allocate(seq, num_new, match):
+                if not self.running and not out.scheduled:
+                    # Nothing else holds blocks: only cached free blocks stand in the way,
+                    # and allocate already counts those as free. The sequence alone is too big.
+                    self.waiting.popleft()
+                    out.failed.append((seq, self._too_big_message(seq)))
+                    continue
+                break
+            self.waiting.popleft()
+            if seq.index == 0 and seq.num_preemptions == 0:
+                self._record_hit(seq, match)
+            seq.status = SeqStatus.RUNNING
+            self.running.append(seq)
+            out.scheduled.append(ScheduledSeq(seq, num_new, seq.num_computed_tokens))
+            budget -= num_new
+        return self._finish(out)
+
+    def _record_hit(self, seq: Sequence, match: PrefixMatch | None) -> None:
+        if match is None:
+            match = PrefixMatch(block_size=self.kv.block_size)
+        self.kv.record_admission(len(seq.token_ids), match)
+        by_tier = match.tokens_by_tier()
+        ct = seq.request.cached_tokens
+        ct.device, ct.cpu, ct.disk = by_tier["device"], by_tier["cpu"], by_tier["disk"]
+
+    def _can_grow_alone(self, seq: Sequence, num_new: int) -> bool:
+        need = -(-(seq.num_computed_tokens + num_new) // self.kv.block_size)
+        return need <= self.kv.num_blocks
+
+    def _too_big_message(self, seq: Sequence) -> str:
+        cap = self.kv.num_blocks * self.kv.block_size
+        return (
+            f"the request needs {len(seq.token_ids)} tokens of KV cache but the pool holds "
+            f"{cap}; shorten the prompt or max_tokens, or give the engine more KV blocks"
+        )
+
+    def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
+        """Recompute preemption: free the blocks, requeue at the front of the waiting queue."""
+        self.running.remove(seq)
+        self.kv.free(seq)
+        seq.num_computed_tokens = 0
+        seq.num_cached_blocks = 0
+        seq.num_preemptions += 1
+        seq.status = SeqStatus.WAITING
+        self.waiting.appendleft(seq)
+        self.num_preemptions += 1
+        out.preempted.append(seq)
+
+    def _finish(self, out: SchedulerOutput) -> SchedulerOutput:
+        out.plan = self.kv.take_plan()
+        return out
