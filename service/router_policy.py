@@ -1,0 +1,141 @@
+"""Routing decisions: which replica serves a request, and why. Pure functions, no I/O.
+
+The affinity policy, in order:
+1. Store unreachable: rendezvous hashing of the routing key (session id, else request id) over
+   the healthy replicas; reason "fallback". Every router ranks replicas the same way, so a
+   session stays put for as long as its replica does.
+2. The session's replica, if it is healthy and not overloaded; reason "session".
+3. The replica holding the longest prefix of the prompt (ties: least loaded), if it is not
+   overloaded and not more than `max_imbalance` busier than the least loaded one; "prefix".
+4. The least loaded replica (ties: rendezvous rank of the key, which spreads new sessions and
+   matches step 1 after an outage); reason "load".
+Overloaded replicas are skipped at every step unless all are overloaded. round_robin cycles
+through the healthy replicas; prefix_only skips step 2.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from service.affinity.rendezvous import rendezvous_order
+
+POLICIES = ("affinity", "round_robin", "prefix_only")
+REASONS = ("session", "prefix", "load", "fallback", "round_robin")
+
+
+class NoReplicaError(RuntimeError):
+    """No healthy replica to route to."""
+
+
+@dataclass(frozen=True, slots=True)
+class Candidate:
+    """A healthy replica as the router sees it right now."""
+
+    replica_id: str
+    running: int = 0
+    """Engine running requests, as of the last load poll."""
+    waiting: int = 0
+    """Engine queued requests, as of the last load poll."""
+    kv_usage: float = 0.0
+    """Share of device KV blocks in use, as of the last load poll."""
+    inflight: int = 0
+    """Streams this router has open to the replica (exact, no polling delay)."""
+
+    @property
+    def load(self) -> int:
+        return max(self.inflight, self.running + self.waiting)
+
+
+@dataclass(frozen=True, slots=True)
+class OverloadGuard:
+    max_waiting: int = 8
+    """A replica with more requests queued in its engine is overloaded."""
+    max_kv_usage: float = 0.95
+    """A replica with a larger share of its KV blocks in use is overloaded."""
+    max_inflight: int = 0
+    """A replica with more streams open from this router is overloaded; 0: no limit."""
+    max_imbalance: int = 4
+    """A prefix match is ignored if its replica's load exceeds the least loaded one's by more."""
+
+    def __post_init__(self) -> None:
+        if self.max_waiting < 0 or self.max_inflight < 0 or self.max_imbalance < 0:
+            raise ValueError("overload thresholds must be >= 0")
+        if not 0.0 < self.max_kv_usage <= 1.0:
+            raise ValueError(f"max_kv_usage must be in (0, 1], got {self.max_kv_usage}")
+
+    def overloaded(self, c: Candidate) -> bool:
+        return (
+            c.waiting > self.max_waiting
+            or c.kv_usage > self.max_kv_usage
+            or (self.max_inflight > 0 and c.inflight > self.max_inflight)
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class RouteInputs:
+    key: str
+    """Session id, else request id: the rendezvous and tie-break key."""
+    session_replica: str | None = None
+    """The session's replica according to the store."""
+    prefix_blocks: Mapping[str, int] | None = None
+    """Replica id -> leading prompt blocks it holds (None: not looked up)."""
+    store_ok: bool = True
+    """False when the store could not be read; routing then falls back to rendezvous."""
+
+
+@dataclass(frozen=True, slots=True)
+class RouteDecision:
+    replica_id: str
+    reason: str
+    """One of REASONS."""
+    prefix_blocks: int = 0
+    """Leading prompt blocks the chosen replica was known to hold."""
+
+
+def decide(
+    policy: str,
+    candidates: Sequence[Candidate],
+    inputs: RouteInputs,
+    guard: OverloadGuard,
+    rr_index: int = 0,
+) -> RouteDecision:
+    """Picks a replica among `candidates` (all healthy); raises NoReplicaError if there are none."""
+    if policy not in POLICIES:
+        raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}")
+    if not candidates:
+        raise NoReplicaError("no healthy replica")
+    if policy == "round_robin":
+        ordered = sorted(candidates, key=lambda c: c.replica_id)
+        return RouteDecision(ordered[rr_index % len(ordered)].replica_id, "round_robin")
+
+    by_id = {c.replica_id: c for c in candidates}
+    pool = [c for c in candidates if not guard.overloaded(c)] or list(candidates)
+    min_load = min(c.load for c in pool)
+    rank = {
+        rid: i for i, rid in enumerate(rendezvous_order(inputs.key, [c.replica_id for c in pool]))
+    }
+    prefix = inputs.prefix_blocks or {}
+
+    if not inputs.store_ok:
+        # NOTE: affinity during an outage comes from the hash alone, so skip only replicas
+        # that are overloaded, never merely busier.
+        best = min(pool, key=lambda c: rank[c.replica_id])
+        return RouteDecision(best.replica_id, "fallback", prefix.get(best.replica_id, 0))
+
+    if policy == "affinity" and inputs.session_replica is not None:
+        own = by_id.get(inputs.session_replica)
+        if own is not None and not guard.overloaded(own):
+            return RouteDecision(own.replica_id, "session", prefix.get(own.replica_id, 0))
+
+    holders = [
+        c
+        for c in pool
+        if prefix.get(c.replica_id, 0) > 0 and c.load <= min_load + guard.max_imbalance
+    ]
+    if holders:
+        best = min(holders, key=lambda c: (-prefix[c.replica_id], c.load, rank[c.replica_id]))
+        return RouteDecision(best.replica_id, "prefix", prefix[best.replica_id])
+
+    best = min(pool, key=lambda c: (c.load, c.kv_usage, rank[c.replica_id]))
+    return RouteDecision(best.replica_id, "load", prefix.get(best.replica_id, 0))
