@@ -1,0 +1,43 @@
+"""Shared fixtures: tiny random checkpoints built offline, and the converted demo model."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+os.environ["HF_HUB_OFFLINE"] = "1"
+os.environ["TRANSFORMERS_OFFLINE"] = "1"
+
+# Makes `tests.tiny_models` importable without a `pythonpath` pytest setting.
+_ROOT = str(Path(__file__).resolve().parents[1])
+if _ROOT not in sys.path:
+    sys.path.insert(0, _ROOT)
+
+import pytest  # noqa: E402
+
+from tests.tiny_models import build_tiny_llama, build_tiny_qwen2  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Random 2-layer Llama (GQA 4/2, untied embeddings) with the tiny BPE tokenizer."""
+    return build_tiny_llama(tmp_path_factory.mktemp("tiny-llama"))
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Random 2-layer Qwen2 (q/k/v bias, tied embeddings) with the tiny BPE tokenizer."""
+    return build_tiny_qwen2(tmp_path_factory.mktemp("tiny-qwen2"))
+
+
+@pytest.fixture(scope="session")
+def demo_model_path() -> Path:
+    """SmolLM2-135M-Instruct converted once into $DEJA_CACHE_DIR (default ~/.cache/deja)."""
+    from engine.demo import ensure_demo_model
+
+    cache_dir = Path(os.environ.get("DEJA_CACHE_DIR") or Path.home() / ".cache" / "deja")
+    try:
+        return ensure_demo_model(cache_dir)
+    except FileNotFoundError as exc:
+        pytest.skip(str(exc))

@@ -1,0 +1,193 @@
+"""Offline builders of tiny tokenizers and random-weight checkpoints for tests and benchmarks.
+
+Every folder is a normal Hugging Face checkpoint (config.json, model.safetensors in float32,
+tokenizer.json + tokenizer_config.json with a ChatML chat template, generation_config.json), so
+both our loader and transformers read it. Weights come from a fixed seed.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+CHATML_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+TOKENIZER_VOCAB_SIZE = 512
+
+_CORPUS = """
+The quick brown fox jumps over the lazy dog. A journey of a thousand miles begins with a single
+step. To be or not to be, that is the question. All that glitters is not gold. The capital of
+France is Paris, and the capital of Italy is Rome. Water boils at one hundred degrees. The sun
+rises in the east and sets in the west. Cats and dogs are common pets; birds sing in the morning.
+Once upon a time there was a little girl who lived in a village near the forest. She liked to
+read books about science, history, music and the stars. Numbers: 0 1 2 3 4 5 6 7 8 9 10 42 100.
+What is your name? My name is Deja. How are you today? I am fine, thank you. Please tell me a
+story about a robot who learns to paint. The robot painted the sky blue and the grass green.
+Machine learning models predict the next token. A cache stores blocks of keys and values.
+"""
+
+
+def build_tokenizer(directory: str | Path) -> Path:
+    """Trains a byte-level BPE (~512 tokens) on a built-in corpus and saves it into `directory`.
+
+    Specials: <|endoftext|> (0, pad/bos), <|im_start|> (1), <|im_end|> (2, eos); ChatML template.
+    """
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    out = Path(directory)
+    out.mkdir(parents=True, exist_ok=True)
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=TOKENIZER_VOCAB_SIZE,
+        special_tokens=list(SPECIAL_TOKENS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    lines = [line for line in _CORPUS.strip().splitlines() for _ in range(3)]
+    tok.train_from_iterator(lines, trainer=trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token="<|endoftext|>",
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        unk_token=None,
+    )
+    fast.chat_template = CHATML_TEMPLATE
+    fast.save_pretrained(str(out))
+    return out
+
+
+def _special_ids(directory: Path) -> dict[str, int]:
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(directory), local_files_only=True)
+    vocab = tok.get_vocab()
+    return {
+        "vocab_size": len(tok),
+        "bos_token_id": vocab["<|endoftext|>"],
+        "eos_token_id": vocab["<|im_end|>"],
+        "pad_token_id": vocab["<|endoftext|>"],
+    }
+
+
+def _save_random(directory: Path, config: Any, seed: int) -> Path:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    std = config.initializer_range
+    with torch.no_grad():
+        # Zero biases and unit norm weights would hide bugs in those paths: perturb them.
+        for name, param in model.named_parameters():
+            if name.endswith("bias"):
+                param.normal_(0.0, std)
+            elif name.endswith("norm.weight"):
+                param.add_(torch.randn_like(param), alpha=std)
+    model.save_pretrained(str(directory))
+    return directory
+
+
+_TINY_DEFAULTS: dict[str, Any] = {
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 2048,
+    "rms_norm_eps": 1e-5,
+    "initializer_range": 0.1,
+}
+
+
+def build_tiny_llama(directory: str | Path, seed: int = 0, **overrides: Any) -> Path:
+    """Random Llama (2 layers, hidden 64, 4 heads / 2 KV heads, untied) plus the tokenizer.
+
+    `overrides` go into LlamaConfig (e.g. rope_parameters={...} for llama3 scaling).
+    """
+    from transformers import LlamaConfig
+
+    out = build_tokenizer(directory)
+    kwargs = {**_TINY_DEFAULTS, **_special_ids(out), "tie_word_embeddings": False, **overrides}
+    return _save_random(out, LlamaConfig(**kwargs), seed)
+
+
+def build_tiny_qwen2(directory: str | Path, seed: int = 0, **overrides: Any) -> Path:
+    """Random Qwen2 (q/k/v bias, tied embeddings, 2 layers, 4 heads / 2 KV heads) plus tokenizer."""
+    from transformers import Qwen2Config
+
+    out = build_tokenizer(directory)
+    kwargs = {
+        **_TINY_DEFAULTS,
+        **_special_ids(out),
+        "tie_word_embeddings": True,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0},
+        **overrides,
+    }
+    return _save_random(out, Qwen2Config(**kwargs), seed)
+
+
+def build_random_llama(directory: str | Path, config_dict: dict[str, Any], seed: int = 0) -> Path:
+    """Random Llama of any size (e.g. for benchmarks) plus the tiny tokenizer.
+
+    `config_dict` holds LlamaConfig fields; vocab_size defaults to the tokenizer's size (a larger
+    vocab is fine: the extra ids are never produced by the tokenizer but may be sampled).
+    """
+    from transformers import LlamaConfig
+
+    out = build_tokenizer(directory)
+    kwargs = {**_special_ids(out), **config_dict}
+    return _save_random(out, LlamaConfig(**kwargs), seed)
+
+
+def make_attention_metadata(
+    context_lens: list[int],
+    query_lens: list[int],
+    block_tables: list[list[int]],
+    block_size: int,
+    num_padding_tokens: int = 0,
+    device: str = "cpu",
+) -> tuple[Any, Any]:
+    """AttentionMetadata of one flat batch, plus the [T] int64 positions of its tokens.
+
+    Sequence i has context_lens[i] cached tokens and query_lens[i] new ones; padding tokens
+    (slot -1, position 0) are appended after the last sequence.
+    """
+    import torch
+
+    from engine.attention.base import AttentionMetadata
+
+    slots: list[int] = []
+    positions: list[int] = []
+    for ctx, qlen, table in zip(context_lens, query_lens, block_tables, strict=True):
+        for pos in range(ctx, ctx + qlen):
+            slots.append(table[pos // block_size] * block_size + pos % block_size)
+            positions.append(pos)
+    slots += [-1] * num_padding_tokens
+    positions += [0] * num_padding_tokens
+    seq_lens = [c + q for c, q in zip(context_lens, query_lens, strict=True)]
+    width = max(len(t) for t in block_tables)
+    starts = [0]
+    for qlen in query_lens:
+        starts.append(starts[-1] + qlen)
+    meta = AttentionMetadata(
+        slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
+        query_start_loc=torch.tensor(starts, dtype=torch.int32, device=device),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
+        block_tables=torch.tensor(
+            [t + [0] * (width - len(t)) for t in block_tables], dtype=torch.int32, device=device
+        ),
+        query_lens_cpu=list(query_lens),
+        seq_lens_cpu=seq_lens,
+        max_query_len=max(query_lens),
+        max_seq_len=max(seq_lens),
+    )
+    return meta, torch.tensor(positions, dtype=torch.int64, device=device)
