@@ -1,0 +1,148 @@
+"""The torch attention backend against a plain per-sequence reference, and the backend factory."""
+
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+import torch
+
+from engine.attention import TorchAttentionBackend, get_attention_backend
+from tests.tiny_models import make_attention_metadata
+
+torch.set_num_threads(2)
+
+HEAD_DIM = 8
+
+
+def _random_tables(
+    rng: random.Random, seq_lens: list[int], block_size: int, spare: int = 3
+) -> tuple[list[list[int]], int]:
+    """Disjoint, shuffled block tables covering each sequence; returns (tables, num_blocks)."""
+    needed = [math.ceil(n / block_size) for n in seq_lens]
+    num_blocks = sum(needed) + spare
+    ids = list(range(num_blocks))
+    rng.shuffle(ids)
+    tables, at = [], 0
+    for n in needed:
+        tables.append(ids[at : at + n])
+        at += n
+    return tables, num_blocks
+
+
+def _reference(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cache: torch.Tensor,
+    context_lens: list[int],
+    query_lens: list[int],
+    tables: list[list[int]],
+    slots: list[int],
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Writes K/V slot by slot, then attends each query token on its own with explicit softmax."""
+    cache = cache.clone()
+    block_size = cache.shape[2]
+    for t, slot in enumerate(slots):
+        if slot >= 0:
+            cache[0, slot // block_size, slot % block_size] = k[t]
+            cache[1, slot // block_size, slot % block_size] = v[t]
+    num_q_heads, num_kv_heads = q.shape[1], k.shape[1]
+    group = num_q_heads // num_kv_heads
+    out = torch.zeros_like(q)
+    t = 0
+    for ctx, qlen, table in zip(context_lens, query_lens, tables, strict=True):
+        for j in range(qlen):
+            pos = ctx + j
+            keys = torch.stack(
+                [cache[0, table[p // block_size], p % block_size] for p in range(pos + 1)]
+            )  # [pos + 1, Hkv, D]
+            values = torch.stack(
+                [cache[1, table[p // block_size], p % block_size] for p in range(pos + 1)]
+            )
+            for h in range(num_q_heads):
+                kv_head = h // group
+                scores = (keys[:, kv_head] @ q[t, h]) * scale  # [pos + 1]
+                out[t, h] = torch.softmax(scores, dim=0) @ values[:, kv_head]
+            t += 1
+    return out, cache
+
+
+CASES = {
+    "mixed": ([0, 20, 45, 3, 16, 0], [37, 1, 13, 1, 16, 1], 3),
+    "decode": ([10, 33, 64, 0, 5], [1, 1, 1, 1, 1], 0),
+    "prefill": ([0, 0], [40, 7], 0),
+    "decode_padded": ([9, 30], [1, 1], 2),
+}
+
+
+@pytest.mark.parametrize("heads", [(4, 4), (4, 2), (6, 1)], ids=lambda h: f"{h[0]}q{h[1]}kv")
+@pytest.mark.parametrize("block_size", [16, 32])
+@pytest.mark.parametrize("case", list(CASES))
+def test_torch_backend_matches_reference(
+    heads: tuple[int, int], block_size: int, case: str
+) -> None:
+    context_lens, query_lens, padding = CASES[case]
+    num_q_heads, num_kv_heads = heads
+    rng = random.Random(f"{case}-{block_size}-{heads}")
+    gen = torch.Generator().manual_seed(rng.randrange(1 << 30))
+    seq_lens = [c + q for c, q in zip(context_lens, query_lens, strict=True)]
+    tables, num_blocks = _random_tables(rng, seq_lens, block_size)
+    meta, _ = make_attention_metadata(context_lens, query_lens, tables, block_size, padding)
+    num_tokens = sum(query_lens) + padding
+    q = torch.randn(num_tokens, num_q_heads, HEAD_DIM, generator=gen)
+    k = torch.randn(num_tokens, num_kv_heads, HEAD_DIM, generator=gen)
+    v = torch.randn(num_tokens, num_kv_heads, HEAD_DIM, generator=gen)
+    # context K/V (and every other slot) hold random values before the step
+    cache = torch.randn(2, num_blocks, block_size, num_kv_heads, HEAD_DIM, generator=gen)
+    scale = HEAD_DIM**-0.5
+
+    want_out, want_cache = _reference(
+        q, k, v, cache, context_lens, query_lens, tables, meta.slot_mapping.tolist(), scale
+    )
+    backend = TorchAttentionBackend()
+    got_cache = cache.clone()
+    q_in, k_in, v_in = q.clone(), k.clone(), v.clone()
+    got = backend.forward(q, k, v, got_cache, meta, scale)
+
+    real = sum(query_lens)
+    torch.testing.assert_close(got[:real], want_out[:real], atol=1e-5, rtol=1e-5)
+    assert torch.equal(got[real:], torch.zeros_like(got[real:]))
+    # every non-padding slot written, nothing else touched
+    assert torch.equal(got_cache, want_cache)
+    assert torch.equal(q, q_in) and torch.equal(k, k_in) and torch.equal(v, v_in)
+
+
+def test_prepare_is_optional_and_plans_are_not_stale() -> None:
+    block_size, heads = 16, (4, 2)
+    rng = random.Random(7)
+    gen = torch.Generator().manual_seed(7)
+    steps = [([0, 5], [20, 3]), ([20, 8], [1, 1])]
+    backend_a, backend_b = TorchAttentionBackend(), TorchAttentionBackend()
+    tables, num_blocks = _random_tables(rng, [21, 9], block_size)
+    cache = torch.randn(2, num_blocks, block_size, heads[1], HEAD_DIM, generator=gen)
+    cache_a, cache_b = cache.clone(), cache.clone()
+    for context_lens, query_lens in steps:
+        meta, _ = make_attention_metadata(context_lens, query_lens, tables, block_size)
+        t = sum(query_lens)
+        q = torch.randn(t, heads[0], HEAD_DIM, generator=gen)
+        k = torch.randn(t, heads[1], HEAD_DIM, generator=gen)
+        v = torch.randn(t, heads[1], HEAD_DIM, generator=gen)
+        backend_a.prepare(meta)
+        for _layer in range(2):  # the same plan serves every layer of a step
+            out_a = backend_a.forward(q, k, v, cache_a, meta, 0.3)
+            out_b = backend_b.forward(q, k, v, cache_b, meta, 0.3)
+            assert torch.equal(out_a, out_b)
+    assert torch.equal(cache_a, cache_b)
+
+
+def test_factory() -> None:
+    cpu = torch.device("cpu")
+    assert isinstance(get_attention_backend("torch", cpu), TorchAttentionBackend)
+    assert get_attention_backend("auto", cpu).name == "torch"
+    with pytest.raises(ValueError, match="CUDA"):
+        get_attention_backend("cupy", cpu)
+    with pytest.raises(ValueError, match="unknown attention backend"):
+        get_attention_backend("flash", cpu)
