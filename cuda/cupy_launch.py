@@ -1,0 +1,153 @@
+"""Plumbing shared by the kernel loaders: argument checks, lazy CuPy, compile cache, launches.
+
+CuPy is imported only when a kernel is compiled or launched, never at import time, so the loaders
+import (and their argument checks run) on machines without CUDA or CuPy. Every check runs before
+any CUDA call and raises ValueError.
+
+Kernels are compiled by NVRTC through `cupy.RawModule`, one module per template instantiation
+(dtype / head size / block size ...), cached for the life of the process. They run on torch's
+current stream and receive raw device pointers (`data_ptr()`), so no tensor is copied or converted.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+CUDA_DIR = Path(__file__).resolve().parent
+COMMON_HEADER = "deja_common.cuh"
+COMPILE_OPTIONS = ("-std=c++17",)
+
+DTYPE_NAMES: dict[torch.dtype, str] = {
+    torch.float16: "deja::f16",
+    torch.bfloat16: "deja::bf16",
+    torch.float32: "float",
+}
+"""C++ element type used in name expressions for each supported torch dtype."""
+
+WORD_TYPES: dict[int, str] = {16: "uint4", 8: "uint2", 4: "unsigned int", 2: "unsigned short"}
+"""Machine word of each byte width, for the dtype-agnostic copy kernels."""
+
+
+def check(cond: bool, msg: str) -> None:
+    if not cond:
+        raise ValueError(msg)
+
+
+def check_tensor(name: str, t: Any, ndim: int, dtypes: Sequence[torch.dtype]) -> None:
+    check(isinstance(t, torch.Tensor), f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    check(t.dim() == ndim, f"{name} must have {ndim} dimensions, got shape {tuple(t.shape)}")
+    check(
+        t.dtype in dtypes,
+        f"{name} must have dtype {' or '.join(str(d) for d in dtypes)}, got {t.dtype}",
+    )
+
+
+def check_dense_rows(name: str, t: torch.Tensor) -> None:
+    """The dims after the first are dense (C order); the first (token) stride may be anything."""
+    expected = 1
+    for dim in range(t.dim() - 1, 0, -1):
+        check(
+            t.shape[dim] == 1 or t.stride(dim) == expected,
+            f"{name} must be dense in all dims but the first, got strides {t.stride()} "
+            f"for shape {tuple(t.shape)}",
+        )
+        expected *= t.shape[dim]
+
+
+def check_contiguous(name: str, t: torch.Tensor) -> None:
+    check(t.is_contiguous(), f"{name} must be contiguous, got strides {t.stride()}")
+
+
+def check_aligned(name: str, t: torch.Tensor, row_stride: int, nbytes: int = 16) -> None:
+    """Base address and row stride (in elements) allow `nbytes`-wide vector loads."""
+    check(
+        t.data_ptr() % nbytes == 0 and (row_stride * t.element_size()) % nbytes == 0,
+        f"{name} must be {nbytes}-byte aligned (data_ptr and token stride); "
+        "pass a contiguous tensor",
+    )
+
+
+def check_cuda(**tensors: torch.Tensor) -> torch.device:
+    """All tensors on one CUDA device; returns it."""
+    devices = {t.device for t in tensors.values()}
+    names = ", ".join(tensors)
+    check(len(devices) == 1, f"{names} must be on one device, got {sorted(map(str, devices))}")
+    device = next(iter(devices))
+    check(device.type == "cuda", f"{names} must be on a CUDA device, got {device}")
+    return device
+
+
+def widest_word(*byte_counts: int) -> int:
+    """Largest word size in {16, 8, 4, 2} bytes dividing every size, stride and address given."""
+    for width in (16, 8, 4, 2):
+        if all(n % width == 0 for n in byte_counts):
+            return width
+    raise ValueError(f"sizes/addresses {byte_counts} are not 2-byte aligned")
+
+
+def import_cupy() -> Any:
+    try:
+        import cupy
+    except ImportError as exc:
+        raise RuntimeError(
+            "CuPy is not installed; install the `cuda` extra (pip install -e '.[cuda]')"
+        ) from exc
+    return cupy
+
+
+def kernel_source(cu_file: str) -> str:
+    """The .cu source with deja_common.cuh pasted in (so CuPy's on-disk cache key covers it)."""
+    common = (CUDA_DIR / COMMON_HEADER).read_text().replace("#pragma once\n", "")
+    source = (CUDA_DIR / cu_file).read_text()
+    include = f'#include "{COMMON_HEADER}"'
+    check(include in source, f"{cu_file} does not include {COMMON_HEADER}")
+    return source.replace(include, common)
+
+
+@functools.cache
+def get_kernel(cu_file: str, name_expression: str) -> Any:
+    """Compiles `name_expression` (e.g. "deja::k<float, 64>") from cuda/<cu_file> once."""
+    cupy = import_cupy()
+    module = cupy.RawModule(
+        code=kernel_source(cu_file),
+        options=COMPILE_OPTIONS,
+        name_expressions=[name_expression],
+    )
+    return module.get_function(name_expression)
+
+
+@functools.cache
+def num_sms(device_index: int) -> int:
+    return int(torch.cuda.get_device_properties(device_index).multi_processor_count)
+
+
+def ptr(t: torch.Tensor) -> np.uint64:
+    return np.uint64(t.data_ptr())
+
+
+def launch(
+    cu_file: str,
+    name_expression: str,
+    device: torch.device,
+    grid: tuple[int, int, int],
+    block: tuple[int, int, int],
+    args: tuple[Any, ...],
+    shared_mem: int = 0,
+) -> None:
+    """Launches a kernel on torch's current stream of `device`.
+
+    `args` must match the kernel's C signature exactly: np.uint64 for pointers, np.int32 for int,
+    np.int64 for long long, np.float32 for float.
+    """
+    cupy = import_cupy()
+    kernel = get_kernel(cu_file, name_expression)
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    stream_ptr = torch.cuda.current_stream(index).cuda_stream
+    with cupy.cuda.Device(index), cupy.cuda.ExternalStream(stream_ptr, index):
+        kernel(grid, block, args, shared_mem=shared_mem)

@@ -1,0 +1,200 @@
+"""Loader of paged_attention.cu: decode attention (one query token per sequence), plain or split-K.
+
+The split-K (partitioned) variant cuts each context into PARTITION_SIZE-token pieces handled by
+separate CTAs, then a reduction kernel merges them. It pays off when the plain grid
+(num_seqs x num_kv_heads x head chunks CTAs) cannot fill the GPU and contexts are long; see
+`use_split_k`.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+
+from cuda.cupy_launch import (
+    DTYPE_NAMES,
+    check,
+    check_aligned,
+    check_contiguous,
+    check_cuda,
+    check_dense_rows,
+    check_tensor,
+    launch,
+    num_sms,
+    ptr,
+)
+
+CU_FILE = "paged_attention.cu"
+DTYPES = tuple(DTYPE_NAMES)
+HEAD_SIZES = (64, 96, 128)
+BLOCK_SIZES = (16, 32)
+HEADS_PER_CTA = (8, 4, 2, 1)
+"""Query heads one CTA serves (template QH), largest first; one must divide the GQA group."""
+PARTITION_SIZE = 512
+"""Tokens per split-K partition (a multiple of every block size)."""
+THREADS = 128
+LOG2E = 1.4426950408889634
+
+
+def decode_kernel_name(dtype: torch.dtype, head_dim: int, block_size: int, heads: int) -> str:
+    return f"deja::paged_decode_kernel<{DTYPE_NAMES[dtype]}, {head_dim}, {block_size}, {heads}>"
+
+
+def reduce_kernel_name(dtype: torch.dtype, head_dim: int) -> str:
+    return f"deja::paged_decode_reduce_kernel<{DTYPE_NAMES[dtype]}, {head_dim}>"
+
+
+def instantiations() -> list[str]:
+    """Every name expression this loader may compile (the CI compile check builds them all)."""
+    names = []
+    for dtype in DTYPES:
+        for d in HEAD_SIZES:
+            names.append(reduce_kernel_name(dtype, d))
+            for bs in BLOCK_SIZES:
+                names += [decode_kernel_name(dtype, d, bs, h) for h in HEADS_PER_CTA]
+    return names
+
+
+def heads_per_cta(group_size: int) -> int:
+    """Largest QH in HEADS_PER_CTA dividing the number of query heads per KV head."""
+    return next(h for h in HEADS_PER_CTA if group_size % h == 0)
+
+
+def use_split_k(num_ctas: int, max_seq_len: int, sm_count: int) -> bool:
+    """Split when the plain grid gives under two CTAs per SM and a context spans > 2 partitions."""
+    return num_ctas < 2 * sm_count and max_seq_len > 2 * PARTITION_SIZE
+
+
+def paged_decode_attention(
+    out: torch.Tensor,
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    max_seq_len: int,
+    split: bool | None = None,
+) -> None:
+    """out[s, h] = softmax(scale * q[s, h] . K_s^T) V_s over sequence s's seq_lens[s] cached tokens.
+
+    out, q: [num_seqs, Hq, D], dense in the last two dims, 16-byte aligned rows.
+    kv_cache: [2, num_blocks, block_size, Hkv, D] contiguous (one layer), dtype of q.
+    block_tables: [num_seqs, max_blocks] int32 contiguous; seq_lens: [num_seqs] int32, each >= 1.
+    max_seq_len: host-side upper bound of seq_lens (sizes the split-K grid).
+    split: None picks with `use_split_k`; True / False forces the split-K / plain kernel.
+    """
+    check_tensor("q", q, 3, DTYPES)
+    check_tensor("out", out, 3, DTYPES)
+    check_tensor("kv_cache", kv_cache, 5, DTYPES)
+    check_tensor("block_tables", block_tables, 2, (torch.int32,))
+    check_tensor("seq_lens", seq_lens, 1, (torch.int32,))
+    num_seqs, num_heads, head_dim = q.shape
+    _, _, block_size, num_kv_heads, cache_head_dim = kv_cache.shape
+    check(
+        kv_cache.shape[0] == 2, f"kv_cache must be [2, NB, BS, Hkv, D], got {tuple(kv_cache.shape)}"
+    )
+    check(head_dim in HEAD_SIZES, f"head_dim must be one of {HEAD_SIZES}, got {head_dim}")
+    check(block_size in BLOCK_SIZES, f"block_size must be one of {BLOCK_SIZES}, got {block_size}")
+    check(
+        cache_head_dim == head_dim, f"kv_cache head_dim {cache_head_dim} != q head_dim {head_dim}"
+    )
+    check(
+        num_heads % num_kv_heads == 0,
+        f"query heads ({num_heads}) must be a multiple of KV heads ({num_kv_heads})",
+    )
+    check(out.shape == q.shape, f"out shape {tuple(out.shape)} must equal q shape {tuple(q.shape)}")
+    check(
+        q.dtype == out.dtype == kv_cache.dtype,
+        f"q, out and kv_cache dtypes differ: {q.dtype}, {out.dtype}, {kv_cache.dtype}",
+    )
+    check(
+        block_tables.shape[0] == num_seqs and seq_lens.shape[0] == num_seqs,
+        f"block_tables {tuple(block_tables.shape)} and seq_lens {tuple(seq_lens.shape)} "
+        f"must have {num_seqs} rows",
+    )
+    check(num_seqs <= 65535, f"at most 65535 sequences per launch, got {num_seqs}")
+    check(max_seq_len >= 0, f"max_seq_len must be >= 0, got {max_seq_len}")
+    check(
+        max_seq_len <= block_tables.shape[1] * block_size,
+        f"max_seq_len {max_seq_len} exceeds the block tables' "
+        f"{block_tables.shape[1]} x {block_size} slots",
+    )
+    check_dense_rows("q", q)
+    check_dense_rows("out", out)
+    check_aligned("q", q, q.stride(0))
+    check_contiguous("kv_cache", kv_cache)
+    check_aligned("kv_cache", kv_cache, head_dim)
+    check_contiguous("block_tables", block_tables)
+    check_contiguous("seq_lens", seq_lens)
+    device = check_cuda(
+        out=out, q=q, kv_cache=kv_cache, block_tables=block_tables, seq_lens=seq_lens
+    )
+    if num_seqs == 0 or max_seq_len == 0:
+        return
+
+    group = num_heads // num_kv_heads
+    heads = heads_per_cta(group)
+    ctas = num_seqs * num_kv_heads * (group // heads)
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if split is None:
+        split = use_split_k(ctas, max_seq_len, num_sms(index))
+    num_parts = math.ceil(max_seq_len / PARTITION_SIZE) if split else 1
+    check(num_parts <= 65535, f"context too long for split-K: {num_parts} partitions")
+    # The plain kernel covers the whole context with one "partition".
+    partition_size = PARTITION_SIZE if split else math.ceil(max_seq_len / block_size) * block_size
+
+    if num_parts > 1:
+        part_max = torch.empty((num_seqs, num_heads, num_parts), dtype=torch.float32, device=device)
+        part_sum = torch.empty_like(part_max)
+        part_out = torch.empty(
+            (num_seqs, num_heads, num_parts, head_dim), dtype=torch.float32, device=device
+        )
+    else:
+        part_max = part_sum = part_out = out  # unused by the kernel
+    scale_log2 = np.float32(scale * LOG2E)
+    launch(
+        CU_FILE,
+        decode_kernel_name(q.dtype, head_dim, block_size, heads),
+        device,
+        grid=(num_kv_heads * (group // heads), num_seqs, num_parts),
+        block=(THREADS, 1, 1),
+        args=(
+            ptr(out),
+            ptr(part_out),
+            ptr(part_max),
+            ptr(part_sum),
+            ptr(q),
+            ptr(kv_cache[0]),
+            ptr(kv_cache[1]),
+            ptr(block_tables),
+            ptr(seq_lens),
+            np.int64(q.stride(0)),
+            np.int64(out.stride(0)),
+            np.int32(num_heads),
+            np.int32(num_kv_heads),
+            np.int32(block_tables.shape[1]),
+            np.int32(partition_size),
+            scale_log2,
+        ),
+    )
+    if num_parts > 1:
+        launch(
+            CU_FILE,
+            reduce_kernel_name(q.dtype, head_dim),
+            device,
+            grid=(num_heads, num_seqs, 1),
+            block=(THREADS, 1, 1),
+            args=(
+                ptr(out),
+                ptr(part_out),
+                ptr(part_max),
+                ptr(part_sum),
+                ptr(seq_lens),
+                np.int64(out.stride(0)),
+                np.int32(num_heads),
+                np.int32(num_parts),
+                np.int32(PARTITION_SIZE),
+            ),
+        )

@@ -1,0 +1,142 @@
+"""Loader of prefill_attention.cu: causal attention of a varlen batch over the paged cache.
+
+Handles any mix of query lengths (a decode token is a query of length 1), so it also serves mixed
+prefill + decode batches.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+
+from cuda.cupy_launch import (
+    DTYPE_NAMES,
+    check,
+    check_aligned,
+    check_contiguous,
+    check_cuda,
+    check_dense_rows,
+    check_tensor,
+    launch,
+    ptr,
+)
+
+CU_FILE = "prefill_attention.cu"
+DTYPES = tuple(DTYPE_NAMES)
+HEAD_SIZES = (64, 96, 128)
+BLOCK_SIZES = (16, 32)
+THREADS = 128
+LOG2E = 1.4426950408889634
+
+
+def rows_per_tile(dtype: torch.dtype) -> int:
+    """Packed (token, head) rows per CTA: PrefillTile<T>::M in prefill_attention.cu."""
+    return 32 if dtype == torch.float32 else 64
+
+
+def kernel_name(dtype: torch.dtype, head_dim: int, block_size: int) -> str:
+    return f"deja::paged_prefill_kernel<{DTYPE_NAMES[dtype]}, {head_dim}, {block_size}>"
+
+
+def instantiations() -> list[str]:
+    """Every name expression this loader may compile (the CI compile check builds them all)."""
+    return [kernel_name(t, d, b) for t in DTYPES for d in HEAD_SIZES for b in BLOCK_SIZES]
+
+
+def paged_prefill_attention(
+    out: torch.Tensor,
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    scale: float,
+    max_query_len: int,
+) -> None:
+    """Causal attention of each sequence's new tokens over its cached prefix and themselves.
+
+    out, q: [T, Hq, D], dense in the last two dims, 16-byte aligned rows; tokens outside every
+    sequence's [query_start_loc[s], query_start_loc[s + 1]) range are left untouched in out.
+    kv_cache: [2, num_blocks, block_size, Hkv, D] contiguous (one layer), already holding the new
+    tokens' K/V. block_tables: [num_seqs, max_blocks] int32; seq_lens: [num_seqs] int32;
+    query_start_loc: [num_seqs + 1] int32. max_query_len: host-side upper bound of query lengths.
+    """
+    check_tensor("q", q, 3, DTYPES)
+    check_tensor("out", out, 3, DTYPES)
+    check_tensor("kv_cache", kv_cache, 5, DTYPES)
+    check_tensor("block_tables", block_tables, 2, (torch.int32,))
+    check_tensor("seq_lens", seq_lens, 1, (torch.int32,))
+    check_tensor("query_start_loc", query_start_loc, 1, (torch.int32,))
+    _, num_heads, head_dim = q.shape
+    _, _, block_size, num_kv_heads, cache_head_dim = kv_cache.shape
+    num_seqs = seq_lens.shape[0]
+    check(
+        kv_cache.shape[0] == 2, f"kv_cache must be [2, NB, BS, Hkv, D], got {tuple(kv_cache.shape)}"
+    )
+    check(head_dim in HEAD_SIZES, f"head_dim must be one of {HEAD_SIZES}, got {head_dim}")
+    check(block_size in BLOCK_SIZES, f"block_size must be one of {BLOCK_SIZES}, got {block_size}")
+    check(
+        cache_head_dim == head_dim, f"kv_cache head_dim {cache_head_dim} != q head_dim {head_dim}"
+    )
+    check(
+        num_heads % num_kv_heads == 0,
+        f"query heads ({num_heads}) must be a multiple of KV heads ({num_kv_heads})",
+    )
+    check(out.shape == q.shape, f"out shape {tuple(out.shape)} must equal q shape {tuple(q.shape)}")
+    check(
+        q.dtype == out.dtype == kv_cache.dtype,
+        f"q, out and kv_cache dtypes differ: {q.dtype}, {out.dtype}, {kv_cache.dtype}",
+    )
+    check(
+        block_tables.shape[0] == num_seqs and query_start_loc.shape[0] == num_seqs + 1,
+        f"block_tables {tuple(block_tables.shape)} and query_start_loc "
+        f"{tuple(query_start_loc.shape)} must match {num_seqs} sequences",
+    )
+    check(num_seqs <= 65535, f"at most 65535 sequences per launch, got {num_seqs}")
+    check(max_query_len >= 0, f"max_query_len must be >= 0, got {max_query_len}")
+    check_dense_rows("q", q)
+    check_dense_rows("out", out)
+    check_aligned("q", q, q.stride(0))
+    check_aligned("out", out, out.stride(0), nbytes=8 if q.dtype == torch.float32 else 4)
+    check_contiguous("kv_cache", kv_cache)
+    check_aligned("kv_cache", kv_cache, head_dim)
+    check_contiguous("block_tables", block_tables)
+    check_contiguous("seq_lens", seq_lens)
+    check_contiguous("query_start_loc", query_start_loc)
+    device = check_cuda(
+        out=out,
+        q=q,
+        kv_cache=kv_cache,
+        block_tables=block_tables,
+        seq_lens=seq_lens,
+        query_start_loc=query_start_loc,
+    )
+    if num_seqs == 0 or max_query_len == 0:
+        return
+
+    group = num_heads // num_kv_heads
+    tiles = math.ceil(max_query_len * group / rows_per_tile(q.dtype))
+    launch(
+        CU_FILE,
+        kernel_name(q.dtype, head_dim, block_size),
+        device,
+        grid=(tiles, num_seqs, num_kv_heads),
+        block=(THREADS, 1, 1),
+        args=(
+            ptr(out),
+            ptr(q),
+            ptr(kv_cache[0]),
+            ptr(kv_cache[1]),
+            ptr(block_tables),
+            ptr(seq_lens),
+            ptr(query_start_loc),
+            np.int64(q.stride(0)),
+            np.int64(out.stride(0)),
+            np.int32(num_heads),
+            np.int32(num_kv_heads),
+            np.int32(block_tables.shape[1]),
+            np.float32(scale * LOG2E),
+        ),
+    )
