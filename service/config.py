@@ -1,0 +1,162 @@
+"""The replica's service settings: one frozen dataclass, built from flags / DEJA_* variables."""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import socket
+from dataclasses import dataclass
+
+from service.flags import add_bool_flag, add_flag, add_list_flag
+
+
+def _check(cond: bool, msg: str) -> None:
+    if not cond:
+        raise ValueError(msg)
+
+
+@dataclass(frozen=True, slots=True)
+class ServiceConfig:
+    host: str = "127.0.0.1"
+    """Interface to listen on (0.0.0.0 for every interface)."""
+    port: int = 50051
+    """gRPC port; 0 picks a free one (serve() reports it)."""
+    replica_id: str = ""
+    """Reported in responses, load and metrics; empty: <hostname>:<port>."""
+    max_queued_requests: int = 1024
+    """Generate calls admitted but not yet producing tokens; beyond: RESOURCE_EXHAUSTED."""
+    stream_buffer: int = 1024
+    """Engine outputs buffered per stream before a slow reader's request is aborted."""
+    auth_tokens: tuple[tuple[str, str], ...] = ()
+    """(bearer token, tenant) pairs; empty turns auth off."""
+    allow_client_cache_salt: bool = False
+    """With auth on, also honour a client's cache_salt (inside the tenant's own cache)."""
+    tls_cert: str | None = None
+    """PEM certificate chain file; with tls_key, serve TLS instead of plaintext."""
+    tls_key: str | None = None
+    reflection: bool = True
+    """Serve grpc.reflection.v1alpha (what grpcurl `list` uses)."""
+    grace_period_s: float = 30.0
+    """On SIGTERM/SIGINT, how long running streams may finish before they are aborted."""
+    metrics_port: int | None = None
+    """Prometheus text endpoint port; None: off."""
+    metrics_host: str = "127.0.0.1"
+    otlp_endpoint: str | None = None
+    """OTLP/gRPC collector address (e.g. http://localhost:4317); None: no OTLP export."""
+    console_tracing: bool = False
+    """Print finished spans on stdout."""
+    redis_url: str | None = None
+    """Affinity store shared with the router (unused by the replica itself for now)."""
+
+    def __post_init__(self) -> None:
+        _check(0 <= self.port < 65536, f"port must be in [0, 65535], got {self.port}")
+        _check(self.max_queued_requests >= 1, "max_queued_requests must be >= 1")
+        _check(self.stream_buffer >= 1, "stream_buffer must be >= 1")
+        _check(self.grace_period_s >= 0, "grace_period_s must be >= 0")
+        _check(
+            (self.tls_cert is None) == (self.tls_key is None),
+            "TLS needs both a certificate and a key",
+        )
+        _check(
+            self.metrics_port is None or 0 <= self.metrics_port < 65536,
+            f"metrics_port must be in [0, 65535], got {self.metrics_port}",
+        )
+        tokens = [t for t, _ in self.auth_tokens]
+        _check(all(tokens), "auth tokens must not be empty")
+        _check(len(set(tokens)) == len(tokens), "auth tokens must be unique")
+
+    @property
+    def auth_enabled(self) -> bool:
+        return bool(self.auth_tokens)
+
+    @property
+    def tenants(self) -> dict[str, str]:
+        """Bearer token -> tenant identity."""
+        return dict(self.auth_tokens)
+
+    def effective_replica_id(self, bound_port: int) -> str:
+        return self.replica_id or f"{socket.gethostname()}:{bound_port}"
+
+
+def parse_auth_token(spec: str) -> tuple[str, str]:
+    """`TOKEN:TENANT` -> (token, tenant); a bare `TOKEN` gets a tenant named after its hash."""
+    token, sep, tenant = spec.partition(":")
+    if not sep:
+        tenant = "tenant-" + hashlib.sha256(token.encode()).hexdigest()[:12]
+    if not token or not tenant:
+        raise ValueError(f"auth token must be TOKEN or TOKEN:TENANT, got {spec!r}")
+    return token, tenant
+
+
+def add_service_args(parser: argparse.ArgumentParser) -> list[argparse.Action]:
+    g = parser.add_argument_group("service")
+    d = ServiceConfig()
+    return [
+        add_flag(g, "--host", default=d.host, help="Interface to listen on."),
+        add_flag(g, "--port", type=int, default=d.port, help="gRPC port (0: a free one)."),
+        add_flag(g, "--replica-id", help="Replica name in responses and metrics (host:port)."),
+        add_flag(
+            g,
+            "--max-queued-requests",
+            type=int,
+            default=d.max_queued_requests,
+            help="Streams waiting for their first token before RESOURCE_EXHAUSTED.",
+        ),
+        add_flag(
+            g,
+            "--stream-buffer",
+            type=int,
+            default=d.stream_buffer,
+            help="Outputs buffered per stream before a slow reader is cut off.",
+        ),
+        add_list_flag(
+            g,
+            "--auth-token",
+            metavar="TOKEN[:TENANT]",
+            help="Require `authorization: Bearer TOKEN`; TENANT names the caller's cache.",
+        ),
+        add_bool_flag(
+            g,
+            "--allow-client-cache-salt",
+            default=d.allow_client_cache_salt,
+            help="With auth on, also honour the client's cache_salt.",
+        ),
+        add_flag(g, "--tls-cert", help="PEM certificate chain (with --tls-key: serve TLS)."),
+        add_flag(g, "--tls-key", help="PEM private key."),
+        add_bool_flag(g, "--reflection", default=d.reflection, help="gRPC server reflection."),
+        add_flag(
+            g,
+            "--grace-period",
+            type=float,
+            default=d.grace_period_s,
+            help="Seconds running streams may finish after SIGTERM.",
+        ),
+        add_flag(g, "--metrics-port", type=int, help="Prometheus endpoint port (unset: off)."),
+        add_flag(g, "--metrics-host", default=d.metrics_host, help="Prometheus endpoint host."),
+        add_flag(g, "--otlp-endpoint", help="OTLP/gRPC trace collector (unset: no export)."),
+        add_bool_flag(
+            g, "--console-tracing", default=d.console_tracing, help="Print spans on stdout."
+        ),
+        add_flag(g, "--redis-url", help="Affinity store shared with the router."),
+    ]
+
+
+def service_config_from_args(args: argparse.Namespace) -> ServiceConfig:
+    return ServiceConfig(
+        host=args.host,
+        port=args.port,
+        replica_id=args.replica_id or "",
+        max_queued_requests=args.max_queued_requests,
+        stream_buffer=args.stream_buffer,
+        auth_tokens=tuple(parse_auth_token(s) for s in args.auth_token),
+        allow_client_cache_salt=args.allow_client_cache_salt,
+        tls_cert=args.tls_cert,
+        tls_key=args.tls_key,
+        reflection=args.reflection,
+        grace_period_s=args.grace_period,
+        metrics_port=args.metrics_port,
+        metrics_host=args.metrics_host,
+        otlp_endpoint=args.otlp_endpoint,
+        console_tracing=args.console_tracing,
+        redis_url=args.redis_url,
+    )

@@ -1,0 +1,211 @@
+"""Translation between deja.v1 proto messages and engine types (no I/O, no gRPC context)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from engine.outputs import CompletionOutput, RequestOutput
+from engine.sampling_params import SamplingParams
+from engine.stats import EngineStats, ModelInfo
+from service.proto.deja.v1 import inference_pb2 as pb
+
+FINISH_REASONS: dict[str | None, pb.FinishReason] = {
+    None: pb.FINISH_REASON_UNSPECIFIED,
+    "stop": pb.FINISH_REASON_STOP,
+    "length": pb.FINISH_REASON_LENGTH,
+    "abort": pb.FINISH_REASON_ABORT,
+    "error": pb.FINISH_REASON_ERROR,
+}
+FINISH_REASON_NAMES: dict[int, str | None] = {v: k for k, v in FINISH_REASONS.items()}
+
+
+@dataclass(frozen=True, slots=True)
+class EngineInput:
+    """What `engine.generate` takes as the prompt."""
+
+    prompt: str | list[int] | None
+    messages: list[dict[str, str]] | None
+    operation: str
+    """gen_ai.operation.name: text_completion or chat."""
+
+
+def engine_input(request: pb.GenerateRequest | pb.TokenizeRequest) -> EngineInput:
+    """The prompt of a Generate/Tokenize request; ValueError when none is set."""
+    which = request.WhichOneof("input")
+    if which == "text":
+        return EngineInput(request.text, None, "text_completion")
+    if which == "token_ids":
+        assert isinstance(request, pb.GenerateRequest)
+        return EngineInput(list(request.token_ids.ids), None, "text_completion")
+    if which == "chat":
+        messages = [{"role": m.role, "content": m.content} for m in request.chat.messages]
+        if not messages:
+            raise ValueError("chat must hold at least one message")
+        for i, m in enumerate(messages):
+            if not m["role"]:
+                raise ValueError(f"chat message {i} has no role (system, user or assistant)")
+        return EngineInput(None, messages, "chat")
+    is_generate = isinstance(request, pb.GenerateRequest)
+    fields = "text, token_ids or chat" if is_generate else "text or chat"
+    raise ValueError(f"the request has no input: set one of {fields}")
+
+
+def _finite(name: str, value: float) -> float:
+    if not math.isfinite(value):
+        raise ValueError(f"{name} must be a finite number, got {value}")
+    return value
+
+
+def sampling_params(request: pb.GenerateRequest) -> SamplingParams:
+    """SamplingParams of a Generate request; range checks are the engine's (it says what to fix)."""
+    s = request.sampling
+    p = SamplingParams(
+        top_k=s.top_k,
+        min_p=_finite("min_p", s.min_p),
+        presence_penalty=_finite("presence_penalty", s.presence_penalty),
+        frequency_penalty=_finite("frequency_penalty", s.frequency_penalty),
+        min_tokens=s.min_tokens,
+        stop=list(s.stop),
+        stop_token_ids=list(s.stop_token_ids),
+        ignore_eos=s.ignore_eos,
+        pin_ttl_s=_finite("pin_ttl_s", request.pin_ttl_s),
+    )
+    if s.HasField("n"):
+        p.n = s.n
+    if s.HasField("temperature"):
+        p.temperature = _finite("temperature", s.temperature)
+    if s.HasField("top_p"):
+        p.top_p = _finite("top_p", s.top_p)
+    if s.HasField("repetition_penalty"):
+        p.repetition_penalty = _finite("repetition_penalty", s.repetition_penalty)
+    if s.HasField("seed"):
+        p.seed = s.seed
+    if s.HasField("max_tokens"):
+        p.max_tokens = s.max_tokens
+    if s.HasField("skip_special_tokens"):
+        p.skip_special_tokens = s.skip_special_tokens
+    if request.HasField("logprobs"):
+        p.logprobs = request.logprobs
+    if p.top_k == -1:
+        p.top_k = 0
+    return p
+
+
+def _set_stop_reason(msg: pb.ChoiceDelta | pb.ChoiceEnd, stop_reason: int | str | None) -> None:
+    if isinstance(stop_reason, str):
+        msg.stop_string = stop_reason
+    elif isinstance(stop_reason, int):
+        msg.stop_token_id = stop_reason
+
+
+def choice_delta(c: CompletionOutput, *, return_token_ids: bool) -> pb.ChoiceDelta:
+    msg = pb.ChoiceDelta(
+        index=c.index, text=c.text, finish_reason=FINISH_REASONS.get(c.finish_reason)
+    )
+    if return_token_ids:
+        msg.token_ids.extend(c.token_ids)
+    if c.logprobs:
+        for lp in c.logprobs:
+            msg.logprobs.append(
+                pb.TokenLogprob(
+                    token_id=lp.token_id,
+                    logprob=lp.logprob,
+                    top=[pb.TopLogprob(token_id=t, logprob=v) for t, v in lp.top],
+                )
+            )
+    if c.finish_reason is not None:
+        _set_stop_reason(msg, c.stop_reason)
+    return msg
+
+
+@dataclass(slots=True)
+class StreamTally:
+    """What a stream has produced so far: tokens per choice and how each choice ended."""
+
+    completion_tokens: int = 0
+    ends: dict[int, tuple[str | None, int | str | None]] = field(default_factory=dict)
+
+    def add(self, out: RequestOutput) -> int:
+        """Counts one delta; returns its number of new tokens."""
+        new = 0
+        for c in out.outputs:
+            new += len(c.token_ids)
+            if c.finish_reason is not None:
+                self.ends[c.index] = (c.finish_reason, c.stop_reason)
+        self.completion_tokens += new
+        return new
+
+    def finish_reasons(self) -> list[str]:
+        return [r or "abort" for _, (r, _) in sorted(self.ends.items())]
+
+
+def final_message(out: RequestOutput, tally: StreamTally, *, replica_id: str) -> pb.Final:
+    """The `final` part of the last message, from the engine's last delta."""
+    final = pb.Final(replica_id=replica_id)
+    for index, (reason, stop_reason) in sorted(tally.ends.items()):
+        end = pb.ChoiceEnd(index=index, finish_reason=FINISH_REASONS.get(reason))
+        _set_stop_reason(end, stop_reason)
+        final.choices.append(end)
+    cached = out.cached_tokens
+    final.usage.CopyFrom(
+        pb.Usage(
+            prompt_tokens=len(out.prompt_token_ids),
+            completion_tokens=tally.completion_tokens,
+            cached_prompt_tokens=out.num_cached_tokens,
+            cached_by_tier=pb.CachedByTier(device=cached.device, cpu=cached.cpu, disk=cached.disk),
+        )
+    )
+    m = out.metrics
+    if m is not None:
+        final.timings.CopyFrom(
+            pb.Timings(queue_s=m.queue_time or 0.0, ttft_s=m.ttft or 0.0, total_s=m.e2e or 0.0)
+        )
+    if out.pinned is not None:
+        final.pinned = out.pinned
+    if out.error:
+        final.error = out.error
+    return final
+
+
+def model_info_message(info: ModelInfo, replica_id: str) -> pb.ModelInfo:
+    return pb.ModelInfo(
+        model_id=info.model_id,
+        family=info.family,
+        architecture=info.architecture,
+        max_model_len=info.max_model_len,
+        block_size=info.block_size,
+        dtype=info.dtype,
+        vocab_size=info.vocab_size,
+        num_device_blocks=info.num_device_blocks,
+        kv_capacity_tokens=info.kv_capacity_tokens,
+        eos_token_ids=list(info.eos_token_ids),
+        replica_id=replica_id,
+    )
+
+
+def cache_stats_message(stats: EngineStats, info: ModelInfo, replica_id: str) -> pb.CacheStats:
+    msg = pb.CacheStats(
+        replica_id=replica_id,
+        free_device_blocks=stats.free_device_blocks,
+        total_device_blocks=info.num_device_blocks,
+        prefix_queries=stats.prefix_queries,
+        prefix_hits=stats.prefix_hits,
+    )
+    for t in stats.tiers:
+        msg.tiers.append(
+            pb.TierStats(
+                name=t.name,
+                num_blocks=t.num_blocks,
+                used_blocks=t.used_blocks,
+                cached_blocks=t.cached_blocks,
+                pinned_blocks=t.pinned_blocks,
+                queries=t.queries,
+                hits=t.hits,
+                spills=t.spills,
+                swap_ins=t.swap_ins,
+                evictions=t.evictions,
+                bytes_moved=t.bytes_moved,
+            )
+        )
+    return msg

@@ -1,0 +1,161 @@
+"""argparse helpers: every flag also reads a DEJA_* environment variable.
+
+`--max-num-seqs` reads `DEJA_MAX_NUM_SEQS`; a flag on the command line wins over the variable,
+the variable over the built-in default. `--help` names the variable and shows the default.
+Variables are read when the flag is added (the entry point builds its parser once).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+ENV_PREFIX = "DEJA_"
+_TRUE = ("1", "true", "yes", "on")
+_FALSE = ("0", "false", "no", "off", "")
+
+
+class EnvError(ValueError):
+    """A DEJA_* variable holds a value its flag does not accept."""
+
+
+def env_name(flag: str) -> str:
+    """`--max-num-seqs` -> `DEJA_MAX_NUM_SEQS`."""
+    return ENV_PREFIX + flag.lstrip("-").replace("-", "_").upper()
+
+
+def parse_bool(text: str) -> bool:
+    low = text.strip().lower()
+    if low in _TRUE:
+        return True
+    if low in _FALSE:
+        return False
+    raise ValueError(f"expected one of {_TRUE + _FALSE[:-1]}, got {text!r}")
+
+
+def _help(text: str, var: str, show_default: bool) -> str:
+    suffix = f"[env: {var}]"
+    if show_default:
+        suffix = "(default: %(default)s) " + suffix
+    return f"{text} {suffix}" if text else suffix
+
+
+def _convert(var: str, raw: str, convert: Callable[[str], Any]) -> Any:
+    try:
+        return convert(raw)
+    except (TypeError, ValueError) as e:
+        raise EnvError(f"{var}={raw!r} is not valid: {e}") from None
+
+
+def add_flag(
+    parser: argparse.ArgumentParser | argparse._ArgumentGroup,
+    flag: str,
+    *,
+    type: Callable[[str], Any] = str,
+    default: Any = None,
+    help: str = "",
+    choices: Sequence[Any] | None = None,
+    metavar: str | None = None,
+    environ: Mapping[str, str] | None = None,
+) -> argparse.Action:
+    """A flag taking one value, defaulting to $DEJA_<FLAG> when set."""
+    env = os.environ if environ is None else environ
+    var = env_name(flag)
+    if var in env:
+        default = _convert(var, env[var], type)
+        if choices is not None and default not in choices:
+            raise EnvError(f"{var}={env[var]!r} must be one of {list(choices)}")
+    action = parser.add_argument(
+        flag,
+        type=type,
+        default=default,
+        choices=choices,
+        metavar=metavar,
+        help=_help(help, var, show_default=default is not None),
+    )
+    action.env_var = var  # type: ignore[attr-defined]
+    return action
+
+
+def add_bool_flag(
+    parser: argparse.ArgumentParser | argparse._ArgumentGroup,
+    flag: str,
+    *,
+    default: bool,
+    help: str = "",
+    environ: Mapping[str, str] | None = None,
+) -> argparse.Action:
+    """`--flag/--no-flag`, defaulting to $DEJA_<FLAG> (1/0, true/false, yes/no, on/off)."""
+    env = os.environ if environ is None else environ
+    var = env_name(flag)
+    if var in env:
+        default = _convert(var, env[var], parse_bool)
+    action = parser.add_argument(
+        flag,
+        action=argparse.BooleanOptionalAction,
+        default=default,
+        help=_help(help, var, show_default=True),
+    )
+    action.env_var = var  # type: ignore[attr-defined]
+    return action
+
+
+def add_list_flag(
+    parser: argparse.ArgumentParser | argparse._ArgumentGroup,
+    flag: str,
+    *,
+    type: Callable[[str], Any] = str,
+    help: str = "",
+    metavar: str | None = None,
+    environ: Mapping[str, str] | None = None,
+) -> argparse.Action:
+    """A repeatable flag; $DEJA_<FLAG> holds a comma-separated list used when none is given."""
+    env = os.environ if environ is None else environ
+    var = env_name(flag)
+    default: list[Any] = []
+    if var in env:
+        default = [_convert(var, p.strip(), type) for p in env[var].split(",") if p.strip()]
+    action = parser.add_argument(
+        flag,
+        action=_ReplaceDefaultAppend,
+        type=type,
+        default=default,
+        metavar=metavar,
+        help=_help(help + " (repeatable)", var + " (comma-separated)", show_default=False),
+    )
+    action.env_var = var  # type: ignore[attr-defined]
+    return action
+
+
+class _ReplaceDefaultAppend(argparse.Action):
+    """Like action="append", but values on the command line replace the env default."""
+
+    def __call__(
+        self,
+        parser: argparse.ArgumentParser,
+        namespace: argparse.Namespace,
+        values: Any,
+        option_string: str | None = None,
+    ) -> None:
+        current = getattr(namespace, self.dest)
+        items = [] if current is self.default else list(current)
+        items.append(values)
+        setattr(namespace, self.dest, items)
+
+
+def to_argv(actions: Sequence[argparse.Action], args: argparse.Namespace) -> list[str]:
+    """Flags that reproduce the values of `actions` in `args` (to start a child process)."""
+    argv: list[str] = []
+    for action in actions:
+        value = getattr(args, action.dest)
+        flag = action.option_strings[0]
+        if isinstance(action, argparse.BooleanOptionalAction):
+            argv.append(flag if value else "--no-" + flag[2:])
+        elif isinstance(action, _ReplaceDefaultAppend):
+            for item in value:
+                argv += [flag, str(item)]
+        elif value is not None:
+            argv += [flag, str(value)]
+    return argv

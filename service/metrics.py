@@ -1,0 +1,165 @@
+"""Prometheus metrics of one replica, on their own registry and HTTP port (off by default).
+
+Per-request metrics are recorded by the servicer as streams progress; engine-wide gauges and
+counters (running, waiting, KV usage, prefix-cache queries and hits, per-tier blocks) come from
+the latest `engine.get_stats()` snapshot, which the server refreshes periodically on its event
+loop and the collector reads at scrape time.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from wsgiref.simple_server import WSGIServer
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from engine.stats import EngineStats
+
+OUTCOMES = (
+    "stop",
+    "length",
+    "abort",
+    "error",
+    "cancelled",
+    "deadline_exceeded",
+    "invalid_argument",
+    "unauthenticated",
+    "rejected_queue_full",
+    "rejected_draining",
+    "stream_overflow",
+    "internal",
+)
+"""Values of the `outcome` label of deja_requests_total."""
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+_ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+_E2E_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
+
+
+class _EngineStatsCollector(Collector):
+    def __init__(self, model: str) -> None:
+        self._model = model
+        self._lock = threading.Lock()
+        self._stats: EngineStats | None = None
+
+    def set(self, stats: EngineStats) -> None:
+        with self._lock:
+            self._stats = stats
+
+    def collect(self) -> Iterator[Metric]:
+        with self._lock:
+            s = self._stats
+        if s is None:
+            return
+        m = [self._model]
+
+        def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
+            g = GaugeMetricFamily(name, doc, labels=["model"])
+            g.add_metric(m, value)
+            return g
+
+        def counter(name: str, doc: str, value: float) -> CounterMetricFamily:
+            c = CounterMetricFamily(name, doc, labels=["model"])
+            c.add_metric(m, value)
+            return c
+
+        yield gauge("deja_num_requests_running", "Requests in the running batch.", s.num_running)
+        yield gauge("deja_num_requests_waiting", "Requests in the engine queue.", s.num_waiting)
+        yield gauge("deja_kv_cache_usage_ratio", "Device KV blocks in use (0-1).", s.kv_usage)
+        yield gauge("deja_free_device_blocks", "Device KV blocks free.", s.free_device_blocks)
+        yield counter("deja_num_preemptions", "Preempted requests.", s.num_preemptions)
+        yield counter(
+            "deja_prefix_cache_queries", "Prompt tokens looked up in the cache.", s.prefix_queries
+        )
+        yield counter("deja_prefix_cache_hits", "Prompt tokens served from cache.", s.prefix_hits)
+        blocks = GaugeMetricFamily(
+            "deja_cache_tier_blocks", "Blocks per cache tier and state.", labels=["tier", "state"]
+        )
+        tier_counters = {
+            name: CounterMetricFamily(f"deja_cache_tier_{name}", doc, labels=["tier"])
+            for name, doc in (
+                ("queries", "Prompt tokens looked up in the tier."),
+                ("hits", "Prompt tokens served from the tier."),
+                ("spills", "Blocks copied to the next tier before reuse."),
+                ("swap_ins", "Blocks brought back to the device."),
+                ("evictions", "Cached blocks dropped."),
+                ("bytes_moved", "Bytes copied in or out of the tier."),
+            )
+        }
+        for t in s.tiers:
+            blocks.add_metric([t.name, "total"], t.num_blocks)
+            blocks.add_metric([t.name, "used"], t.used_blocks)
+            blocks.add_metric([t.name, "cached"], t.cached_blocks)
+            blocks.add_metric([t.name, "pinned"], t.pinned_blocks)
+            for name, fam in tier_counters.items():
+                fam.add_metric([t.name], getattr(t, name))
+        yield blocks
+        yield from tier_counters.values()
+
+
+class ServiceMetrics:
+    """The replica's metrics; `start_http` serves them in the Prometheus text format."""
+
+    def __init__(self, model: str) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter(
+            "deja_requests", "Generate calls by outcome.", ["outcome"], registry=r
+        )
+        self.prompt_tokens = Counter("deja_prompt_tokens", "Prompt tokens processed.", registry=r)
+        self.generation_tokens = Counter("deja_generation_tokens", "Tokens generated.", registry=r)
+        self.cached_prompt_tokens = Counter(
+            "deja_cached_prompt_tokens",
+            "Prompt tokens served from a cache tier.",
+            ["tier"],
+            registry=r,
+        )
+        self.ttft = Histogram(
+            "deja_time_to_first_token_seconds",
+            "Time to first token.",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.itl = Histogram(
+            "deja_inter_token_latency_seconds",
+            "Time between output tokens.",
+            buckets=_ITL_BUCKETS,
+            registry=r,
+        )
+        self.e2e = Histogram(
+            "deja_e2e_request_latency_seconds",
+            "Request latency, arrival to finish.",
+            buckets=_E2E_BUCKETS,
+            registry=r,
+        )
+        self.queue_time = Histogram(
+            "deja_request_queue_time_seconds",
+            "Time waiting before first scheduled.",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.active_streams = Gauge("deja_active_streams", "Open Generate streams.", registry=r)
+        self.queued_streams = Gauge(
+            "deja_queued_streams", "Streams admitted but without a first token.", registry=r
+        )
+        self._engine = _EngineStatsCollector(model)
+        r.register(self._engine)
+        self._http: WSGIServer | None = None
+        self._thread: threading.Thread | None = None
+
+    def update_engine_stats(self, stats: EngineStats) -> None:
+        self._engine.set(stats)
+
+    def start_http(self, host: str, port: int) -> int:
+        """Serves /metrics on a daemon thread; returns the bound port."""
+        self._http, self._thread = start_http_server(port, addr=host, registry=self.registry)
+        return int(self._http.server_port)
+
+    def stop_http(self) -> None:
+        if self._http is not None:
+            self._http.shutdown()
+            self._http.server_close()
+            self._http = None

@@ -1,0 +1,547 @@
+"""The replica: a grpc.aio server over the AsyncEngine.
+
+The servicer only translates between deja.v1 messages and engine types (service/convert.py) and
+maps failures to status codes:
+
+    bad input (engine ValueError, undecodable message)   INVALID_ARGUMENT, the engine's message
+    missing / unknown bearer token (auth on)              UNAUTHENTICATED
+    more than max_queued_requests waiting for a token    RESOURCE_EXHAUSTED
+    per-stream buffer overflow (slow reader)             RESOURCE_EXHAUSTED (request aborted)
+    draining                                             UNAVAILABLE
+    engine failure                                       INTERNAL, health turns NOT_SERVING
+
+A cancelled call or a passed deadline aborts the engine request (and frees its blocks) within one
+engine step: leaving the engine's output generator aborts it, and a done-callback on the call
+aborts it too in case the handler is cancelled while gRPC is writing.
+
+`serve(config, engine)` builds and starts the server (health, optional reflection, optional
+metrics endpoint) and returns a `Replica`; `Replica.shutdown()` drains it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import NoReturn, Protocol
+
+import grpc
+from google.protobuf.message import DecodeError, Message
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+from opentelemetry.sdk.trace import TracerProvider
+
+from engine.errors import EngineDeadError, StreamOverflowError
+from engine.outputs import RequestOutput
+from engine.sampling_params import SamplingParams
+from engine.stats import EngineStats, ModelInfo
+from service import convert
+from service.config import ServiceConfig
+from service.metrics import ServiceMetrics
+from service.proto.deja.v1 import inference_pb2 as pb
+from service.tracing import end_request_span, extract_context, get_tracer, start_request_span
+
+log = logging.getLogger(__name__)
+
+SERVICE_NAME = "deja.v1.Inference"
+_SERVING = health_pb2.HealthCheckResponse.SERVING
+_NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+
+
+class Engine(Protocol):
+    """What the server needs from engine.async_engine.AsyncEngine."""
+
+    @property
+    def model_info(self) -> ModelInfo: ...
+
+    def generate(
+        self,
+        prompt: str | list[int] | None,
+        params: SamplingParams,
+        *,
+        request_id: str | None = None,
+        messages: list[dict[str, str]] | None = None,
+        cache_salt: str | None = None,
+    ) -> AsyncIterator[RequestOutput]: ...
+
+    def abort(self, request_id: str) -> bool: ...
+
+    def get_stats(self) -> EngineStats: ...
+
+    def tokenize(
+        self, text: str | None = None, messages: list[dict[str, str]] | None = None
+    ) -> list[int]: ...
+
+    def check_health(self) -> None: ...
+
+
+def derive_cache_salt(tenant: str | None, client_salt: str, allow_client: bool) -> str | None:
+    """The salt the engine gets: the tenant's own with auth on, else the client's (if any)."""
+    if tenant is None:
+        return client_salt or None
+    salt = "tenant:" + tenant
+    if allow_client and client_salt:
+        salt += "\x00client:" + client_salt
+    return salt
+
+
+@dataclass(slots=True)
+class _Stream:
+    """One open Generate call."""
+
+    engine_id: str
+    client_id: str
+    tenant: str | None
+    queued: bool = True
+    """Admitted but no output yet (what admission control counts)."""
+    done: bool = False
+
+
+class _BadMessage:
+    """Stands in for a request whose bytes do not parse, so the handler can say so."""
+
+    def __init__(self, type_name: str, error: str) -> None:
+        self.message = f"request is not a valid {type_name}: {error}"
+
+
+class InferenceServicer:
+    """deja.v1.Inference over one engine."""
+
+    def __init__(
+        self,
+        engine: Engine,
+        config: ServiceConfig,
+        *,
+        replica_id: str,
+        health_servicer: health.aio.HealthServicer,
+        metrics: ServiceMetrics,
+        tracer_provider: TracerProvider | None = None,
+    ) -> None:
+        self._engine = engine
+        self._config = config
+        self._tokens = [(t.encode(), tenant) for t, tenant in config.auth_tokens]
+        self.replica_id = replica_id
+        self._health = health_servicer
+        self._metrics = metrics
+        self._tracer = get_tracer(tracer_provider)
+        self._model = engine.model_info.model_id
+        self.streams: dict[str, _Stream] = {}
+        self.draining = False
+        self.engine_failed = False
+
+    # -- helpers -------------------------------------------------------------------------------
+
+    @property
+    def num_queued(self) -> int:
+        return sum(1 for s in self.streams.values() if s.queued)
+
+    async def _abort(
+        self, context: grpc.aio.ServicerContext, code: grpc.StatusCode, msg: str, outcome: str
+    ) -> NoReturn:
+        self._metrics.requests.labels(outcome).inc()
+        await context.abort(code, msg)
+        raise AssertionError("unreachable")
+
+    async def _authenticate(self, context: grpc.aio.ServicerContext) -> str | None:
+        """The caller's tenant (None with auth off); aborts UNAUTHENTICATED otherwise."""
+        if not self._tokens:
+            return None
+        header = ""
+        for key, value in context.invocation_metadata() or ():
+            if key.lower() == "authorization" and isinstance(value, str):
+                header = value
+        code = grpc.StatusCode.UNAUTHENTICATED
+        if not header:
+            await self._abort(
+                context, code, "missing `authorization: Bearer <token>` metadata", "unauthenticated"
+            )
+        scheme, _, token = header.partition(" ")
+        if scheme.lower() != "bearer" or not token.strip():
+            await self._abort(
+                context, code, "authorization metadata must be `Bearer <token>`", "unauthenticated"
+            )
+        given = token.strip().encode()
+        tenant = None
+        for known, name in self._tokens:
+            if hmac.compare_digest(known, given):
+                tenant = name
+        if tenant is None:
+            await self._abort(context, code, "unknown bearer token", "unauthenticated")
+        return tenant
+
+    async def _check_request(
+        self,
+        request: Message | _BadMessage,
+        context: grpc.aio.ServicerContext,
+        *,
+        allow_draining: bool = False,
+    ) -> str | None:
+        """Common entry checks; returns the tenant."""
+        if isinstance(request, _BadMessage):
+            await self._abort(
+                context, grpc.StatusCode.INVALID_ARGUMENT, request.message, "invalid_argument"
+            )
+        tenant = await self._authenticate(context)
+        if self.draining and not allow_draining:
+            await self._abort(
+                context,
+                grpc.StatusCode.UNAVAILABLE,
+                f"replica {self.replica_id} is draining; retry on another replica",
+                "rejected_draining",
+            )
+        return tenant
+
+    async def engine_failed_now(self, error: BaseException | str) -> None:
+        """Marks the engine dead: health NOT_SERVING for every service."""
+        if not self.engine_failed:
+            log.error("engine failed: %s", error)
+        self.engine_failed = True
+        for name in ("", SERVICE_NAME):
+            await self._health.set(name, _NOT_SERVING)
+
+    def _on_call_done(self, stream: _Stream) -> None:
+        if not stream.done:
+            stream.done = True
+            self._engine.abort(stream.engine_id)
+
+    # -- Generate ------------------------------------------------------------------------------
+
+    async def Generate(
+        self, request: pb.GenerateRequest | _BadMessage, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.GenerateResponse]:
+        tenant = await self._check_request(request, context)
+        assert isinstance(request, pb.GenerateRequest)
+        if self.num_queued >= self._config.max_queued_requests:
+            await self._abort(
+                context,
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"{self.num_queued} requests are already waiting on replica {self.replica_id} "
+                f"(limit {self._config.max_queued_requests}); retry later or on another replica",
+                "rejected_queue_full",
+            )
+        try:
+            inp = convert.engine_input(request)
+            params = convert.sampling_params(request)
+        except ValueError as e:
+            await self._abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(e), "invalid_argument")
+        client_id = request.request_id or uuid.uuid4().hex
+        engine_id = client_id if tenant is None else f"{tenant}/{client_id}"
+        if engine_id in self.streams:
+            await self._abort(
+                context,
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"request id {client_id!r} is already running; pick a unique id or leave it empty",
+                "invalid_argument",
+            )
+        salt = derive_cache_salt(tenant, request.cache_salt, self._config.allow_client_cache_salt)
+        span = start_request_span(
+            self._tracer,
+            parent=extract_context(context.invocation_metadata()),
+            operation=inp.operation,
+            model=self._model,
+            request_id=client_id,
+            params=params,
+            replica_id=self.replica_id,
+            tenant=tenant,
+        )
+        stream = _Stream(engine_id, client_id, tenant)
+        self.streams[engine_id] = stream
+        context.add_done_callback(lambda _ctx: self._on_call_done(stream))
+        self._metrics.active_streams.inc()
+        tally = convert.StreamTally()
+        last: RequestOutput | None = None
+        outcome, error = "cancelled", None
+        last_token_t: float | None = None
+        try:
+            gen = self._engine.generate(
+                inp.prompt,
+                params,
+                request_id=engine_id,
+                messages=inp.messages,
+                cache_salt=salt,
+            )
+            async with contextlib.aclosing(gen):  # type: ignore[type-var]
+                async for out in gen:
+                    stream.queued = False
+                    now = time.monotonic()
+                    new_tokens = tally.add(out)
+                    if new_tokens and last_token_t is not None:
+                        for _ in range(new_tokens):
+                            self._metrics.itl.observe((now - last_token_t) / new_tokens)
+                    if new_tokens:
+                        last_token_t = now
+                    resp = pb.GenerateResponse(request_id=client_id)
+                    if request.return_token_ids and last is None:
+                        resp.prompt_token_ids.extend(out.prompt_token_ids)
+                    last = out
+                    for c in out.outputs:
+                        resp.choices.append(
+                            convert.choice_delta(c, return_token_ids=request.return_token_ids)
+                        )
+                    if out.finished:
+                        stream.done = True
+                        if out.error or "error" in tally.finish_reasons():
+                            outcome, error = "error", out.error or "engine error"
+                            break
+                        resp.final.CopyFrom(
+                            convert.final_message(out, tally, replica_id=self.replica_id)
+                        )
+                        outcome = tally.finish_reasons()[0] if tally.ends else "stop"
+                    yield resp
+        except ValueError as e:
+            if last is not None:
+                outcome, error = "internal", f"engine failed mid-stream: {e}"
+            else:
+                outcome, error = "invalid_argument", str(e)
+        except StreamOverflowError as e:
+            outcome, error = "stream_overflow", str(e)
+        except EngineDeadError as e:
+            outcome, error = "internal", f"engine failed: {e}"
+        except asyncio.CancelledError:
+            if context.time_remaining() is not None and context.time_remaining() <= 0:
+                outcome = "deadline_exceeded"
+            raise
+        except Exception as e:
+            log.exception("request %s failed", client_id)
+            outcome, error = "internal", f"engine failed: {type(e).__name__}: {e}"
+        finally:
+            stream.done = True
+            self.streams.pop(engine_id, None)
+            self._metrics.active_streams.dec()
+            if error is None:  # failures are counted by _fail with their status
+                self._metrics.requests.labels(outcome).inc()
+            self._record(last, tally)
+            end_request_span(
+                span,
+                last if last is not None and last.finished else None,
+                completion_tokens=tally.completion_tokens,
+                finish_reasons=tally.finish_reasons(),
+                error=error or (outcome if outcome in ("cancelled", "deadline_exceeded") else None),
+            )
+        if error is not None:
+            await self._fail(context, outcome, error)
+
+    async def _fail(self, context: grpc.aio.ServicerContext, outcome: str, error: str) -> None:
+        if outcome == "invalid_argument":
+            await self._abort(context, grpc.StatusCode.INVALID_ARGUMENT, error, outcome)
+        if outcome == "stream_overflow":
+            msg = f"the client read the stream too slowly; request aborted ({error})"
+            await self._abort(context, grpc.StatusCode.RESOURCE_EXHAUSTED, msg, outcome)
+        try:
+            self._engine.check_health()
+        except Exception as e:
+            await self.engine_failed_now(e)
+        await self._abort(context, grpc.StatusCode.INTERNAL, error, "internal")
+
+    def _record(self, last: RequestOutput | None, tally: convert.StreamTally) -> None:
+        m = self._metrics
+        m.generation_tokens.inc(tally.completion_tokens)
+        if last is None or not last.finished:
+            return
+        m.prompt_tokens.inc(len(last.prompt_token_ids))
+        for tier in ("device", "cpu", "disk"):
+            m.cached_prompt_tokens.labels(tier).inc(getattr(last.cached_tokens, tier))
+        t = last.metrics
+        if t is not None:
+            for hist, value in ((m.ttft, t.ttft), (m.queue_time, t.queue_time), (m.e2e, t.e2e)):
+                if value is not None:
+                    hist.observe(value)
+
+    # -- unary calls ---------------------------------------------------------------------------
+
+    async def Tokenize(
+        self, request: pb.TokenizeRequest | _BadMessage, context: grpc.aio.ServicerContext
+    ) -> pb.TokenizeResponse:
+        await self._check_request(request, context)
+        assert isinstance(request, pb.TokenizeRequest)
+        try:
+            inp = convert.engine_input(request)
+            ids = self._engine.tokenize(
+                text=inp.prompt if isinstance(inp.prompt, str) else None, messages=inp.messages
+            )
+        except ValueError as e:
+            await self._abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(e), "invalid_argument")
+        return pb.TokenizeResponse(token_ids=ids)
+
+    async def GetModelInfo(
+        self, request: pb.GetModelInfoRequest | _BadMessage, context: grpc.aio.ServicerContext
+    ) -> pb.ModelInfo:
+        await self._check_request(request, context)
+        return convert.model_info_message(self._engine.model_info, self.replica_id)
+
+    async def GetLoad(
+        self, request: pb.GetLoadRequest | _BadMessage, context: grpc.aio.ServicerContext
+    ) -> pb.Load:
+        await self._check_request(request, context, allow_draining=True)
+        s = self._engine.get_stats()
+        return pb.Load(
+            replica_id=self.replica_id,
+            running=s.num_running,
+            waiting=s.num_waiting,
+            kv_usage=s.kv_usage,
+            prefix_hit_rate=s.prefix_hit_rate,
+            active_streams=len(self.streams),
+            queued_streams=self.num_queued,
+            draining=self.draining,
+        )
+
+    async def GetCacheStats(
+        self, request: pb.GetCacheStatsRequest | _BadMessage, context: grpc.aio.ServicerContext
+    ) -> pb.CacheStats:
+        await self._check_request(request, context)
+        return convert.cache_stats_message(
+            self._engine.get_stats(), self._engine.model_info, self.replica_id
+        )
+
+    async def Abort(
+        self, request: pb.AbortRequest | _BadMessage, context: grpc.aio.ServicerContext
+    ) -> pb.AbortResponse:
+        tenant = await self._check_request(request, context)
+        assert isinstance(request, pb.AbortRequest)
+        aborted = []
+        for rid in request.request_ids:
+            engine_id = rid if tenant is None else f"{tenant}/{rid}"
+            if engine_id in self.streams and self._engine.abort(engine_id):
+                aborted.append(rid)
+        return pb.AbortResponse(aborted=aborted)
+
+
+# -- registration ------------------------------------------------------------------------------
+
+
+def _deserializer(cls: type[Message]) -> Callable[[bytes], Message | _BadMessage]:
+    def deserialize(data: bytes) -> Message | _BadMessage:
+        try:
+            return cls.FromString(data)
+        except DecodeError as e:
+            return _BadMessage(cls.DESCRIPTOR.full_name, str(e) or "cannot parse")
+
+    return deserialize
+
+
+def add_inference_servicer(servicer: InferenceServicer, server: grpc.aio.Server) -> None:
+    """Registers the servicer like the generated add_InferenceServicer_to_server, except that an
+    undecodable request reaches the handler (to answer INVALID_ARGUMENT, not INTERNAL)."""
+    handlers: dict[str, grpc.RpcMethodHandler] = {}
+    for method in pb.DESCRIPTOR.services_by_name["Inference"].methods:
+        req_cls = getattr(pb, method.input_type.name)
+        resp_cls = getattr(pb, method.output_type.name)
+        make: Callable[..., grpc.RpcMethodHandler] = (
+            grpc.unary_stream_rpc_method_handler
+            if method.server_streaming
+            else grpc.unary_unary_rpc_method_handler
+        )
+        handlers[method.name] = make(
+            getattr(servicer, method.name),
+            request_deserializer=_deserializer(req_cls),
+            response_serializer=resp_cls.SerializeToString,
+        )
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
+    server.add_registered_method_handlers(SERVICE_NAME, handlers)
+
+
+# -- the replica -------------------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class Replica:
+    """A started server; `shutdown()` drains and stops it (the engine is the caller's)."""
+
+    server: grpc.aio.Server
+    servicer: InferenceServicer
+    health: health.aio.HealthServicer
+    metrics: ServiceMetrics
+    port: int
+    metrics_port: int | None
+    _monitor: asyncio.Task[None]
+
+    @property
+    def replica_id(self) -> str:
+        return self.servicer.replica_id
+
+    async def shutdown(self, grace_period_s: float) -> None:
+        """Health NOT_SERVING, refuse new calls (UNAVAILABLE), let running streams finish for up
+        to `grace_period_s`, abort the rest (their streams end with finish_reason ABORT), stop."""
+        s = self.servicer
+        s.draining = True
+        await self.health.enter_graceful_shutdown()
+        deadline = time.monotonic() + grace_period_s
+        while s.streams and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        if s.streams:
+            log.warning("grace period over; aborting %d streams", len(s.streams))
+            for stream in list(s.streams.values()):
+                s._engine.abort(stream.engine_id)
+            end = time.monotonic() + 2.0
+            while s.streams and time.monotonic() < end:
+                await asyncio.sleep(0.02)
+        self._monitor.cancel()
+        await self.server.stop(grace=0.5)
+        self.metrics.stop_http()
+
+    async def wait_for_termination(self) -> None:
+        await self.server.wait_for_termination()
+
+
+async def _monitor(servicer: InferenceServicer, engine: Engine, interval_s: float) -> None:
+    """Refreshes engine gauges and turns health NOT_SERVING when the engine dies."""
+    m = servicer._metrics
+    while True:
+        try:
+            engine.check_health()
+        except Exception as e:
+            await servicer.engine_failed_now(e)
+        try:
+            m.update_engine_stats(engine.get_stats())
+        except Exception:
+            log.debug("get_stats failed", exc_info=True)
+        m.queued_streams.set(servicer.num_queued)
+        await asyncio.sleep(interval_s)
+
+
+async def serve(
+    config: ServiceConfig,
+    engine: Engine,
+    *,
+    tracer_provider: TracerProvider | None = None,
+    monitor_interval_s: float = 0.5,
+) -> Replica:
+    """Builds, binds and starts the server on the running event loop."""
+    server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+    address = f"{config.host}:{config.port}"
+    if config.tls_cert is not None and config.tls_key is not None:
+        with open(config.tls_key, "rb") as k, open(config.tls_cert, "rb") as c:
+            creds = grpc.ssl_server_credentials([(k.read(), c.read())])
+        port = server.add_secure_port(address, creds)
+    else:
+        port = server.add_insecure_port(address)
+    replica_id = config.effective_replica_id(port)
+    health_servicer = health.aio.HealthServicer()
+    metrics = ServiceMetrics(engine.model_info.model_id)
+    servicer = InferenceServicer(
+        engine,
+        config,
+        replica_id=replica_id,
+        health_servicer=health_servicer,
+        metrics=metrics,
+        tracer_provider=tracer_provider,
+    )
+    add_inference_servicer(servicer, server)
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    names = [SERVICE_NAME, health.SERVICE_NAME]
+    if config.reflection:
+        names.append(reflection.SERVICE_NAME)
+        reflection.enable_server_reflection(names, server)
+    await server.start()
+    for name in ("", SERVICE_NAME):
+        await health_servicer.set(name, _SERVING)
+    metrics_port = None
+    if config.metrics_port is not None:
+        metrics_port = metrics.start_http(config.metrics_host, config.metrics_port)
+    monitor = asyncio.get_running_loop().create_task(_monitor(servicer, engine, monitor_interval_s))
+    return Replica(server, servicer, health_servicer, metrics, port, metrics_port, monitor)
