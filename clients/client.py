@@ -1,0 +1,554 @@
+"""Python client of the deja.v1 API, sync (`DejaClient`) and asyncio (`AsyncDejaClient`).
+
+    with DejaClient("localhost:50051") as client:
+        for delta in client.generate("Hello", max_tokens=32, temperature=0):
+            print(delta.choices[0].text if delta.choices else "", end="")
+        result = client.complete(messages=[{"role": "user", "content": "Hi"}])
+
+`generate` streams GenerateResponse messages; `complete` collects them into a GenerateResult.
+Both take a deadline (`timeout`, seconds), retry on UNAVAILABLE only before the first message
+(nothing was generated yet), inject the W3C trace context of a client span into the call
+metadata, and send `authorization: Bearer <token>` when a token is set. Leaving the stream early
+cancels the call (the server aborts the request and frees its blocks).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import time
+from collections.abc import AsyncIterator, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+from opentelemetry import trace
+from opentelemetry.trace import SpanKind, Status, StatusCode
+from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+
+from service.flags import add_bool_flag, add_flag
+from service.proto.deja.v1 import inference_pb2 as pb
+from service.proto.deja.v1 import inference_pb2_grpc as pb_grpc
+
+DEFAULT_TARGET = "localhost:50051"
+FINISH_REASONS = {
+    pb.FINISH_REASON_UNSPECIFIED: None,
+    pb.FINISH_REASON_STOP: "stop",
+    pb.FINISH_REASON_LENGTH: "length",
+    pb.FINISH_REASON_ABORT: "abort",
+    pb.FINISH_REASON_ERROR: "error",
+}
+_SAMPLING_FIELDS = frozenset(f.name for f in pb.SamplingParams.DESCRIPTOR.fields)
+_PROPAGATOR = TraceContextTextMapPropagator()
+
+
+def build_request(
+    prompt: str | Sequence[int] | None = None,
+    *,
+    messages: Sequence[dict[str, str]] | None = None,
+    request_id: str = "",
+    session_id: str = "",
+    cache_salt: str = "",
+    pin_ttl_s: float = 0.0,
+    return_token_ids: bool = False,
+    logprobs: int | None = None,
+    **sampling: Any,
+) -> pb.GenerateRequest:
+    """A GenerateRequest; `sampling` takes the SamplingParams fields (max_tokens=..., stop=[...]).
+
+    Give exactly one of a text prompt, a list of token ids, or chat `messages`.
+    """
+    unknown = set(sampling) - _SAMPLING_FIELDS
+    if unknown:
+        raise TypeError(
+            f"unknown sampling fields {sorted(unknown)}; known: {sorted(_SAMPLING_FIELDS)}"
+        )
+    if (prompt is None) == (messages is None):
+        raise ValueError("give exactly one of prompt (text or token ids) and messages")
+    req = pb.GenerateRequest(
+        request_id=request_id,
+        session_id=session_id,
+        cache_salt=cache_salt,
+        pin_ttl_s=pin_ttl_s,
+        return_token_ids=return_token_ids,
+        sampling=pb.SamplingParams(**{k: v for k, v in sampling.items() if v is not None}),
+    )
+    if logprobs is not None:
+        req.logprobs = logprobs
+    if isinstance(prompt, str):
+        req.text = prompt
+    elif prompt is not None:
+        req.token_ids.ids.extend(prompt)
+    else:
+        assert messages is not None
+        req.chat.messages.extend(
+            pb.ChatMessage(role=m["role"], content=m["content"]) for m in messages
+        )
+    return req
+
+
+@dataclass(slots=True)
+class Choice:
+    index: int
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[pb.TokenLogprob] = field(default_factory=list)
+    finish_reason: str | None = None
+    """stop, length, abort or error."""
+    stop_reason: int | str | None = None
+
+
+@dataclass(slots=True)
+class GenerateResult:
+    """A whole Generate stream, collected."""
+
+    request_id: str = ""
+    choices: list[Choice] = field(default_factory=list)
+    prompt_token_ids: list[int] = field(default_factory=list)
+    final: pb.Final | None = None
+    """Usage, timings, replica id, route (None if the stream ended without one)."""
+    num_messages: int = 0
+    ttft_s: float | None = None
+    """Client-side: from the call to the first message carrying tokens."""
+    total_s: float = 0.0
+
+    @property
+    def text(self) -> str:
+        return self.choices[0].text if self.choices else ""
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.choices[0].token_ids if self.choices else []
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.choices[0].finish_reason if self.choices else None
+
+    @property
+    def usage(self) -> pb.Usage:
+        return self.final.usage if self.final is not None else pb.Usage()
+
+    @property
+    def timings(self) -> pb.Timings:
+        return self.final.timings if self.final is not None else pb.Timings()
+
+    def add(self, msg: pb.GenerateResponse, *, elapsed_s: float) -> None:
+        self.request_id = msg.request_id
+        self.num_messages += 1
+        self.prompt_token_ids.extend(msg.prompt_token_ids)
+        for d in msg.choices:
+            while len(self.choices) <= d.index:
+                self.choices.append(Choice(index=len(self.choices)))
+            c = self.choices[d.index]
+            c.text += d.text
+            c.token_ids.extend(d.token_ids)
+            c.logprobs.extend(d.logprobs)
+            if d.finish_reason:
+                c.finish_reason = FINISH_REASONS[d.finish_reason]
+            which = d.WhichOneof("stop_reason")
+            if which is not None:
+                c.stop_reason = getattr(d, which)
+            if self.ttft_s is None and (d.text or d.token_ids):
+                self.ttft_s = elapsed_s
+        if msg.HasField("final"):
+            self.final = msg.final
+            for end in msg.final.choices:
+                while len(self.choices) <= end.index:
+                    self.choices.append(Choice(index=len(self.choices)))
+                self.choices[end.index].finish_reason = FINISH_REASONS[end.finish_reason]
+        self.total_s = elapsed_s
+
+
+def _is_retryable(err: grpc.RpcError) -> bool:
+    return isinstance(err, grpc.Call) and err.code() == grpc.StatusCode.UNAVAILABLE
+
+
+class _Base:
+    def __init__(
+        self,
+        target: str,
+        *,
+        token: str | None,
+        tls: bool,
+        root_certificates: bytes | None,
+        timeout: float | None,
+        retries: int,
+        retry_backoff_s: float,
+        tracer_provider: trace.TracerProvider | None,
+    ) -> None:
+        self.target = target
+        self.timeout = timeout
+        self.retries = retries
+        self.retry_backoff_s = retry_backoff_s
+        self._token = token
+        self._creds = grpc.ssl_channel_credentials(root_certificates) if tls else None
+        self._tracer = trace.get_tracer("deja.client", tracer_provider=tracer_provider)
+
+    def _metadata(self, span: trace.Span | None = None) -> list[tuple[str, str]]:
+        md: list[tuple[str, str]] = []
+        if self._token:
+            md.append(("authorization", f"Bearer {self._token}"))
+        carrier: dict[str, str] = {}
+        ctx = trace.set_span_in_context(span) if span is not None else None
+        if span is not None and not span.get_span_context().is_valid:
+            ctx = None  # tracing off here: pass on the caller's context, if any
+        _PROPAGATOR.inject(carrier, context=ctx)
+        md.extend(carrier.items())
+        return md
+
+    def _start_span(self, req: pb.GenerateRequest) -> trace.Span:
+        attrs: dict[str, Any] = {
+            "rpc.system": "grpc",
+            "rpc.service": "deja.v1.Inference",
+            "rpc.method": "Generate",
+            "server.address": self.target,
+        }
+        if req.request_id:
+            attrs["deja.request_id"] = req.request_id
+        if req.session_id:
+            attrs["deja.session_id"] = req.session_id
+        return self._tracer.start_span(
+            "deja.v1.Inference/Generate", kind=SpanKind.CLIENT, attributes=attrs
+        )
+
+    def _deadline(self, timeout: float | None) -> float | None:
+        t = self.timeout if timeout is None else timeout
+        return None if t is None else time.monotonic() + t
+
+    def _backoff(self, attempt: int, deadline: float | None) -> float | None:
+        """Seconds to wait before retry `attempt` (1-based), None when no retry is left."""
+        if attempt > self.retries:
+            return None
+        wait = self.retry_backoff_s * 2 ** (attempt - 1)
+        if deadline is not None and time.monotonic() + wait >= deadline:
+            return None
+        return wait
+
+
+def _remaining(deadline: float | None) -> float | None:
+    return None if deadline is None else max(deadline - time.monotonic(), 0.001)
+
+
+def _end_span(span: trace.Span, result: GenerateResult | None, err: BaseException | None) -> None:
+    if result is not None and result.final is not None:
+        u = result.final.usage
+        span.set_attribute("gen_ai.usage.input_tokens", u.prompt_tokens)
+        span.set_attribute("gen_ai.usage.output_tokens", u.completion_tokens)
+    if isinstance(err, grpc.Call):
+        span.set_status(Status(StatusCode.ERROR, f"{err.code().name}: {err.details()}"))
+    elif err is not None:
+        span.set_status(Status(StatusCode.ERROR, type(err).__name__))
+    span.end()
+
+
+class DejaClient(_Base):
+    """Blocking client; one channel per instance (close it, or use `with`)."""
+
+    def __init__(
+        self,
+        target: str = DEFAULT_TARGET,
+        *,
+        token: str | None = None,
+        tls: bool = False,
+        root_certificates: bytes | None = None,
+        timeout: float | None = None,
+        retries: int = 3,
+        retry_backoff_s: float = 0.2,
+        tracer_provider: trace.TracerProvider | None = None,
+    ) -> None:
+        super().__init__(
+            target,
+            token=token,
+            tls=tls,
+            root_certificates=root_certificates,
+            timeout=timeout,
+            retries=retries,
+            retry_backoff_s=retry_backoff_s,
+            tracer_provider=tracer_provider,
+        )
+        if self._creds is not None:
+            self._channel = grpc.secure_channel(target, self._creds)
+        else:
+            self._channel = grpc.insecure_channel(target)
+        self.stub = pb_grpc.InferenceStub(self._channel)
+
+    def close(self) -> None:
+        self._channel.close()
+
+    def __enter__(self) -> DejaClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def wait_ready(self, timeout: float = 10.0) -> None:
+        grpc.channel_ready_future(self._channel).result(timeout=timeout)
+
+    def generate(
+        self,
+        prompt: str | Sequence[int] | None = None,
+        *,
+        timeout: float | None = None,
+        **kwargs: Any,
+    ) -> Iterator[pb.GenerateResponse]:
+        """Streams the response messages (see build_request for the arguments)."""
+        return self.stream(build_request(prompt, **kwargs), timeout=timeout)
+
+    def stream(
+        self, req: pb.GenerateRequest, *, timeout: float | None = None
+    ) -> Iterator[pb.GenerateResponse]:
+        deadline = self._deadline(timeout)
+        span = self._start_span(req)
+        call: Any = None
+        err: BaseException | None = None
+        result = GenerateResult()
+        t0 = time.monotonic()
+        try:
+            attempt = 0
+            while True:
+                call = self.stub.Generate(
+                    req, timeout=_remaining(deadline), metadata=self._metadata(span)
+                )
+                try:
+                    first = next(call)
+                    break
+                except StopIteration:
+                    return
+                except grpc.RpcError as e:
+                    attempt += 1
+                    wait = self._backoff(attempt, deadline) if _is_retryable(e) else None
+                    if wait is None:
+                        raise
+                    time.sleep(wait)
+            result.add(first, elapsed_s=time.monotonic() - t0)
+            yield first
+            for msg in call:
+                result.add(msg, elapsed_s=time.monotonic() - t0)
+                yield msg
+        except BaseException as e:
+            err = e
+            raise
+        finally:
+            if call is not None and result.final is None:
+                call.cancel()
+            _end_span(span, result, None if isinstance(err, GeneratorExit) else err)
+
+    def complete(
+        self,
+        prompt: str | Sequence[int] | None = None,
+        *,
+        timeout: float | None = None,
+        **kwargs: Any,
+    ) -> GenerateResult:
+        """Runs one request to the end and returns it collected."""
+        result = GenerateResult()
+        t0 = time.monotonic()
+        for msg in self.generate(prompt, timeout=timeout, **kwargs):
+            result.add(msg, elapsed_s=time.monotonic() - t0)
+        return result
+
+    def tokenize(
+        self, text: str | None = None, *, messages: Sequence[dict[str, str]] | None = None
+    ) -> list[int]:
+        req = pb.TokenizeRequest()
+        if text is not None:
+            req.text = text
+        if messages is not None:
+            req.chat.messages.extend(pb.ChatMessage(**m) for m in messages)
+        resp = self.stub.Tokenize(req, timeout=self.timeout, metadata=self._metadata())
+        return list(resp.token_ids)
+
+    def model_info(self) -> pb.ModelInfo:
+        return self.stub.GetModelInfo(
+            pb.GetModelInfoRequest(), timeout=self.timeout, metadata=self._metadata()
+        )
+
+    def load(self) -> pb.Load:
+        return self.stub.GetLoad(
+            pb.GetLoadRequest(), timeout=self.timeout, metadata=self._metadata()
+        )
+
+    def cache_stats(self) -> pb.CacheStats:
+        return self.stub.GetCacheStats(
+            pb.GetCacheStatsRequest(), timeout=self.timeout, metadata=self._metadata()
+        )
+
+    def abort(self, *request_ids: str) -> list[str]:
+        resp = self.stub.Abort(
+            pb.AbortRequest(request_ids=request_ids),
+            timeout=self.timeout,
+            metadata=self._metadata(),
+        )
+        return list(resp.aborted)
+
+
+class AsyncDejaClient(_Base):
+    """asyncio client (grpc.aio); create it inside the event loop that uses it."""
+
+    def __init__(
+        self,
+        target: str = DEFAULT_TARGET,
+        *,
+        token: str | None = None,
+        tls: bool = False,
+        root_certificates: bytes | None = None,
+        timeout: float | None = None,
+        retries: int = 3,
+        retry_backoff_s: float = 0.2,
+        tracer_provider: trace.TracerProvider | None = None,
+    ) -> None:
+        super().__init__(
+            target,
+            token=token,
+            tls=tls,
+            root_certificates=root_certificates,
+            timeout=timeout,
+            retries=retries,
+            retry_backoff_s=retry_backoff_s,
+            tracer_provider=tracer_provider,
+        )
+        if self._creds is not None:
+            self._channel = grpc.aio.secure_channel(target, self._creds)
+        else:
+            self._channel = grpc.aio.insecure_channel(target)
+        self.stub = pb_grpc.InferenceStub(self._channel)
+
+    async def close(self) -> None:
+        await self._channel.close()
+
+    async def __aenter__(self) -> AsyncDejaClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def wait_ready(self, timeout: float = 10.0) -> None:
+        await asyncio.wait_for(self._channel.channel_ready(), timeout)
+
+    def generate(
+        self,
+        prompt: str | Sequence[int] | None = None,
+        *,
+        timeout: float | None = None,
+        **kwargs: Any,
+    ) -> AsyncIterator[pb.GenerateResponse]:
+        """Streams the response messages (see build_request for the arguments)."""
+        return self.stream(build_request(prompt, **kwargs), timeout=timeout)
+
+    async def stream(
+        self, req: pb.GenerateRequest, *, timeout: float | None = None
+    ) -> AsyncIterator[pb.GenerateResponse]:
+        deadline = self._deadline(timeout)
+        span = self._start_span(req)
+        call: Any = None
+        err: BaseException | None = None
+        result = GenerateResult()
+        t0 = time.monotonic()
+        try:
+            attempt = 0
+            while True:
+                call = self.stub.Generate(
+                    req, timeout=_remaining(deadline), metadata=self._metadata(span)
+                )
+                try:
+                    first = await call.read()
+                    break
+                except grpc.aio.AioRpcError as e:
+                    attempt += 1
+                    wait = self._backoff(attempt, deadline) if _is_retryable(e) else None
+                    if wait is None:
+                        raise
+                    await asyncio.sleep(wait)
+            while first is not grpc.aio.EOF:
+                result.add(first, elapsed_s=time.monotonic() - t0)
+                yield first
+                first = await call.read()
+        except BaseException as e:
+            err = e
+            raise
+        finally:
+            if call is not None and result.final is None:
+                call.cancel()
+            _end_span(span, result, None if isinstance(err, GeneratorExit) else err)
+
+    async def complete(
+        self,
+        prompt: str | Sequence[int] | None = None,
+        *,
+        timeout: float | None = None,
+        **kwargs: Any,
+    ) -> GenerateResult:
+        result = GenerateResult()
+        t0 = time.monotonic()
+        async for msg in self.generate(prompt, timeout=timeout, **kwargs):
+            result.add(msg, elapsed_s=time.monotonic() - t0)
+        return result
+
+    async def tokenize(
+        self, text: str | None = None, *, messages: Sequence[dict[str, str]] | None = None
+    ) -> list[int]:
+        req = pb.TokenizeRequest()
+        if text is not None:
+            req.text = text
+        if messages is not None:
+            req.chat.messages.extend(pb.ChatMessage(**m) for m in messages)
+        resp = await self.stub.Tokenize(req, timeout=self.timeout, metadata=self._metadata())
+        return list(resp.token_ids)
+
+    async def model_info(self) -> pb.ModelInfo:
+        return await self.stub.GetModelInfo(
+            pb.GetModelInfoRequest(), timeout=self.timeout, metadata=self._metadata()
+        )
+
+    async def load(self) -> pb.Load:
+        return await self.stub.GetLoad(
+            pb.GetLoadRequest(), timeout=self.timeout, metadata=self._metadata()
+        )
+
+    async def cache_stats(self) -> pb.CacheStats:
+        return await self.stub.GetCacheStats(
+            pb.GetCacheStatsRequest(), timeout=self.timeout, metadata=self._metadata()
+        )
+
+    async def abort(self, *request_ids: str) -> list[str]:
+        resp = await self.stub.Abort(
+            pb.AbortRequest(request_ids=request_ids),
+            timeout=self.timeout,
+            metadata=self._metadata(),
+        )
+        return list(resp.aborted)
+
+
+# -- command-line helpers ------------------------------------------------------------------------
+
+
+def add_connection_args(parser: argparse.ArgumentParser) -> None:
+    """--target, --token, --tls, --tls-ca, --timeout (each also a DEJA_* variable)."""
+    g = parser.add_argument_group("connection")
+    add_flag(g, "--target", default=DEFAULT_TARGET, help="Server address host:port.")
+    add_flag(g, "--token", help="Bearer token (when the server has auth on).")
+    add_bool_flag(g, "--tls", default=False, help="Connect with TLS.")
+    add_flag(g, "--tls-ca", help="PEM root certificates for TLS (default: system roots).")
+    add_flag(g, "--timeout", type=float, help="Deadline per call in seconds.")
+
+
+def client_from_args(args: argparse.Namespace) -> DejaClient:
+    roots = None
+    if args.tls_ca:
+        with open(args.tls_ca, "rb") as f:
+            roots = f.read()
+    return DejaClient(
+        args.target, token=args.token, tls=args.tls, root_certificates=roots, timeout=args.timeout
+    )
+
+
+from clients.session import AsyncChatSession, ChatSession  # noqa: E402  (re-exported)
+
+__all__ = [
+    "AsyncChatSession",
+    "AsyncDejaClient",
+    "ChatSession",
+    "DejaClient",
+    "GenerateResult",
+    "build_request",
+]

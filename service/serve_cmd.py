@@ -1,0 +1,114 @@
+"""`deja serve`: run one replica (gRPC server over the engine) until SIGTERM/SIGINT.
+
+    deja serve                                   # the demo model on 127.0.0.1:50051
+    deja serve --model /path/to/hf-folder --host 0.0.0.0 --port 50051 --metrics-port 9400
+
+Every flag also reads a DEJA_* environment variable (--max-num-seqs <- DEJA_MAX_NUM_SEQS).
+On SIGTERM/SIGINT the replica drains: health NOT_SERVING, new calls UNAVAILABLE, running
+streams get --grace-period seconds to finish, the rest are aborted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+import sys
+import time
+from typing import TYPE_CHECKING
+
+from service.config import ServiceConfig, add_service_args, service_config_from_args
+from service.engine_args import add_engine_args, engine_config_from_args
+from service.flags import add_flag
+
+if TYPE_CHECKING:
+    from engine.async_engine import AsyncEngine
+
+log = logging.getLogger("deja.serve")
+LOG_LEVELS = ("debug", "info", "warning", "error")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_engine_args(parser)
+    add_service_args(parser)
+    add_flag(parser, "--log-level", default="info", choices=LOG_LEVELS, help="Logging level.")
+
+
+def setup_logging(level: str) -> None:
+    logging.basicConfig(
+        level=getattr(logging, level.upper()),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    setup_logging(args.log_level)
+    try:
+        service_config = service_config_from_args(args)
+    except ValueError as e:
+        print(f"deja serve: error: {e}", file=sys.stderr)
+        return 2
+    t0 = time.monotonic()
+    log.info("resolving model %s", args.model)
+    try:
+        engine_config = engine_config_from_args(args)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"deja serve: error: {e}", file=sys.stderr)
+        return 2
+    from engine.async_engine import AsyncEngine
+
+    log.info("loading %s", engine_config.model.path)
+    engine = AsyncEngine.from_config(engine_config, stream_buffer=service_config.stream_buffer)
+    info = engine.model_info
+    log.info(
+        "loaded %s (%s, %s, max_model_len %d, %d KV blocks of %d) in %.1f s",
+        info.model_id,
+        info.family,
+        info.dtype,
+        info.max_model_len,
+        info.num_device_blocks,
+        info.block_size,
+        time.monotonic() - t0,
+    )
+    engine.start()
+    try:
+        return asyncio.run(serve_until_signal(service_config, engine))
+    finally:
+        engine.shutdown()
+
+
+async def serve_until_signal(config: ServiceConfig, engine: AsyncEngine) -> int:
+    from service.server import serve
+    from service.tracing import make_tracer_provider
+
+    provider = make_tracer_provider(
+        replica_id=config.replica_id,
+        otlp_endpoint=config.otlp_endpoint,
+        console=config.console_tracing,
+    )
+    replica = await serve(config, engine, tracer_provider=provider)
+    scheme = "tls" if config.tls_cert else "plaintext"
+    log.info(
+        "serving deja.v1.Inference on %s:%d (%s, replica %s, auth %s, reflection %s)",
+        config.host,
+        replica.port,
+        scheme,
+        replica.replica_id,
+        "on" if config.auth_enabled else "off",
+        "on" if config.reflection else "off",
+    )
+    if replica.metrics_port is not None:
+        log.info("metrics on http://%s:%d/metrics", config.metrics_host, replica.metrics_port)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    log.info("signal received; draining (grace period %.1f s)", config.grace_period_s)
+    await replica.shutdown(config.grace_period_s)
+    if provider is not None:
+        provider.shutdown()
+    log.info("stopped")
+    return 0
