@@ -1,0 +1,456 @@
+"""The torch side of the lower tiers: the CPU cache tensor and the disk tier's files.
+
+CPU tier: `cpu_cache` [num_layers, 2, num_cpu_blocks, block_size, num_kv_heads, head_dim], the
+same per-block layout as the device cache, in pinned memory when the device is CUDA.
+
+Disk tier: one file per block, content-addressed: `<dir>/<hh>/<block hash hex>.kv` (hh = the
+first two hex digits). A file is a 128-byte header (magic, block hash, payload length, blake2b-128
+of the payload; zero padded so the payload stays aligned for any dtype) and the payload: the
+block's bytes [num_layers, 2, block_size, num_kv_heads, head_dim] in the cache dtype, C order.
+Files are written by one writer thread from snapshots of CPU blocks taken before the CPU block is
+reused, into a temp file in the same folder and renamed into place (atomic), so replicas sharing
+the directory only ever see whole files. `manifest.json` binds the directory to the model
+identity, dtype, block size and layout; a directory whose manifest differs is not used (logged).
+A file that is missing, truncated, corrupt (checksum) or for another block is deleted and is a
+miss: it is detected when `find` probes it, before the manager plans a load (see engine/kv/tiers).
+On startup the index is rebuilt from the directory, least recently accessed (mtime) first; a read
+refreshes the file's mtime.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import logging
+import os
+import queue
+import struct
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from engine.config import CacheConfig
+from engine.kv.hashing import BlockHash
+from engine.kv.plan import KVPlan
+from engine.kv.tiers import DiskIndex, TieredCache
+from engine.model_loader import safetensors_files
+from engine.stats import ModelInfo
+
+log = logging.getLogger(__name__)
+
+MANIFEST = "manifest.json"
+FORMAT = "deja-kv-disk-v1"
+_MAGIC = b"DEJAKV\x00\x01"
+_HEADER = struct.Struct("<8s32sQ16s")
+"""magic, block hash, payload bytes, blake2b-128 digest of the payload."""
+HEADER_BYTES = 128
+_SUFFIX = ".kv"
+_STALE_TMP_S = 3600.0
+"""Temp files older than this are leftovers of a crashed writer and are removed at startup."""
+
+
+def model_fingerprint(model_path: str | Path) -> str:
+    """blake2b over config.json and each weight file's name, size and first MiB (cheap, stable)."""
+    folder = Path(model_path)
+    h = hashlib.blake2b(digest_size=16)
+    h.update((folder / "config.json").read_bytes())
+    for f in safetensors_files(folder):
+        h.update(f"{f.name}:{f.stat().st_size}".encode())
+        with open(f, "rb") as fh:
+            h.update(fh.read(2**20))
+    return h.hexdigest()
+
+
+class DiskFiles:
+    """The disk tier's files: checksummed, written by a background thread, read on `probe`."""
+
+    def __init__(self, directory: Path, payload_bytes: int) -> None:
+        self.directory = directory
+        self.payload_bytes = payload_bytes
+        self.num_bad = 0
+        """Files found corrupt, truncated or for another block (deleted)."""
+        self._buffer: dict[BlockHash, torch.Tensor] = {}
+        """This step's verified payloads ([payload_bytes] uint8), by hash."""
+        self._pending: dict[BlockHash, torch.Tensor] = {}
+        """Payloads queued for writing (readable before their file exists)."""
+        self._lock = threading.Lock()
+        self._queue: queue.Queue[tuple[str, BlockHash, torch.Tensor | None] | None] = queue.Queue()
+        self._thread = threading.Thread(target=self._run, name="deja-disk-writer", daemon=True)
+        self._thread.start()
+
+    @classmethod
+    def open(
+        cls, directory: str | Path, manifest: dict[str, Any], payload_bytes: int
+    ) -> DiskFiles | None:
+        """The directory's files, or None (logged) when it belongs to another model or layout."""
+        root = Path(directory).expanduser()
+        root.mkdir(parents=True, exist_ok=True)
+        path = root / MANIFEST
+        if path.is_file():
+            try:
+                found = json.loads(path.read_text())
+            except (OSError, ValueError) as exc:
+                found = {"unreadable": str(exc)}
+            if found != manifest:
+                keys = sorted(
+                    k for k in set(found) | set(manifest) if found.get(k) != manifest.get(k)
+                )
+                log.warning(
+                    "disk tier off: %s was written for another model or KV layout (differs in %s); "
+                    "give this engine its own disk_dir",
+                    root,
+                    ", ".join(keys),
+                )
+                return None
+        else:
+            if any(root.glob(f"??/*{_SUFFIX}")):
+                log.warning(
+                    "disk tier off: %s holds block files but no %s, so their model is unknown; "
+                    "give this engine an empty or its own disk_dir",
+                    root,
+                    MANIFEST,
+                )
+                return None
+            tmp = root / f".{MANIFEST}.{os.getpid()}.{threading.get_ident()}.tmp"
+            tmp.write_text(json.dumps(manifest, indent=1, sort_keys=True) + "\n")
+            os.replace(tmp, path)
+        return cls(root, payload_bytes)
+
+    def path(self, block_hash: BlockHash) -> Path:
+        name = block_hash.hex()
+        return self.directory / name[:2] / (name + _SUFFIX)
+
+    def scan(self) -> list[BlockHash]:
+        """Hashes of the block files in the directory, least recently accessed first."""
+        found: list[tuple[float, BlockHash]] = []
+        now = time.time()
+        for sub in self.directory.iterdir():
+            if len(sub.name) != 2 or not sub.is_dir():
+                continue
+            for f in sub.iterdir():
+                try:
+                    st = f.stat()
+                except FileNotFoundError:  # another replica removed it
+                    continue
+                if f.name.endswith(".tmp"):
+                    if now - st.st_mtime > _STALE_TMP_S:
+                        _unlink(f)
+                    continue
+                if not f.name.endswith(_SUFFIX):
+                    continue
+                try:
+                    h = bytes.fromhex(f.name[: -len(_SUFFIX)])
+                except ValueError:
+                    continue
+                if len(h) != 32:
+                    continue
+                if st.st_size != HEADER_BYTES + self.payload_bytes:
+                    self._drop_bad(f, f"size {st.st_size}")
+                    continue
+                found.append((st.st_mtime, h))
+        found.sort()
+        return [h for _, h in found]
+
+    # -- DiskIO --------------------------------------------------------------------------------
+    def probe(self, block_hash: BlockHash) -> bool:
+        if block_hash in self._buffer:
+            return True
+        with self._lock:
+            payload = self._pending.get(block_hash)
+        if payload is None:
+            payload = self._read(block_hash)
+        if payload is None:
+            return False
+        self._buffer[block_hash] = payload
+        return True
+
+    def end_step(self) -> None:
+        self._buffer.clear()
+
+    def buffered(self, block_hash: BlockHash) -> torch.Tensor:
+        """The payload that `probe` or `store` put in this step's buffer."""
+        return self._buffer[block_hash]
+
+    # -- writes --------------------------------------------------------------------------------
+    def store(self, block_hash: BlockHash, payload: torch.Tensor) -> None:
+        """Queues a write; the payload ([payload_bytes] uint8, owned) is readable right away."""
+        self._buffer[block_hash] = payload
+        with self._lock:
+            self._pending[block_hash] = payload
+        self._queue.put(("store", block_hash, payload))
+
+    def delete(self, block_hash: BlockHash) -> None:
+        self._queue.put(("delete", block_hash, None))
+
+    def flush(self) -> None:
+        """Waits until every queued write and delete is done."""
+        self._queue.join()
+
+    def close(self) -> None:
+        if self._thread.is_alive():
+            self._queue.put(None)
+            self._thread.join()
+
+    def _run(self) -> None:
+        while True:
+            op = self._queue.get()
+            if op is None:
+                self._queue.task_done()
+                return
+            kind, block_hash, payload = op
+            try:
+                if kind == "store":
+                    assert payload is not None
+                    self._write(block_hash, payload)
+                else:
+                    _unlink(self.path(block_hash))
+            except OSError as exc:
+                log.warning(
+                    "disk tier: %s of block %s failed: %s", kind, block_hash.hex()[:16], exc
+                )
+            finally:
+                if payload is not None:
+                    with self._lock:
+                        if self._pending.get(block_hash) is payload:
+                            del self._pending[block_hash]
+                self._queue.task_done()
+
+    def _write(self, block_hash: BlockHash, payload: torch.Tensor) -> None:
+        data = payload.numpy().data  # memoryview of the contiguous bytes
+        digest = hashlib.blake2b(data, digest_size=16).digest()
+        header = _HEADER.pack(_MAGIC, block_hash, data.nbytes, digest).ljust(HEADER_BYTES, b"\0")
+        path = self.path(block_hash)
+        path.parent.mkdir(exist_ok=True)
+        tmp = path.parent / f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp"
+        with open(tmp, "wb") as f:
+            f.write(header)
+            f.write(data)
+        os.replace(tmp, path)
+
+    def _read(self, block_hash: BlockHash) -> torch.Tensor | None:
+        path = self.path(block_hash)
+        expected = HEADER_BYTES + self.payload_bytes
+        buf = bytearray(expected + 1)  # one spare byte tells a longer file apart
+        try:
+            with open(path, "rb") as f:
+                n = f.readinto(buf)
+        except FileNotFoundError:
+            return None
+        except OSError as exc:
+            log.warning("disk tier: cannot read %s: %s", path, exc)
+            return None
+        reason = None
+        if n != expected:
+            reason = f"size {n}, expected {expected}"
+        else:
+            magic, stored_hash, length, digest = _HEADER.unpack_from(buf)
+            payload = memoryview(buf)[HEADER_BYTES:expected]
+            if magic != _MAGIC:
+                reason = "bad magic"
+            elif stored_hash != block_hash:
+                reason = "header names another block"
+            elif length != self.payload_bytes:
+                reason = f"payload length {length}"
+            elif hashlib.blake2b(payload, digest_size=16).digest() != digest:
+                reason = "checksum mismatch"
+        if reason is not None:
+            self._drop_bad(path, reason)
+            return None
+        with contextlib.suppress(OSError):
+            os.utime(path)  # access time for the LRU order after a restart
+        return torch.frombuffer(
+            buf, dtype=torch.uint8, offset=HEADER_BYTES, count=self.payload_bytes
+        )
+
+    def _drop_bad(self, path: Path, reason: str) -> None:
+        self.num_bad += 1
+        log.warning("disk tier: deleting bad block file %s (%s); it is a cache miss", path, reason)
+        _unlink(path)
+
+
+def _unlink(path: Path) -> None:
+    with contextlib.suppress(FileNotFoundError):
+        path.unlink()
+
+
+def _pairs(pairs: list[tuple[int, int]], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    a = torch.tensor([p[0] for p in pairs], dtype=torch.long, device=device)
+    b = torch.tensor([p[1] for p in pairs], dtype=torch.long, device=device)
+    return a, b
+
+
+class KVStore:
+    """Carries out the CPU and disk parts of a KVPlan, in the plan's order (the runner's offload).
+
+    On CUDA the copies run on a side stream: the stream first waits for the compute stream (the
+    device blocks hold what earlier kernels wrote), and the compute stream waits for the copies
+    before the forward (spills have left a block before it is overwritten; swap-ins and loads
+    have arrived before a kernel reads them). Spills also wait on the host, because they land in
+    the CPU tensor through a host-side scatter.
+    """
+
+    def __init__(
+        self,
+        cpu_cache: torch.Tensor,
+        disk: DiskFiles | None = None,
+        disk_index: DiskIndex | None = None,
+    ) -> None:
+        self.cpu_cache = cpu_cache
+        """[num_layers, 2, num_cpu_blocks, block_size, num_kv_heads, head_dim]"""
+        self.disk = disk
+        self.disk_index = disk_index
+        L, two, _, bs, h, d = cpu_cache.shape
+        self.block_shape = (L, two, bs, h, d)
+        self._stream: Any = None
+        self._inflight: list[torch.Tensor] = []
+        """Host staging tensors of the last CUDA copies (kept alive until they are done)."""
+
+    def apply(self, plan: KVPlan, kv_cache: torch.Tensor) -> None:
+        if kv_cache.is_cuda:
+            self._apply_cuda(plan, kv_cache)
+            return
+        self._store_to_disk(plan)
+        if plan.spill:
+            dev, cpu = _pairs(plan.spill, kv_cache.device)
+            self.cpu_cache[:, :, cpu] = kv_cache[:, :, dev]
+        if plan.disk_load:
+            dst = torch.tensor([d for _, d in plan.disk_load], dtype=torch.long)
+            kv_cache[:, :, dst] = self._disk_payloads(plan)
+        if plan.swap_in:
+            cpu, dev = _pairs(plan.swap_in, kv_cache.device)
+            kv_cache[:, :, dev] = self.cpu_cache[:, :, cpu]
+
+    def flush(self) -> None:
+        """Waits for queued disk writes (tests, benchmarks, shutdown)."""
+        if self.disk is not None:
+            self.disk.flush()
+
+    def close(self) -> None:
+        if self.disk is not None:
+            self.disk.close()
+
+    def _store_to_disk(self, plan: KVPlan) -> None:
+        """Step 1 of the plan: snapshot CPU blocks about to be reused, queue their files."""
+        if self.disk is None:
+            return
+        for cpu_id, block_hash in plan.disk_store:
+            snap = torch.empty(self.block_shape, dtype=self.cpu_cache.dtype)
+            snap.copy_(self.cpu_cache[:, :, cpu_id])
+            self.disk.store(block_hash, snap.view(-1).view(torch.uint8))
+        if self.disk_index is not None:
+            for block_hash in self.disk_index.take_deletes():
+                self.disk.delete(block_hash)
+
+    def _disk_payloads(self, plan: KVPlan) -> torch.Tensor:
+        """[num_layers, 2, n, block_size, Hkv, D] host tensor of the plan's disk loads."""
+        assert self.disk is not None
+        dtype = self.cpu_cache.dtype
+        blocks = [
+            self.disk.buffered(h).view(dtype).view(self.block_shape) for h, _ in plan.disk_load
+        ]
+        return torch.stack(blocks, dim=2)
+
+    def _apply_cuda(self, plan: KVPlan, kv_cache: torch.Tensor) -> None:
+        device = kv_cache.device
+        if self._stream is None:
+            self._stream = torch.cuda.Stream(device)
+        stream = self._stream
+        compute = torch.cuda.current_stream(device)
+        # NOTE: host reads of CPU blocks (disk snapshots) need the last step's copies done.
+        stream.synchronize()
+        self._inflight.clear()
+        self._store_to_disk(plan)
+        stream.wait_stream(compute)
+        with torch.cuda.stream(stream):
+            if plan.spill:
+                dev, cpu = _pairs(plan.spill, device)
+                staged = kv_cache[:, :, dev]  # gather on the copy stream
+                host = torch.empty(staged.shape, dtype=staged.dtype, pin_memory=True)
+                host.copy_(staged, non_blocking=True)
+                stream.synchronize()
+                self.cpu_cache[:, :, cpu.cpu()] = host
+            srcs: list[torch.Tensor] = []
+            dsts: list[int] = []
+            if plan.disk_load:
+                srcs.append(self._disk_payloads(plan))
+                dsts += [d for _, d in plan.disk_load]
+            if plan.swap_in:
+                cpu_ids = torch.tensor([c for c, _ in plan.swap_in], dtype=torch.long)
+                srcs.append(self.cpu_cache[:, :, cpu_ids])
+                dsts += [d for _, d in plan.swap_in]
+            if srcs:
+                host = torch.cat(srcs, dim=2).pin_memory()
+                dst = torch.tensor(dsts, dtype=torch.long).to(device, non_blocking=True)
+                kv_cache[:, :, dst] = host.to(device, non_blocking=True)
+                self._inflight.append(host)
+            done = stream.record_event()
+        compute.wait_event(done)
+
+
+def build_tiers(
+    cache: CacheConfig,
+    info: ModelInfo,
+    model_path: str,
+    kv_cache: torch.Tensor,
+    block_bytes: int,
+) -> tuple[TieredCache, KVStore] | None:
+    """The CPU tier (and the disk tier when `disk_dir` is set) of one engine, or None when off.
+
+    The tiers are off with prefix caching off (nothing would find their blocks) or a CPU tier of
+    0 blocks; the disk tier is filled from CPU-tier evictions, so it needs the CPU tier.
+    """
+    if cache.num_cpu_blocks is not None:
+        num_cpu = cache.num_cpu_blocks
+    else:
+        num_cpu = int(cache.cpu_swap_gib * 2**30) // block_bytes
+    if num_cpu == 0:
+        if cache.disk_dir:
+            raise ValueError(
+                "the disk tier is filled from CPU-tier evictions: give cpu_swap_gib > 0 "
+                "(or num_cpu_blocks > 0) together with disk_dir"
+            )
+        return None
+    if not cache.enable_prefix_caching:
+        return None
+    L, two, _, bs, h, d = kv_cache.shape
+    cpu_cache = torch.empty(
+        (L, two, num_cpu, bs, h, d), dtype=kv_cache.dtype, pin_memory=kv_cache.is_cuda
+    )
+    files: DiskFiles | None = None
+    index: DiskIndex | None = None
+    if cache.disk_dir:
+        capacity = int(cache.disk_gib * 2**30) // (HEADER_BYTES + block_bytes)
+        if capacity < 1:
+            raise ValueError(
+                f"disk_gib {cache.disk_gib} cannot hold one block of {block_bytes} bytes"
+            )
+        manifest = {
+            "format": FORMAT,
+            "model_id": info.model_id,
+            "model_fingerprint": model_fingerprint(model_path),
+            "dtype": info.dtype,
+            "block_size": bs,
+            "layout": "[num_layers, 2, block_size, num_kv_heads, head_dim]",
+            "num_layers": L,
+            "num_kv_heads": h,
+            "head_dim": d,
+        }
+        files = DiskFiles.open(cache.disk_dir, manifest, block_bytes)
+        if files is not None:
+            index = DiskIndex(capacity)
+            for block_hash in files.scan():
+                index.add(block_hash)
+            for block_hash in index.take_deletes():
+                files.delete(block_hash)
+    tiers = TieredCache(
+        num_cpu,
+        bs,
+        disk=index,
+        disk_io=files,
+        max_pinned_fraction=cache.max_pinned_fraction,
+    )
+    return tiers, KVStore(cpu_cache, files, index)
