@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from engine.config import SchedulerConfig
 from engine.kv.manager import KVCacheManager, PrefixMatch
 from engine.kv.plan import KVPlan
+from engine.kv.tiers import TieredCache
 from engine.sequence import Sequence, SeqStatus
 
 
@@ -58,6 +59,8 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        self.swap: TieredCache | None = None
+        """Set in swap preemption mode: preempted sequences' KV goes to this CPU tier."""
 
     def add(self, seq: Sequence) -> None:
         seq.status = SeqStatus.WAITING
@@ -75,6 +78,8 @@ class Scheduler:
         elif seq.status is SeqStatus.WAITING:
             self.waiting.remove(seq)
         self.kv.free(seq)
+        if self.swap is not None:
+            self.swap.drop_swap(seq.seq_id)
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
@@ -132,6 +137,10 @@ class Scheduler:
                     continue
                 break
             self.waiting.popleft()
+            if self.swap is not None and match is not None:
+                # A swapped-out sequence: its partial tail comes back from the CPU tier too.
+                block_ids = self.kv.block_ids(seq.seq_id)
+                num_new -= self.swap.resume(seq, match.num_blocks, num_new, block_ids, self.kv.plan)
             if seq.index == 0 and seq.num_preemptions == 0:
                 self._record_hit(seq, match)
             seq.status = SeqStatus.RUNNING
@@ -160,8 +169,15 @@ class Scheduler:
         )
 
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
-        """Recompute preemption: free the blocks, requeue at the front of the waiting queue."""
+        """Frees the blocks and requeues the sequence at the front of the waiting queue.
+
+        Recompute (default): its cached blocks stay findable, so it comes back through the prefix
+        cache. Swap: its computed blocks are first spilled to the CPU tier and held there until it
+        comes back (the partial tail too); when the CPU tier is full this falls back to recompute.
+        """
         self.running.remove(seq)
+        if self.swap is not None:
+            self.swap.swap_out(seq, self.kv.block_ids(seq.seq_id), self.kv.plan)
         self.kv.free(seq)
         seq.num_computed_tokens = 0
         seq.num_cached_blocks = 0
@@ -172,5 +188,8 @@ class Scheduler:
         out.preempted.append(seq)
 
     def _finish(self, out: SchedulerOutput) -> SchedulerOutput:
+        if self.swap is not None:
+            for seq, _ in out.failed:
+                self.swap.drop_swap(seq.seq_id)
         out.plan = self.kv.take_plan()
         return out
