@@ -14,6 +14,8 @@ from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
 from engine.kv.hashing import extra_keys
 from engine.kv.manager import KVCacheManager
+from engine.kv.tiers import TieredCache
+from engine.kv_store import KVStore, build_tiers
 from engine.model_loader import (
     apply_chat_template,
     eos_token_ids,
@@ -96,6 +98,15 @@ class LLMEngine:
         self.runner = ModelRunner(
             self.model, self.backend, kv_cache, sampler, cc.block_size, eos, self.device
         )
+        self.tiers: TieredCache | None = None
+        self.offload: KVStore | None = None
+        built = build_tiers(cc, self.model_info, mc.path, kv_cache, self.block_bytes)
+        if built is not None:
+            self.tiers, self.offload = built
+            self.kv.tiers = self.tiers
+            self.runner.offload = self.offload
+            if cc.preemption_mode == "swap":
+                self.scheduler.swap = self.tiers
         self.requests: dict[str, Request] = {}
         self._seq_ids = itertools.count()
         self._request_ids = itertools.count()
@@ -214,6 +225,8 @@ class LLMEngine:
         now = time.monotonic()
         if self.kv.pins:
             self.kv.expire_pins(now)
+        if self.tiers is not None and self.tiers.pins:
+            self.tiers.expire_pins(now)
         sched = self.scheduler.schedule()
         for seq, message in sched.failed:
             seq.finish("error")
@@ -244,6 +257,9 @@ class LLMEngine:
             req.metrics.first_token = now
         if req.params.pin_ttl_s > 0 and req.pinned is None:
             req.pinned = self.kv.pin(seq, len(req.prompt_token_ids), now + req.params.pin_ttl_s)
+            if req.pinned and self.tiers is not None:  # best effort within the CPU tier's cap
+                n_full = len(req.prompt_token_ids) // self.kv.block_size
+                self.tiers.pin(seq.block_hashes[:n_full], now + req.params.pin_ttl_s)
         if len(res.token_ids) > 1:  # first tokens of n samples: fork the prompt's blocks
             req.forked = True
             children = [seq]
@@ -355,6 +371,8 @@ class LLMEngine:
                 evictions=kv.pool.num_evictions,
             )
         ]
+        if self.tiers is not None:
+            self.tiers.add_stats(tiers, kv.counters, self.block_bytes)
         hits = dev.hits + kv.counters["cpu"].hits + kv.counters["disk"].hits
         return EngineStats(
             num_running=len(self.scheduler.running),
