@@ -37,7 +37,10 @@ class LowerTiers(Protocol):
     """The CPU and disk tiers below the device pool (engine/kv/tiers.py)."""
 
     def find(self, block_hash: BlockHash) -> str | None:
-        """The tier ("cpu" or "disk") that holds this hash, or None. Does not modify anything."""
+        """The tier ("cpu" or "disk") that holds this hash, or None.
+
+        Changes no block table; a hit stays fetchable until `end_step` (the tier holds it).
+        """
         ...
 
     def fetch(self, block_hash: BlockHash, dst_block_id: int, plan: KVPlan) -> None:
