@@ -241,3 +241,11 @@ def test_demo_model_matches_transformers(demo_model_path: Path) -> None:
     for got, ref, seq in zip(ours, want, sequences, strict=True):
         torch.testing.assert_close(got, ref, atol=2e-3, rtol=0)
         assert got[-new_tokens - 1 : -1].argmax(-1).tolist() == seq[-new_tokens:]
+
+
+def test_resolve_model_path(tiny_llama_path: Path, tmp_path: Path) -> None:
+    from engine.demo import resolve_model_path
+
+    assert resolve_model_path(str(tiny_llama_path), tmp_path) == str(tiny_llama_path)
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        resolve_model_path(str(tmp_path / "missing"), tmp_path)
