@@ -10,10 +10,11 @@ aborted (its blocks are freed) and its generator raises StreamOverflowError.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import queue
 import threading
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -106,7 +107,7 @@ class AsyncEngine:
         request_id: str | None = None,
         messages: list[dict[str, str]] | None = None,
         cache_salt: str | None = None,
-    ) -> AsyncIterator[RequestOutput]:
+    ) -> AsyncGenerator[RequestOutput, None]:
         """Streams deltas of one request; leaving early aborts it and frees its blocks."""
         self.check_health()
         req = self.engine.prepare_request(
@@ -172,7 +173,7 @@ class AsyncEngine:
                 self._stats = eng.get_stats()
                 for out in outs:
                     self._deliver(out)
-        except BaseException as e:  # noqa: BLE001 — any failure kills the loop; streams must learn of it
+        except BaseException as e:
             log.exception("engine step loop failed")
             self._dead = e
             self._fail_all(EngineDeadError(f"the engine failed: {e!r}"))
@@ -201,11 +202,10 @@ class AsyncEngine:
                     eng.enqueue(req)
                 except ValueError as e:
                     self._push(req.request_id, e)
-            elif kind == "abort":
-                if eng.abort(arg):
-                    # Deliver the final "abort" delta now, so blocks are free before any step.
-                    for out in eng.collect_outputs():
-                        self._deliver(out)
+            elif kind == "abort" and eng.abort(arg):
+                # Deliver the final "abort" delta now, so blocks are free before any step.
+                for out in eng.collect_outputs():
+                    self._deliver(out)
 
     def _deliver(self, out: RequestOutput) -> None:
         with self._streams_lock:
@@ -249,7 +249,6 @@ class AsyncEngine:
 
 
 def _put(stream: _Stream, item: RequestOutput | BaseException) -> None:
-    try:
+    # RuntimeError: the reader's event loop is closed; nobody is listening.
+    with contextlib.suppress(RuntimeError):
         stream.loop.call_soon_threadsafe(stream.queue.put_nowait, item)
-    except RuntimeError:  # the reader's event loop is closed; nobody is listening
-        pass

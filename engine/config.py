@@ -63,14 +63,19 @@ class CacheConfig:
     """Largest share of each pool that TTL-pinned prefixes may hold."""
 
     def __post_init__(self) -> None:
-        _check(self.block_size in (8, 16, 32, 64), f"block_size must be 8, 16, 32 or 64, got {self.block_size}")
+        _check(
+            self.block_size in (8, 16, 32, 64),
+            f"block_size must be 8, 16, 32 or 64, got {self.block_size}",
+        )
         _check(
             self.num_device_blocks is None or self.num_device_blocks >= 1,
             f"num_device_blocks must be >= 1, got {self.num_device_blocks}",
         )
         _check(self.device_memory_gib > 0, "device_memory_gib must be > 0")
         _check(self.cpu_swap_gib >= 0, "cpu_swap_gib must be >= 0")
-        _check(self.num_cpu_blocks is None or self.num_cpu_blocks >= 0, "num_cpu_blocks must be >= 0")
+        _check(
+            self.num_cpu_blocks is None or self.num_cpu_blocks >= 0, "num_cpu_blocks must be >= 0"
+        )
         _check(self.disk_gib > 0, "disk_gib must be > 0")
         _check(
             self.preemption_mode in PREEMPTION_MODES,

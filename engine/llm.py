@@ -37,11 +37,11 @@ class LLM:
         `prompts` is a string, a list of token ids, or a list of either; `sampling_params` is one
         SamplingParams for all prompts or a list with one per prompt.
         """
-        if isinstance(prompts, str) or (
-            isinstance(prompts, Sequence) and prompts and isinstance(prompts[0], int)
-        ):
-            prompts = [prompts]  # type: ignore[list-item]
-        prompt_list = list(prompts)  # type: ignore[arg-type]
+        prompt_list: list[Prompt]
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompt_list = [prompts]  # type: ignore[list-item]
+        else:
+            prompt_list = list(prompts)  # type: ignore[arg-type]
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
             params_list = [sampling_params or SamplingParams()] * len(prompt_list)
         else:
@@ -54,7 +54,9 @@ class LLM:
         # Validate everything before queueing anything.
         for p in params_list:
             sc = self.engine.config.scheduler
-            p.validate(vocab_size=self.engine.vocab_size, max_n=sc.max_n, max_logprobs=sc.max_logprobs)
+            p.validate(
+                vocab_size=self.engine.vocab_size, max_n=sc.max_n, max_logprobs=sc.max_logprobs
+            )
         ids = []
         try:
             for prompt, params in zip(prompt_list, params_list, strict=True):

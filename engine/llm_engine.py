@@ -29,7 +29,7 @@ from engine.runner import ModelRunner, StepSamples
 from engine.sampler import Sampler
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
-from engine.sequence import Request, Sequence, SeqStatus
+from engine.sequence import Request, SeqStatus, Sequence
 from engine.stats import EngineStats, ModelInfo, TierStats
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -64,7 +64,9 @@ class LLMEngine:
         cc = config.cache
         elem = torch.empty((), dtype=self.dtype).element_size()
         self.block_bytes = num_layers * 2 * cc.block_size * num_kv_heads * head_dim * elem
-        num_blocks = cc.num_device_blocks or max(1, int(cc.device_memory_gib * 2**30) // self.block_bytes)
+        num_blocks = cc.num_device_blocks or max(
+            1, int(cc.device_memory_gib * 2**30) // self.block_bytes
+        )
         kv_cache = torch.zeros(
             (num_layers, 2, num_blocks, cc.block_size, num_kv_heads, head_dim),
             dtype=self.dtype,
@@ -114,7 +116,9 @@ class LLMEngine:
         """Requests with news since the last step's outputs were built."""
 
     # -- requests ------------------------------------------------------------------------------
-    def tokenize(self, prompt: Prompt | None = None, messages: list[dict[str, str]] | None = None) -> list[int]:
+    def tokenize(
+        self, prompt: Prompt | None = None, messages: list[dict[str, str]] | None = None
+    ) -> list[int]:
         if messages is not None:
             if prompt is not None:
                 raise ValueError("give either a prompt or chat messages, not both")
@@ -158,7 +162,8 @@ class LLMEngine:
         gens: list[torch.Generator | None] = [None] * params.n
         if params.seed is not None:
             gens = [
-                torch.Generator(device=self.device).manual_seed(params.seed + i) for i in range(params.n)
+                torch.Generator(device=self.device).manual_seed(params.seed + i)
+                for i in range(params.n)
             ]
         return Request(
             request_id=request_id if request_id is not None else f"req-{next(self._request_ids)}",
@@ -191,7 +196,12 @@ class LLMEngine:
         if request_id is not None and request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         req = self.prepare_request(
-            prompt, params, request_id=request_id, messages=messages, cache_salt=cache_salt, arrival=arrival
+            prompt,
+            params,
+            request_id=request_id,
+            messages=messages,
+            cache_salt=cache_salt,
+            arrival=arrival,
         )
         self.enqueue(req)
         return req
@@ -287,7 +297,11 @@ class LLMEngine:
         if token_id in params.stop_token_ids and n_out >= params.min_tokens:
             self._finish(seq, "stop", token_id)
             return
-        if not params.ignore_eos and token_id in self.model_info.eos_token_ids and n_out >= params.min_tokens:
+        if (
+            not params.ignore_eos
+            and token_id in self.model_info.eos_token_ids
+            and n_out >= params.min_tokens
+        ):
             self._finish(seq, "stop", None)
             return
         seq.pending_text += detok.add(token_id)
@@ -298,7 +312,9 @@ class LLMEngine:
         if n_out >= max_tokens or len(seq.token_ids) >= self.max_model_len:
             self._finish(seq, "length", None)
 
-    def _finish(self, seq: Sequence, reason: str, stop_reason: int | str | None, flush: bool = True) -> None:
+    def _finish(
+        self, seq: Sequence, reason: str, stop_reason: int | str | None, flush: bool = True
+    ) -> None:
         if flush and seq.detokenizer is not None:
             seq.pending_text += seq.detokenizer.flush()
         self.scheduler.remove(seq)

@@ -74,7 +74,9 @@ class ModelRunner:
         seq_lens = [s + n for s, n in zip(starts, qlens, strict=True)]
         max_blocks = max(len(t) for t in tables)
         # block_tables: [num_seqs, max_blocks]
-        block_tables = torch.tensor([t + [0] * (max_blocks - len(t)) for t in tables], dtype=torch.int32)
+        block_tables = torch.tensor(
+            [t + [0] * (max_blocks - len(t)) for t in tables], dtype=torch.int32
+        )
         qlens_t = torch.tensor(qlens, dtype=torch.int64)
         qsl = torch.zeros(len(qlens) + 1, dtype=torch.int64)
         torch.cumsum(qlens_t, 0, out=qsl[1:])
@@ -82,7 +84,9 @@ class ModelRunner:
         # seq_idx[t]: which sequence token t belongs to; positions[t] = start + offset in chunk.
         seq_idx = torch.repeat_interleave(torch.arange(len(qlens)), qlens_t)
         positions = (
-            torch.arange(num_tokens) - qsl[:-1][seq_idx] + torch.tensor(starts, dtype=torch.int64)[seq_idx]
+            torch.arange(num_tokens)
+            - qsl[:-1][seq_idx]
+            + torch.tensor(starts, dtype=torch.int64)[seq_idx]
         )
         # slot = block_id * block_size + offset within the block
         slots = block_tables[seq_idx, positions // bs].to(torch.int64) * bs + positions % bs
@@ -127,7 +131,9 @@ class ModelRunner:
             if not req.forked and req.params.n > 1:
                 n = req.params.n
                 prompt = req.prompt_token_ids
-                rows.extend(SamplingRow(req.params, prompt, [], req.generators[i]) for i in range(n))
+                rows.extend(
+                    SamplingRow(req.params, prompt, [], req.generators[i]) for i in range(n)
+                )
                 row_index.extend([end - 1] * n)
                 owners.append((item, n))
             else:

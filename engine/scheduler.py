@@ -21,7 +21,7 @@ from engine.config import SchedulerConfig
 from engine.kv.manager import KVCacheManager, PrefixMatch
 from engine.kv.plan import KVPlan
 from engine.kv.tiers import TieredCache
-from engine.sequence import Sequence, SeqStatus
+from engine.sequence import SeqStatus, Sequence
 
 
 @dataclass(slots=True)

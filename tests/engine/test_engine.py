@@ -131,12 +131,17 @@ def test_max_tokens_min_tokens_and_stop_ids(llm: LLM) -> None:
     base = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=10, ignore_eos=True))[0]
     stop_at = base.token_ids[3]
     first = base.token_ids.index(stop_at)
-    out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=10, stop_token_ids=[stop_at]))[0]
+    out = llm.generate(
+        [prompt], SamplingParams(temperature=0, max_tokens=10, stop_token_ids=[stop_at])
+    )[0]
     assert out.finish_reason == "stop" and out.outputs[0].stop_reason == stop_at
     assert out.token_ids == base.token_ids[: first + 1]
     # min_tokens suppresses the stop token id until enough tokens exist.
     out = llm.generate(
-        [prompt], SamplingParams(temperature=0, max_tokens=10, min_tokens=first + 2, stop_token_ids=[stop_at])
+        [prompt],
+        SamplingParams(
+            temperature=0, max_tokens=10, min_tokens=first + 2, stop_token_ids=[stop_at]
+        ),
     )[0]
     assert len(out.token_ids) >= first + 2
     assert stop_at not in out.token_ids[: first + 1] or out.token_ids.index(stop_at) >= first + 1
@@ -148,13 +153,17 @@ def test_stop_string_is_cut_from_text(llm: LLM) -> None:
     text = base.text
     assert len(text) >= 4
     stop = text[len(text) // 2 : len(text) // 2 + 2]
-    out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=12, stop=[stop], ignore_eos=True))[0]
+    out = llm.generate(
+        [prompt], SamplingParams(temperature=0, max_tokens=12, stop=[stop], ignore_eos=True)
+    )[0]
     assert out.finish_reason == "stop" and out.outputs[0].stop_reason == stop
     assert out.text == text[: text.index(stop)]
 
 
 def test_logprobs(llm: LLM) -> None:
-    out = llm.generate([rand_tokens(10, 17)], SamplingParams(temperature=0, max_tokens=3, logprobs=3))[0]
+    out = llm.generate(
+        [rand_tokens(10, 17)], SamplingParams(temperature=0, max_tokens=3, logprobs=3)
+    )[0]
     lps = out.outputs[0].logprobs
     assert lps is not None and len(lps) == len(out.token_ids)
     for tok, lp in zip(out.token_ids, lps, strict=True):
@@ -173,8 +182,12 @@ def test_prompt_too_big_for_pool_fails_cleanly(tiny_llama_path: Path) -> None:
 
 def test_abort_frees_blocks(llm: LLM) -> None:
     eng = llm.engine
-    eng.add_request(rand_tokens(100, 20), SamplingParams(max_tokens=50, ignore_eos=True), request_id="a")
-    eng.add_request(rand_tokens(60, 21), SamplingParams(max_tokens=50, ignore_eos=True), request_id="b")
+    eng.add_request(
+        rand_tokens(100, 20), SamplingParams(max_tokens=50, ignore_eos=True), request_id="a"
+    )
+    eng.add_request(
+        rand_tokens(60, 21), SamplingParams(max_tokens=50, ignore_eos=True), request_id="b"
+    )
     eng.step()
     eng.step()
     assert eng.kv.num_free_blocks < eng.kv.num_blocks

