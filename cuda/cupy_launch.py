@@ -122,8 +122,14 @@ def get_kernel(cu_file: str, name_expression: str) -> Any:
     return module.get_function(name_expression)
 
 
+def num_sms(device: torch.device) -> int:
+    """Streaming multiprocessors of a CUDA device (cached)."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return _num_sms(index)
+
+
 @functools.cache
-def num_sms(device_index: int) -> int:
+def _num_sms(device_index: int) -> int:
     return int(torch.cuda.get_device_properties(device_index).multi_processor_count)
 
 

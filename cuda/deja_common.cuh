@@ -17,6 +17,8 @@ struct bf16 {
 __device__ __forceinline__ float neg_inf() { return __int_as_float(0xff800000); }
 
 // ---- scalar conversions -------------------------------------------------------------------
+// DEJA_HOST_EMULATION: the CPU test harness (tests/cuda_emu) supplies host versions.
+#ifndef DEJA_HOST_EMULATION
 __device__ __forceinline__ float f16_bits_to_float(unsigned short h) {
   float f;
   asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
@@ -28,6 +30,7 @@ __device__ __forceinline__ unsigned short float_to_f16_bits(float f) {
   asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f));
   return h;
 }
+#endif
 
 __device__ __forceinline__ float bf16_bits_to_float(unsigned short b) {
   return __uint_as_float(static_cast<unsigned int>(b) << 16);

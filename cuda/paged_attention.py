@@ -137,9 +137,8 @@ def paged_decode_attention(
     group = num_heads // num_kv_heads
     heads = heads_per_cta(group)
     ctas = num_seqs * num_kv_heads * (group // heads)
-    index = device.index if device.index is not None else torch.cuda.current_device()
     if split is None:
-        split = use_split_k(ctas, max_seq_len, num_sms(index))
+        split = use_split_k(ctas, max_seq_len, num_sms(device))
     num_parts = math.ceil(max_seq_len / PARTITION_SIZE) if split else 1
     check(num_parts <= 65535, f"context too long for split-K: {num_parts} partitions")
     # The plain kernel covers the whole context with one "partition".
