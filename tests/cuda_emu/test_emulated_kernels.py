@@ -1,0 +1,187 @@
+"""The CUDA kernels, run on the CPU through the real loaders, against float64 references.
+
+No GPU needed: tests/cuda_emu/host_shim.h runs every CUDA thread as a std::thread (see there for
+what this does and does not prove). Skips without g++.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from cuda import block_copy, paged_attention, prefill_attention, reshape_and_cache
+from tests.cuda_emu.emulator import Emulator, find_compiler
+from tests.kernel_reference import attention_reference, make_case, tolerance, write_reference
+
+pytestmark = pytest.mark.skipif(find_compiler() is None, reason="g++ is not installed")
+
+BF16, F16, F32 = torch.bfloat16, torch.float16, torch.float32
+
+# (dtype, head_dim, block_size, num_heads, num_kv_heads): GQA groups 1, 3, 4, 6, 8, 12 cover every
+# heads-per-CTA template (1, 2, 4, 8) and several CTAs per KV head.
+ATTN_CONFIGS = [
+    (BF16, 128, 16, 8, 2),
+    (F16, 96, 32, 8, 1),
+    (F32, 64, 16, 2, 2),
+    (BF16, 64, 32, 6, 1),
+    (F32, 128, 32, 12, 1),
+    (F16, 64, 16, 6, 2),
+    (F32, 96, 16, 4, 1),
+]
+
+
+def _names() -> list[str]:
+    names = reshape_and_cache.instantiations() + block_copy.instantiations()
+    for dtype, d, bs, hq, hkv in ATTN_CONFIGS:
+        heads = paged_attention.heads_per_cta(hq // hkv)
+        names.append(paged_attention.decode_kernel_name(dtype, d, bs, heads))
+        names.append(paged_attention.reduce_kernel_name(dtype, d))
+        names.append(prefill_attention.kernel_name(dtype, d, bs))
+    return names
+
+
+@pytest.fixture(scope="module")
+def emulator() -> Emulator:
+    return Emulator(_names())
+
+
+@pytest.fixture
+def emu(emulator: Emulator, monkeypatch: pytest.MonkeyPatch) -> Emulator:
+    emulator.install(monkeypatch)
+    emulator.launches.clear()
+    return emulator
+
+
+def _config_id(cfg: tuple[torch.dtype, int, int, int, int]) -> str:
+    dtype, d, bs, hq, hkv = cfg
+    return f"{str(dtype).removeprefix('torch.')}-d{d}-bs{bs}-h{hq}/{hkv}"
+
+
+def test_reshape_and_cache_skips_padding_and_follows_strides(emu: Emulator) -> None:
+    for dtype, (hq, hkv, d) in [(BF16, (4, 2, 64)), (F32, (3, 1, 96)), (F16, (2, 2, 128))]:
+        case = make_case([3, 0, 20], [2, 5, 1], hq, hkv, d, 16, dtype, num_padding_tokens=2)
+        # k / v as views into one fused qkv tensor, the way the model produces them
+        t = case.q.shape[0]
+        qkv = torch.cat(
+            [case.q.reshape(t, -1), case.k.reshape(t, -1), case.v.reshape(t, -1)], dim=1
+        )
+        k = qkv[:, hq * d : (hq + hkv) * d].view(t, hkv, d)
+        v = qkv[:, (hq + hkv) * d :].view(t, hkv, d)
+        expected = write_reference(case)
+        cache = case.kv_cache.clone()
+        reshape_and_cache.reshape_and_cache(k, v, cache, case.slot_mapping)
+        assert torch.equal(cache.isnan(), expected.isnan())
+        assert torch.equal(cache.nan_to_num(), expected.nan_to_num())
+    assert {name for name, _, _ in emu.launches} <= set(reshape_and_cache.instantiations())
+
+
+@pytest.mark.parametrize("cfg", ATTN_CONFIGS, ids=_config_id)
+def test_decode_matches_reference(
+    emu: Emulator, cfg: tuple[torch.dtype, int, int, int, int]
+) -> None:
+    dtype, d, bs, hq, hkv = cfg
+    case = make_case([0, 16, 70, 31], [1, 1, 1, 1], hq, hkv, d, bs, dtype, seed=1)
+    cache = write_reference(case)
+    scale = 1 / math.sqrt(d)
+    out = torch.full_like(case.q, float("nan"))
+    paged_attention.paged_decode_attention(
+        out, case.q, cache, case.block_tables, case.seq_lens, scale, case.max_seq_len
+    )
+    assert [n for n, _, _ in emu.launches] == [
+        paged_attention.decode_kernel_name(dtype, d, bs, paged_attention.heads_per_cta(hq // hkv))
+    ]
+    ref = attention_reference(case, cache, scale)
+    err = (out.double() - ref).abs().max().item()
+    assert err < tolerance(dtype), err
+
+
+@pytest.mark.parametrize("cfg", ATTN_CONFIGS[:3], ids=_config_id)
+def test_split_k_decode_matches_reference(
+    emu: Emulator, cfg: tuple[torch.dtype, int, int, int, int]
+) -> None:
+    dtype, d, bs, hq, hkv = cfg
+    # 1100 tokens: 3 partitions of 512; 4 tokens: one partition, its other CTAs exit at once.
+    case = make_case([1099, 3, 600], [1, 1, 1], hq, hkv, d, bs, dtype, seed=2)
+    cache = write_reference(case)
+    scale = 0.7 / math.sqrt(d)
+    out = torch.full_like(case.q, float("nan"))
+    paged_attention.paged_decode_attention(
+        out, case.q, cache, case.block_tables, case.seq_lens, scale, case.max_seq_len, split=True
+    )
+    names = [n for n, _, _ in emu.launches]
+    assert names[1] == paged_attention.reduce_kernel_name(dtype, d)
+    assert emu.launches[0][1][2] == 3  # partitions
+    ref = attention_reference(case, cache, scale)
+    err = (out.double() - ref).abs().max().item()
+    assert err < tolerance(dtype), err
+
+
+def test_split_k_heuristic(emu: Emulator) -> None:
+    """Few CTAs and a long context split; many CTAs or short contexts do not."""
+    assert paged_attention.use_split_k(32, 32768, 132)
+    assert not paged_attention.use_split_k(512, 4096, 132)
+    assert not paged_attention.use_split_k(8, 1024, 132)
+    case = make_case([1500], [1], 2, 2, 64, 16, F32, seed=3)
+    cache = write_reference(case)
+    out = torch.empty_like(case.q)
+    paged_attention.paged_decode_attention(
+        out, case.q, cache, case.block_tables, case.seq_lens, 0.125, case.max_seq_len
+    )
+    assert len(emu.launches) == 2  # split-K kernel + reduction, chosen automatically
+    ref = attention_reference(case, cache, 0.125)
+    assert (out.double() - ref).abs().max().item() < tolerance(F32)
+
+
+@pytest.mark.parametrize("cfg", ATTN_CONFIGS, ids=_config_id)
+def test_prefill_matches_reference(
+    emu: Emulator, cfg: tuple[torch.dtype, int, int, int, int]
+) -> None:
+    dtype, d, bs, hq, hkv = cfg
+    # fresh prompt, chunk over a cached prefix, a decode token, a chunk crossing tile edges
+    case = make_case(
+        [0, 21, 40, 3], [19, 12, 1, 40], hq, hkv, d, bs, dtype, num_padding_tokens=3, seed=4
+    )
+    cache = write_reference(case)
+    scale = 1 / math.sqrt(d)
+    out = torch.full_like(case.q, float("nan"))
+    prefill_attention.paged_prefill_attention(
+        out,
+        case.q,
+        cache,
+        case.block_tables,
+        case.seq_lens,
+        case.query_start_loc,
+        scale,
+        case.max_query_len,
+    )
+    ref = attention_reference(case, cache, scale)
+    n = case.num_queries
+    err = (out[:n].double() - ref).abs().max().item()
+    assert err < tolerance(dtype), err
+    assert out[n:].isnan().all()  # padding tokens untouched
+
+
+def test_copy_blocks_all_layers(emu: Emulator) -> None:
+    for dtype, shape in [(BF16, (3, 2, 10, 16, 2, 64)), (F32, (2, 2, 6, 32, 1, 96))]:
+        cache = torch.randn(shape).to(dtype)
+        src = torch.tensor([0, 4, 5], dtype=torch.int64)
+        dst = torch.tensor([2, 1, 3], dtype=torch.int64)
+        expected = cache.clone()
+        expected[:, :, dst] = expected[:, :, src]
+        block_copy.copy_blocks(cache, src, dst)
+        assert torch.equal(cache, expected)
+
+
+def test_gather_scatter_round_trip(emu: Emulator) -> None:
+    cache = torch.randn(3, 2, 12, 16, 2, 64).to(F16)
+    ids = torch.tensor([7, 2, 9, 0], dtype=torch.int64)
+    staging = torch.empty(3, 2, 4, 16, 2, 64, dtype=F16)
+    block_copy.gather_blocks(cache, ids, staging)
+    assert torch.equal(staging, cache[:, :, ids])
+    new = torch.randn_like(staging.float()).to(F16)
+    expected = cache.clone()
+    expected[:, :, ids] = new
+    block_copy.scatter_blocks(new, cache, ids)
+    assert torch.equal(cache, expected)

@@ -1,0 +1,153 @@
+"""Naive paged-attention references and random paged batches, for the kernel tests.
+
+Used by tests/gpu (kernels on a GPU) and tests/cuda_emu (the same kernels emulated on the CPU).
+The reference loops over sequences in float64: slow, obviously correct.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class PagedCase:
+    """One random flat batch over a paged cache (one layer)."""
+
+    q: torch.Tensor
+    """[T, Hq, D]"""
+    k: torch.Tensor
+    """[T, Hkv, D]: the new tokens' keys (not yet in the cache)."""
+    v: torch.Tensor
+    kv_cache: torch.Tensor
+    """[2, NB, BS, Hkv, D]: context tokens written, every other slot NaN."""
+    slot_mapping: torch.Tensor
+    """[T] int64, -1 for padding tokens (after the last sequence)."""
+    block_tables: torch.Tensor
+    """[S, max_blocks] int32, random distinct blocks, right-padded with random ids."""
+    seq_lens: torch.Tensor
+    """[S] int32"""
+    query_start_loc: torch.Tensor
+    """[S + 1] int32"""
+    context_lens: list[int]
+    query_lens: list[int]
+
+    @property
+    def max_seq_len(self) -> int:
+        return max(c + q for c, q in zip(self.context_lens, self.query_lens, strict=True))
+
+    @property
+    def max_query_len(self) -> int:
+        return max(self.query_lens)
+
+    @property
+    def num_queries(self) -> int:
+        return sum(self.query_lens)
+
+
+def make_case(
+    context_lens: list[int],
+    query_lens: list[int],
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    block_size: int,
+    dtype: torch.dtype,
+    device: str | torch.device = "cpu",
+    num_padding_tokens: int = 0,
+    extra_blocks: int = 3,
+    seed: int = 0,
+) -> PagedCase:
+    """Random q/k/v and a cache whose unused slots hold NaN (a kernel that reads them fails)."""
+    gen = torch.Generator().manual_seed(seed)
+    seq_lens = [c + q for c, q in zip(context_lens, query_lens, strict=True)]
+    blocks_per_seq = [-(-n // block_size) for n in seq_lens]
+    num_blocks = sum(blocks_per_seq) + extra_blocks
+    perm = torch.randperm(num_blocks, generator=gen).tolist()
+    max_blocks = max(blocks_per_seq) + 1  # one padding column at least
+    tables: list[list[int]] = []
+    used = 0
+    for n in blocks_per_seq:
+        row = perm[used : used + n]
+        used += n
+        pad = torch.randint(0, num_blocks, (max_blocks - n,), generator=gen).tolist()
+        tables.append(row + pad)
+
+    def rand(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen).to(dtype)
+
+    cache = torch.full((2, num_blocks, block_size, num_kv_heads, head_dim), float("nan"))
+    cache = cache.to(dtype)
+    flat = cache.view(2, num_blocks * block_size, num_kv_heads, head_dim)
+    for table, ctx in zip(tables, context_lens, strict=True):
+        for pos in range(ctx):
+            slot = table[pos // block_size] * block_size + pos % block_size
+            flat[:, slot] = rand(2, num_kv_heads, head_dim)
+
+    slots: list[int] = []
+    for table, ctx, qlen in zip(tables, context_lens, query_lens, strict=True):
+        slots += [
+            table[p // block_size] * block_size + p % block_size for p in range(ctx, ctx + qlen)
+        ]
+    slots += [-1] * num_padding_tokens
+    num_tokens = len(slots)
+    starts = [0]
+    for qlen in query_lens:
+        starts.append(starts[-1] + qlen)
+    dev = torch.device(device)
+    return PagedCase(
+        q=rand(num_tokens, num_heads, head_dim).to(dev),
+        k=rand(num_tokens, num_kv_heads, head_dim).to(dev),
+        v=rand(num_tokens, num_kv_heads, head_dim).to(dev),
+        kv_cache=cache.to(dev),
+        slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
+        block_tables=torch.tensor(tables, dtype=torch.int32, device=dev),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
+        query_start_loc=torch.tensor(starts, dtype=torch.int32, device=dev),
+        context_lens=list(context_lens),
+        query_lens=list(query_lens),
+    )
+
+
+def write_reference(case: PagedCase) -> torch.Tensor:
+    """The cache after writing the new tokens' K/V (padding slots skipped)."""
+    cache = case.kv_cache.clone()
+    flat = cache.view(2, -1, *cache.shape[3:])
+    keep = case.slot_mapping >= 0
+    flat[0, case.slot_mapping[keep]] = case.k[keep]
+    flat[1, case.slot_mapping[keep]] = case.v[keep]
+    return cache
+
+
+def attention_reference(case: PagedCase, kv_cache: torch.Tensor, scale: float) -> torch.Tensor:
+    """[num_queries, Hq, D] float64: causal attention of every new token over its sequence."""
+    block_size = kv_cache.shape[2]
+    num_heads = case.q.shape[1]
+    num_kv_heads = kv_cache.shape[3]
+    group = num_heads // num_kv_heads
+    flat = kv_cache.view(2, -1, *kv_cache.shape[3:]).double().cpu()
+    tables = case.block_tables.cpu().tolist()
+    q = case.q.double().cpu()
+    outs = []
+    start = 0
+    for table, ctx, qlen in zip(tables, case.context_lens, case.query_lens, strict=True):
+        seq_len = ctx + qlen
+        slots = torch.tensor(
+            [table[p // block_size] * block_size + p % block_size for p in range(seq_len)]
+        )
+        k = flat[0, slots].repeat_interleave(group, dim=1)  # [L, Hq, D]
+        v = flat[1, slots].repeat_interleave(group, dim=1)
+        qs = q[start : start + qlen]  # [Q, Hq, D]
+        scores = torch.einsum("qhd,lhd->hql", qs, k) * scale
+        pos = torch.arange(ctx, seq_len)[:, None]  # [Q, 1]
+        mask = torch.arange(seq_len)[None, :] <= pos  # [Q, L]
+        scores = scores.masked_fill(~mask, float("-inf"))
+        outs.append(torch.einsum("hql,lhd->qhd", scores.softmax(-1), v))
+        start += qlen
+    return torch.cat(outs)
+
+
+def tolerance(dtype: torch.dtype) -> float:
+    """Max abs error allowed against the float64 reference for unit-variance inputs."""
+    return {torch.float32: 2e-5, torch.float16: 5e-3, torch.bfloat16: 3e-2}[dtype]
