@@ -164,7 +164,8 @@ class KVCacheManager:
         table = self.tables.get(seq.seq_id, [])
         computed = seq.num_computed_tokens + (match.num_tokens if match else 0)
         total = -(-(computed + num_new_tokens) // self.block_size)
-        held = len(table) + (match.num_blocks if match else 0)
+        # NOTE: lower-tier hits are copied into new device blocks: they count as needed.
+        held = len(table) + (len(match.device_blocks) if match else 0)
         need = max(0, total - held)
         if match:
             need += sum(1 for b in match.device_blocks if b.ref_cnt == 0)
