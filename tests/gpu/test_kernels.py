@@ -1,0 +1,184 @@
+"""Every CUDA kernel on a GPU against a float64 reference and the torch reference backend.
+
+Grid: fp16 / bf16 / fp32, head sizes 64 / 96 / 128, block sizes 16 / 32, GQA ratios 1 / 4 / 8
+(and 3, which uses several CTAs per KV head), random block tables, ragged lengths, padding slots,
+and a cache whose unused slots hold NaN (a kernel that reads one fails).
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import pytest
+import torch
+
+pytest.importorskip("cupy")
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA is not available"),
+]
+
+from cuda import block_copy, paged_attention, prefill_attention, reshape_and_cache  # noqa: E402
+from engine.attention.cupy_backend import CupyAttentionBackend  # noqa: E402
+from engine.attention.torch_ref import TorchAttentionBackend  # noqa: E402
+from tests.kernel_reference import (  # noqa: E402
+    attention_reference,
+    make_case,
+    tolerance,
+    write_reference,
+)
+from tests.tiny_models import make_attention_metadata  # noqa: E402
+
+DTYPES = [torch.float16, torch.bfloat16, torch.float32]
+HEAD_SIZES = [64, 96, 128]
+BLOCK_SIZES = [16, 32]
+HEADS = [(8, 8), (16, 4), (16, 2), (12, 4)]  # GQA ratios 1, 4, 8, 3
+GRID = list(itertools.product(DTYPES, HEAD_SIZES, BLOCK_SIZES, HEADS))
+
+
+def _id(cfg: tuple[torch.dtype, int, int, tuple[int, int]]) -> str:
+    dtype, d, bs, (hq, hkv) = cfg
+    return f"{str(dtype).removeprefix('torch.')}-d{d}-bs{bs}-h{hq}/{hkv}"
+
+
+def _err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return (out.double().cpu() - ref).abs().max().item()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_reshape_and_cache(cuda_device: torch.device, dtype: torch.dtype) -> None:
+    case = make_case(
+        [5, 0, 33], [3, 17, 1], 8, 2, 128, 16, dtype, cuda_device, num_padding_tokens=4
+    )
+    expected = write_reference(case)
+    cache = case.kv_cache.clone()
+    reshape_and_cache.reshape_and_cache(case.k, case.v, cache, case.slot_mapping)
+    torch.cuda.synchronize()
+    assert torch.equal(cache.isnan(), expected.isnan())
+    assert torch.equal(cache.nan_to_num(), expected.nan_to_num())
+
+
+@pytest.mark.parametrize("split", [False, True], ids=["plain", "split-k"])
+@pytest.mark.parametrize("cfg", GRID, ids=_id)
+def test_decode(
+    cuda_device: torch.device, cfg: tuple[torch.dtype, int, int, tuple[int, int]], split: bool
+) -> None:
+    dtype, d, bs, (hq, hkv) = cfg
+    contexts = [0, 15, 16, 100, 1300, 2047] if split else [0, 15, 16, 33, 100, 257]
+    case = make_case(contexts, [1] * len(contexts), hq, hkv, d, bs, dtype, cuda_device, seed=d + bs)
+    cache = write_reference(case)
+    scale = 1 / math.sqrt(d)
+    out = torch.full_like(case.q, float("nan"))
+    paged_attention.paged_decode_attention(
+        out, case.q, cache, case.block_tables, case.seq_lens, scale, case.max_seq_len, split=split
+    )
+    torch.cuda.synchronize()
+    err = _err(out, attention_reference(case, cache, scale))
+    assert err < tolerance(dtype), err
+
+
+@pytest.mark.parametrize("cfg", GRID, ids=_id)
+def test_prefill(
+    cuda_device: torch.device, cfg: tuple[torch.dtype, int, int, tuple[int, int]]
+) -> None:
+    dtype, d, bs, (hq, hkv) = cfg
+    # fresh prompt, chunk over a cached prefix, decode token, long chunk, chunk over long prefix
+    contexts, queries = [0, 21, 40, 3, 700], [19, 12, 1, 150, 37]
+    case = make_case(contexts, queries, hq, hkv, d, bs, dtype, cuda_device, num_padding_tokens=3)
+    cache = write_reference(case)
+    scale = 1 / math.sqrt(d)
+    out = torch.full_like(case.q, float("nan"))
+    prefill_attention.paged_prefill_attention(
+        out,
+        case.q,
+        cache,
+        case.block_tables,
+        case.seq_lens,
+        case.query_start_loc,
+        scale,
+        case.max_query_len,
+    )
+    torch.cuda.synchronize()
+    n = case.num_queries
+    err = _err(out[:n], attention_reference(case, cache, scale))
+    assert err < tolerance(dtype), err
+    assert out[n:].isnan().all()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(
+    "contexts,queries,padding",
+    [
+        ([5, 0, 40, 17, 900], [1, 1, 1, 1, 1], 0),
+        ([5, 0, 40, 17, 900], [1, 9, 1, 20, 64], 0),
+        ([0, 33], [16, 1], 3),
+    ],
+    ids=["decode", "mixed", "padding"],
+)
+def test_backend_matches_torch_backend(
+    cuda_device: torch.device,
+    dtype: torch.dtype,
+    contexts: list[int],
+    queries: list[int],
+    padding: int,
+) -> None:
+    case = make_case(
+        contexts, queries, 32, 8, 128, 16, dtype, cuda_device, num_padding_tokens=padding
+    )
+    cache = case.kv_cache.nan_to_num()
+    meta, _ = make_attention_metadata(
+        contexts, queries, case.block_tables.tolist(), 16, padding, device=str(cuda_device)
+    )
+    scale = 1 / math.sqrt(128)
+    ours_cache, ref_cache = cache.clone(), cache.clone()
+    ours = CupyAttentionBackend(cuda_device).forward(
+        case.q, case.k, case.v, ours_cache, meta, scale
+    )
+    ref = TorchAttentionBackend().forward(case.q, case.k, case.v, ref_cache, meta, scale)
+    torch.cuda.synchronize()
+    assert torch.equal(ours_cache, ref_cache)
+    err = (ours.double() - ref.double()).abs().max().item()
+    assert err < 2 * tolerance(dtype), err
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_block_copies(cuda_device: torch.device, dtype: torch.dtype) -> None:
+    cache = torch.randn(4, 2, 20, 16, 2, 96, device=cuda_device).to(dtype)
+    src = torch.tensor([0, 7, 8, 19], device=cuda_device)
+    dst = torch.tensor([3, 1, 12, 5], device=cuda_device)
+    expected = cache.clone()
+    expected[:, :, dst] = expected[:, :, src]
+    block_copy.copy_blocks(cache, src, dst)
+    torch.cuda.synchronize()
+    assert torch.equal(cache, expected)
+
+    ids = torch.tensor([11, 2, 19], device=cuda_device)
+    staging = torch.empty(4, 2, 3, 16, 2, 96, dtype=dtype, device=cuda_device)
+    block_copy.gather_blocks(cache, ids, staging)
+    torch.cuda.synchronize()
+    assert torch.equal(staging, cache[:, :, ids])
+    new = torch.randn(staging.shape, device=cuda_device).to(dtype)
+    expected = cache.clone()
+    expected[:, :, ids] = new
+    block_copy.scatter_blocks(new, cache, ids)
+    torch.cuda.synchronize()
+    assert torch.equal(cache, expected)
+
+
+def test_runs_on_torch_current_stream(cuda_device: torch.device) -> None:
+    """A kernel launched under a side stream is ordered after that stream's earlier work."""
+    case = make_case([300], [1], 8, 2, 128, 16, torch.bfloat16, cuda_device)
+    cache = write_reference(case)
+    stream = torch.cuda.Stream(cuda_device)
+    out = torch.zeros_like(case.q)
+    stream.wait_stream(torch.cuda.current_stream(cuda_device))
+    with torch.cuda.stream(stream):
+        q = case.q * 1.0  # produced on `stream`
+        paged_attention.paged_decode_attention(
+            out, q, cache, case.block_tables, case.seq_lens, 0.1, case.max_seq_len
+        )
+    torch.cuda.current_stream(cuda_device).wait_stream(stream)
+    torch.cuda.synchronize()
+    err = _err(out, attention_reference(case, cache, 0.1))
+    assert err < tolerance(torch.bfloat16), err
