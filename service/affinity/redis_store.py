@@ -99,6 +99,11 @@ class RedisAffinityStore(AffinityStore):
             async with asyncio.timeout(self._op_timeout_s):
                 return await fn()
         except _ERRORS as e:
+            task = asyncio.current_task()
+            if task is not None and task.cancelling():
+                # NOTE: a client library may turn our caller's cancellation into a connection
+                # error; cancellation must win, or loops that are being stopped never stop.
+                raise asyncio.CancelledError from e
             detail = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
             if not isinstance(e, ResponseError | DataError):
                 self._mark_down(f"{what}: {detail}")

@@ -1,0 +1,194 @@
+"""What a replica started with --redis-url runs: registration, heartbeat, load, affinity records.
+
+`ReplicaAgent.start()` registers the replica and heartbeats every `heartbeat_s` with its current
+load (from `get_stats()`); `record()` is called after each finished Generate and writes, in the
+background, `session_id -> this replica` and the prompt's block hashes (the engine's own chain,
+bounded per request). The agent also keeps a local LRU of the hashes it recorded, sized like the
+replica's KV tiers; a hash pushed out of it has most likely been evicted by the engine too, so its
+record is removed (best effort: the engine does not publish evictions).
+
+The store is an optimisation: every failure is logged (rate limited) and counted in
+`deja_affinity_store_errors_total`, and never reaches a request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import OrderedDict
+from collections.abc import Awaitable, Callable, Sequence
+
+from prometheus_client import CollectorRegistry, Counter
+
+from engine.kv.hashing import BlockHash
+from engine.stats import EngineStats
+from service.affinity.base import AffinityStore, AffinityStoreError, ReplicaInfo, ReplicaLoad
+from service.affinity.config import AffinityConfig
+from service.affinity.prefix import bounded_chain, prompt_block_hashes
+
+log = logging.getLogger(__name__)
+
+_MAX_PENDING_RECORDS = 256
+"""Records waiting for the store beyond this are dropped (counted), so memory stays bounded."""
+_LOG_EVERY_S = 10.0
+
+
+def load_from_stats(stats: EngineStats) -> ReplicaLoad:
+    return ReplicaLoad(
+        num_running=stats.num_running,
+        num_waiting=stats.num_waiting,
+        kv_usage=stats.kv_usage,
+        hit_rate=stats.prefix_hit_rate,
+    )
+
+
+def cache_capacity_blocks(num_device_blocks: int, stats: EngineStats) -> int:
+    """Blocks the replica can keep cached over its device and host tiers (not disk)."""
+    cpu = sum(t.num_blocks for t in stats.tiers if t.name == "cpu")
+    return num_device_blocks + cpu
+
+
+class ReplicaAgent:
+    def __init__(
+        self,
+        store: AffinityStore,
+        info: ReplicaInfo,
+        get_stats: Callable[[], EngineStats],
+        config: AffinityConfig,
+        *,
+        capacity_blocks: int,
+        registry: CollectorRegistry | None = None,
+    ) -> None:
+        self.store = store
+        self.info = info
+        self._get_stats = get_stats
+        self._config = config
+        self._capacity = max(1, capacity_blocks)
+        self._held: OrderedDict[BlockHash, None] = OrderedDict()
+        """Hashes recorded for this replica, least recently recorded first."""
+        self._pending: set[asyncio.Task[bool]] = set()
+        self._heartbeat: asyncio.Task[None] | None = None
+        self._last_log = 0.0
+        self._stopping = False
+        self.errors = Counter(
+            "deja_affinity_store_errors",
+            "Affinity store calls that failed (the request went on without them).",
+            ["op"],
+            registry=registry,
+        )
+        self.records = Counter(
+            "deja_affinity_records",
+            "Affinity records written after requests, by result.",
+            ["result"],
+            registry=registry,
+        )
+
+    # Lifecycle.
+
+    async def start(self) -> None:
+        """Registers now (a failure is only logged) and starts the heartbeat loop."""
+        await self.heartbeat_once()
+        self._heartbeat = asyncio.get_running_loop().create_task(self._heartbeat_loop())
+
+    async def stop(self, deregister: bool = True) -> None:
+        """Stops heartbeating, waits briefly for pending records, deregisters, closes the store."""
+        self._stopping = True
+        if self._heartbeat is not None:
+            self._heartbeat.cancel()
+            await asyncio.wait([self._heartbeat], timeout=2.0)
+            self._heartbeat = None
+        await self.flush(timeout_s=1.0)
+        if deregister:
+            await self._try("deregister", self.store.deregister(self.info.replica_id))
+        await self.store.close()
+
+    async def heartbeat_once(self) -> bool:
+        try:
+            load = load_from_stats(self._get_stats())
+        except Exception as e:
+            log.debug("get_stats failed: %s", e)
+            load = ReplicaLoad()
+        return await self._try(
+            "register", self.store.register(self.info, load, self._config.replica_ttl_s)
+        )
+
+    async def _heartbeat_loop(self) -> None:
+        while not self._stopping:
+            await asyncio.sleep(self._config.heartbeat_s)
+            await self.heartbeat_once()
+
+    # Records.
+
+    def record(
+        self, session_id: str, prompt_token_ids: Sequence[int], cache_salt: str | None
+    ) -> None:
+        """Records affinity for a finished request in the background; never raises or blocks."""
+        if len(self._pending) >= _MAX_PENDING_RECORDS:
+            self.records.labels("dropped").inc()
+            return
+        try:
+            task = asyncio.get_running_loop().create_task(
+                self.record_now(session_id, prompt_token_ids, cache_salt)
+            )
+        except RuntimeError:  # no running loop: nothing to do it on
+            self.records.labels("dropped").inc()
+            return
+        self._pending.add(task)
+        task.add_done_callback(self._pending.discard)
+
+    async def record_now(
+        self, session_id: str, prompt_token_ids: Sequence[int], cache_salt: str | None
+    ) -> bool:
+        """Writes the session and prefix records; True when the store took them."""
+        ok = True
+        if session_id:
+            ok &= await self._try(
+                "set_session",
+                self.store.set_session(
+                    session_id, self.info.replica_id, self._config.session_ttl_s
+                ),
+            )
+        hashes = prompt_block_hashes(
+            prompt_token_ids, self.info.block_size, self.info.model_id, cache_salt
+        )
+        if hashes:
+            chain = bounded_chain(hashes, self._config.max_blocks_per_record)
+            ok &= await self._try(
+                "record_prefix",
+                self.store.record_prefix(self.info.replica_id, chain, self._config.prefix_ttl_s),
+            )
+            evicted = self._touch(chain)
+            if evicted:
+                ok &= await self._try(
+                    "remove_prefix", self.store.remove_prefix(self.info.replica_id, evicted)
+                )
+        self.records.labels("ok" if ok else "failed").inc()
+        return ok
+
+    async def flush(self, timeout_s: float = 5.0) -> None:
+        """Waits for records scheduled so far (tests, shutdown)."""
+        if self._pending:
+            await asyncio.wait(list(self._pending), timeout=timeout_s)
+
+    def _touch(self, chain: Sequence[BlockHash]) -> list[BlockHash]:
+        """Marks the chain most recently used; returns the hashes pushed out of the local LRU."""
+        for h in chain:
+            self._held[h] = None
+            self._held.move_to_end(h)
+        evicted: list[BlockHash] = []
+        while len(self._held) > self._capacity:
+            evicted.append(self._held.popitem(last=False)[0])
+        return evicted
+
+    async def _try(self, op: str, call: Awaitable[None]) -> bool:
+        try:
+            await call
+            return True
+        except AffinityStoreError as e:
+            self.errors.labels(op).inc()
+            now = time.monotonic()
+            if now - self._last_log >= _LOG_EVERY_S:
+                self._last_log = now
+                log.warning("affinity store %s failed (requests are unaffected): %s", op, e)
+            return False

@@ -1,0 +1,92 @@
+"""The replica agent: registration, heartbeat with load, records, and Redis outages."""
+
+from __future__ import annotations
+
+import asyncio
+
+from prometheus_client import CollectorRegistry
+
+from engine.stats import EngineStats
+from service.affinity import AffinityConfig, ReplicaInfo
+from service.affinity.memory import MemoryAffinityStore
+from service.affinity.prefix import prompt_block_hashes
+from service.affinity.redis_store import RedisAffinityStore
+from service.replica_agent import ReplicaAgent
+
+from .redis_proc import RedisProcess
+
+INFO = ReplicaInfo("r1", "127.0.0.1:5001", "tiny", 4)
+CONFIG = AffinityConfig(heartbeat_s=0.05, replica_ttl_s=0.5, max_blocks_per_record=3)
+
+
+def stats() -> EngineStats:
+    return EngineStats(num_running=2, num_waiting=1, kv_usage=0.25, prefix_queries=4, prefix_hits=1)
+
+
+async def test_register_heartbeat_and_record() -> None:
+    store = MemoryAffinityStore()
+    agent = ReplicaAgent(store, INFO, stats, CONFIG, capacity_blocks=100)
+    await agent.start()
+    (status,) = await store.list_replicas()
+    assert status.info == INFO
+    assert (status.load.num_running, status.load.num_waiting) == (2, 1)
+    assert status.load.hit_rate == 0.25
+
+    prompt = list(range(22))  # 5 full blocks of 4
+    agent.record("sess", prompt, "salt")
+    await agent.flush()
+    assert await store.get_session("sess") == "r1"
+    chain = prompt_block_hashes(prompt, 4, "tiny", "salt")
+    # Bounded to 3 hashes (first two + last), the last still stands for all 5 blocks.
+    assert await store.longest_prefix(chain) == {"r1": 5}
+    assert await store.longest_prefix(chain[:4]) == {"r1": 2}
+    assert await store.longest_prefix(prompt_block_hashes(prompt, 4, "tiny", None)) == {}
+
+    await agent.stop()
+    assert not store.available
+
+
+async def test_stops_heartbeating_drops_out() -> None:
+    store = MemoryAffinityStore()
+    agent = ReplicaAgent(store, INFO, stats, CONFIG, capacity_blocks=100)
+    await agent.start()
+    await asyncio.sleep(0.2)
+    assert len(await store.list_replicas()) == 1
+    assert agent._heartbeat is not None
+    agent._heartbeat.cancel()  # a replica that hangs: no heartbeat, no deregistration
+    await asyncio.sleep(0.7)
+    assert await store.list_replicas() == []
+
+
+async def test_local_lru_removes_records_it_knows_are_evicted() -> None:
+    store = MemoryAffinityStore()
+    config = AffinityConfig(max_blocks_per_record=100)
+    agent = ReplicaAgent(store, INFO, stats, config, capacity_blocks=4)
+    a, b = list(range(100, 116)), list(range(200, 216))  # 4 blocks each
+    await agent.record_now("", a, None)
+    await agent.record_now("", b, None)  # pushes a's 4 blocks out of a 4-block cache
+    assert await store.longest_prefix(prompt_block_hashes(a, 4, "tiny", None)) == {}
+    assert await store.longest_prefix(prompt_block_hashes(b, 4, "tiny", None)) == {"r1": 4}
+
+
+async def test_redis_down_never_raises_and_counts(redis_proc: RedisProcess) -> None:
+    registry = CollectorRegistry()
+    store = RedisAffinityStore(redis_proc.url, op_timeout_s=0.3, reconnect_interval_s=0.1)
+    agent = ReplicaAgent(store, INFO, stats, CONFIG, capacity_blocks=100, registry=registry)
+    await agent.start()
+    assert await agent.record_now("s", list(range(8)), None)
+    redis_proc.stop()
+    assert not await agent.record_now("s", list(range(8)), None)
+    agent.record("s", list(range(8)), None)
+    await agent.flush()
+    errors = registry.get_sample_value("deja_affinity_store_errors_total", {"op": "set_session"})
+    assert errors is not None and errors >= 2
+    assert registry.get_sample_value("deja_affinity_records_total", {"result": "failed"}) == 2
+
+    redis_proc.start()
+    for _ in range(60):  # reconnect, then the heartbeat re-registers on the fresh server
+        if store.available and await store.list_replicas():
+            break
+        await asyncio.sleep(0.05)
+    assert [s.info.replica_id for s in await store.list_replicas()] == ["r1"]
+    await agent.stop()
