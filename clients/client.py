@@ -17,7 +17,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import time
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncGenerator, Generator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -160,7 +160,9 @@ class GenerateResult:
 
 
 def _is_retryable(err: grpc.RpcError) -> bool:
-    return isinstance(err, grpc.Call) and err.code() == grpc.StatusCode.UNAVAILABLE
+    if isinstance(err, grpc.Call | grpc.aio.AioRpcError):
+        return err.code() == grpc.StatusCode.UNAVAILABLE
+    return False
 
 
 class _Base:
@@ -234,7 +236,7 @@ def _end_span(span: trace.Span, result: GenerateResult | None, err: BaseExceptio
         u = result.final.usage
         span.set_attribute("gen_ai.usage.input_tokens", u.prompt_tokens)
         span.set_attribute("gen_ai.usage.output_tokens", u.completion_tokens)
-    if isinstance(err, grpc.Call):
+    if isinstance(err, grpc.Call | grpc.aio.AioRpcError):
         span.set_status(Status(StatusCode.ERROR, f"{err.code().name}: {err.details()}"))
     elif err is not None:
         span.set_status(Status(StatusCode.ERROR, type(err).__name__))
@@ -290,13 +292,13 @@ class DejaClient(_Base):
         *,
         timeout: float | None = None,
         **kwargs: Any,
-    ) -> Iterator[pb.GenerateResponse]:
+    ) -> Generator[pb.GenerateResponse, None, None]:
         """Streams the response messages (see build_request for the arguments)."""
         return self.stream(build_request(prompt, **kwargs), timeout=timeout)
 
     def stream(
         self, req: pb.GenerateRequest, *, timeout: float | None = None
-    ) -> Iterator[pb.GenerateResponse]:
+    ) -> Generator[pb.GenerateResponse, None, None]:
         deadline = self._deadline(timeout)
         span = self._start_span(req)
         call: Any = None
@@ -431,13 +433,13 @@ class AsyncDejaClient(_Base):
         *,
         timeout: float | None = None,
         **kwargs: Any,
-    ) -> AsyncIterator[pb.GenerateResponse]:
+    ) -> AsyncGenerator[pb.GenerateResponse, None]:
         """Streams the response messages (see build_request for the arguments)."""
         return self.stream(build_request(prompt, **kwargs), timeout=timeout)
 
     async def stream(
         self, req: pb.GenerateRequest, *, timeout: float | None = None
-    ) -> AsyncIterator[pb.GenerateResponse]:
+    ) -> AsyncGenerator[pb.GenerateResponse, None]:
         deadline = self._deadline(timeout)
         span = self._start_span(req)
         call: Any = None

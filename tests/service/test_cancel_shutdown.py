@@ -1,0 +1,146 @@
+"""Acceptance 3: cancellation and deadlines free every block within 1 s; SIGTERM drains."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from clients.client import DejaClient
+from service.proto.deja.v1 import inference_pb2 as pb
+from tests.service.conftest import Harness, StartServer, free_port
+
+LONG = {"max_tokens": 900, "ignore_eos": True, "temperature": 0.0}
+"""Several seconds of generation on the tiny model."""
+
+
+async def _in_use(h: Harness) -> int:
+    stats = await h.client.cache_stats()
+    return stats.total_device_blocks - stats.free_device_blocks
+
+
+async def test_cancel_mid_stream_frees_blocks(server: Harness) -> None:
+    call = server.client.stub.Generate(
+        pb.GenerateRequest(
+            text="Once upon a time " * 8,
+            sampling=pb.SamplingParams(max_tokens=900, ignore_eos=True, temperature=0.0),
+        )
+    )
+    for _ in range(3):
+        await call.read()
+    assert await _in_use(server) > 0
+    call.cancel()
+    elapsed = await server.wait_blocks_free(timeout=1.0)
+    print(f"blocks free {elapsed * 1e3:.0f} ms after cancel")
+    await server.assert_clean()
+
+
+async def test_leaving_the_client_stream_frees_blocks(server: Harness) -> None:
+    n = 0
+    async for _ in server.client.generate("The quick brown fox " * 8, **LONG):
+        n += 1
+        if n == 3:
+            assert await _in_use(server) > 0
+            break
+    await server.wait_blocks_free(timeout=1.0)
+    await server.assert_clean()
+
+
+async def test_deadline_frees_blocks(server: Harness) -> None:
+    t0 = time.monotonic()
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await server.client.complete("The sun rises in the east " * 8, timeout=0.5, **LONG)
+    assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert time.monotonic() - t0 < 1.5
+    elapsed = await server.wait_blocks_free(timeout=1.0)
+    print(f"blocks free {elapsed * 1e3:.0f} ms after the deadline")
+    await server.assert_clean()
+
+
+# -- SIGTERM on a real `deja serve` process ----------------------------------------------------
+
+
+def _start_serve(model: Path, port: int, grace: float, log: Path) -> subprocess.Popen[bytes]:
+    cmd = [
+        sys.executable, "-m", "service.cli", "serve",
+        "--model", str(model), "--port", str(port), "--grace-period", str(grace),
+        "--num-device-blocks", "256", "--max-model-len", "1024", "--cpu-swap-gib", "0",
+    ]  # fmt: skip
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+    root = Path(__file__).resolve().parents[2]
+    with open(log, "wb") as f:
+        return subprocess.Popen(cmd, cwd=root, env=env, stdout=f, stderr=subprocess.STDOUT)
+
+
+def _health(target: str, timeout: float = 1.0) -> int | None:
+    try:
+        with grpc.insecure_channel(target) as ch:
+            resp = health_pb2_grpc.HealthStub(ch).Check(
+                health_pb2.HealthCheckRequest(service="deja.v1.Inference"), timeout=timeout
+            )
+            return int(resp.status)
+    except grpc.RpcError:
+        return None
+
+
+def _wait_serving(proc: subprocess.Popen[bytes], target: str, log: Path) -> None:
+    deadline = time.monotonic() + 180
+    while _health(target) != health_pb2.HealthCheckResponse.SERVING:
+        assert proc.poll() is None, f"deja serve exited:\n{log.read_text()}"
+        assert time.monotonic() < deadline, f"deja serve did not start:\n{log.read_text()}"
+        time.sleep(0.2)
+
+
+def test_sigterm_lets_running_stream_finish(tiny_llama_path: Path, tmp_path: Path) -> None:
+    port = free_port()
+    target = f"127.0.0.1:{port}"
+    log = tmp_path / "serve.log"
+    proc = _start_serve(tiny_llama_path, port, 30.0, log)
+    try:
+        _wait_serving(proc, target, log)
+        with DejaClient(target, retries=0, timeout=60) as client:
+            stream = client.generate("Once upon a time", max_tokens=300, ignore_eos=True)
+            first = next(stream)
+            assert not first.HasField("final")
+            proc.send_signal(signal.SIGTERM)
+            time.sleep(0.2)
+            # Draining: health NOT_SERVING, new calls refused, the running stream goes on.
+            assert _health(target) == health_pb2.HealthCheckResponse.NOT_SERVING
+            with pytest.raises(grpc.RpcError) as info:
+                client.complete("Hello", max_tokens=2)
+            assert info.value.code() == grpc.StatusCode.UNAVAILABLE  # type: ignore[attr-defined]
+            assert "draining" in info.value.details()  # type: ignore[attr-defined]
+            rest = list(stream)
+            assert rest[-1].final.choices[0].finish_reason == pb.FINISH_REASON_LENGTH
+            assert rest[-1].final.usage.completion_tokens == 300
+        assert proc.wait(timeout=30) == 0, log.read_text()
+        assert "draining" in log.read_text()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+async def test_shutdown_aborts_streams_left_after_grace(start_server: StartServer) -> None:
+    """What SIGTERM does once the grace period is over (in-process: the same Replica.shutdown)."""
+    h = await start_server()
+    stream = h.client.generate("Once upon a time", **LONG)
+    await anext(stream)
+    t0 = time.monotonic()
+    shutdown = asyncio.create_task(h.replica.shutdown(0.3))
+    rest = [m async for m in stream]
+    await shutdown
+    assert rest[-1].final.choices[0].finish_reason == pb.FINISH_REASON_ABORT
+    assert 0 < rest[-1].final.usage.completion_tokens < 900
+    assert 0.3 <= time.monotonic() - t0 < 2.5
+    assert not h.replica.servicer.streams
+    stats = h.engine.get_stats()
+    assert stats.free_device_blocks == h.engine.model_info.num_device_blocks
