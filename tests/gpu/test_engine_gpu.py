@@ -78,8 +78,7 @@ def test_cupy_matches_torch_backend_bf16(
 def hf_greedy(path: Path | str, prompts: list[list[int]]) -> list[list[int]]:
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
-    model.to("cuda")
+    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32, device_map="cuda")
     model.eval()
     outs = []
     with torch.inference_mode():
