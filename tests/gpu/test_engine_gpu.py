@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import random
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -78,13 +79,13 @@ def test_cupy_matches_torch_backend_bf16(
 def hf_greedy(path: Path | str, prompts: list[list[int]]) -> list[list[int]]:
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32, device_map="cuda")
-    model.eval()
+    model: Any = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
+    model = model.cuda().eval()
     outs = []
     with torch.inference_mode():
         for p in prompts:
             ids = torch.tensor([p], device="cuda")
-            gen = model.generate(  # type: ignore[call-arg,operator,misc]
+            gen = model.generate(
                 ids,
                 attention_mask=torch.ones_like(ids),
                 max_new_tokens=MAX_TOKENS,
