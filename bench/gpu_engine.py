@@ -1,0 +1,228 @@
+"""Engine benchmark (GPU): deja with the cupy and torch attention backends against transformers.
+
+A Llama of about 1.2B parameters built from Llama-3.2-1B's config with random weights (bf16,
+saved once into the cache folder), the engine issue's mixed workload scaled to 512 requests
+(prompts uniform in [32, 512] tokens, outputs uniform in [16, 128], fixed seed, ignore_eos), in
+one process and one run:
+- deja, cupy backend (our kernels) and torch reference backend;
+- transformers `generate` in padded static batches (left padding, each batch run to its longest
+  output; only the tokens each request asked for count).
+Prints output tokens/s, the ratios (target: cupy >= 10x transformers) and greedy agreement.
+
+    deja bench gpu            python -m bench.gpu_engine [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import random
+from pathlib import Path
+from typing import Any
+
+from bench.common import Request, default_cache_dir, make_requests, print_table, timed, write_json
+
+LLAMA_32_1B: dict[str, Any] = {
+    "hidden_size": 2048,
+    "intermediate_size": 8192,
+    "num_hidden_layers": 16,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "head_dim": 64,
+    "hidden_act": "silu",
+    "max_position_embeddings": 131072,
+    "rms_norm_eps": 1e-5,
+    "rope_parameters": {
+        "rope_type": "llama3",
+        "rope_theta": 500000.0,
+        "factor": 32.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+    },
+    "tie_word_embeddings": True,
+    "vocab_size": 128256,
+    "initializer_range": 0.02,
+}
+"""Llama-3.2-1B's architecture (config.json of meta-llama/Llama-3.2-1B)."""
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--model", default=None, help="local HF folder (default: random Llama-3.2-1B-shaped)"
+    )
+    parser.add_argument("--cache-dir", type=Path, default=None, help="where the random model lives")
+    parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16"))
+    parser.add_argument("--num-requests", type=int, default=512)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--hf-batch-size", type=int, default=64, help="transformers static batch")
+    parser.add_argument("--max-num-seqs", type=int, default=256)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    parser.add_argument("--kv-gib", type=float, default=16.0, help="deja's KV pool in GiB")
+    parser.add_argument(
+        "--backends", default="cupy,torch", help="deja attention backends to run, comma-separated"
+    )
+    parser.add_argument("--skip-hf", action="store_true", help="skip the transformers baseline")
+    parser.add_argument("--quick", action="store_true", help="32 requests: a smoke test")
+    parser.add_argument(
+        "--json", type=Path, default=None, metavar="PATH", help="write results here"
+    )
+
+
+def ensure_random_llama(cache_dir: Path, dtype: str) -> Path:
+    """Llama-3.2-1B-shaped random checkpoint (+ a tiny tokenizer), built on the GPU once."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from tests.tiny_models import build_tokenizer
+
+    out = cache_dir / f"random-llama-3.2-1b-{dtype}"
+    if (out / "config.json").exists():
+        return out
+    build_tokenizer(out)
+    config = LlamaConfig(**LLAMA_32_1B, bos_token_id=0, eos_token_id=2, pad_token_id=0, dtype=dtype)
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        model = LlamaForCausalLM(config).to(getattr(torch, dtype))
+    model.save_pretrained(str(out))
+    del model
+    torch.cuda.empty_cache()
+    return out
+
+
+def run_deja(
+    path: str, backend: str, args: argparse.Namespace, reqs: list[Request]
+) -> dict[str, Any]:
+    import torch
+
+    from engine import LLM, SamplingParams
+
+    llm = LLM(
+        model=path,
+        device="cuda",
+        dtype=args.dtype,
+        attention_backend=backend,
+        device_memory_gib=args.kv_gib,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        enable_prefix_caching=False,
+    )
+
+    def params(rs: list[Request]) -> list[SamplingParams]:
+        return [SamplingParams(temperature=0, max_tokens=r.max_tokens, ignore_eos=True) for r in rs]
+
+    warm = reqs[:16]
+    llm.generate([r.prompt for r in warm], params(warm))  # compiles kernels, warms allocators
+    torch.cuda.synchronize()
+    with timed() as t:
+        outs = llm.generate([r.prompt for r in reqs], params(reqs))
+        torch.cuda.synchronize()
+    tokens = [list(o.token_ids) for o in outs]
+    del llm
+    gc.collect()
+    torch.cuda.empty_cache()
+    n = sum(len(x) for x in tokens)
+    return {"seconds": t[0], "output_tokens": n, "tokens_per_s": n / t[0], "outputs": tokens}
+
+
+def run_hf(path: str, args: argparse.Namespace, reqs: list[Request]) -> dict[str, Any]:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model: Any = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, args.dtype))
+    model = model.cuda().eval()
+    pad = 0
+
+    def batch_generate(batch: list[Request]) -> list[list[int]]:
+        width = max(len(r.prompt) for r in batch)
+        ids = torch.tensor([[pad] * (width - len(r.prompt)) + r.prompt for r in batch]).cuda()
+        mask = torch.tensor([[0] * (width - len(r.prompt)) + [1] * len(r.prompt) for r in batch])
+        steps = max(r.max_tokens for r in batch)
+        with torch.inference_mode():
+            out = model.generate(
+                input_ids=ids,
+                attention_mask=mask.cuda(),
+                do_sample=False,
+                max_new_tokens=steps,
+                min_new_tokens=steps,
+                pad_token_id=pad,
+            )
+        return [out[i, width : width + r.max_tokens].tolist() for i, r in enumerate(batch)]
+
+    batch_generate(reqs[: min(4, len(reqs))])  # warmup
+    torch.cuda.synchronize()
+    outputs: list[list[int]] = []
+    size = args.hf_batch_size
+    with timed() as t:
+        for i in range(0, len(reqs), size):
+            outputs.extend(batch_generate(reqs[i : i + size]))
+        torch.cuda.synchronize()
+    n = sum(len(x) for x in outputs)
+    return {"seconds": t[0], "output_tokens": n, "tokens_per_s": n / t[0], "outputs": outputs}
+
+
+def _agreement(a: list[list[int]], b: list[list[int]], first: int = 32) -> float:
+    """Fraction of requests whose first `first` greedy tokens agree."""
+    same = sum(x[:first] == y[:first] for x, y in zip(a, b, strict=True))
+    return same / max(len(a), 1)
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+
+    if not torch.cuda.is_available():
+        print("bench gpu needs a CUDA GPU; none is available")
+        return 2
+    path = args.model or str(ensure_random_llama(args.cache_dir or default_cache_dir(), args.dtype))
+    n = 32 if args.quick else args.num_requests
+    rng = random.Random(args.seed)
+    ids = [rng.randrange(10, 128000) for _ in range(4096)]  # token ids random prompts draw from
+    reqs = make_requests(args.seed, ids, n, (32, 512), (16, 128))
+    props = torch.cuda.get_device_properties(0)
+    print(f"== deja engine on {props.name}: {n} requests, {args.dtype}, model {path} ==")
+
+    results: dict[str, dict[str, Any]] = {}
+    for backend in [b.strip() for b in args.backends.split(",") if b.strip()]:
+        results[f"deja ({backend})"] = run_deja(path, backend, args, reqs)
+    if not args.skip_hf:
+        results[f"transformers generate (batches of {args.hf_batch_size})"] = run_hf(
+            path, args, reqs
+        )
+    rows = [
+        [name, r["seconds"], r["output_tokens"], r["tokens_per_s"]] for name, r in results.items()
+    ]
+    print_table(["system", "seconds", "output tokens", "tokens/s"], rows)
+    ratios: dict[str, float] = {}
+    names = list(results)
+    for a in names:
+        for b in names:
+            if a != b and a.startswith("deja"):
+                ratios[f"{a} / {b}"] = results[a]["tokens_per_s"] / results[b]["tokens_per_s"]
+    for k, v in ratios.items():
+        print(f"{k}: {v:.2f}x")
+    if "deja (cupy)" in results and "deja (torch)" in results:
+        agree = _agreement(results["deja (cupy)"]["outputs"], results["deja (torch)"]["outputs"])
+        print(f"greedy agreement cupy vs torch backend (first 32 tokens): {agree:.1%}")
+    write_json(
+        args.json,
+        {
+            "device": props.name,
+            "model": path,
+            "requests": n,
+            "systems": {
+                k: {x: y for x, y in v.items() if x != "outputs"} for k, v in results.items()
+            },
+            "ratios": ratios,
+        },
+    )
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="deja bench gpu", description=__doc__.split("\n")[0])
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
