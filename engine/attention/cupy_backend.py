@@ -6,15 +6,22 @@ Per layer: `reshape_and_cache` writes the new K/V by slot, then
 - any other batch (prefills, prefill chunks over a cached prefix, mixed prefill + decode) runs the
   varlen prefill kernel, which treats a decode token as a query of length 1.
 Supported: float16 / bfloat16 / float32, head_dim 64, 96, 128, block_size 16, 32 (`supports`).
+Other shapes fall back to the torch reference attention (with one warning) unless the backend is
+built with fallback=False; block copies are dtype- and shape-agnostic and always use the kernel.
 """
 
 from __future__ import annotations
+
+import logging
 
 import torch
 
 from cuda import block_copy, paged_attention, prefill_attention, reshape_and_cache
 from cuda.cupy_launch import import_cupy
 from engine.attention.base import AttentionBackend, AttentionMetadata
+from engine.attention.torch_ref import TorchAttentionBackend
+
+logger = logging.getLogger(__name__)
 
 
 def _kernel_rows(x: torch.Tensor) -> torch.Tensor:
@@ -30,7 +37,7 @@ class CupyAttentionBackend(AttentionBackend):
 
     name = "cupy"
 
-    def __init__(self, device: torch.device | str | None = None) -> None:
+    def __init__(self, device: torch.device | str | None = None, fallback: bool = True) -> None:
         if not torch.cuda.is_available():
             raise RuntimeError(
                 "the cupy attention backend needs a CUDA GPU and none is available; "
@@ -44,7 +51,13 @@ class CupyAttentionBackend(AttentionBackend):
         cupy = import_cupy()  # RuntimeError naming the `cuda` extra when CuPy is missing
         if not cupy.cuda.is_available():
             raise RuntimeError("CuPy is installed but sees no CUDA device; use 'torch'")
-        self.device = dev
+        self._setup(dev, fallback)
+
+    def _setup(self, device: torch.device, fallback: bool) -> None:
+        """State of a constructed backend (tests on CPU build one without the CUDA checks)."""
+        self.device = device
+        self._fallback = TorchAttentionBackend() if fallback else None
+        self._warned = False
 
     @staticmethod
     def supports(head_dim: int, block_size: int, dtype: torch.dtype) -> bool:
@@ -67,11 +80,17 @@ class CupyAttentionBackend(AttentionBackend):
     ) -> torch.Tensor:
         num_tokens, num_heads, head_dim = q.shape
         if not self.supports(head_dim, kv_cache.shape[2], q.dtype):
-            raise ValueError(
-                f"the cupy backend supports head_dim {paged_attention.HEAD_SIZES}, block_size "
-                f"{paged_attention.BLOCK_SIZES} and dtypes float16/bfloat16/float32; got "
-                f"head_dim {head_dim}, block_size {kv_cache.shape[2]}, {q.dtype}"
+            message = (
+                f"the CUDA kernels cover head_dim {paged_attention.HEAD_SIZES}, block_size "
+                f"{paged_attention.BLOCK_SIZES} and float16/bfloat16/float32; got head_dim "
+                f"{head_dim}, block_size {kv_cache.shape[2]}, {q.dtype}"
             )
+            if self._fallback is None:
+                raise ValueError(message)
+            if not self._warned:
+                logger.warning("%s: using the torch reference attention", message)
+                self._warned = True
+            return self._fallback.forward(q, k, v, kv_cache, meta, scale)
         q = _kernel_rows(q)
         reshape_and_cache.reshape_and_cache(
             _kernel_rows(k), _kernel_rows(v), kv_cache, meta.slot_mapping

@@ -40,7 +40,7 @@ def backend(emulator: Emulator, monkeypatch: pytest.MonkeyPatch) -> CupyAttentio
     emulator.install(monkeypatch)
     emulator.launches.clear()
     b = object.__new__(CupyAttentionBackend)  # the constructor insists on CUDA
-    b.device = torch.device("cpu")
+    b._setup(torch.device("cpu"), fallback=True)
     return b
 
 
@@ -76,6 +76,23 @@ def test_forward_matches_torch_backend(
     kernels = [name.split("<")[0] for name, _, _ in emulator.launches]
     attention = "deja::paged_decode_kernel" if decode else "deja::paged_prefill_kernel"
     assert kernels[:2] == ["deja::reshape_and_cache_kernel", attention]
+
+
+def test_unsupported_head_dim_falls_back_to_torch(
+    backend: CupyAttentionBackend, emulator: Emulator
+) -> None:
+    case = make_case([3, 10], [4, 1], 4, 2, 16, 16, torch.float32)
+    tables = case.block_tables.tolist()
+    meta, _ = make_attention_metadata([3, 10], [4, 1], tables, 16)
+    cache = case.kv_cache.nan_to_num()
+    ours = backend.forward(case.q, case.k, case.v, cache.clone(), meta, 0.25)
+    ref = TorchAttentionBackend().forward(case.q, case.k, case.v, cache.clone(), meta, 0.25)
+    assert torch.equal(ours, ref)
+    assert emulator.launches == []
+    strict = object.__new__(CupyAttentionBackend)
+    strict._setup(torch.device("cpu"), fallback=False)
+    with pytest.raises(ValueError, match="head_dim"):
+        strict.forward(case.q, case.k, case.v, cache.clone(), meta, 0.25)
 
 
 def test_copy_blocks(backend: CupyAttentionBackend) -> None:
@@ -115,7 +132,7 @@ def test_engine_greedy_tokens_match_torch_backend(
 
     def emulated_backend(name: str, device: torch.device) -> CupyAttentionBackend:
         b = object.__new__(CupyAttentionBackend)
-        b.device = device
+        b._setup(device, fallback=False)
         return b
 
     monkeypatch.setattr(engine.llm_engine, "get_attention_backend", emulated_backend)

@@ -116,3 +116,11 @@ def test_demo_model_cupy_matches_torch_backend_bf16(
 def test_auto_picks_cupy_on_cuda(cuda_device: torch.device, model_path: Path) -> None:
     llm = LLM(model=str(model_path), device="cuda", dtype="bfloat16", num_device_blocks=64)
     assert llm.engine.backend.name == "cupy"
+
+
+def test_unsupported_head_dim_falls_back(
+    cuda_device: torch.device, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """The tiny default Llama (head_dim 16) runs with 'cupy' through the torch fallback."""
+    path = build_tiny_llama(tmp_path_factory.mktemp("llama-d16"))
+    assert _generate(path, "cupy", "bfloat16") == _generate(path, "torch", "bfloat16")
