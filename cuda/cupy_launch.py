@@ -152,8 +152,9 @@ def launch(
     np.int64 for long long, np.float32 for float.
     """
     cupy = import_cupy()
-    kernel = get_kernel(cu_file, name_expression)
     index = device.index if device.index is not None else torch.cuda.current_device()
     stream_ptr = torch.cuda.current_stream(index).cuda_stream
     with cupy.cuda.Device(index), cupy.cuda.ExternalStream(stream_ptr, index):
+        # NOTE: compiled (first call) and loaded with `device` current, for its architecture.
+        kernel = get_kernel(cu_file, name_expression)
         kernel(grid, block, args, shared_mem=shared_mem)
