@@ -13,19 +13,24 @@ The store is an optimisation: every failure is logged (rate limited) and counted
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import logging
+import socket
 import time
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter
 
 from engine.kv.hashing import BlockHash
-from engine.stats import EngineStats
+from engine.stats import EngineStats, ModelInfo
 from service.affinity.base import AffinityStore, AffinityStoreError, ReplicaInfo, ReplicaLoad
 from service.affinity.config import AffinityConfig
+from service.affinity.flags import add_affinity_args, affinity_config_from_args
 from service.affinity.prefix import bounded_chain, prompt_block_hashes
+from service.flags import add_flag
 
 log = logging.getLogger(__name__)
 
@@ -192,3 +197,69 @@ class ReplicaAgent:
                 self._last_log = now
                 log.warning("affinity store %s failed (requests are unaffected): %s", op, e)
             return False
+
+
+# -- wiring into `deja serve` --------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class AgentSettings:
+    affinity: AffinityConfig
+    advertise_address: str | None = None
+    """host:port routers reach this replica at; None: --host (or the hostname) and the port."""
+
+
+def add_replica_agent_args(parser: argparse.ArgumentParser) -> None:
+    """`deja serve` flags of the agent (the command has --redis-url already)."""
+    add_affinity_args(parser, with_url=False)
+    add_flag(
+        parser,
+        "--advertise-address",
+        help="host:port routers use to reach this replica (default: --host or the hostname, "
+        "and the bound port).",
+    )
+
+
+def agent_settings_from_args(args: argparse.Namespace) -> AgentSettings:
+    return AgentSettings(affinity_config_from_args(args), args.advertise_address or None)
+
+
+def advertised_address(settings: AgentSettings, host: str, port: int) -> str:
+    if settings.advertise_address:
+        return settings.advertise_address
+    if host in ("", "0.0.0.0", "::", "[::]"):
+        host = socket.gethostname()
+    return f"{host}:{port}"
+
+
+async def start_replica_agent(
+    settings: AgentSettings,
+    *,
+    replica_id: str,
+    host: str,
+    port: int,
+    model_info: ModelInfo,
+    get_stats: Callable[[], EngineStats],
+    registry: CollectorRegistry | None = None,
+) -> ReplicaAgent:
+    """Builds the store and the agent of one replica and starts heartbeating (never raises for
+    an unreachable store: the heartbeat keeps trying)."""
+    from service.affinity.factory import create_store
+
+    info = ReplicaInfo(
+        replica_id,
+        advertised_address(settings, host, port),
+        model_info.model_id,
+        model_info.block_size,
+    )
+    agent = ReplicaAgent(
+        create_store(settings.affinity),
+        info,
+        get_stats,
+        settings.affinity,
+        capacity_blocks=cache_capacity_blocks(model_info.num_device_blocks, get_stats()),
+        registry=registry,
+    )
+    await agent.start()
+    log.info("registered as %s at %s (%s)", replica_id, info.address, settings.affinity.redis_url)
+    return agent

@@ -1,0 +1,159 @@
+"""The router's settings: one frozen dataclass, built from flags / DEJA_* variables."""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass, field
+
+from service.affinity.config import AffinityConfig
+from service.affinity.flags import add_affinity_args, affinity_config_from_args
+from service.config import parse_auth_token
+from service.flags import add_bool_flag, add_flag, add_list_flag
+from service.router_policy import POLICIES, OverloadGuard
+
+
+def _check(cond: bool, msg: str) -> None:
+    if not cond:
+        raise ValueError(msg)
+
+
+def parse_replicas(specs: list[str]) -> tuple[str, ...]:
+    """`--replicas a:1,b:2 --replicas c:3` -> ("a:1", "b:2", "c:3"), checked, without repeats."""
+    out: list[str] = []
+    for spec in specs:
+        for part in spec.split(","):
+            addr = part.strip()
+            if not addr:
+                continue
+            host, sep, port = addr.rpartition(":")
+            if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+                raise ValueError(f"replica address must be host:port, got {addr!r}")
+            if addr not in out:
+                out.append(addr)
+    return tuple(out)
+
+
+@dataclass(frozen=True, slots=True)
+class RouterConfig:
+    host: str = "127.0.0.1"
+    port: int = 50050
+    """gRPC port; 0 picks a free one."""
+    router_id: str = "router"
+    """Reported by GetLoad / GetCacheStats and in metrics."""
+    replicas: tuple[str, ...] = ()
+    """Static replica addresses (host:port), polled like discovered ones."""
+    discover: bool = True
+    """Also take replicas from the store's registry (needs a shared store, i.e. Redis)."""
+    policy: str = "affinity"
+    """affinity (session, then prefix, then load), round_robin or prefix_only."""
+    guard: OverloadGuard = field(default_factory=OverloadGuard)
+    model: str | None = None
+    """Model folder (or "demo") whose tokenizer the router hashes prompts with; None: no prefix
+    routing for text and chat prompts (token-id prompts are still hashed)."""
+    cache_dir: str = "~/.cache/deja"
+    affinity: AffinityConfig = field(default_factory=AffinityConfig)
+    poll_interval_s: float = 1.0
+    """How often each replica's load and health are polled (GetLoad)."""
+    poll_timeout_s: float = 2.0
+    poll_failures_down: int = 3
+    """Consecutive poll timeouts before a replica counts as down (refused connections: one)."""
+    max_attempts: int = 3
+    """Replicas tried for one Generate while they answer UNAVAILABLE before the first message."""
+    auth_tokens: tuple[tuple[str, str], ...] = ()
+    """The replicas' TOKEN:TENANT list, only to hash prompts with the tenant's cache salt."""
+    allow_client_cache_salt: bool = False
+    reflection: bool = True
+    grace_period_s: float = 30.0
+    metrics_port: int | None = None
+    metrics_host: str = "127.0.0.1"
+    otlp_endpoint: str | None = None
+    console_tracing: bool = False
+
+    def __post_init__(self) -> None:
+        _check(0 <= self.port < 65536, f"port must be in [0, 65535], got {self.port}")
+        _check(self.policy in POLICIES, f"policy must be one of {POLICIES}, got {self.policy!r}")
+        _check(self.poll_interval_s > 0 and self.poll_timeout_s > 0, "poll times must be > 0")
+        _check(self.poll_failures_down >= 1, "poll_failures_down must be >= 1")
+        _check(self.max_attempts >= 1, "max_attempts must be >= 1")
+        _check(self.grace_period_s >= 0, "grace_period_s must be >= 0")
+        _check(
+            bool(self.replicas) or (self.discover and self.affinity.redis_url is not None),
+            "the router needs replicas: give --replicas, or --redis-url to discover them",
+        )
+
+
+def add_router_args(parser: argparse.ArgumentParser) -> None:
+    d = RouterConfig(replicas=("x:1",))
+    g = parser.add_argument_group("router")
+    add_flag(g, "--host", default=d.host, help="Interface to listen on.")
+    add_flag(g, "--port", type=int, default=d.port, help="gRPC port (0: a free one).")
+    add_flag(g, "--router-id", default=d.router_id, help="Name in GetLoad and metrics.")
+    add_list_flag(g, "--replicas", metavar="HOST:PORT[,HOST:PORT...]", help="Static replicas.")
+    add_bool_flag(
+        g, "--discover", default=d.discover, help="Discover replicas in Redis (with --redis-url)."
+    )
+    add_flag(g, "--policy", default=d.policy, choices=POLICIES, help="Routing policy.")
+    add_flag(g, "--model", help="Model folder or 'demo' for the tokenizer (prefix routing).")
+    add_flag(g, "--cache-dir", default=d.cache_dir, help="Where converted models live.")
+    add_flag(
+        g, "--poll-interval", type=float, default=d.poll_interval_s, help="Replica load poll (s)."
+    )
+    add_flag(g, "--poll-timeout", type=float, default=d.poll_timeout_s, help="Poll deadline (s).")
+    add_flag(g, "--max-attempts", type=int, default=d.max_attempts, help="Replicas per request.")
+    add_list_flag(
+        g, "--auth-token", metavar="TOKEN[:TENANT]", help="Replicas' tokens (for cache salts)."
+    )
+    add_bool_flag(g, "--allow-client-cache-salt", default=d.allow_client_cache_salt)
+    add_bool_flag(g, "--reflection", default=d.reflection, help="gRPC server reflection.")
+    add_flag(g, "--grace-period", type=float, default=d.grace_period_s, help="Drain time (s).")
+    add_flag(g, "--metrics-port", type=int, help="Prometheus endpoint port (unset: off).")
+    add_flag(g, "--metrics-host", default=d.metrics_host, help="Prometheus endpoint host.")
+    add_flag(g, "--otlp-endpoint", help="OTLP/gRPC trace collector (unset: no export).")
+    add_bool_flag(g, "--console-tracing", default=d.console_tracing, help="Print spans.")
+
+    o = parser.add_argument_group("overload guard")
+    gd = d.guard
+    add_flag(o, "--max-waiting", type=int, default=gd.max_waiting, help="Engine queue limit.")
+    add_flag(o, "--max-kv-usage", type=float, default=gd.max_kv_usage, help="KV usage limit.")
+    add_flag(
+        o, "--max-inflight", type=int, default=gd.max_inflight, help="Open streams (0: no limit)."
+    )
+    add_flag(
+        o,
+        "--max-imbalance",
+        type=int,
+        default=gd.max_imbalance,
+        help="Prefix matches ignored on replicas this much busier than the least loaded.",
+    )
+    add_affinity_args(parser, with_url=True)
+
+
+def router_config_from_args(args: argparse.Namespace) -> RouterConfig:
+    return RouterConfig(
+        host=args.host,
+        port=args.port,
+        router_id=args.router_id,
+        replicas=parse_replicas(args.replicas),
+        discover=args.discover,
+        policy=args.policy,
+        guard=OverloadGuard(
+            max_waiting=args.max_waiting,
+            max_kv_usage=args.max_kv_usage,
+            max_inflight=args.max_inflight,
+            max_imbalance=args.max_imbalance,
+        ),
+        model=args.model,
+        cache_dir=args.cache_dir,
+        affinity=affinity_config_from_args(args),
+        poll_interval_s=args.poll_interval,
+        poll_timeout_s=args.poll_timeout,
+        max_attempts=args.max_attempts,
+        auth_tokens=tuple(parse_auth_token(s) for s in args.auth_token),
+        allow_client_cache_salt=args.allow_client_cache_salt,
+        reflection=args.reflection,
+        grace_period_s=args.grace_period,
+        metrics_port=args.metrics_port,
+        metrics_host=args.metrics_host,
+        otlp_endpoint=args.otlp_endpoint,
+        console_tracing=args.console_tracing,
+    )

@@ -1,0 +1,94 @@
+"""The router's view of a prompt: its token ids and block-hash chain, exactly as a replica's.
+
+Text is tokenized with `encode(text, add_special_tokens=True)` and chat messages are rendered
+with the chat template and the generation prompt, as `LLMEngine.tokenize` does; the chain is
+`engine.kv.hashing.hash_blocks` with the replica's model id, block size and the cache salt the
+replica will use (`service.server.derive_cache_salt`). Without a tokenizer only token-id
+prompts get a chain.
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from engine.kv.hashing import BlockHash
+from service.affinity.prefix import prompt_block_hashes
+from service.proto.deja.v1 import inference_pb2 as pb
+
+log = logging.getLogger(__name__)
+
+
+def load_router_tokenizer(model: str | None, cache_dir: str) -> Any | None:
+    """The model folder's tokenizer ("demo" resolves to the converted demo folder); blocking."""
+    if not model:
+        return None
+    from engine.demo import resolve_model_path
+    from engine.model_loader import load_tokenizer
+
+    return load_tokenizer(resolve_model_path(model, Path(cache_dir).expanduser()))
+
+
+class PromptHasher:
+    def __init__(
+        self,
+        tokenizer: Any | None,
+        auth_tokens: Sequence[tuple[str, str]] = (),
+        allow_client_cache_salt: bool = False,
+    ) -> None:
+        self.tokenizer = tokenizer
+        self._tokens = [(t.encode(), tenant) for t, tenant in auth_tokens]
+        self._allow_client_salt = allow_client_cache_salt
+
+    def token_ids(self, request: pb.GenerateRequest) -> list[int] | None:
+        """The prompt's token ids, or None when the router cannot tell (no tokenizer, bad input)."""
+        which = request.WhichOneof("input")
+        try:
+            if which == "token_ids":
+                return [int(t) for t in request.token_ids.ids]
+            if self.tokenizer is None:
+                return None
+            if which == "text":
+                return list(self.tokenizer.encode(request.text, add_special_tokens=True))
+            if which == "chat" and request.chat.messages:
+                from engine.model_loader import apply_chat_template
+
+                messages = [{"role": m.role, "content": m.content} for m in request.chat.messages]
+                return apply_chat_template(self.tokenizer, messages)
+        except Exception as e:  # the replica reports bad input; routing just goes without
+            log.debug("cannot tokenize request %s: %s", request.request_id, e)
+        return None
+
+    def cache_salt(
+        self, request: pb.GenerateRequest, metadata: Sequence[tuple[str, Any]]
+    ) -> str | None:
+        """The salt the replica will hash with (the tenant's when the replicas run with auth)."""
+        from service.server import derive_cache_salt
+
+        tenant = self._tenant(metadata) if self._tokens else None
+        if self._tokens and tenant is None:
+            return None  # the replica will refuse the call anyway
+        return derive_cache_salt(tenant, request.cache_salt, self._allow_client_salt)
+
+    def _tenant(self, metadata: Sequence[tuple[str, Any]]) -> str | None:
+        for key, value in metadata:
+            if key.lower() == "authorization" and isinstance(value, str):
+                scheme, _, token = value.partition(" ")
+                if scheme.lower() == "bearer":
+                    given = token.strip().encode()
+                    for known, tenant in self._tokens:
+                        if hmac.compare_digest(known, given):
+                            return tenant
+        return None
+
+    def chain(
+        self,
+        token_ids: Sequence[int],
+        model_id: str,
+        block_size: int,
+        cache_salt: str | None,
+    ) -> list[BlockHash]:
+        return prompt_block_hashes(token_ids, block_size, model_id, cache_salt)
