@@ -228,7 +228,7 @@ async def test_redis_down_falls_back_and_recovers(redis_proc: RedisProcess) -> N
     async for s in make_setup(store=store, affinity=affinity, discover=False):
         homes = {i: (await generate(s.stub, prompt(i, 0), f"f{i}")).replica_id for i in range(6)}
         redis_proc.stop()
-        reasons = Counter()
+        reasons: Counter[str] = Counter()
         for turn in (1, 2):
             for i in range(6):
                 f = await generate(s.stub, prompt(i, turn), f"f{i}")
