@@ -93,8 +93,11 @@ __global__ void __launch_bounds__(DECODE_THREADS)
   }
 
   const int* table = block_tables + (long long)seq * max_blocks_per_seq;
+  // The next block id is fetched one iteration ahead, so its latency overlaps this block's work.
+  long long next_block_id = first_block + warp < end_block ? table[first_block + warp] : 0;
   for (int b = first_block + warp; b < end_block; b += DECODE_WARPS) {
-    const long long block_id = table[b];
+    const long long block_id = next_block_id;
+    if (b + DECODE_WARPS < end_block) next_block_id = table[b + DECODE_WARPS];
 #pragma unroll
     for (int j0 = 0; j0 < TPG; j0 += U) {
       // Issue all K and V loads of the chunk first; V arrives while the scores are computed.
