@@ -31,21 +31,20 @@ class _SeqGroup:
     """[Sg, Q] int64: flat token of query j of each sequence (padding queries clamped)."""
     mask: torch.Tensor
     """[Sg, Q, L] bool: key p is visible to query j."""
-    key_slots_by_block_size: dict[int, torch.Tensor] = field(default_factory=dict)
-    """block_size -> [Sg, L] int64 cache slot of key position p."""
+    block_index_by_block_size: dict[int, torch.Tensor] = field(default_factory=dict)
+    """block_size -> [Sg * C] int64: the first C = ceil(L / BS) block ids of each sequence."""
     masks_by_group: dict[int, torch.Tensor] = field(default_factory=dict)
     """G -> [Sg, 1, G * Q, L] bool: `mask` repeated for the G query heads of each KV head."""
 
-    def key_slots(self, block_size: int) -> torch.Tensor:
-        slots = self.key_slots_by_block_size.get(block_size)
-        if slots is None:
-            # slot = block_tables[i, p // BS] * BS + p % BS; columns past the table are clamped
-            # (those positions are >= seq_len_i and masked out).
-            last_col = max(self.block_tables.shape[1] - 1, 0)
-            cols = (self.key_pos // block_size).clamp(max=last_col)  # [L]
-            slots = self.block_tables[:, cols] * block_size + self.key_pos % block_size
-            self.key_slots_by_block_size[block_size] = slots
-        return slots
+    def block_index(self, block_size: int) -> torch.Tensor:
+        idx = self.block_index_by_block_size.get(block_size)
+        if idx is None:
+            # Columns past a sequence's own blocks hold padding ids (0): their keys are at
+            # positions >= seq_len and masked out.
+            cols = -(-self.key_pos.shape[0] // block_size)
+            idx = self.block_tables[:, :cols].reshape(-1)
+            self.block_index_by_block_size[block_size] = idx
+        return idx
 
     def group_mask(self, group: int) -> torch.Tensor:
         mask = self.masks_by_group.get(group)
@@ -115,12 +114,12 @@ class TorchAttentionBackend(AttentionBackend):
 
         # cache: [2, NB * BS, Hkv, D] view of this layer's K and V
         cache = kv_cache.view(2, -1, num_kv_heads, head_dim)
-        new_kv = torch.stack((k, v))  # [2, T, Hkv, D]
-        if plan.write_tokens is not None:
-            new_kv = new_kv[:, plan.write_tokens]  # [2, W, Hkv, D]
-        cache.index_copy_(1, plan.write_slots, new_kv.to(cache.dtype))
+        for i, new in enumerate((k, v)):  # [T, Hkv, D] each
+            if plan.write_tokens is not None:
+                new = new[plan.write_tokens]  # [W, Hkv, D]
+            cache[i].index_copy_(0, plan.write_slots, new.to(cache.dtype))
 
-        rows = [_attend(q, cache, g, kv_cache.shape[2], scale) for g in plan.groups]
+        rows = [_attend(q, kv_cache, g, scale) for g in plan.groups]
         out = rows[0] if len(rows) == 1 else torch.cat(rows)  # [sum Sg * Q, Hq, D]
         if plan.token_row is not None:
             out = out[plan.token_row]  # [T, Hq, D]
@@ -130,15 +129,25 @@ class TorchAttentionBackend(AttentionBackend):
 
 
 def _attend(
-    q: torch.Tensor, cache: torch.Tensor, group: _SeqGroup, block_size: int, scale: float
+    q: torch.Tensor, kv_cache: torch.Tensor, group: _SeqGroup, scale: float
 ) -> torch.Tensor:
-    """q: [T, Hq, D]; cache: [2, NB * BS, Hkv, D] -> [Sg * Q, Hq, D] rows (sequence-major)."""
+    """q: [T, Hq, D]; kv_cache: [2, NB, BS, Hkv, D] -> [Sg * Q, Hq, D] rows (sequence-major)."""
     num_q_heads, head_dim = q.shape[1], q.shape[2]
-    num_kv_heads = cache.shape[2]
+    num_kv_heads, block_size = kv_cache.shape[3], kv_cache.shape[2]
     g = num_q_heads // num_kv_heads
     num_seqs, max_q = group.query_index.shape
-    # kv: [2, Sg, L, Hkv, D] -> [2, Sg, Hkv, L, D]
-    kv = cache[:, group.key_slots(block_size)].to(q.dtype).transpose(2, 3)
+    max_len = group.key_pos.shape[0]
+    # Gather whole blocks (contiguous BS * Hkv * D runs), not single slots: one index_select
+    # per K and V. [Sg * C, BS, Hkv, D] -> [Sg, C * BS, Hkv, D] -> first L positions.
+    idx = group.block_index(block_size)
+    k, v = (
+        kv_cache[i]
+        .index_select(0, idx)
+        .view(num_seqs, -1, num_kv_heads, head_dim)[:, :max_len]
+        .to(q.dtype)
+        .transpose(1, 2)  # [Sg, Hkv, L, D]
+        for i in (0, 1)
+    )
     queries = q[group.query_index]  # [Sg, Q, Hq, D]
     # fold the G query heads of each KV head into the query axis: [Sg, Hkv, G * Q, D]
     queries = (
@@ -147,7 +156,7 @@ def _attend(
         .reshape(num_seqs, num_kv_heads, g * max_q, head_dim)
     )
     out = F.scaled_dot_product_attention(
-        queries, kv[0], kv[1], attn_mask=group.group_mask(g), scale=scale
+        queries, k, v, attn_mask=group.group_mask(g), scale=scale
     )  # [Sg, Hkv, G * Q, D]
     return (
         out.view(num_seqs, num_kv_heads, g, max_q, head_dim)
