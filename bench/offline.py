@@ -1,0 +1,481 @@
+"""Offline throughput: our engine against transformers `generate` and `generate_batch`.
+
+One run, one workload (default: 64 requests, prompts uniform in [32, 512] tokens, outputs uniform
+in [16, 128] tokens, random token ids from a fixed seed, greedy, EOS ignored) through:
+
+- ours: `LLM.generate` with one SamplingParams per request (max_tokens = its output length);
+- transformers `generate` in padded static batches (left padding + attention mask); each batch runs
+  to its longest output and only each request's own tokens count as useful output;
+- transformers continuous batching (`ContinuousBatchingManager`, the engine behind
+  `generate_batch`), sized explicitly and reused, with per-request max_new_tokens.
+
+Each system is warmed up once on other prompts before it is timed. Throughput = useful output
+tokens / wall time of the whole workload (prefill included). Ratios are what to read: all three
+run in the same process, minutes apart, on the same requests.
+
+    python -m bench.offline [--model demo] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from bench.common import (
+    Request,
+    add_common_arguments,
+    allowed_token_ids,
+    machine_info,
+    make_requests,
+    print_header,
+    print_table,
+    resolve_model,
+    setup_torch,
+    timed,
+    write_json,
+)
+
+FULL: dict[str, Any] = {
+    "num_requests": 64,
+    "prompt_len": (32, 512),
+    "output_len": (16, 128),
+    "batch_size": 8,
+}
+QUICK: dict[str, Any] = {
+    "num_requests": 8,
+    "prompt_len": (8, 48),
+    "output_len": (4, 16),
+    "batch_size": 4,
+}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_common_arguments(parser)
+    parser.add_argument(
+        "--num-requests", type=int, default=None, help="default 64 (8 with --quick)"
+    )
+    parser.add_argument(
+        "--batch-size", type=int, default=None, help="transformers generate batch (default 8)"
+    )
+    parser.add_argument(
+        "--prompt-len",
+        type=int,
+        nargs=2,
+        default=None,
+        metavar=("MIN", "MAX"),
+        help="prompt lengths, uniform, inclusive (default 32 512)",
+    )
+    parser.add_argument(
+        "--output-len",
+        type=int,
+        nargs=2,
+        default=None,
+        metavar=("MIN", "MAX"),
+        help="output lengths, uniform, inclusive (default 16 128)",
+    )
+    parser.add_argument(
+        "--skip-generate", action="store_true", help="leave out transformers generate"
+    )
+    parser.add_argument(
+        "--skip-generate-batch", action="store_true", help="leave out transformers generate_batch"
+    )
+    parser.add_argument(
+        "--parity",
+        type=int,
+        default=4,
+        help="requests checked token by token against unpadded transformers generate (0: none)",
+    )
+    parser.add_argument(
+        "--cb-page-size", type=int, default=16, help="transformers CB page size in tokens"
+    )
+    parser.add_argument(
+        "--cb-num-blocks",
+        type=int,
+        default=None,
+        help="transformers CB capacity in pages (default: every request at once)",
+    )
+    parser.add_argument(
+        "--cb-max-batch-tokens",
+        type=int,
+        default=512,
+        help="transformers CB token budget per step",
+    )
+    parser.add_argument(
+        "--cb-max-requests",
+        type=int,
+        default=None,
+        help="transformers CB sequences per step (default: all requests)",
+    )
+
+
+@dataclass(slots=True)
+class SystemResult:
+    name: str
+    seconds: float
+    """Wall-clock seconds of the whole workload."""
+    cpu_seconds: float
+    """CPU seconds of the process meanwhile (all threads)."""
+    useful_tokens: int
+    """Output tokens the requests asked for (padding and overrun of static batches excluded)."""
+    computed_tokens: int
+    """Output tokens actually generated (a static batch runs every row to its longest output)."""
+    outputs: list[list[int]] = field(repr=False)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.useful_tokens / self.seconds
+
+    @property
+    def tokens_per_cpu_s(self) -> float:
+        return self.useful_tokens / self.cpu_seconds
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "seconds": self.seconds,
+            "cpu_seconds": self.cpu_seconds,
+            "tokens_per_cpu_s": self.tokens_per_cpu_s,
+            "useful_output_tokens": self.useful_tokens,
+            "computed_output_tokens": self.computed_tokens,
+            "tokens_per_s": self.tokens_per_s,
+        }
+
+
+# -- ours --------------------------------------------------------------------------------------
+def run_ours(
+    model_path: str, args: argparse.Namespace, requests: list[Request], warmup: list[Request]
+) -> tuple[SystemResult, int]:
+    """Returns the result and the prompt tokens served from the prefix cache (expected 0)."""
+    from engine import LLM, SamplingParams
+
+    llm = LLM(
+        model_path,
+        dtype=args.dtype,
+        device="cpu",
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        num_device_blocks=args.num_device_blocks,
+    )
+
+    def params(reqs: list[Request]) -> list[SamplingParams]:
+        return [
+            SamplingParams(temperature=0.0, max_tokens=r.max_tokens, ignore_eos=True) for r in reqs
+        ]
+
+    llm.generate([r.prompt for r in warmup], params(warmup))
+    with timed() as t:
+        outs = llm.generate([r.prompt for r in requests], params(requests))
+    tokens = [list(o.token_ids) for o in outs]
+    cached = sum(o.num_cached_tokens for o in outs)
+    del llm
+    gc.collect()
+    n = sum(len(x) for x in tokens)
+    return SystemResult("deja (ours)", t.wall, t.cpu, n, n, tokens), cached
+
+
+# -- transformers generate -------------------------------------------------------------------
+def load_hf_model(model_path: str, dtype: str) -> Any:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(
+        model_path, dtype=getattr(torch, dtype), local_files_only=True
+    )
+    return model.eval()
+
+
+def pad_token_id(model: Any) -> int:
+    for cand in (model.generation_config.pad_token_id, model.config.pad_token_id):
+        if isinstance(cand, int):
+            return cand
+    eos = model.generation_config.eos_token_id
+    if isinstance(eos, list):
+        eos = eos[0] if eos else None
+    return int(eos) if eos is not None else 0
+
+
+def hf_generate_batch(model: Any, batch: list[Request], pad_id: int) -> tuple[list[list[int]], int]:
+    """Greedy `generate` on one left-padded batch run to its longest output.
+
+    Returns each request's own tokens and the number of output tokens computed.
+    """
+    import torch
+
+    width = max(len(r.prompt) for r in batch)
+    input_ids = torch.tensor([[pad_id] * (width - len(r.prompt)) + r.prompt for r in batch])
+    mask = torch.tensor([[0] * (width - len(r.prompt)) + [1] * len(r.prompt) for r in batch])
+    steps = max(r.max_tokens for r in batch)
+    # NOTE: min_new_tokens == max_new_tokens keeps EOS from ending any row early (ignore_eos).
+    out = model.generate(
+        input_ids=input_ids,
+        attention_mask=mask,
+        do_sample=False,
+        max_new_tokens=steps,
+        min_new_tokens=steps,
+        pad_token_id=pad_id,
+    )
+    rows = [out[i, width : width + r.max_tokens].tolist() for i, r in enumerate(batch)]
+    return rows, steps * len(batch)
+
+
+def run_hf_generate(
+    model: Any, requests: list[Request], warmup: list[Request], batch_size: int
+) -> SystemResult:
+    pad_id = pad_token_id(model)
+    hf_generate_batch(model, warmup[:batch_size], pad_id)
+    outputs: list[list[int]] = []
+    computed = 0
+    with timed() as t:
+        for i in range(0, len(requests), batch_size):
+            rows, n = hf_generate_batch(model, requests[i : i + batch_size], pad_id)
+            outputs.extend(rows)
+            computed += n
+    useful = sum(len(x) for x in outputs)
+    return SystemResult(
+        f"transformers generate (static batches of {batch_size})",
+        t.wall,
+        t.cpu,
+        useful,
+        computed,
+        outputs,
+    )
+
+
+# -- transformers continuous batching ----------------------------------------------------------
+def run_hf_generate_batch(
+    model: Any, args: argparse.Namespace, requests: list[Request], warmup: list[Request]
+) -> SystemResult:
+    """transformers' continuous batching, one manager sized for the workload and reused.
+
+    `generate_batch` itself takes one max_new_tokens for all requests and, unless told otherwise,
+    sizes its cache from total memory; the manager it wraps takes per-request max_new_tokens.
+    """
+    from transformers import ContinuousBatchingConfig, GenerationConfig
+
+    page = args.cb_page_size
+    num_blocks = args.cb_num_blocks
+    if num_blocks is None:
+        # Room for every request at once: no request ever waits for cache space.
+        num_blocks = sum(-(-(len(r.prompt) + r.max_tokens) // page) + 1 for r in requests)
+    gen_config = GenerationConfig(
+        max_new_tokens=max(r.max_tokens for r in requests),
+        do_sample=False,
+        eos_token_id=-1,
+        pad_token_id=pad_token_id(model),
+    )
+    cb_config = ContinuousBatchingConfig(
+        page_size=page,
+        num_blocks=num_blocks,
+        max_batch_tokens=args.cb_max_batch_tokens,
+        max_requests_per_batch=args.cb_max_requests or len(requests),
+        seed=args.seed,
+    )
+
+    def solve(reqs: list[Request]) -> list[list[int]]:
+        # The first call builds the manager; later calls get it back (kept by stop() below).
+        manager = model.init_continuous_batching(
+            generation_config=gen_config, continuous_batching_config=cb_config
+        )
+        if not manager.warmed_up:
+            manager.warmup()
+        manager.start()
+        try:
+            ids = [
+                manager.add_request(r.prompt, max_new_tokens=r.max_tokens, eos_token_id=-1)
+                for r in reqs
+            ]
+            done: dict[str, list[int]] = {}
+            while len(done) < len(ids):
+                res = manager.get_result(timeout=1)
+                if res is None:
+                    if not manager.is_running():
+                        raise RuntimeError("transformers' generation thread stopped early")
+                    continue
+                if res.is_finished():
+                    if res.error is not None:
+                        raise RuntimeError(f"transformers CB request failed: {res.error}")
+                    done[res.request_id] = list(res.generated_tokens)
+        finally:
+            manager.stop(block=True, keep_for_next_session=True)
+        return [done[i] for i in ids]
+
+    try:
+        solve(warmup)
+        with timed() as t:
+            outputs = solve(requests)
+    finally:
+        model.destroy_cached_continuous_batching_manager()
+    n = sum(len(x) for x in outputs)
+    name = f"transformers generate_batch (CB, {num_blocks}x{page} tok, {args.cb_max_batch_tokens}/step)"
+    return SystemResult(name, t.wall, t.cpu, n, n, outputs)
+
+
+# -- parity ------------------------------------------------------------------------------------
+def first_mismatch(a: list[int], b: list[int]) -> int | None:
+    for i, (x, y) in enumerate(zip(a, b, strict=False)):
+        if x != y:
+            return i
+    return None if len(a) == len(b) else min(len(a), len(b))
+
+
+def check_parity(
+    model: Any, requests: list[Request], ours: list[list[int]], count: int
+) -> list[dict[str, Any]]:
+    """Ours against unpadded batch-1 transformers `generate` on the `count` cheapest requests."""
+    pad_id = pad_token_id(model)
+    order = sorted(
+        range(len(requests)),
+        key=lambda i: (len(requests[i].prompt) + 8 * requests[i].max_tokens, i),
+    )
+    checks = []
+    for i in sorted(order[:count]):
+        rows, _ = hf_generate_batch(model, [requests[i]], pad_id)
+        mismatch = first_mismatch(ours[i], rows[0])
+        checks.append(
+            {
+                "request": i,
+                "prompt_tokens": len(requests[i].prompt),
+                "output_tokens": requests[i].max_tokens,
+                "identical": mismatch is None,
+                "first_mismatch": mismatch,
+            }
+        )
+    return checks
+
+
+# -- the benchmark -----------------------------------------------------------------------------
+def resolve_workload(args: argparse.Namespace) -> dict[str, Any]:
+    base = QUICK if args.quick else FULL
+    return {
+        "num_requests": args.num_requests or base["num_requests"],
+        "prompt_len": tuple(args.prompt_len or base["prompt_len"]),
+        "output_len": tuple(args.output_len or base["output_len"]),
+        "batch_size": args.batch_size or base["batch_size"],
+    }
+
+
+def run(args: argparse.Namespace) -> int:
+    setup_torch(args.threads)
+    model_path = resolve_model(args.model, args.cache_dir)
+    info = machine_info(args.threads)
+    work = resolve_workload(args)
+    ids, _ = allowed_token_ids(model_path)
+    requests = make_requests(
+        args.seed, ids, work["num_requests"], work["prompt_len"], work["output_len"]
+    )
+    # Different prompts for the warm-up, so nothing of the timed run is in any cache.
+    warmup = make_requests(args.seed + 1_000_003, ids, 4, work["prompt_len"], (4, 8))
+    print_header("deja bench offline", model_path, info)
+    print(
+        f"workload: {len(requests)} requests, prompt tokens {sum(len(r.prompt) for r in requests)} "
+        f"(uniform {work['prompt_len'][0]}..{work['prompt_len'][1]}), output tokens "
+        f"{sum(r.max_tokens for r in requests)} (uniform {work['output_len'][0]}.."
+        f"{work['output_len'][1]}), seed {args.seed}, greedy, ignore_eos, {args.dtype}"
+    )
+    sys.stdout.flush()
+
+    results: list[SystemResult] = []
+    start = time.perf_counter()
+    ours, cached = run_ours(model_path, args, requests, warmup)
+    results.append(ours)
+    print(f"  {ours.name}: {ours.seconds:.1f} s (prefix-cache hit tokens: {cached})", flush=True)
+    model = None
+    if not (args.skip_generate and args.skip_generate_batch and args.parity == 0):
+        model = load_hf_model(model_path, args.dtype)
+    gen: SystemResult | None = None
+    if not args.skip_generate:
+        gen = run_hf_generate(model, requests, warmup, work["batch_size"])
+        results.append(gen)
+        print(f"  {gen.name}: {gen.seconds:.1f} s", flush=True)
+    cb: SystemResult | None = None
+    if not args.skip_generate_batch:
+        cb = run_hf_generate_batch(model, args, requests, warmup)
+        results.append(cb)
+        print(f"  {cb.name}: {cb.seconds:.1f} s", flush=True)
+    parity = check_parity(model, requests, ours.outputs, args.parity) if model is not None else []
+    total = time.perf_counter() - start
+
+    print()
+    print_table(
+        ["system", "wall s", "cpu s", "useful out tok", "computed out tok", "tok/s", "tok/cpu-s"],
+        [
+            (
+                r.name,
+                r.seconds,
+                r.cpu_seconds,
+                r.useful_tokens,
+                r.computed_tokens,
+                r.tokens_per_s,
+                r.tokens_per_cpu_s,
+            )
+            for r in results
+        ],
+    )
+    print()
+    ratios: dict[str, float] = {}
+    if gen is not None:
+        ratios["ours_over_generate"] = ours.tokens_per_s / gen.tokens_per_s
+        ratios["ours_over_generate_cpu_time"] = ours.tokens_per_cpu_s / gen.tokens_per_cpu_s
+        print(f"ratio ours / generate: {ratios['ours_over_generate']:.2f}x")
+    if cb is not None:
+        ratios["ours_over_generate_batch"] = ours.tokens_per_s / cb.tokens_per_s
+        ratios["ours_over_generate_batch_cpu_time"] = ours.tokens_per_cpu_s / cb.tokens_per_cpu_s
+        print(f"ratio ours / generate_batch: {ratios['ours_over_generate_batch']:.2f}x")
+    if ratios:
+        cpu_ratios = [
+            f"{k.removesuffix('_cpu_time')} {v:.2f}x"
+            for k, v in ratios.items()
+            if k.endswith("_cpu_time")
+        ]
+        print(f"(same ratios per CPU second: {', '.join(cpu_ratios)})")
+    agreement: dict[str, Any] = {}
+    for other in (gen, cb):
+        if other is not None:
+            same = sum(a == b for a, b in zip(ours.outputs, other.outputs, strict=True))
+            agreement[other.name] = same
+            print(f"identical outputs, ours vs {other.name}: {same}/{len(requests)}")
+    if parity:
+        ok = sum(c["identical"] for c in parity)
+        detail = ", ".join(
+            f"#{c['request']} ({c['prompt_tokens']}+{c['output_tokens']} tok) "
+            + ("same" if c["identical"] else f"differs at {c['first_mismatch']}")
+            for c in parity
+        )
+        print(
+            f"greedy parity vs transformers generate (batch 1, unpadded): {ok}/{len(parity)} identical: {detail}"
+        )
+    print(f"total bench time {total:.0f} s")
+
+    write_json(
+        args.json,
+        {
+            "bench": "offline",
+            "model": model_path,
+            "machine": info,
+            "workload": {**work, "seed": args.seed, "dtype": args.dtype},
+            "ours_config": {
+                "max_num_batched_tokens": args.max_num_batched_tokens,
+                "num_device_blocks": args.num_device_blocks,
+            },
+            "results": {r.name: r.to_json() for r in results},
+            "ratios": ratios,
+            "prefix_cache_hit_tokens": cached,
+            "identical_outputs": agreement,
+            "parity": parity,
+        },
+    )
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.offline", description=__doc__.split("\n")[0]
+    )
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

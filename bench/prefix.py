@@ -1,0 +1,236 @@
+"""Time to first token with the prefix cache on and off.
+
+32 requests (default) share a 1,024-token prefix, each with its own 16..32-token suffix, and ask
+for 8 tokens. Two engines are loaded side by side, one with prefix caching and one without, and
+the requests go one at a time, alternating between the two, so that neither engine queues and
+both see the same machine load. TTFT is the engine's own arrival -> first token time (the whole
+prefill step). The first request warms the cache; requests 2..N are the measurement.
+
+    python -m bench.prefix [--model demo] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import sys
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from bench.common import (
+    add_common_arguments,
+    allowed_token_ids,
+    machine_info,
+    mean,
+    p50,
+    print_header,
+    print_table,
+    random_prompt,
+    resolve_model,
+    setup_torch,
+    write_json,
+)
+
+FULL: dict[str, Any] = {
+    "num_requests": 32,
+    "prefix_len": 1024,
+    "suffix_len": (16, 32),
+    "max_tokens": 8,
+}
+QUICK: dict[str, Any] = {
+    "num_requests": 4,
+    "prefix_len": 128,
+    "suffix_len": (8, 16),
+    "max_tokens": 2,
+}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_common_arguments(parser)
+    parser.add_argument(
+        "--num-requests", type=int, default=None, help="default 32 (4 with --quick)"
+    )
+    parser.add_argument("--prefix-len", type=int, default=None, help="shared prefix (default 1024)")
+    parser.add_argument(
+        "--suffix-len",
+        type=int,
+        nargs=2,
+        default=None,
+        metavar=("MIN", "MAX"),
+        help="distinct suffix lengths, uniform, inclusive (default 16 32)",
+    )
+    parser.add_argument(
+        "--max-tokens", type=int, default=None, help="tokens per request (default 8)"
+    )
+
+
+@dataclass(slots=True)
+class Sample:
+    """One request on one engine."""
+
+    ttft: float
+    """Seconds from arrival to the first token (engine metrics)."""
+    e2e: float
+    """Seconds from arrival to the last token."""
+    cached: int
+    """Prompt tokens served from the prefix cache."""
+    tokens: list[int]
+
+
+def resolve_workload(args: argparse.Namespace) -> dict[str, Any]:
+    base = QUICK if args.quick else FULL
+    return {
+        "num_requests": args.num_requests or base["num_requests"],
+        "prefix_len": args.prefix_len or base["prefix_len"],
+        "suffix_len": tuple(args.suffix_len or base["suffix_len"]),
+        "max_tokens": args.max_tokens or base["max_tokens"],
+    }
+
+
+def make_prompts(seed: int, ids: list[int], work: dict[str, Any]) -> list[list[int]]:
+    rng = random.Random(seed)
+    prefix = random_prompt(rng, ids, work["prefix_len"])
+    return [
+        prefix + random_prompt(rng, ids, rng.randint(*work["suffix_len"]))
+        for _ in range(work["num_requests"])
+    ]
+
+
+def summarize(samples: list[Sample]) -> dict[str, Any]:
+    """Request 1 (the cache warmer) on its own; requests 2..N as the measurement."""
+    rest = samples[1:]
+    ttfts = [s.ttft for s in rest]
+    return {
+        "first_request_ttft_s": samples[0].ttft,
+        "ttft_p50_s": p50(ttfts),
+        "ttft_mean_s": mean(ttfts),
+        "ttft_min_s": min(ttfts),
+        "ttft_max_s": max(ttfts),
+        "e2e_mean_s": mean([s.e2e for s in rest]),
+        "cached_tokens_min": min(s.cached for s in rest),
+        "cached_tokens_max": max(s.cached for s in rest),
+        "first_request_cached_tokens": samples[0].cached,
+    }
+
+
+def run(args: argparse.Namespace) -> int:
+    setup_torch(args.threads)
+    from engine import LLM, SamplingParams
+
+    model_path = resolve_model(args.model, args.cache_dir)
+    info = machine_info(args.threads)
+    work = resolve_workload(args)
+    if work["num_requests"] < 2:
+        raise SystemExit("--num-requests must be at least 2 (request 1 warms the cache)")
+    ids, _ = allowed_token_ids(model_path)
+    prompts = make_prompts(args.seed, ids, work)
+    # A warm-up prompt that shares nothing with the measured ones.
+    warm_prompt = random_prompt(random.Random(args.seed + 1_000_003), ids, 64)
+    print_header("deja bench prefix", model_path, info)
+    print(
+        f"workload: {len(prompts)} requests, shared prefix {work['prefix_len']} tokens + distinct "
+        f"suffix {work['suffix_len'][0]}..{work['suffix_len'][1]} tokens, max_tokens "
+        f"{work['max_tokens']}, greedy, seed {args.seed}, {args.dtype}; sequential, alternating "
+        "cache on / cache off"
+    )
+    sys.stdout.flush()
+
+    blocks_per_prompt = -(-(max(len(p) for p in prompts) + work["max_tokens"]) // 16)
+    num_blocks = args.num_device_blocks or max(256, 4 * blocks_per_prompt)
+    engines = {
+        mode: LLM(
+            model_path,
+            dtype=args.dtype,
+            device="cpu",
+            max_num_batched_tokens=args.max_num_batched_tokens,
+            num_device_blocks=num_blocks,
+            enable_prefix_caching=(mode == "on"),
+        )
+        for mode in ("on", "off")
+    }
+    params = SamplingParams(temperature=0.0, max_tokens=work["max_tokens"], ignore_eos=True)
+    for llm in engines.values():
+        llm.generate([warm_prompt], params)
+
+    samples: dict[str, list[Sample]] = {"on": [], "off": []}
+    start = time.perf_counter()
+    for i, prompt in enumerate(prompts):
+        # Alternate which engine goes first so neither always follows the other.
+        order = ("on", "off") if i % 2 == 0 else ("off", "on")
+        for mode in order:
+            out = engines[mode].generate([prompt], params)[0]
+            m = out.metrics
+            assert m is not None and m.ttft is not None and m.e2e is not None
+            samples[mode].append(Sample(m.ttft, m.e2e, out.num_cached_tokens, list(out.token_ids)))
+    total = time.perf_counter() - start
+
+    on, off = summarize(samples["on"]), summarize(samples["off"])
+    same = sum(a.tokens == b.tokens for a, b in zip(samples["on"], samples["off"], strict=True))
+    n_rest = len(prompts) - 1
+    print()
+    print_table(
+        [
+            "prefix cache",
+            "TTFT req 1 (ms)",
+            f"TTFT p50 req 2..{len(prompts)} (ms)",
+            "mean (ms)",
+            "min (ms)",
+            "max (ms)",
+            "cached tok/req (2..N)",
+        ],
+        [
+            (
+                mode,
+                1000 * s["first_request_ttft_s"],
+                1000 * s["ttft_p50_s"],
+                1000 * s["ttft_mean_s"],
+                1000 * s["ttft_min_s"],
+                1000 * s["ttft_max_s"],
+                f"{s['cached_tokens_min']}..{s['cached_tokens_max']}",
+            )
+            for mode, s in (("on", on), ("off", off))
+        ],
+    )
+    print()
+    ratio_p50 = off["ttft_p50_s"] / on["ttft_p50_s"]
+    ratio_mean = off["ttft_mean_s"] / on["ttft_mean_s"]
+    print(f"ratio TTFT off / on (p50, requests 2..{len(prompts)}): {ratio_p50:.2f}x")
+    print(f"ratio TTFT off / on (mean, requests 2..{len(prompts)}): {ratio_mean:.2f}x")
+    print(f"identical outputs cache on vs off: {same}/{len(prompts)}")
+    print(f"total bench time {total:.0f} s ({n_rest} measured requests per engine)")
+
+    write_json(
+        args.json,
+        {
+            "bench": "prefix",
+            "model": model_path,
+            "machine": info,
+            "workload": {**work, "seed": args.seed, "dtype": args.dtype},
+            "ours_config": {
+                "max_num_batched_tokens": args.max_num_batched_tokens,
+                "num_device_blocks": num_blocks,
+            },
+            "cache_on": on,
+            "cache_off": off,
+            "ratios": {"ttft_p50_off_over_on": ratio_p50, "ttft_mean_off_over_on": ratio_mean},
+            "identical_outputs": same,
+            "per_request": {
+                mode: [{"ttft_s": s.ttft, "cached_tokens": s.cached} for s in samples[mode]]
+                for mode in ("on", "off")
+            },
+        },
+    )
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.prefix", description=__doc__.split("\n")[0]
+    )
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,53 @@
+"""Both benchmarks run end to end in --quick mode on the tiny random Llama and print their ratios."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+from bench import offline, prefix
+
+
+def _args(module: object, argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    module.add_arguments(parser)  # type: ignore[attr-defined]
+    return parser.parse_args(argv)
+
+
+def test_offline_quick(
+    tiny_llama_path: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out_json = tmp_path / "offline.json"
+    args = _args(
+        offline,
+        ["--model", str(tiny_llama_path), "--quick", "--parity", "2", "--json", str(out_json)],
+    )
+    assert offline.run(args) == 0
+    text = capsys.readouterr().out
+    assert re.search(r"^ratio ours / generate: \d+\.\d+x$", text, re.M), text
+    assert re.search(r"^ratio ours / generate_batch: \d+\.\d+x$", text, re.M), text
+    assert "greedy parity vs transformers generate (batch 1, unpadded): 2/2 identical" in text
+    data = json.loads(out_json.read_text())
+    assert data["ratios"]["ours_over_generate"] > 0
+    assert data["prefix_cache_hit_tokens"] == 0
+    (ours,) = (v for k, v in data["results"].items() if k.startswith("deja"))
+    assert ours["useful_output_tokens"] == ours["computed_output_tokens"] > 0
+
+
+def test_prefix_quick(
+    tiny_llama_path: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out_json = tmp_path / "prefix.json"
+    args = _args(prefix, ["--model", str(tiny_llama_path), "--quick", "--json", str(out_json)])
+    assert prefix.run(args) == 0
+    text = capsys.readouterr().out
+    assert re.search(r"^ratio TTFT off / on \(p50, requests 2\.\.4\): \d+\.\d+x$", text, re.M), text
+    data = json.loads(out_json.read_text())
+    # Requests 2..4 reuse the whole 128-token shared prefix (8 full blocks) with the cache on.
+    assert data["cache_on"]["cached_tokens_min"] == 128
+    assert data["cache_off"]["cached_tokens_max"] == 0
+    assert data["identical_outputs"] == 4
