@@ -16,12 +16,35 @@ from __future__ import annotations
 
 import argparse
 import gc
+import os
 import random
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from bench.common import Request, default_cache_dir, make_requests, print_table, write_json
+from bench.kernels import print_table, write_json
+
+
+@dataclass(frozen=True, slots=True)
+class Request:
+    prompt: list[int]
+    max_tokens: int
+
+
+def make_requests(seed: int, num: int) -> list[Request]:
+    """Prompts of 32..512 random token ids, outputs of 16..128 tokens (uniform, fixed seed)."""
+    rng = random.Random(seed)
+    out = []
+    for _ in range(num):
+        prompt_len, max_tokens = rng.randint(32, 512), rng.randint(16, 128)
+        out.append(Request([rng.randrange(10, 128000) for _ in range(prompt_len)], max_tokens))
+    return out
+
+
+def default_cache_dir() -> Path:
+    return Path(os.environ.get("DEJA_CACHE_DIR") or Path.home() / ".cache" / "deja")
+
 
 LLAMA_32_1B: dict[str, Any] = {
     "hidden_size": 2048,
@@ -178,9 +201,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
     path = args.model or str(ensure_random_llama(args.cache_dir or default_cache_dir(), args.dtype))
     n = 32 if args.quick else args.num_requests
-    rng = random.Random(args.seed)
-    ids = [rng.randrange(10, 128000) for _ in range(4096)]  # token ids random prompts draw from
-    reqs = make_requests(args.seed, ids, n, (32, 512), (16, 128))
+    reqs = make_requests(args.seed, n)
     props = torch.cuda.get_device_properties(0)
     print(f"== deja engine on {props.name}: {n} requests, {args.dtype}, model {path} ==")
 

@@ -14,12 +14,28 @@ In one run:
 from __future__ import annotations
 
 import argparse
+import json
 import math
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from bench.common import print_table, write_json
+
+def print_table(headers: list[str], rows: list[list[Any]]) -> None:
+    """A plain left-aligned text table (floats with 3 significant decimals)."""
+    cells = [[f"{v:.3f}" if isinstance(v, float) else str(v) for v in row] for row in rows]
+    widths = [max(len(h), *(len(r[i]) for r in cells)) for i, h in enumerate(headers)]
+    print("  ".join(h.ljust(w) for h, w in zip(headers, widths, strict=True)))
+    print("  ".join("-" * w for w in widths))
+    for r in cells:
+        print("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)))
+
+
+def write_json(path: Path | None, payload: dict[str, Any]) -> None:
+    if path is not None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(payload, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+        print(f"results written to {path}")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
