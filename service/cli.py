@@ -25,6 +25,7 @@ COMMANDS: dict[str, str] = {
     "bench prefix": "bench.prefix",
     "bench tiers": "bench.tiers",
     "bench kernels": "bench.kernels",
+    "bench gpu": "bench.gpu_engine",
 }
 """Command words -> module. Add an entry to add a command."""
 
