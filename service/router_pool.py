@@ -83,6 +83,8 @@ class ReplicaPool:
         self._handles: dict[str, ReplicaHandle] = {}
         """address -> handle."""
         self._task: asyncio.Task[None] | None = None
+        self._listing_since: float | None = None
+        """time.monotonic() since which registry listings have succeeded without a break."""
         for address in config.replicas:
             self._handles[address] = self._new_handle(address, static=True)
 
@@ -151,8 +153,11 @@ class ReplicaPool:
         except AffinityStoreError as e:
             self._metrics.store_errors.labels("list_replicas").inc()
             log.debug("registry unavailable, keeping the replicas last known: %s", e)
+            self._listing_since = None
             return
         now = time.monotonic()
+        if self._listing_since is None:
+            self._listing_since = now
         for status in listed:
             info = status.info
             h = self._handles.get(info.address)
@@ -165,7 +170,9 @@ class ReplicaPool:
             h.block_size = info.block_size
         grace = self._config.affinity.replica_ttl_s
         for address, h in list(self._handles.items()):
-            if not h.static and now - h.last_listed > grace:
+            # NOTE: after an outage (a restarted, empty Redis) replicas need a heartbeat to
+            # re-register; each gets a full TTL from the first good listing before it is dropped.
+            if not h.static and now - max(h.last_listed, self._listing_since) > grace:
                 log.info("replica %s at %s left the registry", h.replica_id, address)
                 del self._handles[address]
                 await h.channel.close()

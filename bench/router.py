@@ -1,0 +1,250 @@
+"""`deja bench router`: routing policies compared on local replicas behind `deja route`.
+
+    deja bench router --model demo --num-replicas 2 --num-sessions 16 --num-turns 4 \\
+        --prefix-len 512 --input-len 64 --output-len 16 --max-concurrency 8
+
+For each policy (affinity, round_robin, prefix_only by default) the command starts fresh replicas
+(`deja serve`, so every policy starts from cold caches) and a router in front of them, then runs
+the same multi-turn workload of `deja bench serve` through the router: sessions share a system
+prompt, turn t's prompt is the whole conversation so far. It prints the prefix-cache hit rate and
+time to first token (p50/p99, all turns and turns 2+) per policy, the routing reasons the router
+counted, and each policy's ratios to round robin. Replicas run one torch thread each.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import json
+import math
+import shlex
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from bench.router_cluster import (
+    ProcessGroup,
+    free_port,
+    route_argv,
+    scrape,
+    serve_argv,
+    wait_healthy,
+    wait_router_replicas,
+)
+from service.flags import add_bool_flag, add_flag
+from service.router_policy import POLICIES
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    c = parser.add_argument_group("cluster")
+    add_flag(c, "--model", default="demo", help="Model folder or 'demo' for every replica.")
+    add_flag(c, "--num-replicas", type=int, default=2, help="Replicas behind the router.")
+    add_flag(
+        c, "--policies", default=",".join(POLICIES), help="Comma-separated policies to compare."
+    )
+    add_flag(
+        c,
+        "--server-args",
+        default="--max-num-seqs 16",
+        help="Extra `deja serve` flags for every replica.",
+    )
+    add_flag(c, "--router-args", default="", help="Extra `deja route` flags.")
+    add_flag(c, "--start-timeout", type=float, default=900.0, help="Seconds to wait for startup.")
+    w = parser.add_argument_group("workload (multi-turn, as `deja bench serve`)")
+    add_flag(w, "--num-sessions", type=int, default=16, help="Conversations.")
+    add_flag(w, "--num-turns", type=int, default=4, help="Turns per conversation.")
+    add_flag(w, "--prefix-len", type=int, default=512, help="Shared system prompt tokens.")
+    add_flag(w, "--input-len", type=int, default=64, help="User message tokens per turn.")
+    add_flag(w, "--output-len", type=int, default=16, help="Generated tokens per turn.")
+    add_flag(w, "--max-concurrency", type=int, default=8, help="Requests in flight (0: no cap).")
+    add_flag(w, "--dataset-seed", type=int, default=0)
+    add_flag(w, "--warmup-requests", type=int, default=2, help="Unmeasured requests first.")
+    add_bool_flag(w, "--json", default=False, help="Print JSON instead of text.")
+    add_flag(w, "--output", help="Also write the JSON results to this file.")
+    add_bool_flag(w, "--progress", default=True, help="Progress bar on stderr.")
+
+
+def _spec(args: argparse.Namespace) -> Any:
+    from clients.bench_workload import DatasetSpec
+
+    return DatasetSpec(
+        name="multi-turn",
+        input_len=args.input_len,
+        output_len=args.output_len,
+        prefix_len=args.prefix_len,
+        num_sessions=args.num_sessions,
+        num_turns=args.num_turns,
+        seed=args.dataset_seed,
+    )
+
+
+async def _drive(target: str, args: argparse.Namespace, label: str, workload: Any) -> Any:
+    from clients.bench_workload import Progress, Workload, run_workload, summarize_by_turn
+    from clients.client import AsyncDejaClient
+    from clients.loadgen import GrpcBackend
+
+    client = AsyncDejaClient(target, retries=0)
+    try:
+        await client.wait_ready(60)
+        info = await client.model_info()
+        if workload is None:
+            workload = Workload.build(_spec(args), info.vocab_size, info.eos_token_ids)
+        backend = GrpcBackend(client)
+        cap = args.max_concurrency or None
+        if args.warmup_requests:
+            warm = workload.warmup(args.warmup_requests, args.dataset_seed)
+            await run_workload(backend, warm, max_concurrency=cap)
+        progress = Progress(workload.num_requests, label, enabled=args.progress)
+        records, duration = await run_workload(
+            backend, workload.sessions, max_concurrency=cap, progress=progress
+        )
+        result = summarize_by_turn(records, duration)
+        result["model"] = info.model_id
+        return result, workload
+    finally:
+        await client.close()
+
+
+def _route_counts(metrics_text: str) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for line in metrics_text.splitlines():
+        if line.startswith("deja_router_requests_total{"):
+            labels, _, value = line.partition("} ")
+            reason = labels.split('reason="', 1)[1].split('"', 1)[0]
+            out[reason] = out.get(reason, 0.0) + float(value)
+    return out
+
+
+def _run_policy(
+    args: argparse.Namespace, policy: str, workload: Any, workdir: Path
+) -> tuple[dict[str, Any], Any]:
+    group = ProcessGroup(workdir / policy)
+    names = [f"r{i}" for i in range(args.num_replicas)]
+    ports = {n: free_port() for n in names}
+    router_port, metrics_port = free_port(), free_port()
+    try:
+        for n in names:
+            argv = serve_argv(
+                args.model, port=ports[n], replica_id=n, extra=shlex.split(args.server_args)
+            )
+            group.spawn(n, argv)
+        group.spawn(
+            "router",
+            route_argv(
+                port=router_port,
+                replicas=[f"127.0.0.1:{ports[n]}" for n in names],
+                policy=policy,
+                metrics_port=metrics_port,
+                extra=["--poll-interval", "0.5", *shlex.split(args.router_args)],
+            ),
+        )
+        t0 = time.monotonic()
+        for n in names:
+            wait_healthy(group, n, f"127.0.0.1:{ports[n]}", args.start_timeout)
+        wait_router_replicas(group, "router", metrics_port, len(names), args.start_timeout)
+        print(f"{policy}: cluster ready in {time.monotonic() - t0:.1f} s", file=sys.stderr)
+        result, workload = asyncio.run(_drive(f"127.0.0.1:{router_port}", args, policy, workload))
+        result["routes"] = _route_counts(scrape(metrics_port))
+        return result, workload
+    finally:
+        group.stop_all()
+
+
+def _row(r: dict[str, Any]) -> dict[str, Any]:
+    later = r.get("turns_2plus", r)
+    return {
+        "hit_rate": r["prefix_hit_rate"],
+        "hit_rate_turns_2plus": later["prefix_hit_rate"],
+        "ttft_p50_ms": r["ttft_ms"].get("p50"),
+        "ttft_p99_ms": r["ttft_ms"].get("p99"),
+        "ttft_p50_ms_turns_2plus": later["ttft_ms"].get("p50"),
+        "ttft_p99_ms_turns_2plus": later["ttft_ms"].get("p99"),
+    }
+
+
+def compare(results: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """Per policy: hit rates, TTFT p50/p99 (all, turns 2+), and ratios to round robin (TTFT:
+    round robin's / this policy's, so > 1 is faster; hit rate: this policy's / round robin's)."""
+    rows = {policy: _row(r) for policy, r in results.items()}
+    base = rows.get("round_robin")
+    if base is not None:
+        for row in rows.values():
+            vs: dict[str, float | None] = {
+                k: (base[k] / v if v and base[k] else None)
+                for k, v in row.items()
+                if k.startswith("ttft")
+            }
+            vs["hit_rate"] = row["hit_rate"] / base["hit_rate"] if base["hit_rate"] else None
+            row["vs_round_robin"] = vs
+    return rows
+
+
+def format_comparison(rows: dict[str, Any]) -> str:
+    def ms(v: float | None) -> str:
+        return f"{v:9.1f}" if v is not None else f"{'-':>9}"
+
+    lines = [
+        "== routing policies (TTFT in ms; x = round robin's TTFT / this policy's) ==",
+        f"{'policy':<12}{'hit':>7}{'hit 2+':>8}{'p50':>9}{'p99':>9}{'p50 2+':>9}{'p99 2+':>9}"
+        f"{'x p50':>8}{'x p99':>8}{'x p50 2+':>10}",
+    ]
+    for policy, row in rows.items():
+        vs = row.get("vs_round_robin", {})
+
+        def ratio(key: str, vs: dict[str, Any] = vs) -> str:
+            v = vs.get(key)
+            return f"{v:.2f}" if v else "-"
+
+        lines.append(
+            f"{policy:<12}{100 * row['hit_rate']:6.1f}%{100 * row['hit_rate_turns_2plus']:7.1f}%"
+            f"{ms(row['ttft_p50_ms'])}{ms(row['ttft_p99_ms'])}"
+            f"{ms(row['ttft_p50_ms_turns_2plus'])}{ms(row['ttft_p99_ms_turns_2plus'])}"
+            f"{ratio('ttft_p50_ms'):>8}{ratio('ttft_p99_ms'):>8}"
+            f"{ratio('ttft_p50_ms_turns_2plus'):>10}"
+        )
+    return "\n".join(lines)
+
+
+def run(args: argparse.Namespace) -> int:
+    from clients.loadgen import format_result
+
+    policies = [p.strip() for p in args.policies.split(",") if p.strip()]
+    bad = [p for p in policies if p not in POLICIES]
+    if bad or not policies or args.num_replicas < 1:
+        print(f"deja bench router: policies must be among {POLICIES}", file=sys.stderr)
+        return 2
+    results: dict[str, dict[str, Any]] = {}
+    workload: Any = None
+    with tempfile.TemporaryDirectory(prefix="deja-bench-router-") as tmp:
+        try:
+            for policy in policies:
+                results[policy], workload = _run_policy(args, policy, workload, Path(tmp))
+        except (RuntimeError, TimeoutError) as e:
+            print(f"deja bench router: {e}", file=sys.stderr)
+            return 1
+    report = {
+        "dataset": dataclasses.asdict(_spec(args)),
+        "num_replicas": args.num_replicas,
+        "max_concurrency": args.max_concurrency,
+        "results": results,
+        "comparison": compare(results),
+    }
+    if args.output:
+        Path(args.output).write_text(json.dumps(report, indent=2, default=_json) + "\n")
+    if args.json:
+        print(json.dumps(report, indent=2, default=_json))
+    else:
+        for policy, r in results.items():
+            print(format_result(policy, r))
+            print("  routes: " + ", ".join(f"{k} {int(v)}" for k, v in sorted(r["routes"].items())))
+        print(format_comparison(report["comparison"]))
+    return 0 if all(r["failed"] == 0 for r in results.values()) else 1
+
+
+def _json(value: object) -> object:
+    if isinstance(value, float) and math.isinf(value):
+        return None
+    return str(value)

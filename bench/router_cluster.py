@@ -1,0 +1,204 @@
+"""Local deja clusters for router benchmarks and tests: replicas and routers as processes.
+
+    group = ProcessGroup(workdir)
+    group.spawn("r0", serve_argv(model, port=p0, replica_id="r0", redis_url=url))
+    group.spawn("router", route_argv(port=p, replicas=[...], policy="affinity"))
+    wait_healthy(group, "r0", f"127.0.0.1:{p0}")
+    ...
+    group.stop_all()
+
+Every process logs to `workdir/<name>.log`; a process that exits while being waited for raises
+with the tail of its log.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Sequence
+from pathlib import Path
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def deja_argv(*args: str) -> list[str]:
+    return [sys.executable, "-m", "service.cli", *args]
+
+
+def serve_argv(
+    model: str,
+    *,
+    port: int,
+    replica_id: str,
+    redis_url: str | None = None,
+    extra: Sequence[str] = (),
+) -> list[str]:
+    argv = deja_argv(
+        "serve", "--model", model, "--host", "127.0.0.1", "--port", str(port),
+        "--replica-id", replica_id, "--device", "cpu", "--no-reflection",
+    )  # fmt: skip
+    if redis_url:
+        argv += ["--redis-url", redis_url]
+    return [*argv, *extra]
+
+
+def route_argv(
+    *,
+    port: int,
+    replicas: Sequence[str] = (),
+    redis_url: str | None = None,
+    policy: str = "affinity",
+    model: str | None = None,
+    metrics_port: int | None = None,
+    extra: Sequence[str] = (),
+) -> list[str]:
+    argv = deja_argv("route", "--host", "127.0.0.1", "--port", str(port), "--policy", policy)
+    if replicas:
+        argv += ["--replicas", ",".join(replicas)]
+    if redis_url:
+        argv += ["--redis-url", redis_url]
+    if model:
+        argv += ["--model", model]
+    if metrics_port is not None:
+        argv += ["--metrics-port", str(metrics_port)]
+    return [*argv, *extra]
+
+
+class ProcessGroup:
+    def __init__(self, workdir: Path, env: dict[str, str] | None = None) -> None:
+        self.workdir = Path(workdir)
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        self.env = {
+            **os.environ,
+            "HF_HUB_OFFLINE": "1",
+            "TRANSFORMERS_OFFLINE": "1",
+            "OMP_NUM_THREADS": "1",
+            "PYTHONUNBUFFERED": "1",
+            **(env or {}),
+        }
+        self.procs: dict[str, subprocess.Popen[bytes]] = {}
+        self.argvs: dict[str, list[str]] = {}
+
+    def log_path(self, name: str) -> Path:
+        return self.workdir / f"{name}.log"
+
+    def tail(self, name: str, n: int = 30) -> str:
+        path = self.log_path(name)
+        if not path.exists():
+            return ""
+        return "\n".join(path.read_text(errors="replace").splitlines()[-n:])
+
+    def spawn(self, name: str, argv: list[str]) -> subprocess.Popen[bytes]:
+        if name in self.procs and self.procs[name].poll() is None:
+            raise RuntimeError(f"{name} is already running")
+        with open(self.log_path(name), "ab") as log:
+            proc = subprocess.Popen(
+                argv, stdout=log, stderr=subprocess.STDOUT, env=self.env, cwd=os.getcwd()
+            )
+        self.procs[name] = proc
+        self.argvs[name] = argv
+        return proc
+
+    def respawn(self, name: str) -> subprocess.Popen[bytes]:
+        return self.spawn(name, self.argvs[name])
+
+    def alive(self, name: str) -> bool:
+        proc = self.procs.get(name)
+        return proc is not None and proc.poll() is None
+
+    def check_alive(self, name: str) -> None:
+        if not self.alive(name):
+            code = self.procs[name].returncode if name in self.procs else None
+            raise RuntimeError(f"{name} exited ({code}):\n{self.tail(name)}")
+
+    def kill(self, name: str) -> None:
+        """SIGKILL: the process gets no chance to drain (a crash)."""
+        proc = self.procs.get(name)
+        if proc is not None and proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=30)
+
+    def stop(self, name: str, timeout_s: float = 30.0) -> None:
+        """SIGTERM (drain), then SIGKILL after `timeout_s`."""
+        proc = self.procs.get(name)
+        if proc is None or proc.poll() is not None:
+            return
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=30)
+
+    def stop_all(self, timeout_s: float = 10.0) -> None:
+        for proc in self.procs.values():
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + timeout_s
+        for proc in self.procs.values():
+            try:
+                proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(timeout=30)
+
+
+def wait_healthy(group: ProcessGroup, name: str, target: str, timeout_s: float = 120.0) -> None:
+    """Waits until `target` answers the gRPC health check with SERVING."""
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    deadline = time.monotonic() + timeout_s
+    with grpc.insecure_channel(target) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        while True:
+            group.check_alive(name)
+            try:
+                resp = stub.Check(health_pb2.HealthCheckRequest(), timeout=1.0)
+                if resp.status == health_pb2.HealthCheckResponse.SERVING:
+                    return
+            except grpc.RpcError:
+                pass
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{name} not healthy after {timeout_s} s:\n{group.tail(name)}")
+            time.sleep(0.25)
+
+
+def scrape(metrics_port: int) -> str:
+    with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=5) as r:
+        return str(r.read().decode())
+
+
+def metric_value(text: str, name: str, labels: str = "") -> float:
+    """The value of one sample (`labels` as written, e.g. 'state="healthy"'); 0 if absent."""
+    pattern = re.escape(name) + (r"\{" + re.escape(labels) + r"\}" if labels else "") + r" (\S+)"
+    m = re.search(r"^" + pattern + r"$", text, re.MULTILINE)
+    return float(m.group(1)) if m else 0.0
+
+
+def wait_router_replicas(
+    group: ProcessGroup, name: str, metrics_port: int, n: int, timeout_s: float = 60.0
+) -> None:
+    """Waits until the router counts `n` healthy replicas."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        group.check_alive(name)
+        try:
+            text = scrape(metrics_port)
+            if metric_value(text, "deja_router_replicas", 'state="healthy"') >= n:
+                return
+        except OSError:
+            pass
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{name} sees fewer than {n} healthy replicas:\n{group.tail(name)}")
+        time.sleep(0.25)
