@@ -26,6 +26,7 @@ COMMANDS: dict[str, str] = {
     "bench tiers": "bench.tiers",
     "bench kernels": "bench.kernels",
     "bench gpu": "bench.gpu_engine",
+    "bench router": "bench.router",
 }
 """Command words -> module. Add an entry to add a command."""
 
