@@ -270,19 +270,14 @@ class InferenceServicer:
                     stream.queued = False
                     now = time.monotonic()
                     new_tokens = tally.add(out)
-                    if new_tokens and last_token_t is not None:
-                        for _ in range(new_tokens):
-                            self._metrics.itl.observe((now - last_token_t) / new_tokens)
                     if new_tokens:
+                        if last_token_t is not None:
+                            gap = (now - last_token_t) / new_tokens
+                            for _ in range(new_tokens):
+                                self._metrics.itl.observe(gap)
                         last_token_t = now
-                    resp = pb.GenerateResponse(request_id=client_id)
-                    if request.return_token_ids and last is None:
-                        resp.prompt_token_ids.extend(out.prompt_token_ids)
+                    resp = self._delta(request, client_id, out, first=last is None)
                     last = out
-                    for c in out.outputs:
-                        resp.choices.append(
-                            convert.choice_delta(c, return_token_ids=request.return_token_ids)
-                        )
                     if out.finished:
                         stream.done = True
                         if out.error or "error" in tally.finish_reasons():
@@ -325,6 +320,17 @@ class InferenceServicer:
             )
         if error is not None:
             await self._fail(context, outcome, error)
+
+    @staticmethod
+    def _delta(
+        request: pb.GenerateRequest, client_id: str, out: RequestOutput, *, first: bool
+    ) -> pb.GenerateResponse:
+        resp = pb.GenerateResponse(request_id=client_id)
+        if request.return_token_ids and first:
+            resp.prompt_token_ids.extend(out.prompt_token_ids)
+        for c in out.outputs:
+            resp.choices.append(convert.choice_delta(c, return_token_ids=request.return_token_ids))
+        return resp
 
     async def _fail(self, context: grpc.aio.ServicerContext, outcome: str, error: str) -> None:
         if outcome == "invalid_argument":

@@ -1,0 +1,144 @@
+"""The `deja` command line: DEJA_* flags, config builders, dispatch, generate and chat."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import io
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from clients.chat import chat_loop
+from clients.client import DejaClient
+from clients.session import ChatSession
+from service import cli
+from service.config import ServiceConfig, parse_auth_token, service_config_from_args
+from service.engine_args import add_engine_args, engine_config_from_args
+from service.flags import EnvError, add_bool_flag, add_flag, add_list_flag, env_name, to_argv
+from tests.service.conftest import Harness
+
+
+def test_env_name() -> None:
+    assert env_name("--max-num-seqs") == "DEJA_MAX_NUM_SEQS"
+
+
+def test_flags_read_env_and_flags_win(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("DEJA_MAX_NUM_SEQS", "7")
+    monkeypatch.setenv("DEJA_PREFIX_CACHING", "off")
+    monkeypatch.setenv("DEJA_AUTH_TOKEN", "a:acme, b:globex")
+    p = argparse.ArgumentParser()
+    add_flag(p, "--max-num-seqs", type=int, default=256)
+    add_bool_flag(p, "--prefix-caching", default=True)
+    add_list_flag(p, "--auth-token")
+    args = p.parse_args([])
+    assert (args.max_num_seqs, args.prefix_caching, args.auth_token) == (
+        7,
+        False,
+        ["a:acme", "b:globex"],
+    )
+    args = p.parse_args(["--max-num-seqs", "9", "--prefix-caching", "--auth-token", "c"])
+    assert (args.max_num_seqs, args.prefix_caching, args.auth_token) == (9, True, ["c"])
+    assert "[env: DEJA_MAX_NUM_SEQS]" in p.format_help()
+
+
+def test_bad_env_value_says_which_variable(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("DEJA_PORT", "fifty")
+    with pytest.raises(EnvError, match="DEJA_PORT='fifty'"):
+        add_flag(argparse.ArgumentParser(), "--port", type=int, default=1)
+    monkeypatch.setenv("DEJA_DTYPE", "float8")
+    with pytest.raises(EnvError, match="must be one of"):
+        add_flag(argparse.ArgumentParser(), "--dtype", default="float32", choices=("float32",))
+    assert cli.main(["serve", "--help"]) == 2  # reported, not a traceback
+
+
+def test_engine_config_from_args_and_to_argv(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("DEJA_MAX_NUM_SEQS", "5")
+    p = argparse.ArgumentParser()
+    actions = add_engine_args(p)
+    args = p.parse_args(["--block-size", "32", "--no-prefix-caching", "--num-device-blocks", "64"])
+    cfg = engine_config_from_args(args, model_path="/models/x")
+    assert cfg.model.path == "/models/x"
+    assert cfg.cache.block_size == 32 and cfg.cache.num_device_blocks == 64
+    assert cfg.cache.enable_prefix_caching is False
+    assert cfg.scheduler.max_num_seqs == 5
+    again = p.parse_args(to_argv(actions, args))
+    assert vars(again) == vars(args)
+    bad = p.parse_args(["--max-pinned-fraction", "2"])
+    with pytest.raises(ValueError, match="max_pinned_fraction"):
+        engine_config_from_args(bad, model_path="/models/x")
+
+
+def test_service_config() -> None:
+    assert parse_auth_token("tok:acme") == ("tok", "acme")
+    token, tenant = parse_auth_token("tok")
+    assert token == "tok" and tenant.startswith("tenant-")
+    p = argparse.ArgumentParser()
+    from service.config import add_service_args
+
+    add_service_args(p)
+    cfg = service_config_from_args(p.parse_args(["--auth-token", "t1:a", "--port", "0"]))
+    assert cfg.auth_enabled and cfg.tenants == {"t1": "a"} and cfg.port == 0
+    with pytest.raises(ValueError, match="TLS needs both"):
+        ServiceConfig(tls_cert="cert.pem")
+    with pytest.raises(ValueError, match="unique"):
+        ServiceConfig(auth_tokens=(("t", "a"), ("t", "b")))
+
+
+def test_cli_lists_commands_and_skips_missing_modules(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setitem(cli.COMMANDS, "bench nothing", "bench.no_such_module")
+    monkeypatch.setitem(cli.COMMANDS, "ghost", "no_such_package.cmd")
+    with pytest.raises(SystemExit) as info:
+        cli.main(["--help"])
+    assert info.value.code == 0
+    out = capsys.readouterr().out
+    for name in ("serve", "chat", "generate", "bench"):
+        assert name in out
+    assert "ghost" not in out
+    assert cli.main(["bench"]) == 2  # a group alone prints its help
+    assert "serve" in capsys.readouterr().out
+
+
+def test_command_modules_are_cheap_to_import() -> None:
+    code = (
+        "import sys, service.cli as c; c.build_parser();"
+        "heavy = [m for m in ('torch', 'transformers') if m in sys.modules];"
+        "print(heavy); sys.exit(1 if heavy else 0)"
+    )
+    root = Path(__file__).resolve().parents[2]
+    proc = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+async def test_generate_command(server: Harness, capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["generate", "The quick brown fox", "--target", server.target]
+    argv += ["--max-tokens", "5", "--temperature", "0", "--usage"]
+    assert await asyncio.to_thread(cli.main, argv) == 0
+    out, err = capsys.readouterr()
+    expected = await server.client.complete("The quick brown fox", max_tokens=5, temperature=0)
+    assert out == expected.text + "\n"
+    assert "completion 5 tokens" in err and "ttft" in err
+
+    bad = ["generate", "", "--target", server.target]
+    assert await asyncio.to_thread(cli.main, bad) == 1
+    assert "INVALID_ARGUMENT" in capsys.readouterr().err
+
+
+async def test_chat_loop(server: Harness) -> None:
+    def run() -> str:
+        with DejaClient(server.target) as client:
+            session = ChatSession(client, system="Be brief.", max_tokens=4, temperature=0.0)
+            stdin = io.StringIO(
+                "What is your name?\n\n/usage\nHow are you?\n/reset\n/what\n/quit\n"
+            )
+            stdout = io.StringIO()
+            assert chat_loop(session, stdin, stdout) == 0
+            assert len(session.messages) == 1  # reset kept only the system message
+            return stdout.getvalue()
+
+    out = await asyncio.to_thread(run)
+    assert "completion 4" in out and "(conversation reset)" in out and "commands:" in out
