@@ -70,6 +70,7 @@ def run(args: argparse.Namespace) -> int:
             print(f"\ndeja generate: {code}: {details}", file=sys.stderr)
             return 1
     sys.stdout.write("\n")
+    sys.stdout.flush()
     if args.usage and result.final is not None:
         u, t = result.final.usage, result.final.timings
         tiers = u.cached_by_tier

@@ -5,9 +5,10 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
+import grpc
 import pytest
 
-from clients.client import AsyncChatSession, DejaClient, GenerateResult
+from clients.client import AsyncChatSession, AsyncDejaClient, DejaClient, GenerateResult
 from engine import LLM, SamplingParams
 from service.proto.deja.v1 import inference_pb2 as pb
 from tests.service.conftest import ENGINE_KWARGS, Harness, StartServer
@@ -126,11 +127,7 @@ async def test_chat_session_reuses_cache_across_turns(server: Harness) -> None:
 
 
 async def test_tenant_isolation(start_server: StartServer) -> None:
-    tokens = ("tok-a:acme", "tok-b:globex")
     a = await start_server(auth_tokens=(("tok-a", "acme"), ("tok-b", "globex")), token="tok-a")
-    assert tokens
-    from clients.client import AsyncDejaClient
-
     b = AsyncDejaClient(a.target, token="tok-b", retries=0)
     prompt = "The robot painted the sky blue and the grass green. " * 3
     first = await a.client.complete(prompt, max_tokens=2, temperature=0)
@@ -166,7 +163,6 @@ async def test_abort_rpc_ends_stream_with_abort(server: Harness) -> None:
 
 
 async def test_retry_on_unavailable_before_first_message(start_server: StartServer) -> None:
-    from clients.client import AsyncDejaClient
     from tests.service.conftest import free_port
 
     port = free_port()
@@ -178,3 +174,28 @@ async def test_retry_on_unavailable_before_first_message(start_server: StartServ
     await client.close()
     assert result.usage.completion_tokens == 3
     assert h.replica.port == port
+
+
+async def test_tls_with_bearer_token(start_server: StartServer, tmp_path: Path) -> None:
+    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    proc = await asyncio.create_subprocess_exec(
+        "openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
+        "-keyout", str(key), "-out", str(cert), "-subj", "/CN=localhost",
+        "-addext", "subjectAltName=DNS:localhost,IP:127.0.0.1",
+        stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL,
+    )  # fmt: skip
+    if await proc.wait() != 0:
+        pytest.skip("openssl cannot make a test certificate")
+    h = await start_server(tls_cert=str(cert), tls_key=str(key), auth_tokens=(("s3cret", "t"),))
+    client = AsyncDejaClient(
+        f"localhost:{h.replica.port}", tls=True, root_certificates=cert.read_bytes(), token="s3cret"
+    )
+    try:
+        result = await client.complete("Hello", max_tokens=3, temperature=0)
+        assert result.usage.completion_tokens == 3
+    finally:
+        await client.close()
+    plain = AsyncDejaClient(f"localhost:{h.replica.port}", token="s3cret", retries=0)
+    with pytest.raises(grpc.aio.AioRpcError):
+        await plain.complete("Hello", max_tokens=3, timeout=5)
+    await plain.close()
