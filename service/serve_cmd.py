@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING
 from service.config import ServiceConfig, add_service_args, service_config_from_args
 from service.engine_args import add_engine_args, engine_config_from_args
 from service.flags import add_flag
+from service.replica_agent import AgentSettings, add_replica_agent_args, agent_settings_from_args
 
 if TYPE_CHECKING:
     from engine.async_engine import AsyncEngine
@@ -32,6 +33,7 @@ LOG_LEVELS = ("debug", "info", "warning", "error")
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_engine_args(parser)
     add_service_args(parser)
+    add_replica_agent_args(parser)
     add_flag(parser, "--log-level", default="info", choices=LOG_LEVELS, help="Logging level.")
 
 
@@ -47,6 +49,7 @@ def run(args: argparse.Namespace) -> int:
     setup_logging(args.log_level)
     try:
         service_config = service_config_from_args(args)
+        agent_settings = agent_settings_from_args(args)
     except ValueError as e:
         print(f"deja serve: error: {e}", file=sys.stderr)
         return 2
@@ -74,12 +77,14 @@ def run(args: argparse.Namespace) -> int:
     )
     engine.start()
     try:
-        return asyncio.run(serve_until_signal(service_config, engine))
+        return asyncio.run(serve_until_signal(service_config, engine, agent_settings))
     finally:
         engine.shutdown()
 
 
-async def serve_until_signal(config: ServiceConfig, engine: AsyncEngine) -> int:
+async def serve_until_signal(
+    config: ServiceConfig, engine: AsyncEngine, agent_settings: AgentSettings | None = None
+) -> int:
     from service.server import serve
     from service.tracing import make_tracer_provider
 
@@ -101,12 +106,28 @@ async def serve_until_signal(config: ServiceConfig, engine: AsyncEngine) -> int:
     )
     if replica.metrics_port is not None:
         log.info("metrics on http://%s:%d/metrics", config.metrics_host, replica.metrics_port)
+    agent = None
+    if config.redis_url and agent_settings is not None:
+        from service.replica_agent import start_replica_agent
+
+        agent = await start_replica_agent(
+            agent_settings,
+            replica_id=replica.replica_id,
+            host=config.host,
+            port=replica.port,
+            model_info=engine.model_info,
+            get_stats=engine.get_stats,
+            registry=replica.metrics.registry,
+        )
+        replica.servicer.on_finished = agent.record
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     await stop.wait()
     log.info("signal received; draining (grace period %.1f s)", config.grace_period_s)
+    if agent is not None:
+        await agent.stop()  # leave the registry first, so routers stop sending here
     await replica.shutdown(config.grace_period_s)
     if provider is not None:
         provider.shutdown()

@@ -133,6 +133,9 @@ class InferenceServicer:
         self.streams: dict[str, _Stream] = {}
         self.draining = False
         self.engine_failed = False
+        self.on_finished: Callable[[str, list[int], str | None], None] | None = None
+        """Called as (session_id, prompt_token_ids, cache_salt) after each request that finished
+        normally; `deja serve --redis-url` sets it to the replica agent's `record`."""
 
     # -- helpers -------------------------------------------------------------------------------
 
@@ -287,6 +290,8 @@ class InferenceServicer:
                             convert.final_message(out, tally, replica_id=self.replica_id)
                         )
                         outcome = tally.finish_reasons()[0] if tally.ends else "stop"
+                        if self.on_finished is not None:
+                            self.on_finished(request.session_id, out.prompt_token_ids, salt)
                     yield resp
         except ValueError as e:
             if last is not None:
