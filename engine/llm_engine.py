@@ -238,6 +238,7 @@ class LLMEngine:
         if self.tiers is not None and self.tiers.pins:
             self.tiers.expire_pins(now)
         sched = self.scheduler.schedule()
+        scheduled_at = time.monotonic()
         for seq, message in sched.failed:
             seq.finish("error")
             seq.request.error = message
@@ -254,7 +255,7 @@ class LLMEngine:
             self.kv.cache_blocks(seq)
             m = seq.request.metrics
             if m.first_scheduled is None:
-                m.first_scheduled = now
+                m.first_scheduled = scheduled_at
         for res in results:
             self._process_samples(res, now)
         return self.collect_outputs(now)

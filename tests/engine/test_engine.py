@@ -250,7 +250,11 @@ async def test_async_stream_matches_offline(aengine: AsyncEngine, llm: LLM) -> N
     assert last is not None and last.finished
     assert last.outputs[-1].finish_reason == "length"
     assert tokens == offline.token_ids and text == offline.text
-    assert last.metrics is not None and last.metrics.ttft is not None
+    m = last.metrics
+    assert m is not None and m.ttft is not None and m.queue_time is not None
+    # Queue time ends when the request is scheduled, before its first forward pass.
+    assert m.first_scheduled is not None and m.first_token is not None
+    assert m.first_scheduled < m.first_token
 
 
 async def test_async_concurrent_and_cancel(aengine: AsyncEngine) -> None:
