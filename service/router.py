@@ -1,4 +1,5 @@
-"""The router: a grpc.aio server with the replicas' public deja.v1.Inference API in front of them.
+"""The router's servicer: the replicas' public deja.v1.Inference API, in front of them (the
+process around it, with health, reflection and metrics, is service/router_server.py).
 
 Generate: pick a replica (service/router_policy.py over the healthy replicas of
 service/router_pool.py, with the session and prefix records of the affinity store), proxy the
@@ -22,17 +23,13 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
-from dataclasses import dataclass
 from typing import Any, NoReturn, TypeVar
 
 import grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
 from opentelemetry import trace
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
-from engine.kv.hashing import BlockHash
 from service.affinity.base import AffinityStore, AffinityStoreError
 from service.affinity.prefix import bounded_chain
 from service.proto.deja.v1 import inference_pb2 as pb
@@ -41,7 +38,7 @@ from service.router_config import RouterConfig
 from service.router_metrics import RouterMetrics
 from service.router_policy import NoReplicaError, RouteDecision, RouteInputs, decide
 from service.router_pool import ReplicaHandle, ReplicaPool
-from service.router_prompt import PromptHasher
+from service.router_prompt import PromptChains, PromptHasher
 from service.tracing import extract_context, get_tracer
 
 log = logging.getLogger(__name__)
@@ -69,38 +66,6 @@ def forward_metadata(
     else:  # tracing off here: pass the caller's context through unchanged
         out += [(k, v) for k, v in metadata if k.lower() in ("traceparent", "tracestate")]
     return out
-
-
-class _Prompt:
-    """A request's token ids and hash chains, computed at most once and off the event loop."""
-
-    def __init__(self, hasher: PromptHasher, request: pb.GenerateRequest, salt: str | None):
-        self._hasher = hasher
-        self._request = request
-        self._salt = salt
-        self._ids: asyncio.Task[list[int] | None] | None = None
-        self._chains: dict[tuple[str, int], list[BlockHash]] = {}
-
-    def start(self) -> None:
-        if self._ids is None:
-            self._ids = asyncio.get_running_loop().create_task(
-                asyncio.to_thread(self._hasher.token_ids, self._request)
-            )
-
-    async def chain(self, model_id: str, block_size: int) -> list[BlockHash]:
-        self.start()
-        assert self._ids is not None
-        ids = await self._ids
-        if ids is None:
-            return []
-        key = (model_id, block_size)
-        if key not in self._chains:
-            self._chains[key] = self._hasher.chain(ids, model_id, block_size, self._salt)
-        return self._chains[key]
-
-    def cancel(self) -> None:
-        if self._ids is not None and not self._ids.done():
-            self._ids.cancel()
 
 
 class RouterServicer(pb_grpc.InferenceServicer):
@@ -134,7 +99,7 @@ class RouterServicer(pb_grpc.InferenceServicer):
             return False, None
 
     async def route(
-        self, request: pb.GenerateRequest, key: str, prompt: _Prompt, exclude: set[str]
+        self, request: pb.GenerateRequest, key: str, prompt: PromptChains, exclude: set[str]
     ) -> tuple[RouteDecision, ReplicaHandle]:
         """Picks a healthy replica and counts the stream on it; raises NoReplicaError."""
         cfg = self._config
@@ -180,7 +145,9 @@ class RouterServicer(pb_grpc.InferenceServicer):
         handle.inflight += 1
         return decision, handle
 
-    async def _record(self, request: pb.GenerateRequest, replica_id: str, prompt: _Prompt) -> None:
+    async def _record(
+        self, request: pb.GenerateRequest, replica_id: str, prompt: PromptChains
+    ) -> None:
         """Writes session affinity and the prompt's blocks for the replica (before the final
         message is relayed, so the session's next turn sees them)."""
         cfg = self._config
@@ -228,7 +195,7 @@ class RouterServicer(pb_grpc.InferenceServicer):
             },
         )
         out_md = forward_metadata(metadata, span)
-        prompt = _Prompt(self._hasher, request, self._hasher.cache_salt(request, metadata))
+        prompt = PromptChains(self._hasher, request, self._hasher.cache_salt(request, metadata))
         if self._config.policy != "round_robin":
             prompt.start()
         exclude: set[str] = set()
@@ -421,91 +388,3 @@ class RouterServicer(pb_grpc.InferenceServicer):
 async def _abort(context: grpc.aio.ServicerContext, code: grpc.StatusCode, detail: str) -> NoReturn:
     await context.abort(code, detail)
     raise AssertionError("unreachable")
-
-
-# -- the router process ------------------------------------------------------------------------
-
-_SERVING = health_pb2.HealthCheckResponse.SERVING
-_NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
-
-
-@dataclass(slots=True)
-class Router:
-    """A started router; `shutdown()` drains and stops it."""
-
-    server: grpc.aio.Server
-    servicer: RouterServicer
-    pool: ReplicaPool
-    store: AffinityStore
-    health: health.aio.HealthServicer
-    metrics: RouterMetrics
-    port: int
-    metrics_port: int | None
-    _monitor: asyncio.Task[None]
-
-    async def shutdown(self, grace_period_s: float) -> None:
-        """Health NOT_SERVING, new calls UNAVAILABLE, open streams get `grace_period_s`."""
-        self.servicer.draining = True
-        self._monitor.cancel()
-        await self.health.enter_graceful_shutdown()
-        deadline = time.monotonic() + grace_period_s
-        while self.servicer.inflight and time.monotonic() < deadline:
-            await asyncio.sleep(0.05)
-        await self.server.stop(grace=0.5)
-        await self.pool.close()
-        await self.store.close()
-        self.metrics.stop_http()
-
-    async def wait_for_termination(self) -> None:
-        await self.server.wait_for_termination()
-
-
-async def _monitor(
-    pool: ReplicaPool, health_servicer: health.aio.HealthServicer, interval_s: float
-) -> None:
-    """SERVING while at least one replica is healthy."""
-    last: int | None = None
-    while True:
-        status = _SERVING if pool.healthy() else _NOT_SERVING
-        if status != last:
-            for name in ("", SERVICE_NAME):
-                await health_servicer.set(name, status)
-            last = status
-        await asyncio.sleep(interval_s)
-
-
-async def serve_router(
-    config: RouterConfig,
-    *,
-    store: AffinityStore,
-    tokenizer: Any | None = None,
-    tracer_provider: TracerProvider | None = None,
-) -> Router:
-    """Builds, binds and starts the router on the running event loop (the store is its to close)."""
-    metrics = RouterMetrics()
-    poll_md = (
-        [("authorization", f"Bearer {config.auth_tokens[0][0]}")] if config.auth_tokens else []
-    )
-    pool = ReplicaPool(config, store, metrics, call_metadata=poll_md)
-    await pool.start()
-    hasher = PromptHasher(tokenizer, config.auth_tokens, config.allow_client_cache_salt)
-    servicer = RouterServicer(config, pool, store, hasher, metrics, tracer_provider)
-    server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
-    pb_grpc.add_InferenceServicer_to_server(servicer, server)
-    health_servicer = health.aio.HealthServicer()
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    if config.reflection:
-        reflection.enable_server_reflection(
-            [SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME], server
-        )
-    port = server.add_insecure_port(f"{config.host}:{config.port}")
-    await server.start()
-    metrics_port = None
-    if config.metrics_port is not None:
-        metrics_port = metrics.start_http(config.metrics_host, config.metrics_port)
-    monitor = asyncio.get_running_loop().create_task(
-        _monitor(pool, health_servicer, min(config.poll_interval_s, 0.5))
-    )
-    return Router(
-        server, servicer, pool, store, health_servicer, metrics, port, metrics_port, monitor
-    )

@@ -61,7 +61,7 @@ def run(args: argparse.Namespace) -> int:
 
 async def route_until_signal(config: RouterConfig, tokenizer: object | None) -> int:
     from service.affinity.factory import create_store
-    from service.router import serve_router
+    from service.router_server import serve_router
     from service.tracing import make_tracer_provider
 
     provider = make_tracer_provider(

@@ -9,6 +9,7 @@ prompts get a chain.
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import logging
 from collections.abc import Sequence
@@ -92,3 +93,35 @@ class PromptHasher:
         cache_salt: str | None,
     ) -> list[BlockHash]:
         return prompt_block_hashes(token_ids, block_size, model_id, cache_salt)
+
+
+class PromptChains:
+    """One request's token ids and hash chains, computed at most once and off the event loop."""
+
+    def __init__(self, hasher: PromptHasher, request: pb.GenerateRequest, salt: str | None):
+        self._hasher = hasher
+        self._request = request
+        self._salt = salt
+        self._ids: asyncio.Task[list[int] | None] | None = None
+        self._chains: dict[tuple[str, int], list[BlockHash]] = {}
+
+    def start(self) -> None:
+        if self._ids is None:
+            self._ids = asyncio.get_running_loop().create_task(
+                asyncio.to_thread(self._hasher.token_ids, self._request)
+            )
+
+    async def chain(self, model_id: str, block_size: int) -> list[BlockHash]:
+        self.start()
+        assert self._ids is not None
+        ids = await self._ids
+        if ids is None:
+            return []
+        key = (model_id, block_size)
+        if key not in self._chains:
+            self._chains[key] = self._hasher.chain(ids, model_id, block_size, self._salt)
+        return self._chains[key]
+
+    def cancel(self) -> None:
+        if self._ids is not None and not self._ids.done():
+            self._ids.cancel()

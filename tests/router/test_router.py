@@ -18,9 +18,9 @@ from service.affinity.memory import MemoryAffinityStore
 from service.affinity.redis_store import RedisAffinityStore
 from service.proto.deja.v1 import inference_pb2 as pb
 from service.proto.deja.v1 import inference_pb2_grpc as pb_grpc
-from service.router import Router, serve_router
 from service.router_config import RouterConfig
 from service.router_policy import OverloadGuard
+from service.router_server import Router, serve_router
 
 from .fake_replica import FakeReplica
 from .redis_proc import RedisProcess
