@@ -153,24 +153,27 @@ class RouterServicer(pb_grpc.InferenceServicer):
         cfg = self._config
         if cfg.policy == "round_robin" or not self._store.available:
             return
-        if request.session_id:
-            await self._store_call(
-                "set_session",
-                self._store.set_session(request.session_id, replica_id, cfg.affinity.session_ttl_s),
-            )
         h = self._pool.by_id(replica_id)
-        if h is None or h.model_id is None or h.block_size is None:
-            return
-        chain = await prompt.chain(h.model_id, h.block_size)
-        if chain:
-            await self._store_call(
-                "record_prefix",
-                self._store.record_prefix(
-                    replica_id,
-                    bounded_chain(chain, cfg.affinity.max_blocks_per_record),
-                    cfg.affinity.prefix_ttl_s,
-                ),
+        chain = []
+        if h is not None and h.model_id is not None and h.block_size is not None:
+            chain = await prompt.chain(h.model_id, h.block_size)
+        ops: list[Awaitable[tuple[bool, None]]] = []
+        if request.session_id:
+            ttl = cfg.affinity.session_ttl_s
+            ops.append(
+                self._store_call(
+                    "set_session", self._store.set_session(request.session_id, replica_id, ttl)
+                )
             )
+        if chain:
+            blocks = bounded_chain(chain, cfg.affinity.max_blocks_per_record)
+            ops.append(
+                self._store_call(
+                    "record_prefix",
+                    self._store.record_prefix(replica_id, blocks, cfg.affinity.prefix_ttl_s),
+                )
+            )
+        await asyncio.gather(*ops)
 
     # -- Generate ------------------------------------------------------------------------------
 
