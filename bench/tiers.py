@@ -1,0 +1,381 @@
+"""The tiered prefix cache: time to first token by tier, and multi-turn hit rates.
+
+Part 1 (ttft): a 1,024-token prefix with a short distinct suffix, max_tokens 1, served from the
+device tier, the CPU tier, the disk tier (files just written, so in the OS page cache) and
+recomputed (an engine with prefix caching off). The device pool holds one such prompt, so traffic
+("filler" prompts of the same size) pushes the prefix down the tiers: warm -> 2 fillers (device
+-> CPU -> disk) -> disk hit -> device hit -> 1 filler (device -> CPU) -> CPU hit.
+
+Part 2 (multiturn): 32 sessions x 4 turns, each turn = the last prompt + its answer + a new user
+message (after a shared system prompt), sessions round-robin in groups of 4. Three engines side by
+side, each group running on all three in rotating order: device pool at 25% of the working set
+with the CPU tier off, the same with the CPU tier on, and an unbounded device pool.
+
+    python -m bench.tiers [--model demo] [--part all|ttft|multiturn] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from bench.common import (
+    add_common_arguments,
+    allowed_token_ids,
+    machine_info,
+    mean,
+    p50,
+    print_header,
+    print_table,
+    random_prompt,
+    resolve_model,
+    setup_torch,
+    write_json,
+)
+
+BS = 16
+FULL: dict[str, Any] = {
+    "prefix_len": 1024,
+    "suffix_len": 8,
+    "reps": 2,
+    "sessions": 32,
+    "turns": 4,
+    "system_len": 64,
+    "user_len": (24, 40),
+    "answer_len": 8,
+    "group": 4,
+}
+QUICK: dict[str, Any] = {
+    "prefix_len": 128,
+    "suffix_len": 8,
+    "reps": 1,
+    "sessions": 4,
+    "turns": 2,
+    "system_len": 16,
+    "user_len": (8, 16),
+    "answer_len": 2,
+    "group": 2,
+}
+TIERS = ("device", "cpu", "disk", "recompute")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_common_arguments(parser)
+    parser.add_argument(
+        "--part", choices=("all", "ttft", "multiturn"), default="all", help="which part to run"
+    )
+    parser.add_argument("--reps", type=int, default=None, help="ttft repetitions (default 2)")
+    parser.add_argument("--sessions", type=int, default=None, help="multi-turn sessions (32)")
+    parser.add_argument("--turns", type=int, default=None, help="turns per session (4)")
+    parser.add_argument(
+        "--device-fraction",
+        type=float,
+        default=0.25,
+        help="multi-turn device pool as a share of the working set (0.25)",
+    )
+
+
+def _engine(model_path: str, args: argparse.Namespace, **cfg: Any) -> Any:
+    from engine import LLM
+
+    return LLM(
+        model_path,
+        dtype=args.dtype,
+        device="cpu",
+        block_size=BS,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        **cfg,
+    )
+
+
+def _blocks(n_tokens: int) -> int:
+    return -(-n_tokens // BS)
+
+
+# -- part 1: TTFT by tier ------------------------------------------------------------------------
+@dataclass(slots=True)
+class TierSample:
+    tier: str
+    ttft: float
+    cached: dict[str, int]
+    """Prompt tokens served per tier (device, cpu, disk)."""
+
+
+def run_ttft(
+    args: argparse.Namespace, model_path: str, ids: list[int], work: dict[str, Any]
+) -> dict[str, Any]:
+    from engine import SamplingParams
+
+    rng = random.Random(args.seed)
+    plen, slen = work["prefix_len"], work["suffix_len"]
+    # The device pool holds one prompt (prefix + suffix) and a spare block; a filler prompt takes
+    # every block, so each filler pushes the previous contents one tier down.
+    num_device = _blocks(plen + slen) + 1
+    filler_len = num_device * BS
+    # The CPU tier holds the prefix and one block more: one filler's spills push it to disk.
+    num_cpu = plen // BS + 1
+    disk_dir = tempfile.mkdtemp(prefix="deja-bench-tiers-")
+    tiered = _engine(
+        model_path, args, num_device_blocks=num_device, num_cpu_blocks=num_cpu, disk_dir=disk_dir
+    )
+    recompute = _engine(model_path, args, num_device_blocks=num_device, enable_prefix_caching=False)
+    params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+    warm = random_prompt(rng, ids, 64)
+    tiered.generate([warm], params)
+    recompute.generate([warm], params)
+    store = tiered.engine.offload
+
+    def measure(llm: Any, prompt: list[int], tier: str) -> TierSample:
+        out = llm.generate([prompt], params)[0]
+        assert out.error is None, out.error
+        m, ct = out.metrics, out.cached_tokens
+        return TierSample(tier, m.ttft, {"device": ct.device, "cpu": ct.cpu, "disk": ct.disk})
+
+    def filler() -> None:
+        tiered.generate([random_prompt(rng, ids, filler_len)], params)
+
+    samples: list[TierSample] = []
+    for rep in range(work["reps"]):
+        prefix = random_prompt(rng, ids, plen)
+
+        def prompt(prefix: list[int] = prefix) -> list[int]:
+            return prefix + random_prompt(rng, ids, slen)
+
+        tiered.generate([prompt()], params)  # computes the prefix
+        filler()  # prefix: device -> CPU
+        filler()  # prefix: CPU -> disk
+        if store is not None:
+            store.flush()  # the files are written (the reads below come from files)
+        samples.append(measure(tiered, prompt(), "disk"))
+        samples.append(measure(tiered, prompt(), "device"))
+        filler()  # prefix: device -> CPU
+        samples.append(measure(tiered, prompt(), "cpu"))
+        samples.append(measure(recompute, prompt(), "recompute"))
+        print(
+            f"  rep {rep + 1}: "
+            + ", ".join(f"{s.tier} {1000 * s.ttft:.0f} ms" for s in samples[-4:])
+        )
+        sys.stdout.flush()
+    if store is not None:
+        store.close()
+
+    rows, result = [], {}
+    base = p50([s.ttft for s in samples if s.tier == "recompute"])
+    for tier in TIERS:
+        mine = [s for s in samples if s.tier == tier]
+        t = p50([s.ttft for s in mine])
+        served = {k: min(s.cached[k] for s in mine) for k in ("device", "cpu", "disk")}
+        result[tier] = {
+            "ttft_p50_s": t,
+            "speedup_vs_recompute": base / t,
+            "cached_tokens_min": served,
+        }
+        rows.append(
+            (tier, 1000 * t, f"{base / t:.1f}x", served["device"], served["cpu"], served["disk"])
+        )
+    print()
+    print_table(
+        ["served from", "TTFT p50 (ms)", "vs recompute", "device tok", "cpu tok", "disk tok"], rows
+    )
+    return {
+        "config": {
+            "num_device_blocks": num_device,
+            "num_cpu_blocks": num_cpu,
+            "filler_len": filler_len,
+        },
+        "tiers": result,
+        "samples": [{"tier": s.tier, "ttft_s": s.ttft, "cached": s.cached} for s in samples],
+    }
+
+
+# -- part 2: multi-turn hit rates ----------------------------------------------------------------
+@dataclass(slots=True)
+class Session:
+    prompt: list[int] = field(default_factory=list)
+    answers: list[list[int]] = field(default_factory=list)
+
+
+def run_multiturn(
+    args: argparse.Namespace, model_path: str, ids: list[int], work: dict[str, Any]
+) -> dict[str, Any]:
+    from engine import SamplingParams
+
+    rng = random.Random(args.seed + 1)
+    n, turns, group = work["sessions"], work["turns"], work["group"]
+    system = random_prompt(rng, ids, work["system_len"])
+    users = [
+        [random_prompt(rng, ids, rng.randint(*work["user_len"])) for _ in range(turns)]
+        for _ in range(n)
+    ]
+    answer = work["answer_len"]
+    # Working set: every session's final context (prompt of the last turn + its answer).
+    final_lens = [len(system) + sum(len(u) for u in us) + turns * answer for us in users]
+    working_set = sum(_blocks(x) for x in final_lens)
+    quarter = max(int(args.device_fraction * working_set), group * _blocks(max(final_lens)))
+    configs = {
+        "cpu off": dict(num_device_blocks=quarter, cpu_swap_gib=0),
+        "cpu on": dict(num_device_blocks=quarter),
+        "unbounded": dict(num_device_blocks=2 * working_set, cpu_swap_gib=0),
+    }
+    print(
+        f"  working set {working_set} blocks; device pool {quarter} blocks "
+        f"({quarter / working_set:.0%}); unbounded {2 * working_set}"
+    )
+    engines = {name: _engine(model_path, args, **cfg) for name, cfg in configs.items()}
+    cpu_blocks = engines["cpu on"].engine.tiers.cpu.num_blocks
+    computed = {name: _count_computed(llm) for name, llm in engines.items()}
+    params = SamplingParams(temperature=0.0, max_tokens=answer, ignore_eos=True)
+    state = {name: [Session(list(system)) for _ in range(n)] for name in engines}
+    ttfts: dict[str, list[float]] = {name: [] for name in engines}
+    later: dict[str, list[float]] = {name: [] for name in engines}
+    k = 0
+    for turn in range(turns):
+        for g in range(0, n, group):
+            names = list(engines)
+            names = names[k % 3 :] + names[: k % 3]  # rotate who goes first
+            k += 1
+            for name in names:
+                sess = state[name][g : g + group]
+                for s, i in zip(sess, range(g, g + group), strict=False):
+                    s.prompt = s.prompt + users[i][turn]
+                outs = engines[name].generate([s.prompt for s in sess], params)
+                for s, out in zip(sess, outs, strict=True):
+                    assert out.error is None, out.error
+                    s.answers.append(list(out.token_ids))
+                    s.prompt = s.prompt + list(out.token_ids)
+                    ttfts[name].append(out.metrics.ttft)
+                    if turn > 0:
+                        later[name].append(out.metrics.ttft)
+        print(f"  turn {turn + 1}/{turns} done")
+        sys.stdout.flush()
+
+    result: dict[str, Any] = {}
+    rows = []
+    ref_rate = engines["unbounded"].engine.get_stats().prefix_hit_rate
+    for name, llm in engines.items():
+        st = llm.engine.get_stats()
+        by_tier = {t.name: t.hits for t in st.tiers}
+        result[name] = {
+            "hit_rate": st.prefix_hit_rate,
+            "hit_rate_vs_unbounded": st.prefix_hit_rate / ref_rate if ref_rate else 0.0,
+            "hits_by_tier_tokens": by_tier,
+            "prefix_queries_tokens": st.prefix_queries,
+            "tokens_computed": computed[name][0],
+            "ttft_mean_s": mean(ttfts[name]),
+            "ttft_p50_s": p50(ttfts[name]),
+            "ttft_turns_2plus_mean_s": mean(later[name]) if later[name] else 0.0,
+            "preemptions": st.num_preemptions,
+        }
+        r = result[name]
+        rows.append(
+            (
+                name,
+                f"{100 * r['hit_rate']:.1f}%",
+                f"{r['hit_rate_vs_unbounded']:.2f}",
+                by_tier.get("cpu", 0),
+                r["tokens_computed"],
+                1000 * r["ttft_mean_s"],
+                1000 * r["ttft_turns_2plus_mean_s"],
+            )
+        )
+    same = all(
+        a.answers == b.answers for a, b in zip(state["cpu on"], state["cpu off"], strict=True)
+    ) and all(
+        a.answers == b.answers for a, b in zip(state["cpu on"], state["unbounded"], strict=True)
+    )
+    print()
+    print_table(
+        [
+            "config",
+            "hit rate",
+            "vs unbounded",
+            "cpu hit tok",
+            "tokens computed",
+            "TTFT mean (ms)",
+            "TTFT turns 2+ (ms)",
+        ],
+        rows,
+    )
+    print(f"identical answers across the three configs: {same}")
+    on, off = result["cpu on"], result["cpu off"]
+    print(
+        f"CPU tier on vs off: TTFT turns 2+ {off['ttft_turns_2plus_mean_s'] / on['ttft_turns_2plus_mean_s']:.2f}x "
+        f"faster; hit rate {100 * on['hit_rate']:.1f}% vs {100 * off['hit_rate']:.1f}% "
+        f"({on['hit_rate_vs_unbounded']:.0%} of unbounded)"
+    )
+    return {
+        "config": {
+            "working_set_blocks": working_set,
+            "device_blocks": quarter,
+            "cpu_blocks": cpu_blocks,
+            "unbounded_blocks": 2 * working_set,
+        },
+        "results": result,
+        "identical_answers": same,
+    }
+
+
+def _count_computed(llm: Any) -> list[int]:
+    """Wraps the runner so that box[0] counts the tokens the forward passes compute."""
+    box = [0]
+    runner = llm.engine.runner
+    execute = runner.execute
+
+    def counted(sched: Any, tables: Any) -> Any:
+        box[0] += sched.num_tokens
+        return execute(sched, tables)
+
+    runner.execute = counted
+    return box
+
+
+def run(args: argparse.Namespace) -> int:
+    setup_torch(args.threads)
+    model_path = resolve_model(args.model, args.cache_dir)
+    info = machine_info(args.threads)
+    work = dict(QUICK if args.quick else FULL)
+    for key in ("reps", "sessions", "turns"):
+        if getattr(args, key) is not None:
+            work[key] = getattr(args, key)
+    ids, _ = allowed_token_ids(model_path)
+    print_header("deja bench tiers", model_path, info)
+    out: dict[str, Any] = {"bench": "tiers", "model": model_path, "machine": info, "workload": work}
+    start = time.perf_counter()
+    if args.part in ("all", "ttft"):
+        print(
+            f"\n-- TTFT of a {work['prefix_len']}-token cached prefix + {work['suffix_len']}-token "
+            f"suffix by tier ({work['reps']} reps, {args.dtype}, max_tokens 1) --"
+        )
+        sys.stdout.flush()
+        out["ttft"] = run_ttft(args, model_path, ids, work)
+        cpu = out["ttft"]["tiers"]["cpu"]["speedup_vs_recompute"]
+        print(f"CPU-tier hit vs recompute: {cpu:.1f}x faster to first token (target >= 5x)")
+    if args.part in ("all", "multiturn"):
+        print(
+            f"\n-- multi-turn: {work['sessions']} sessions x {work['turns']} turns, groups of "
+            f"{work['group']}, answers of {work['answer_len']} tokens --"
+        )
+        sys.stdout.flush()
+        out["multiturn"] = run_multiturn(args, model_path, ids, work)
+        ratio = out["multiturn"]["results"]["cpu on"]["hit_rate_vs_unbounded"]
+        print(f"hit rate with the CPU tier / unbounded device pool: {ratio:.2f} (target >= 0.90)")
+    print(f"\ntotal bench time {time.perf_counter() - start:.0f} s")
+    write_json(args.json, out)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.tiers", description=__doc__.split("\n")[0]
+    )
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
