@@ -28,6 +28,7 @@ import queue
 import struct
 import threading
 import time
+from collections import OrderedDict
 from pathlib import Path
 from typing import Any
 
@@ -49,6 +50,8 @@ _HEADER = struct.Struct("<8s32sQ16s")
 """magic, block hash, payload bytes, blake2b-128 digest of the payload."""
 HEADER_BYTES = 128
 _SUFFIX = ".kv"
+READ_CACHE_BYTES = 128 * 2**20
+"""Verified disk payloads an engine keeps in memory across steps."""
 _STALE_TMP_S = 3600.0
 """Temp files older than this are leftovers of a crashed writer and are removed at startup."""
 
@@ -68,13 +71,20 @@ def model_fingerprint(model_path: str | Path) -> str:
 class DiskFiles:
     """The disk tier's files: checksummed, written by a background thread, read on `probe`."""
 
-    def __init__(self, directory: Path, payload_bytes: int) -> None:
+    def __init__(
+        self, directory: Path, payload_bytes: int, read_cache_bytes: int = READ_CACHE_BYTES
+    ) -> None:
         self.directory = directory
         self.payload_bytes = payload_bytes
+        self.read_cache_blocks = read_cache_bytes // payload_bytes
+        """Verified payloads kept past the end of a step (least recently used dropped first)."""
         self.num_bad = 0
         """Files found corrupt, truncated or for another block (deleted)."""
-        self._buffer: dict[BlockHash, torch.Tensor] = {}
-        """This step's verified payloads ([payload_bytes] uint8), by hash."""
+        self._buffer: OrderedDict[BlockHash, torch.Tensor] = OrderedDict()
+        """Verified payloads ([payload_bytes] uint8) by hash: this step's, then a small cache.
+        NOTE: a verified payload stays valid whatever later happens to its file (content
+        addressed), and the cache spares a prompt waiting at the head of the queue from
+        re-reading its disk hits every step."""
         self._pending: dict[BlockHash, torch.Tensor] = {}
         """Payloads queued for writing (readable before their file exists)."""
         self._lock = threading.Lock()
@@ -84,7 +94,11 @@ class DiskFiles:
 
     @classmethod
     def open(
-        cls, directory: str | Path, manifest: dict[str, Any], payload_bytes: int
+        cls,
+        directory: str | Path,
+        manifest: dict[str, Any],
+        payload_bytes: int,
+        read_cache_bytes: int = 0,
     ) -> DiskFiles | None:
         """The directory's files, or None (logged) when it belongs to another model or layout."""
         root = Path(directory).expanduser()
@@ -118,7 +132,7 @@ class DiskFiles:
             tmp = root / f".{MANIFEST}.{os.getpid()}.{threading.get_ident()}.tmp"
             tmp.write_text(json.dumps(manifest, indent=1, sort_keys=True) + "\n")
             os.replace(tmp, path)
-        return cls(root, payload_bytes)
+        return cls(root, payload_bytes, read_cache_bytes)
 
     def path(self, block_hash: BlockHash) -> Path:
         name = block_hash.hex()
@@ -158,6 +172,7 @@ class DiskFiles:
     # -- DiskIO --------------------------------------------------------------------------------
     def probe(self, block_hash: BlockHash) -> bool:
         if block_hash in self._buffer:
+            self._buffer.move_to_end(block_hash)
             return True
         with self._lock:
             payload = self._pending.get(block_hash)
@@ -169,7 +184,8 @@ class DiskFiles:
         return True
 
     def end_step(self) -> None:
-        self._buffer.clear()
+        while len(self._buffer) > self.read_cache_blocks:
+            self._buffer.popitem(last=False)
 
     def buffered(self, block_hash: BlockHash) -> torch.Tensor:
         """The payload that `probe` or `store` put in this step's buffer."""
@@ -179,6 +195,7 @@ class DiskFiles:
     def store(self, block_hash: BlockHash, payload: torch.Tensor) -> None:
         """Queues a write; the payload ([payload_bytes] uint8, owned) is readable right away."""
         self._buffer[block_hash] = payload
+        self._buffer.move_to_end(block_hash)
         with self._lock:
             self._pending[block_hash] = payload
         self._queue.put(("store", block_hash, payload))
@@ -439,7 +456,7 @@ def build_tiers(
             "num_kv_heads": h,
             "head_dim": d,
         }
-        files = DiskFiles.open(cache.disk_dir, manifest, block_bytes)
+        files = DiskFiles.open(cache.disk_dir, manifest, block_bytes, READ_CACHE_BYTES)
         if files is not None:
             index = DiskIndex(capacity)
             for block_hash in files.scan():

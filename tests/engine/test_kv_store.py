@@ -204,3 +204,18 @@ def test_bfloat16_payload_round_trip(tmp_path: Path) -> None:
     back = files.buffered(h(1)).view(torch.bfloat16).view(SHAPE)
     assert torch.equal(back, data)
     files.close()
+
+
+def test_read_cache_keeps_verified_payloads_across_steps(tmp_path: Path) -> None:
+    files = DiskFiles.open(tmp_path, MANIFEST_A, PAYLOAD, read_cache_bytes=2 * PAYLOAD)
+    assert files is not None
+    for i in (1, 2, 3):
+        files.store(h(i), payload(i))
+    files.flush()
+    files.end_step()  # keeps the 2 most recent: h(2), h(3)
+    for i in (1, 2, 3):
+        files.path(h(i)).unlink()
+    assert not files.probe(h(1))
+    assert files.probe(h(2)) and files.probe(h(3))  # no file needed: verified bytes in memory
+    assert torch.equal(files.buffered(h(2)), payload(2))
+    files.close()
