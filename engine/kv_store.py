@@ -85,6 +85,8 @@ class DiskFiles:
         NOTE: a verified payload stays valid whatever later happens to its file (content
         addressed), and the cache spares a prompt waiting at the head of the queue from
         re-reading its disk hits every step."""
+        self._stored: dict[BlockHash, torch.Tensor] = {}
+        """Payloads stored in this step (a load later in the same step reads them here)."""
         self._pending: dict[BlockHash, torch.Tensor] = {}
         """Payloads queued for writing (readable before their file exists)."""
         self._lock = threading.Lock()
@@ -171,6 +173,8 @@ class DiskFiles:
 
     # -- DiskIO --------------------------------------------------------------------------------
     def probe(self, block_hash: BlockHash) -> bool:
+        if block_hash in self._stored:
+            return True
         if block_hash in self._buffer:
             self._buffer.move_to_end(block_hash)
             return True
@@ -184,18 +188,19 @@ class DiskFiles:
         return True
 
     def end_step(self) -> None:
+        self._stored.clear()
         while len(self._buffer) > self.read_cache_blocks:
             self._buffer.popitem(last=False)
 
     def buffered(self, block_hash: BlockHash) -> torch.Tensor:
-        """The payload that `probe` or `store` put in this step's buffer."""
-        return self._buffer[block_hash]
+        """The payload that `probe` or `store` made available in this step."""
+        payload = self._stored.get(block_hash)
+        return payload if payload is not None else self._buffer[block_hash]
 
     # -- writes --------------------------------------------------------------------------------
     def store(self, block_hash: BlockHash, payload: torch.Tensor) -> None:
         """Queues a write; the payload ([payload_bytes] uint8, owned) is readable right away."""
-        self._buffer[block_hash] = payload
-        self._buffer.move_to_end(block_hash)
+        self._stored[block_hash] = payload
         with self._lock:
             self._pending[block_hash] = payload
         self._queue.put(("store", block_hash, payload))

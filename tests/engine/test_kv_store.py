@@ -212,7 +212,10 @@ def test_read_cache_keeps_verified_payloads_across_steps(tmp_path: Path) -> None
     for i in (1, 2, 3):
         files.store(h(i), payload(i))
     files.flush()
-    files.end_step()  # keeps the 2 most recent: h(2), h(3)
+    files.end_step()  # stored payloads are not cached: later hits read their files
+    for i in (1, 2, 3):
+        assert files.probe(h(i))
+    files.end_step()  # keeps the 2 most recently read: h(2), h(3)
     for i in (1, 2, 3):
         files.path(h(i)).unlink()
     assert not files.probe(h(1))
