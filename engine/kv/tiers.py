@@ -393,8 +393,9 @@ class TieredCache:
             TierStats(
                 name="cpu",
                 num_blocks=cpu.num_blocks,
+                # cached blocks + the private tails of swapped-out sequences
                 used_blocks=len(cpu.cached)
-                + sum(1 for b in cpu.blocks if b.ref_cnt and b.block_hash is None),
+                + sum(1 for r in self.swapped.values() if r.tail_tokens),
                 cached_blocks=len(cpu.cached),
                 pinned_blocks=len(self._pinned_blocks),
                 queries=counters["cpu"].queries,
