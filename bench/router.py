@@ -62,6 +62,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_flag(w, "--max-concurrency", type=int, default=8, help="Requests in flight (0: no cap).")
     add_flag(w, "--dataset-seed", type=int, default=0)
     add_flag(w, "--warmup-requests", type=int, default=2, help="Unmeasured requests first.")
+    add_flag(
+        w,
+        "--repeat",
+        type=int,
+        default=1,
+        help="Rounds; each starts every policy's cluster afresh, policies interleaved.",
+    )
     add_bool_flag(w, "--json", default=False, help="Print JSON instead of text.")
     add_flag(w, "--output", help="Also write the JSON results to this file.")
     add_bool_flag(w, "--progress", default=True, help="Progress bar on stderr.")
@@ -81,8 +88,20 @@ def _spec(args: argparse.Namespace) -> Any:
     )
 
 
-async def _drive(target: str, args: argparse.Namespace, label: str, workload: Any) -> Any:
-    from clients.bench_workload import Progress, Workload, run_workload, summarize_by_turn
+@dataclasses.dataclass
+class _Runs:
+    """Everything one policy measured, over all rounds."""
+
+    records: list[Any] = dataclasses.field(default_factory=list)
+    duration_s: float = 0.0
+    routes: dict[str, float] = dataclasses.field(default_factory=dict)
+    model: str = ""
+
+
+async def _drive(
+    target: str, args: argparse.Namespace, label: str, workload: Any, runs: _Runs
+) -> Any:
+    from clients.bench_workload import Progress, Workload, run_workload
     from clients.client import AsyncDejaClient
     from clients.loadgen import GrpcBackend
 
@@ -101,9 +120,10 @@ async def _drive(target: str, args: argparse.Namespace, label: str, workload: An
         records, duration = await run_workload(
             backend, workload.sessions, max_concurrency=cap, progress=progress
         )
-        result = summarize_by_turn(records, duration)
-        result["model"] = info.model_id
-        return result, workload
+        runs.records += records
+        runs.duration_s += duration
+        runs.model = info.model_id
+        return workload
     finally:
         await client.close()
 
@@ -119,9 +139,10 @@ def _route_counts(metrics_text: str) -> dict[str, float]:
 
 
 def _run_policy(
-    args: argparse.Namespace, policy: str, workload: Any, workdir: Path
-) -> tuple[dict[str, Any], Any]:
-    group = ProcessGroup(workdir / policy)
+    args: argparse.Namespace, policy: str, workload: Any, workdir: Path, runs: _Runs
+) -> Any:
+    """Starts fresh replicas and a router, runs the workload through it, stops them all."""
+    group = ProcessGroup(workdir)
     names = [f"r{i}" for i in range(args.num_replicas)]
     ports = {n: free_port() for n in names}
     router_port, metrics_port = free_port(), free_port()
@@ -146,9 +167,11 @@ def _run_policy(
             wait_healthy(group, n, f"127.0.0.1:{ports[n]}", args.start_timeout)
         wait_router_replicas(group, "router", metrics_port, len(names), args.start_timeout)
         print(f"{policy}: cluster ready in {time.monotonic() - t0:.1f} s", file=sys.stderr)
-        result, workload = asyncio.run(_drive(f"127.0.0.1:{router_port}", args, policy, workload))
-        result["routes"] = _route_counts(scrape(metrics_port))
-        return result, workload
+        target = f"127.0.0.1:{router_port}"
+        workload = asyncio.run(_drive(target, args, policy, workload, runs))
+        for reason, count in _route_counts(scrape(metrics_port)).items():
+            runs.routes[reason] = runs.routes.get(reason, 0.0) + count
+        return workload
     finally:
         group.stop_all()
 
@@ -209,26 +232,36 @@ def format_comparison(rows: dict[str, Any]) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
+    from clients.bench_workload import summarize_by_turn
     from clients.loadgen import format_result
 
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
     bad = [p for p in policies if p not in POLICIES]
-    if bad or not policies or args.num_replicas < 1:
+    if bad or not policies or args.num_replicas < 1 or args.repeat < 1:
         print(f"deja bench router: policies must be among {POLICIES}", file=sys.stderr)
         return 2
-    results: dict[str, dict[str, Any]] = {}
+    runs = {policy: _Runs() for policy in policies}
     workload: Any = None
     with tempfile.TemporaryDirectory(prefix="deja-bench-router-") as tmp:
         try:
-            for policy in policies:
-                results[policy], workload = _run_policy(args, policy, workload, Path(tmp))
+            # NOTE: rounds interleave the policies so that drifting background load on a shared
+            # machine hits them alike.
+            for round_ in range(args.repeat):
+                for policy in policies:
+                    workdir = Path(tmp) / f"{policy}-{round_}"
+                    workload = _run_policy(args, policy, workload, workdir, runs[policy])
         except (RuntimeError, TimeoutError) as e:
             print(f"deja bench router: {e}", file=sys.stderr)
             return 1
+    results: dict[str, dict[str, Any]] = {}
+    for policy, measured in runs.items():
+        results[policy] = summarize_by_turn(measured.records, measured.duration_s)
+        results[policy].update(model=measured.model, routes=measured.routes)
     report = {
         "dataset": dataclasses.asdict(_spec(args)),
         "num_replicas": args.num_replicas,
         "max_concurrency": args.max_concurrency,
+        "repeat": args.repeat,
         "results": results,
         "comparison": compare(results),
     }

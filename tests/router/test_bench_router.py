@@ -1,0 +1,41 @@
+"""`deja bench router`: the comparison maths, and a tiny end-to-end run."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from bench.router import compare, format_comparison
+from service import cli
+
+
+def _result(hit: float, p50: float, p99: float) -> dict[str, object]:
+    part = {"prefix_hit_rate": hit, "ttft_ms": {"p50": p50, "p99": p99}}
+    return {**part, "turns_2plus": part}
+
+
+def test_compare_ratios_are_relative_to_round_robin() -> None:
+    rows = compare({"affinity": _result(0.9, 100, 400), "round_robin": _result(0.6, 300, 600)})
+    vs = rows["affinity"]["vs_round_robin"]
+    assert vs["ttft_p50_ms"] == pytest.approx(3.0)
+    assert vs["ttft_p99_ms"] == pytest.approx(1.5)
+    assert vs["hit_rate"] == pytest.approx(1.5)
+    assert rows["round_robin"]["vs_round_robin"]["ttft_p50_ms"] == pytest.approx(1.0)
+    text = format_comparison(rows)
+    assert "affinity" in text and "3.00" in text
+
+
+def test_bench_router_runs(tiny_llama_path: Path, tmp_path: Path) -> None:
+    out = tmp_path / "bench.json"
+    argv = ["bench", "router", "--model", str(tiny_llama_path), "--num-replicas", "1"]
+    argv += ["--policies", "affinity,round_robin", "--num-sessions", "2", "--num-turns", "2"]
+    argv += ["--prefix-len", "32", "--input-len", "16", "--output-len", "4", "--no-progress"]
+    argv += ["--server-args", "--num-device-blocks 256", "--output", str(out)]
+    assert cli.main(argv) == 0
+    report = json.loads(out.read_text())
+    assert set(report["comparison"]) == {"affinity", "round_robin"}
+    for r in report["results"].values():
+        assert r["requests"] == 4 and r["failed"] == 0
+    assert report["results"]["affinity"]["routes"]["session"] == 2
