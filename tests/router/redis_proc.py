@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import shutil
+import signal
 import socket
 import subprocess
 import time
@@ -60,3 +61,12 @@ class RedisProcess:
             self.proc.kill()
             self.proc.wait(timeout=10)
         self.proc = None
+
+    def pause(self) -> None:
+        """SIGSTOP: the server keeps its connections but answers nothing (a slow Redis)."""
+        assert self.proc is not None
+        self.proc.send_signal(signal.SIGSTOP)
+
+    def resume(self) -> None:
+        assert self.proc is not None
+        self.proc.send_signal(signal.SIGCONT)

@@ -139,6 +139,29 @@ async def test_redis_down_fails_fast_and_reconnects(redis_proc: RedisProcess) ->
         await store.close()
 
 
+async def test_slow_redis_is_bounded_and_recovers(redis_proc: RedisProcess) -> None:
+    store = RedisAffinityStore(
+        redis_proc.url, key_prefix="t:", op_timeout_s=0.2, reconnect_interval_s=0.1
+    )
+    try:
+        await store.set_session("s", "a", ttl_s=60)
+        redis_proc.pause()
+        t0 = time.monotonic()
+        with pytest.raises(AffinityStoreError):
+            await store.get_session("s")
+        assert time.monotonic() - t0 < 0.5
+        assert not store.available
+        redis_proc.resume()
+        for _ in range(100):
+            if store.available:
+                break
+            await asyncio.sleep(0.05)
+        assert await store.get_session("s") == "a"
+    finally:
+        redis_proc.resume()
+        await store.close()
+
+
 async def test_redis_unreachable_is_bounded_in_time() -> None:
     from .redis_proc import free_port
 
