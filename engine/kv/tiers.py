@@ -35,12 +35,12 @@ Rules:
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
 from engine.kv.block_pool import Block, BlockPool
+from engine.kv.disk_index import DiskIndex
 from engine.kv.hashing import BlockHash
 from engine.kv.manager import TierCounters
 from engine.kv.plan import KVPlan
@@ -68,55 +68,6 @@ class SeqState(Protocol):
     seq_id: int
     block_hashes: list[BlockHash]
     num_computed_tokens: int
-
-
-class DiskIndex:
-    """hash -> block file of the disk tier, least recently accessed first, within a block budget."""
-
-    def __init__(self, capacity_blocks: int) -> None:
-        if capacity_blocks < 1:
-            raise ValueError(
-                f"the disk tier needs room for at least one block, got {capacity_blocks}"
-            )
-        self.capacity = capacity_blocks
-        self.entries: OrderedDict[BlockHash, None] = OrderedDict()
-        self._deletes: dict[BlockHash, None] = {}
-        """Files to delete (budget evictions), in order; taken by the store."""
-        self.num_evictions = 0
-        self.num_discarded = 0
-        """Entries dropped because their file was bad or gone when looked up."""
-
-    def __contains__(self, block_hash: BlockHash) -> bool:
-        return block_hash in self.entries
-
-    def __len__(self) -> int:
-        return len(self.entries)
-
-    def touch(self, block_hash: BlockHash) -> None:
-        if block_hash in self.entries:
-            self.entries.move_to_end(block_hash)
-
-    def add(self, block_hash: BlockHash) -> None:
-        """Records a file (new or found), evicting the least recently accessed over the budget."""
-        if block_hash in self.entries:
-            self.entries.move_to_end(block_hash)
-            return
-        self._deletes.pop(block_hash, None)  # a pending delete of an older copy no longer applies
-        self.entries[block_hash] = None
-        while len(self.entries) > self.capacity:
-            old, _ = self.entries.popitem(last=False)
-            self._deletes[old] = None
-            self.num_evictions += 1
-
-    def discard(self, block_hash: BlockHash) -> None:
-        """Forgets a file that turned out bad or missing (the reader already deleted it)."""
-        if self.entries.pop(block_hash, 0) is None:
-            self.num_discarded += 1
-
-    def take_deletes(self) -> list[BlockHash]:
-        out = list(self._deletes)
-        self._deletes.clear()
-        return out
 
 
 @dataclass(slots=True)

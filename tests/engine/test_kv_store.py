@@ -9,9 +9,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from engine.kv.disk_index import DiskIndex
 from engine.kv.plan import KVPlan
-from engine.kv.tiers import DiskIndex
-from engine.kv_store import HEADER_BYTES, MANIFEST, DiskFiles, KVStore
+from engine.kv_disk import HEADER_BYTES, MANIFEST, DiskFiles
+from engine.kv_store import KVStore
 
 L, BS, H, D = 2, 4, 2, 8
 SHAPE = (L, 2, BS, H, D)

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+from engine.kv.disk_index import DiskIndex
 from engine.kv.hashing import BlockHash
 from engine.kv.manager import KVCacheManager
 from engine.kv.plan import KVPlan
-from engine.kv.tiers import DiskIndex, TieredCache
+from engine.kv.tiers import TieredCache
 from tests.kv.test_manager import BS, FakeSeq, run_prefill
 
 

@@ -12,10 +12,11 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
+from engine.kv.disk_index import DiskIndex
 from engine.kv.hashing import BlockHash
 from engine.kv.manager import KVCacheManager
 from engine.kv.plan import KVPlan
-from engine.kv.tiers import DiskIndex, TieredCache
+from engine.kv.tiers import TieredCache
 from tests.kv.test_manager import BS, FakeSeq
 
 NUM_DEVICE = 10
