@@ -95,6 +95,9 @@ class _Runs:
     records: list[Any] = dataclasses.field(default_factory=list)
     duration_s: float = 0.0
     routes: dict[str, float] = dataclasses.field(default_factory=dict)
+    """Requests by routing reason (warmup included)."""
+    replicas: dict[str, float] = dataclasses.field(default_factory=dict)
+    """Requests by replica (warmup included)."""
     model: str = ""
 
 
@@ -128,13 +131,14 @@ async def _drive(
         await client.close()
 
 
-def _route_counts(metrics_text: str) -> dict[str, float]:
+def _route_counts(metrics_text: str, label: str) -> dict[str, float]:
+    """deja_router_requests_total summed by one label (reason or replica)."""
     out: dict[str, float] = {}
     for line in metrics_text.splitlines():
         if line.startswith("deja_router_requests_total{"):
             labels, _, value = line.partition("} ")
-            reason = labels.split('reason="', 1)[1].split('"', 1)[0]
-            out[reason] = out.get(reason, 0.0) + float(value)
+            key = labels.split(f'{label}="', 1)[1].split('"', 1)[0]
+            out[key] = out.get(key, 0.0) + float(value)
     return out
 
 
@@ -169,8 +173,11 @@ def _run_policy(
         print(f"{policy}: cluster ready in {time.monotonic() - t0:.1f} s", file=sys.stderr)
         target = f"127.0.0.1:{router_port}"
         workload = asyncio.run(_drive(target, args, policy, workload, runs))
-        for reason, count in _route_counts(scrape(metrics_port)).items():
+        text = scrape(metrics_port)
+        for reason, count in _route_counts(text, "reason").items():
             runs.routes[reason] = runs.routes.get(reason, 0.0) + count
+        for replica, count in _route_counts(text, "replica").items():
+            runs.replicas[replica] = runs.replicas.get(replica, 0.0) + count
         return workload
     finally:
         group.stop_all()
@@ -256,7 +263,9 @@ def run(args: argparse.Namespace) -> int:
     results: dict[str, dict[str, Any]] = {}
     for policy, measured in runs.items():
         results[policy] = summarize_by_turn(measured.records, measured.duration_s)
-        results[policy].update(model=measured.model, routes=measured.routes)
+        results[policy].update(
+            model=measured.model, routes=measured.routes, replicas=measured.replicas
+        )
     report = {
         "dataset": dataclasses.asdict(_spec(args)),
         "num_replicas": args.num_replicas,
@@ -272,7 +281,9 @@ def run(args: argparse.Namespace) -> int:
     else:
         for policy, r in results.items():
             print(format_result(policy, r))
-            print("  routes: " + ", ".join(f"{k} {int(v)}" for k, v in sorted(r["routes"].items())))
+            for key in ("routes", "replicas"):
+                counts = ", ".join(f"{k} {int(v)}" for k, v in sorted(r[key].items()))
+                print(f"  {key}: {counts}")
         print(format_comparison(report["comparison"]))
     return 0 if all(r["failed"] == 0 for r in results.values()) else 1
 

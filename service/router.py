@@ -261,7 +261,8 @@ class RouterServicer(pb_grpc.InferenceServicer):
             self.inflight -= 1
             self._metrics.inflight.dec()
             reason = decision.reason if decision is not None else "none"
-            self._metrics.requests.labels(reason, outcome).inc()
+            replica = decision.replica_id if decision is not None else "none"
+            self._metrics.requests.labels(replica, reason, outcome).inc()
             if decision is not None:
                 span.set_attributes(
                     {

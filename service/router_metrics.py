@@ -15,8 +15,8 @@ class RouterMetrics:
         self.registry = r = CollectorRegistry()
         self.requests = Counter(
             "deja_router_requests",
-            "Generate calls by routing reason and outcome (ok or a gRPC status name).",
-            ["reason", "outcome"],
+            "Generate calls by chosen replica, routing reason and outcome (ok or a status name).",
+            ["replica", "reason", "outcome"],
             registry=r,
         )
         self.fallback = Counter(

@@ -55,7 +55,7 @@ class OverloadGuard:
     """A replica with a larger share of its KV blocks in use is overloaded."""
     max_inflight: int = 0
     """A replica with more streams open from this router is overloaded; 0: no limit."""
-    max_imbalance: int = 4
+    max_imbalance: int = 2
     """A prefix match is ignored if its replica's load exceeds the least loaded one's by more."""
 
     def __post_init__(self) -> None:
