@@ -183,6 +183,7 @@ class AsyncEngine:
         while eng.has_unfinished_requests():
             for out in eng.step():
                 self._deliver(out)
+        eng.close()
         self._stats = eng.get_stats()
 
     def _drain_commands(self) -> None:

@@ -226,6 +226,11 @@ class LLMEngine:
         self._touched[request_id] = req
         return True
 
+    def close(self) -> None:
+        """Flushes the disk tier's queued writes and stops its writer; call when done."""
+        if self.offload is not None:
+            self.offload.close()
+
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
 
