@@ -34,7 +34,8 @@ class _SeqGroup:
     block_index_by_block_size: dict[int, torch.Tensor] = field(default_factory=dict)
     """block_size -> [Sg * C] int64: the first C = ceil(L / BS) block ids of each sequence."""
     masks_by_group: dict[int, torch.Tensor] = field(default_factory=dict)
-    """G -> [Sg, 1, G * Q, L] bool: `mask` repeated for the G query heads of each KV head."""
+    """G -> [Sg, 1, G * Q, L] additive float mask: `mask` repeated for the G query heads of each
+    KV head."""
 
     def block_index(self, block_size: int) -> torch.Tensor:
         idx = self.block_index_by_block_size.get(block_size)
@@ -46,10 +47,17 @@ class _SeqGroup:
             self.block_index_by_block_size[block_size] = idx
         return idx
 
-    def group_mask(self, group: int) -> torch.Tensor:
+    def group_mask(self, group: int, dtype: torch.dtype) -> torch.Tensor:
+        """[Sg, 1, G * Q, L] additive mask (0 visible, -inf hidden) in the query dtype.
+
+        NOTE: SDPA turns a boolean mask into an additive one on every call; building it once
+        per step saves that conversion in every layer.
+        """
         mask = self.masks_by_group.get(group)
-        if mask is None:
-            mask = self.mask.repeat(1, group, 1).unsqueeze(1)
+        if mask is None or mask.dtype != dtype:
+            visible = self.mask.repeat(1, group, 1).unsqueeze(1)
+            mask = torch.zeros(visible.shape, dtype=dtype, device=visible.device)
+            mask.masked_fill_(~visible, float("-inf"))
             self.masks_by_group[group] = mask
         return mask
 
@@ -156,7 +164,7 @@ def _attend(
         .reshape(num_seqs, num_kv_heads, g * max_q, head_dim)
     )
     out = F.scaled_dot_product_attention(
-        queries, k, v, attn_mask=group.group_mask(g), scale=scale
+        queries, k, v, attn_mask=group.group_mask(g, queries.dtype), scale=scale
     )  # [Sg, Hkv, G * Q, D]
     return (
         out.view(num_seqs, num_kv_heads, g, max_q, head_dim)
