@@ -181,10 +181,6 @@ def machine_info(threads: int) -> dict[str, Any]:
                     break
     except OSError:
         pass
-    try:
-        load = list(os.getloadavg())
-    except OSError:
-        load = []
     return {
         "cpu": cpu,
         "cores": os.cpu_count(),
@@ -192,8 +188,27 @@ def machine_info(threads: int) -> dict[str, Any]:
         "python": platform.python_version(),
         "torch": torch.__version__,
         "transformers": transformers.__version__,
-        "load_avg_at_start": load,
+        "load_avg_at_start": load_avg(),
     }
+
+
+def load_avg() -> list[float]:
+    """1, 5 and 15 minute load averages (empty where the OS has none)."""
+    try:
+        return list(os.getloadavg())
+    except OSError:
+        return []
+
+
+def finish_info(info: dict[str, Any]) -> str:
+    """Records the load average at the end in `info`; returns a line saying whether the machine
+    was busy with other work during the run (the figures are then noisier)."""
+    end = load_avg()
+    info["load_avg_at_end"] = end
+    busy = bool(end) and end[1] > (os.cpu_count() or 1) + 0.5
+    load = ", ".join(f"{x:.2f}" for x in end)
+    note = " (busy with other work: figures are noisy)" if busy else ""
+    return f"load avg at end {load}{note}"
 
 
 def print_header(title: str, model_path: str, info: dict[str, Any]) -> None:

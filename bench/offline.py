@@ -29,6 +29,7 @@ from bench.common import (
     Request,
     add_common_arguments,
     allowed_token_ids,
+    finish_info,
     machine_info,
     make_requests,
     print_header,
@@ -447,6 +448,7 @@ def run(args: argparse.Namespace) -> int:
             f"greedy parity vs transformers generate (batch 1, unpadded): {ok}/{len(parity)} identical: {detail}"
         )
     print(f"total bench time {total:.0f} s")
+    print(finish_info(info))
 
     write_json(
         args.json,

@@ -21,6 +21,7 @@ from typing import Any
 from bench.common import (
     add_common_arguments,
     allowed_token_ids,
+    finish_info,
     machine_info,
     mean,
     p50,
@@ -199,6 +200,7 @@ def run(args: argparse.Namespace) -> int:
     print(f"ratio TTFT off / on (mean, requests 2..{len(prompts)}): {ratio_mean:.2f}x")
     print(f"identical outputs cache on vs off: {same}/{len(prompts)}")
     print(f"total bench time {total:.0f} s ({n_rest} measured requests per engine)")
+    print(finish_info(info))
 
     write_json(
         args.json,
