@@ -27,6 +27,9 @@ COMMANDS: dict[str, str] = {
     "bench kernels": "bench.kernels",
     "bench gpu": "bench.gpu_engine",
     "bench router": "bench.router",
+    "bench latency": "bench.latency",
+    "bench structured": "bench.structured",
+    "bench soak": "bench.soak",
 }
 """Command words -> module. Add an entry to add a command."""
 
