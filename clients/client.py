@@ -109,7 +109,9 @@ class GenerateResult:
     """Usage, timings, replica id, route (None if the stream ended without one)."""
     num_messages: int = 0
     ttft_s: float | None = None
-    """Client-side: from the call to the first message carrying tokens."""
+    """Client-side: from the call to the first message carrying a token (text, token ids or
+    logprobs; ask for return_token_ids to see a token whose text is still held back). None when
+    no token came."""
     total_s: float = 0.0
 
     @property
@@ -148,7 +150,7 @@ class GenerateResult:
             which = d.WhichOneof("stop_reason")
             if which is not None:
                 c.stop_reason = getattr(d, which)
-            if self.ttft_s is None and (d.text or d.token_ids):
+            if self.ttft_s is None and (d.text or d.token_ids or d.logprobs):
                 self.ttft_s = elapsed_s
         if msg.HasField("final"):
             self.final = msg.final

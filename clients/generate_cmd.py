@@ -1,8 +1,13 @@
 """`deja generate`: one prompt, one answer, printed as it streams.
 
-deja generate "The capital of France is" --max-tokens 16
-deja generate --chat "What is the capital of France?" --usage
-echo "Once upon a time" | deja generate - --temperature 0.8 --seed 1
+deja generate "What is the capital of France?" --usage
+deja generate --raw "The capital of France is" --max-tokens 16
+echo "Once upon a time" | deja generate - --no-chat --temperature 0.8 --seed 1
+
+By default the prompt is sent as a user chat message when the served model has a chat template
+(GetModelInfo says so), as a plain completion prompt otherwise; --chat forces a chat message,
+--raw / --no-chat a plain prompt. Client-side TTFT is the time from the call to the first message
+that carries a token.
 """
 
 from __future__ import annotations
@@ -13,7 +18,7 @@ import time
 
 import grpc
 
-from clients.client import GenerateResult, add_connection_args, client_from_args
+from clients.client import DejaClient, GenerateResult, add_connection_args, client_from_args
 from service.flags import add_bool_flag, add_flag
 
 
@@ -38,8 +43,21 @@ def sampling_from_args(args: argparse.Namespace) -> dict[str, object]:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("prompt", help='The prompt ("-" reads stdin).')
-    add_bool_flag(parser, "--chat", default=False, help="Send the prompt as a user chat message.")
-    add_flag(parser, "--system", help="System message (with --chat).")
+    mode = parser.add_mutually_exclusive_group()
+    add_bool_flag(
+        mode,
+        "--chat",
+        default=None,
+        help="Send the prompt as a user chat message (--no-chat: plain completion). "
+        "Default: chat when the model has a chat template.",
+    )
+    mode.add_argument(
+        "--raw",
+        dest="chat",
+        action="store_false",
+        help="Plain completion prompt, no chat template (same as --no-chat).",
+    )
+    add_flag(parser, "--system", help="System message (chat mode only).")
     add_bool_flag(parser, "--usage", default=False, help="Print usage and timings (stderr).")
     add_sampling_args(parser)
     add_connection_args(parser)
@@ -48,13 +66,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
     kwargs: dict[str, object] = sampling_from_args(args)
-    if args.chat:
-        messages = [{"role": "system", "content": args.system}] if args.system else []
-        messages.append({"role": "user", "content": prompt})
-        kwargs["messages"] = messages
-    else:
-        kwargs["prompt"] = prompt
+    # Token ids make every token visible, also while the detokenizer holds text back (client TTFT).
+    kwargs["return_token_ids"] = True
     with client_from_args(args) as client:
+        try:
+            chat = use_chat(args.chat, client)
+        except grpc.RpcError as e:
+            return _rpc_failed(e)
+        if chat:
+            messages = [{"role": "system", "content": args.system}] if args.system else []
+            messages.append({"role": "user", "content": prompt})
+            kwargs["messages"] = messages
+        else:
+            if args.system:
+                print("deja generate: --system needs chat mode", file=sys.stderr)
+                return 2
+            kwargs["prompt"] = prompt
         result = GenerateResult()
         t0 = time.monotonic()
         try:
@@ -65,22 +92,36 @@ def run(args: argparse.Namespace) -> int:
                         sys.stdout.write(d.text)
                         sys.stdout.flush()
         except grpc.RpcError as e:
-            code = e.code().name if isinstance(e, grpc.Call) else "ERROR"
-            details = e.details() if isinstance(e, grpc.Call) else str(e)
-            print(f"\ndeja generate: {code}: {details}", file=sys.stderr)
-            return 1
+            sys.stdout.write("\n")
+            return _rpc_failed(e)
     sys.stdout.write("\n")
     sys.stdout.flush()
     if args.usage and result.final is not None:
         u, t = result.final.usage, result.final.timings
+        # No token at all (e.g. EOS first): there is no time to first token to report.
+        client_ttft = "n/a" if result.ttft_s is None else f"{result.ttft_s * 1e3:.1f} ms"
         tiers = u.cached_by_tier
         print(
             f"usage: prompt {u.prompt_tokens} tokens ({u.cached_prompt_tokens} cached: "
             f"device {tiers.device}, cpu {tiers.cpu}, disk {tiers.disk}), "
             f"completion {u.completion_tokens} tokens, finish {result.finish_reason}\n"
             f"timings: queue {t.queue_s * 1e3:.1f} ms, ttft {t.ttft_s * 1e3:.1f} ms, "
-            f"total {t.total_s * 1e3:.1f} ms (client ttft "
-            f"{(result.ttft_s or 0) * 1e3:.1f} ms); replica {result.final.replica_id}",
+            f"total {t.total_s * 1e3:.1f} ms (client ttft {client_ttft}); "
+            f"replica {result.final.replica_id}",
             file=sys.stderr,
         )
     return 0
+
+
+def use_chat(flag: bool | None, client: DejaClient) -> bool:
+    """--chat / --raw as given; unset: chat exactly when the served model has a chat template."""
+    if flag is not None:
+        return flag
+    return bool(client.model_info().has_chat_template)
+
+
+def _rpc_failed(e: grpc.RpcError) -> int:
+    code = e.code().name if isinstance(e, grpc.Call) else "ERROR"
+    details = e.details() if isinstance(e, grpc.Call) else str(e)
+    print(f"deja generate: {code}: {details}", file=sys.stderr)
+    return 1

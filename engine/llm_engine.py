@@ -87,6 +87,7 @@ class LLMEngine:
             head_dim=head_dim,
             num_device_blocks=num_blocks,
             eos_token_ids=eos,
+            has_chat_template=bool(getattr(self.tokenizer, "chat_template", None)),
         )
         self.config = config
         self.kv = KVCacheManager(

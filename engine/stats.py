@@ -22,6 +22,8 @@ class ModelInfo:
     head_dim: int
     num_device_blocks: int
     eos_token_ids: tuple[int, ...]
+    has_chat_template: bool = False
+    """The tokenizer has a chat template (chat messages can be rendered)."""
 
     @property
     def kv_capacity_tokens(self) -> int:

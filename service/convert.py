@@ -181,6 +181,7 @@ def model_info_message(info: ModelInfo, replica_id: str) -> pb.ModelInfo:
         kv_capacity_tokens=info.kv_capacity_tokens,
         eos_token_ids=list(info.eos_token_ids),
         replica_id=replica_id,
+        has_chat_template=info.has_chat_template,
     )
 
 

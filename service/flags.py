@@ -83,11 +83,14 @@ def add_bool_flag(
     parser: argparse.ArgumentParser | argparse._ArgumentGroup,
     flag: str,
     *,
-    default: bool,
+    default: bool | None,
     help: str = "",
     environ: Mapping[str, str] | None = None,
 ) -> argparse.Action:
-    """`--flag/--no-flag`, defaulting to $DEJA_<FLAG> (1/0, true/false, yes/no, on/off)."""
+    """`--flag/--no-flag`, defaulting to $DEJA_<FLAG> (1/0, true/false, yes/no, on/off).
+
+    A None default means "neither given": the command decides (e.g. from the server's answer).
+    """
     env = os.environ if environ is None else environ
     var = env_name(flag)
     if var in env:
@@ -96,7 +99,7 @@ def add_bool_flag(
         flag,
         action=argparse.BooleanOptionalAction,
         default=default,
-        help=_help(help, var, show_default=True),
+        help=_help(help, var, show_default=default is not None),
     )
     action.env_var = var  # type: ignore[attr-defined]
     return action
@@ -152,7 +155,8 @@ def to_argv(actions: Sequence[argparse.Action], args: argparse.Namespace) -> lis
         value = getattr(args, action.dest)
         flag = action.option_strings[0]
         if isinstance(action, argparse.BooleanOptionalAction):
-            argv.append(flag if value else "--no-" + flag[2:])
+            if value is not None:
+                argv.append(flag if value else "--no-" + flag[2:])
         elif isinstance(action, _ReplaceDefaultAppend):
             for item in value:
                 argv += [flag, str(item)]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import io
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -116,16 +117,38 @@ def test_command_modules_are_cheap_to_import() -> None:
 
 async def test_generate_command(server: Harness, capsys: pytest.CaptureFixture[str]) -> None:
     argv = ["generate", "The quick brown fox", "--target", server.target]
-    argv += ["--max-tokens", "5", "--temperature", "0", "--usage"]
+    argv += ["--max-tokens", "5", "--temperature", "0", "--usage", "--raw"]
     assert await asyncio.to_thread(cli.main, argv) == 0
     out, err = capsys.readouterr()
     expected = await server.client.complete("The quick brown fox", max_tokens=5, temperature=0)
     assert out == expected.text + "\n"
-    assert "completion 5 tokens" in err and "ttft" in err
+    assert "completion 5 tokens" in err
+    ttft = re.search(r"client ttft (\d+\.\d) ms", err)
+    assert ttft is not None and float(ttft.group(1)) > 0, err
 
-    bad = ["generate", "", "--target", server.target]
+    bad = ["generate", "", "--target", server.target, "--no-chat"]
     assert await asyncio.to_thread(cli.main, bad) == 1
     assert "INVALID_ARGUMENT" in capsys.readouterr().err
+
+
+async def test_generate_sends_chat_when_the_model_has_a_template(
+    server: Harness, capsys: pytest.CaptureFixture[str]
+) -> None:
+    info = await server.client.model_info()
+    assert info.has_chat_template  # the tiny tokenizer carries a ChatML template
+    question = "What is the capital of France?"
+    argv = ["generate", question, "--target", server.target, "--max-tokens", "6"]
+    argv += ["--temperature", "0", "--usage"]
+    assert await asyncio.to_thread(cli.main, argv) == 0
+    out, err = capsys.readouterr()
+    chat = await server.client.complete(
+        messages=[{"role": "user", "content": question}], max_tokens=6, temperature=0
+    )
+    templated = await server.client.tokenize(messages=[{"role": "user", "content": question}])
+    plain = await server.client.tokenize(question)
+    assert len(templated) != len(plain)
+    assert out == chat.text + "\n"
+    assert f"usage: prompt {len(templated)} tokens" in err  # sent as a chat message
 
 
 async def test_chat_loop(server: Harness) -> None:

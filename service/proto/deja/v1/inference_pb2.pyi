@@ -235,7 +235,7 @@ class GetModelInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("model_id", "family", "architecture", "max_model_len", "block_size", "dtype", "vocab_size", "num_device_blocks", "kv_capacity_tokens", "eos_token_ids", "replica_id")
+    __slots__ = ("model_id", "family", "architecture", "max_model_len", "block_size", "dtype", "vocab_size", "num_device_blocks", "kv_capacity_tokens", "eos_token_ids", "replica_id", "has_chat_template")
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     FAMILY_FIELD_NUMBER: _ClassVar[int]
     ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
@@ -247,6 +247,7 @@ class ModelInfo(_message.Message):
     KV_CAPACITY_TOKENS_FIELD_NUMBER: _ClassVar[int]
     EOS_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
+    HAS_CHAT_TEMPLATE_FIELD_NUMBER: _ClassVar[int]
     model_id: str
     family: str
     architecture: str
@@ -258,7 +259,8 @@ class ModelInfo(_message.Message):
     kv_capacity_tokens: int
     eos_token_ids: _containers.RepeatedScalarFieldContainer[int]
     replica_id: str
-    def __init__(self, model_id: _Optional[str] = ..., family: _Optional[str] = ..., architecture: _Optional[str] = ..., max_model_len: _Optional[int] = ..., block_size: _Optional[int] = ..., dtype: _Optional[str] = ..., vocab_size: _Optional[int] = ..., num_device_blocks: _Optional[int] = ..., kv_capacity_tokens: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., replica_id: _Optional[str] = ...) -> None: ...
+    has_chat_template: bool
+    def __init__(self, model_id: _Optional[str] = ..., family: _Optional[str] = ..., architecture: _Optional[str] = ..., max_model_len: _Optional[int] = ..., block_size: _Optional[int] = ..., dtype: _Optional[str] = ..., vocab_size: _Optional[int] = ..., num_device_blocks: _Optional[int] = ..., kv_capacity_tokens: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., replica_id: _Optional[str] = ..., has_chat_template: _Optional[bool] = ...) -> None: ...
 
 class GetLoadRequest(_message.Message):
     __slots__ = ()
