@@ -5,26 +5,24 @@ from __future__ import annotations
 import itertools
 import os
 import time
-from collections.abc import Sequence as Seq
 
 import torch
 
 from engine.attention import get_attention_backend
 from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
-from engine.kv.hashing import extra_keys
+from engine.input_processor import InputProcessor, Prompt
 from engine.kv.manager import KVCacheManager
 from engine.kv.tiers import TieredCache
 from engine.kv_store import KVStore, build_tiers
 from engine.model_loader import (
-    apply_chat_template,
     eos_token_ids,
     kv_dims,
     load_model,
     load_tokenizer,
     read_hf_config,
 )
-from engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from engine.outputs import CompletionOutput, RequestOutput
 from engine.runner import ModelRunner, StepSamples
 from engine.sampler import Sampler
 from engine.sampling_params import SamplingParams
@@ -34,7 +32,6 @@ from engine.stats import EngineStats, ModelInfo, TierStats
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
-Prompt = str | Seq[int]
 
 
 def resolve_device(name: str) -> torch.device:
@@ -110,6 +107,7 @@ class LLMEngine:
             self.runner.offload = self.offload
             if cc.preemption_mode == "swap":
                 self.scheduler.swap = self.tiers
+        self.inputs = InputProcessor(self.tokenizer, self.model_info, config.scheduler)
         self.requests: dict[str, Request] = {}
         self._seq_ids = itertools.count()
         self._request_ids = itertools.count()
@@ -120,17 +118,7 @@ class LLMEngine:
     def tokenize(
         self, prompt: Prompt | None = None, messages: list[dict[str, str]] | None = None
     ) -> list[int]:
-        if messages is not None:
-            if prompt is not None:
-                raise ValueError("give either a prompt or chat messages, not both")
-            if not messages:
-                raise ValueError("chat messages are empty: give at least one message")
-            return apply_chat_template(self.tokenizer, messages)
-        if prompt is None:
-            raise ValueError("the prompt is empty: give text, token ids or chat messages")
-        if isinstance(prompt, str):
-            return list(self.tokenizer.encode(prompt, add_special_tokens=True))
-        return [int(t) for t in prompt]
+        return self.inputs.tokenize(prompt, messages)
 
     def prepare_request(
         self,
@@ -146,39 +134,25 @@ class LLMEngine:
 
         Raises ValueError saying what to fix.
         """
-        params = params or SamplingParams()
-        sc = self.config.scheduler
-        params.validate(vocab_size=self.vocab_size, max_n=sc.max_n, max_logprobs=sc.max_logprobs)
-        token_ids = self.tokenize(prompt, messages)
-        if not token_ids:
-            raise ValueError("the prompt is empty: give at least one token")
-        bad = next((t for t in token_ids if not 0 <= t < self.vocab_size), None)
-        if bad is not None:
-            raise ValueError(f"token id {bad} is outside the vocabulary [0, {self.vocab_size})")
-        if len(token_ids) >= self.max_model_len:
-            raise ValueError(
-                f"the prompt has {len(token_ids)} tokens but max_model_len is {self.max_model_len}: "
-                "shorten the prompt so that at least one token can be generated"
-            )
-        gens: list[torch.Generator | None] = [None] * params.n
-        if params.seed is not None:
-            gens = [
-                torch.Generator(device=self.device).manual_seed(params.seed + i)
-                for i in range(params.n)
-            ]
-        return Request(
+        return self.inputs.prepare(
+            prompt,
+            params,
             request_id=request_id if request_id is not None else f"req-{next(self._request_ids)}",
-            prompt_token_ids=token_ids,
-            params=params,
-            hash_extra=extra_keys(self.model_info.model_id, cache_salt),
-            metrics=RequestMetrics(arrival=arrival if arrival is not None else time.monotonic()),
-            generators=gens,
+            messages=messages,
+            cache_salt=cache_salt,
+            arrival=arrival,
         )
 
     def enqueue(self, req: Request) -> None:
         """Queues a prepared request (the step loop's thread only)."""
         if req.request_id in self.requests:
             raise ValueError(f"request id {req.request_id!r} is already in use")
+        n, seed = req.params.n, req.params.seed
+        req.generators = [None] * n
+        if seed is not None:
+            req.generators = [
+                torch.Generator(device=self.device).manual_seed(seed + i) for i in range(n)
+            ]
         seq = self._new_seq(req, 0, list(req.prompt_token_ids))
         self.requests[req.request_id] = req
         self.scheduler.add(seq)
