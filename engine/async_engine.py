@@ -52,6 +52,7 @@ class AsyncEngine:
         self._dead: BaseException | None = None
         self._stats = engine.get_stats()
         self._ids = 0
+        self._flush_timeout_s: float | None = None
 
     @classmethod
     def from_config(cls, config: EngineConfig, *, stream_buffer: int = 1024) -> AsyncEngine:
@@ -90,12 +91,14 @@ class AsyncEngine:
             self._thread = threading.Thread(target=self._run, name="deja-engine", daemon=True)
             self._thread.start()
 
-    def shutdown(self) -> None:
-        """Aborts everything in flight and stops the step thread."""
+    def shutdown(self, flush_timeout_s: float | None = None) -> None:
+        """Aborts everything in flight, flushes the disk tier's queued writes (at most
+        `flush_timeout_s`; None: all of them) and stops the step thread."""
+        self._flush_timeout_s = flush_timeout_s
         self._stop.set()
         self._wake.set()
         if self._thread is not None:
-            self._thread.join(timeout=30)
+            self._thread.join(timeout=30 + (flush_timeout_s or 0.0))
             self._thread = None
 
     # -- requests ------------------------------------------------------------------------------
@@ -149,6 +152,14 @@ class AsyncEngine:
         self._send(("abort", request_id))
         return known
 
+    async def cached_block_hashes(self, limit: int) -> list[bytes]:
+        """The block hashes the engine holds (LLMEngine.cached_block_hashes), asked of the step
+        thread through the command queue."""
+        self.check_health()
+        fut: asyncio.Future[list[bytes]] = asyncio.get_running_loop().create_future()
+        self._send(("hashes", (limit, fut)))
+        return await fut
+
     def _next_id(self) -> str:
         with self._streams_lock:
             self._ids += 1
@@ -183,7 +194,7 @@ class AsyncEngine:
         while eng.has_unfinished_requests():
             for out in eng.step():
                 self._deliver(out)
-        eng.close()
+        eng.close(self._flush_timeout_s)
         self._stats = eng.get_stats()
 
     def _drain_commands(self) -> None:
@@ -203,6 +214,11 @@ class AsyncEngine:
                     eng.enqueue(req)
                 except ValueError as e:
                     self._push(req.request_id, e)
+            elif kind == "hashes":
+                limit, fut = arg
+                hashes = eng.cached_block_hashes(limit)
+                with contextlib.suppress(RuntimeError):  # the caller's loop is closed
+                    fut.get_loop().call_soon_threadsafe(_resolve, fut, hashes)
             elif kind == "abort" and eng.abort(arg):
                 # Deliver the final "abort" delta now, so blocks are free before any step.
                 for out in eng.collect_outputs():
@@ -247,6 +263,11 @@ class AsyncEngine:
             rids = list(self._streams)
         for rid in rids:
             self._push(rid, err)
+
+
+def _resolve(fut: asyncio.Future[list[bytes]], value: list[bytes]) -> None:
+    if not fut.done():
+        fut.set_result(value)
 
 
 def _put(stream: _Stream, item: RequestOutput | BaseException) -> None:

@@ -13,6 +13,7 @@ DTYPES = ("float32", "float16", "bfloat16")
 DEVICES = ("auto", "cpu", "cuda")
 ATTENTION_BACKENDS = ("auto", "torch", "cupy")
 PREEMPTION_MODES = ("recompute", "swap")
+DISK_WRITE_POLICIES = ("write-through", "selective", "write-back")
 
 
 def _check(cond: bool, msg: str) -> None:
@@ -56,7 +57,17 @@ class CacheConfig:
     disk_dir: str | None = None
     """Directory of the persistent disk tier; None turns it off."""
     disk_gib: float = 10.0
-    """Disk tier size budget in GiB."""
+    """Disk tier size budget in GiB (shared by every engine using the same disk_dir)."""
+    disk_write_policy: str = "write-through"
+    """What reaches the disk tier: write-through (every newly full block, once), selective
+    (blocks hit at least disk_write_min_hits times, and pinned prefixes) or write-back (CPU-tier
+    blocks about to be reused)."""
+    disk_write_min_hits: int = 2
+    """Prefix hits that make a block worth writing under the selective policy."""
+    disk_write_queue_blocks: int = 256
+    """Blocks queued for the disk writer at most; writes beyond are dropped and counted."""
+    warm_start_blocks: int = 0
+    """Most recently used disk blocks read back into the CPU tier in the background at start."""
     preemption_mode: str = "recompute"
     """recompute (drop KV, recompute later) or swap (move KV to the CPU tier and back)."""
     max_pinned_fraction: float = 0.5
@@ -77,6 +88,14 @@ class CacheConfig:
             self.num_cpu_blocks is None or self.num_cpu_blocks >= 0, "num_cpu_blocks must be >= 0"
         )
         _check(self.disk_gib > 0, "disk_gib must be > 0")
+        _check(
+            self.disk_write_policy in DISK_WRITE_POLICIES,
+            f"disk_write_policy must be one of {DISK_WRITE_POLICIES}, "
+            f"got {self.disk_write_policy!r}",
+        )
+        _check(self.disk_write_min_hits >= 1, "disk_write_min_hits must be >= 1")
+        _check(self.disk_write_queue_blocks >= 1, "disk_write_queue_blocks must be >= 1")
+        _check(self.warm_start_blocks >= 0, "warm_start_blocks must be >= 0")
         _check(
             self.preemption_mode in PREEMPTION_MODES,
             f"preemption_mode must be one of {PREEMPTION_MODES}, got {self.preemption_mode!r}",

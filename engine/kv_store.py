@@ -3,18 +3,26 @@
 CPU tier: `cpu_cache` [num_layers, 2, num_cpu_blocks, block_size, num_kv_heads, head_dim], the
 same per-block layout as the device cache, in pinned memory when the device is CUDA. The disk
 tier's files live in engine/kv_disk.py.
+
+Between steps (`after_step`) the store carries out the write policy's disk writes: each block is
+copied into its own staging payload (on CUDA: a device gather, then one non-blocking copy into
+pinned host memory whose event the writer thread waits on), queued for the writer thread, and the
+step goes on; it also hands the disk index the files a shared-budget scan deleted, and moves the
+payloads warm start has read so far into free CPU blocks.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from engine.config import CacheConfig
 from engine.kv.disk_index import DiskIndex
+from engine.kv.hashing import BlockHash
 from engine.kv.plan import KVPlan
-from engine.kv.tiers import TieredCache
+from engine.kv.tiers import DiskWrites, TieredCache
 from engine.kv_disk import FORMAT, HEADER_BYTES, READ_CACHE_BYTES, DiskFiles, model_fingerprint
 from engine.stats import ModelInfo
 
@@ -66,14 +74,75 @@ class KVStore:
             cpu, dev = _pairs(plan.swap_in, kv_cache.device)
             kv_cache[:, :, dev] = self.cpu_cache[:, :, cpu]
 
-    def flush(self) -> None:
-        """Waits for queued disk writes (tests, benchmarks, shutdown)."""
-        if self.disk is not None:
-            self.disk.flush()
+    def flush(self, timeout_s: float | None = None) -> bool:
+        """Waits for queued disk writes (tests, benchmarks, shutdown); True when all are done."""
+        return self.disk.flush(timeout_s) if self.disk is not None else True
 
-    def close(self) -> None:
-        if self.disk is not None:
-            self.disk.close()
+    def close(self, timeout_s: float | None = None) -> bool:
+        """Flushes queued writes (bounded by `timeout_s`) and stops the disk threads."""
+        return self.disk.close(timeout_s) if self.disk is not None else True
+
+    # -- between steps -------------------------------------------------------------------------
+    def after_step(
+        self,
+        tiers: TieredCache,
+        kv_cache: torch.Tensor,
+        device_lookup: Callable[[BlockHash], int | None],
+    ) -> None:
+        """The write policy's writes, budget-scan deletions and warm-start blocks (step thread,
+        no plan pending)."""
+        disk, index = self.disk, self.disk_index
+        if disk is None or index is None:
+            return
+        for h in disk.take_budget_deletes():
+            index.entries.pop(h, None)
+        if disk.warming:
+            self._insert_warm(tiers)
+        writes = tiers.take_writes(disk.room(), device_lookup)
+        if writes:
+            for h in self._stage(writes, kv_cache):
+                tiers.forget_write(h)
+        for h in index.take_deletes():
+            disk.delete(h)
+
+    def _stage(self, writes: DiskWrites, kv_cache: torch.Tensor) -> list[BlockHash]:
+        """Copies the blocks into staging payloads and queues them; returns hashes refused."""
+        assert self.disk is not None
+        dtype = self.cpu_cache.dtype
+        refused: list[BlockHash] = []
+        jobs: list[tuple[BlockHash, torch.Tensor, Any]] = []
+        if writes.from_device:
+            ids = [b for b, _ in writes.from_device]
+            if kv_cache.is_cuda:
+                idx = torch.tensor(ids, dtype=torch.long, device=kv_cache.device)
+                # [n, num_layers, 2, block_size, Hkv, D] on the device, then one copy to the host
+                gathered = kv_cache[:, :, idx].permute(2, 0, 1, 3, 4, 5).contiguous()
+                host = torch.empty(gathered.shape, dtype=dtype, pin_memory=True)
+                host.copy_(gathered, non_blocking=True)
+                ready: Any = torch.cuda.Event()
+                ready.record()
+                jobs += [(h, host[i], ready) for i, (_, h) in enumerate(writes.from_device)]
+            else:
+                stage = torch.empty((len(ids), *self.block_shape), dtype=dtype)
+                for i, b in enumerate(ids):
+                    stage[i].copy_(kv_cache[:, :, b])
+                jobs += [(h, stage[i], None) for i, (_, h) in enumerate(writes.from_device)]
+        for cpu_id, h in writes.from_cpu:
+            snap = torch.empty(self.block_shape, dtype=dtype)
+            snap.copy_(self.cpu_cache[:, :, cpu_id])
+            jobs.append((h, snap, None))
+        for h, payload, ready in jobs:
+            if not self.disk.store(h, payload.view(-1).view(torch.uint8), ready):
+                refused.append(h)
+        return refused
+
+    def _insert_warm(self, tiers: TieredCache) -> None:
+        assert self.disk is not None
+        dtype = self.cpu_cache.dtype
+        for h, payload in self.disk.take_warm():
+            cpu_id = tiers.warm_target(h)
+            if cpu_id is not None:
+                self.cpu_cache[:, :, cpu_id] = payload.view(dtype).view(self.block_shape)
 
     def _store_to_disk(self, plan: KVPlan) -> None:
         """Step 1 of the plan: snapshot CPU blocks about to be reused, queue their files."""
@@ -181,18 +250,31 @@ def build_tiers(
             "num_kv_heads": h,
             "head_dim": d,
         }
-        files = DiskFiles.open(cache.disk_dir, manifest, block_bytes, READ_CACHE_BYTES)
+        files = DiskFiles.open(
+            cache.disk_dir,
+            manifest,
+            block_bytes,
+            READ_CACHE_BYTES,
+            max_queued=cache.disk_write_queue_blocks,
+            capacity_blocks=capacity,
+        )
         if files is not None:
             index = DiskIndex(capacity)
-            for block_hash in files.scan():
+            found = files.scan()
+            for block_hash in found:
                 index.add(block_hash)
             for block_hash in index.take_deletes():
                 files.delete(block_hash)
+            # most recently used first, so the hottest blocks arrive first
+            n_warm = min(cache.warm_start_blocks, num_cpu, len(index))
+            files.start_warm(list(reversed(index.entries))[:n_warm])
     tiers = TieredCache(
         num_cpu,
         bs,
         disk=index,
         disk_io=files,
         max_pinned_fraction=cache.max_pinned_fraction,
+        write_policy=cache.disk_write_policy,
+        min_hits=cache.disk_write_min_hits,
     )
     return tiers, KVStore(cpu_cache, files, index)

@@ -201,10 +201,45 @@ class LLMEngine:
         self._touched[request_id] = req
         return True
 
-    def close(self) -> None:
-        """Flushes the disk tier's queued writes and stops its writer; call when done."""
-        if self.offload is not None:
-            self.offload.close()
+    def close(self, timeout_s: float | None = None) -> bool:
+        """Queues the write policy's last writes, flushes the disk tier's queue (at most
+        `timeout_s`; None waits for all) and stops its threads; call when done (step thread).
+
+        True when every queued write reached disk; the rest are lost, as after a crash.
+        """
+        if self.offload is None:
+            return True
+        self._between_steps()
+        return self.offload.close(timeout_s)
+
+    def cached_block_hashes(self, limit: int) -> list[bytes]:
+        """Up to `limit` block hashes this engine holds (device, then CPU, then disk), most
+        recently used first within a tier (step thread only): what a replica republishes."""
+        pool = self.kv.pool
+        in_use = [b.block_hash for b in pool.blocks if b.ref_cnt and b.block_hash is not None]
+        free = [b.block_hash for b in pool.free_queue if b.block_hash is not None]
+        out = list(dict.fromkeys(in_use + free[::-1]))[:limit]
+        if self.tiers is not None and len(out) < limit:
+            seen = set(out)
+            out += [h for h in self.tiers.cached_hashes(limit) if h not in seen][: limit - len(out)]
+        return out
+
+    def load_warm_start(self, timeout_s: float | None = None) -> None:
+        """Waits for warm start's disk reads and moves them into the CPU tier now (step thread;
+        tests and benchmarks; the step loop does this by itself as reads arrive)."""
+        if self.offload is not None and self.offload.disk is not None:
+            self.offload.disk.wait_warm(timeout_s)
+        self._between_steps()
+
+    def _between_steps(self) -> None:
+        """The disk tier's work between steps: policy writes, warm-start blocks, index sync."""
+        # NOTE: only with no plan pending: every cached device block then holds its bytes.
+        if self.offload is not None and self.tiers is not None and not self.kv.plan:
+            self.offload.after_step(self.tiers, self.runner.kv_cache, self._device_block_of)
+
+    def _device_block_of(self, block_hash: bytes) -> int | None:
+        b = self.kv.pool.lookup(block_hash)
+        return None if b is None else b.block_id
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
@@ -213,6 +248,7 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """One scheduling decision and one forward pass; returns deltas of requests with news."""
         now = time.monotonic()
+        self._between_steps()
         if self.kv.pins:
             self.kv.expire_pins(now)
         if self.tiers is not None and self.tiers.pins:
@@ -238,6 +274,7 @@ class LLMEngine:
                 m.first_scheduled = scheduled_at
         for res in results:
             self._process_samples(res, now)
+        self._between_steps()
         return self.collect_outputs(now)
 
     def _process_samples(self, res: StepSamples, now: float) -> None:

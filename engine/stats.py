@@ -53,6 +53,12 @@ class TierStats:
     evictions: int = 0
     """Cached blocks dropped from this tier."""
     bytes_moved: int = 0
+    dropped_writes: int = 0
+    """Blocks the write policy wanted in this tier but dropped (its writer's queue was full)."""
+    write_errors: int = 0
+    """Writes into this tier that failed (disk: the first one turns the tier off)."""
+    disabled: int = 0
+    """1 when the tier turned itself off after a failure (disk: read-only or full directory)."""
 
     @property
     def usage(self) -> float:

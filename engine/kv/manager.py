@@ -55,6 +55,14 @@ class LowerTiers(Protocol):
         """The runner has carried out the step's plan: release the step's transient references."""
         ...
 
+    def on_cached(self, block_hash: BlockHash) -> None:
+        """A newly computed full device block was registered under this hash (write policies)."""
+        ...
+
+    def note_hits(self, hashes: list[BlockHash]) -> None:
+        """An admitted prompt hit these cached hashes, in any tier (write policies)."""
+        ...
+
 
 @dataclass(slots=True)
 class PrefixMatch:
@@ -146,6 +154,9 @@ class KVCacheManager:
     def record_admission(self, num_prompt_tokens: int, match: PrefixMatch) -> None:
         """Counts one admitted prompt's lookup (queries and hits in tokens, per tier)."""
         by_tier = match.tokens_by_tier()
+        if self.tiers is not None and match.num_blocks:
+            hit = [b.block_hash for b in match.device_blocks if b.block_hash is not None]
+            self.tiers.note_hits(hit + [h for _, h in match.lower_hits])
         dev = self.counters["device"]
         dev.queries += num_prompt_tokens
         dev.hits += by_tier["device"]
@@ -221,7 +232,9 @@ class KVCacheManager:
             return
         n_full = min(seq.num_computed_tokens // self.block_size, len(seq.block_hashes))
         for i in range(seq.num_cached_blocks, n_full):
-            self.pool.cache(table[i], seq.block_hashes[i])
+            new = table[i].block_hash is None
+            if self.pool.cache(table[i], seq.block_hashes[i]) and new and self.tiers is not None:
+                self.tiers.on_cached(seq.block_hashes[i])
         seq.num_cached_blocks = max(seq.num_cached_blocks, n_full)
 
     def fork(self, parent: SeqLike, child: SeqLike) -> None:

@@ -31,11 +31,21 @@ Rules:
   (its full blocks are CPU or device hits); `resume` swaps the private tail in.
 - Pins: a pinned hash keeps its CPU block (now or when it arrives) out of eviction until the TTL
   passes; at most `max_pinned` hashes are pinned.
+- Write policies (what reaches disk besides nothing): `write-back` stores CPU blocks about to be
+  reused (the rule above); `write-through` also queues every newly computed full device block
+  (`on_cached`); `selective` queues blocks once they have been hit `min_hits` times
+  (`note_hits`) and pinned hashes, and its write-back stores only such blocks. Queued hashes are
+  taken by the engine after each step (`take_writes`), resolved to the device or CPU block that
+  holds them then, and copied into staging memory at once (the writer thread does the I/O). A hash
+  the disk index holds is never queued: each hash is written once across tiers.
+- A disk tier whose files failed (read-only or full directory) is off: `find` stops probing and
+  nothing more is queued (engine/kv_disk.py turns it off, with a warning and a counter).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections import OrderedDict
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -46,9 +56,26 @@ from engine.kv.manager import TierCounters
 from engine.kv.plan import KVPlan
 from engine.stats import TierStats
 
+WRITE_POLICIES = ("write-through", "selective", "write-back")
+
 
 class DiskIO(Protocol):
-    """The file side of the disk tier (engine/kv_store.py)."""
+    """The file side of the disk tier (engine/kv_disk.py)."""
+
+    @property
+    def enabled(self) -> bool:
+        """False once the tier turned itself off (its directory failed a write)."""
+        ...
+
+    @property
+    def num_write_errors(self) -> int:
+        """Writes that failed (the first one turns the tier off)."""
+        ...
+
+    @property
+    def num_refused(self) -> int:
+        """Stores refused because the writer's queue was full."""
+        ...
 
     def probe(self, block_hash: BlockHash) -> bool:
         """Reads and verifies the block's file into the step's read buffer.
@@ -97,6 +124,26 @@ class TierCounts:
     """Sequences preempted by swap."""
     swapped_tail_tokens: int = 0
     """Tokens of partial tail blocks brought back by swap (not recomputed)."""
+    disk_writes: int = 0
+    """Blocks queued for disk by the write policy (write-through or selective), not write-back."""
+    dropped_writes: int = 0
+    """Blocks the policy wanted on disk but the writer's queue was full (or the block was gone);
+    stores the writer itself refused are its `num_refused`."""
+    warm_blocks: int = 0
+    """Disk blocks read into the CPU tier by warm start."""
+
+
+@dataclass(slots=True)
+class DiskWrites:
+    """Blocks to copy into staging memory now and queue for the disk writer (`take_writes`)."""
+
+    from_device: list[tuple[int, BlockHash]] = field(default_factory=list)
+    """(device block id, hash)."""
+    from_cpu: list[tuple[int, BlockHash]] = field(default_factory=list)
+    """(cpu block id, hash)."""
+
+    def __bool__(self) -> bool:
+        return bool(self.from_device or self.from_cpu)
 
 
 @dataclass(slots=True)
@@ -126,9 +173,15 @@ class TieredCache:
         disk: DiskIndex | None = None,
         disk_io: DiskIO | None = None,
         max_pinned_fraction: float = 0.5,
+        write_policy: str = "write-back",
+        min_hits: int = 2,
     ) -> None:
         if (disk is None) != (disk_io is None):
             raise ValueError("the disk tier needs both its index and its file reader")
+        if write_policy not in WRITE_POLICIES:
+            raise ValueError(f"write_policy must be one of {WRITE_POLICIES}, got {write_policy!r}")
+        self.write_policy = write_policy
+        self.min_hits = min_hits
         self.block_size = block_size
         self.cpu = BlockPool(num_cpu_blocks, on_evict=self._on_cpu_evict)
         self.disk = disk
@@ -144,6 +197,11 @@ class TieredCache:
         self._step = _Step()
         self._plan: KVPlan | None = None
         """The plan that CPU evictions append disk stores to, set while allocating CPU blocks."""
+        self._writes: dict[BlockHash, None] = {}
+        """Hashes the write policy wants on disk, in order; taken by `take_writes`."""
+        self._hits: OrderedDict[BlockHash, int] = OrderedDict()
+        """Prefix hits per hash (selective policy), least recently hit first, bounded."""
+        self._max_hit_entries = max(4096, 8 * num_cpu_blocks)
 
     # -- LowerTiers ----------------------------------------------------------------------------
     def find(self, block_hash: BlockHash) -> str | None:
@@ -156,7 +214,7 @@ class TieredCache:
         if b is not None:
             self._hold_for_step(b)
             return "cpu"
-        if self.disk is None or self.disk_io is None:
+        if self.disk is None or self.disk_io is None or not self.disk_io.enabled:
             return None
         step = self._step
         if block_hash in step.disk_stores or block_hash in step.disk_found:
@@ -218,6 +276,103 @@ class TieredCache:
         self.cpu.free(step.refs)
         if self.disk_io is not None:
             self.disk_io.end_step()
+
+    def on_cached(self, block_hash: BlockHash) -> None:
+        """A newly computed full device block: write-through queues it for disk."""
+        if self.write_policy == "write-through" and self._disk_on():
+            self._want_write(block_hash)
+
+    def note_hits(self, hashes: list[BlockHash]) -> None:
+        """Counts prefix hits; under `selective` a hash reaching `min_hits` is queued for disk."""
+        if self.write_policy != "selective" or not self._disk_on():
+            return
+        counts = self._hits
+        for h in hashes:
+            n = counts.pop(h, 0) + 1
+            counts[h] = n
+            if n == self.min_hits:
+                self._want_write(h)
+        while len(counts) > self._max_hit_entries:
+            counts.popitem(last=False)
+
+    # -- the write policy's disk writes --------------------------------------------------------
+    def take_writes(
+        self, room: int, device_lookup: Callable[[BlockHash], int | None]
+    ) -> DiskWrites:
+        """The queued hashes resolved to the block that holds them now (device first, then CPU),
+        at most `room` of them (the writer's free queue slots); the rest are dropped and counted.
+
+        Call between steps (no plan pending): every cached block then holds its hash's bytes.
+        Each taken hash enters the disk index now (its payload is readable from the writer's
+        queue until the file exists).
+        """
+        out = DiskWrites()
+        queued, self._writes = self._writes, {}
+        if self.disk is None or not self._disk_on():
+            return out
+        for h in queued:
+            if h in self.disk:
+                continue
+            if room <= 0:
+                self.counts.dropped_writes += 1
+                continue
+            dev = device_lookup(h)
+            if dev is not None:
+                out.from_device.append((dev, h))
+            else:
+                b = self.cpu.lookup(h)
+                if b is None:  # evicted from both before the step ended: nothing to write
+                    self.counts.dropped_writes += 1
+                    continue
+                out.from_cpu.append((b.block_id, h))
+            self.disk.add(h)
+            self.counts.disk_writes += 1
+            room -= 1
+        return out
+
+    def forget_write(self, block_hash: BlockHash) -> None:
+        """A taken write did not reach the writer (refused there, and counted there)."""
+        if self.disk is not None:
+            self.disk.entries.pop(block_hash, None)
+
+    # -- warm start and republishing -----------------------------------------------------------
+    def warm_target(self, block_hash: BlockHash) -> int | None:
+        """A CPU block to fill with this disk block's bytes at warm start, now cached under its
+        hash and free (in the LRU), or None when the hash is present or no never-used block is
+        left (warm start never evicts)."""
+        if self.cpu.lookup(block_hash) is not None:
+            return None
+        if (
+            self.cpu.num_free == 0
+            or len(self.cpu.cached) + self.cpu.num_used >= self.cpu.num_blocks
+        ):
+            return None
+        head = next(iter(self.cpu.free_queue), None)
+        if head is None or head.block_hash is not None:
+            return None
+        (b,) = self.cpu.allocate(1)
+        self.cpu.cache(b, block_hash)
+        self.cpu.free([b])
+        self.counts.warm_blocks += 1
+        return b.block_id
+
+    def cached_hashes(self, limit: int) -> list[BlockHash]:
+        """Up to `limit` hashes the CPU then disk tiers hold, most recently used first."""
+        out: list[BlockHash] = []
+        seen: set[BlockHash] = set()
+        cpu_order = [b.block_hash for b in self.cpu.free_queue if b.block_hash is not None]
+        held = [b.block_hash for b in self.cpu.blocks if b.ref_cnt and b.block_hash is not None]
+        sources: list[Iterable[BlockHash]] = [held, reversed(cpu_order)]
+        if self.disk is not None:
+            sources.append(reversed(self.disk.entries))
+        for src in sources:
+            for h in src:
+                if len(out) >= limit:
+                    return out
+                if h not in seen:
+                    seen.add(h)
+                    out.append(h)
+        return out
 
     # -- swap preemption -----------------------------------------------------------------------
     def swap_out(self, seq: SeqState, device_block_ids: Sequence[int], plan: KVPlan) -> bool:
@@ -316,6 +471,8 @@ class TieredCache:
         for h in hashes:
             self.pins[h] = max(until, self.pins.get(h, 0.0))
             self._pin_hold(h)
+            if self.write_policy != "write-back" and self._disk_on():
+                self._want_write(h)  # a pinned prefix is worth keeping across restarts
         return True
 
     def expire_pins(self, now: float) -> None:
@@ -368,7 +525,11 @@ class TieredCache:
                     hits=counters["disk"].hits,
                     swap_ins=c.disk_loads,
                     evictions=self.disk.num_evictions + self.disk.num_discarded,
-                    bytes_moved=(c.disk_stores + c.disk_loads) * block_bytes,
+                    bytes_moved=(c.disk_stores + c.disk_writes + c.disk_loads) * block_bytes,
+                    dropped_writes=c.dropped_writes
+                    + (self.disk_io.num_refused if self.disk_io else 0),
+                    write_errors=self.disk_io.num_write_errors if self.disk_io else 0,
+                    disabled=0 if self._disk_on() else 1,
                 )
             )
 
@@ -422,16 +583,28 @@ class TieredCache:
     def _on_cpu_evict(self, block: Block, block_hash: BlockHash) -> None:
         if block_hash in self._pinned_blocks:
             raise AssertionError(f"pinned CPU {block} reached the free queue")
-        if self.disk is None:
+        if self.disk is None or not self._disk_on():
             return
         if block_hash in self.disk:
             self.disk.touch(block_hash)
+            return
+        if self.write_policy == "selective" and not self._is_hot(block_hash):
             return
         assert self._plan is not None, "CPU blocks are only reused while planning"
         self.disk.add(block_hash)
         self._step.disk_stores.add(block_hash)
         self._plan.disk_store.append((block.block_id, block_hash))
         self.counts.disk_stores += 1
+
+    def _disk_on(self) -> bool:
+        return self.disk is not None and self.disk_io is not None and self.disk_io.enabled
+
+    def _want_write(self, block_hash: BlockHash) -> None:
+        if self.disk is not None and block_hash not in self.disk:
+            self._writes[block_hash] = None
+
+    def _is_hot(self, block_hash: BlockHash) -> bool:
+        return self._hits.get(block_hash, 0) >= self.min_hits or block_hash in self.pins
 
     def _supersede(self, dst: int, plan: KVPlan) -> None:
         """A fetch into `dst` replaces an earlier fetch into it in the same step."""

@@ -17,6 +17,9 @@ class FakeDisk:
         self.files: set[BlockHash] = set()
         self.bad: set[BlockHash] = set()
         self.probes: list[BlockHash] = []
+        self.enabled = True
+        self.num_write_errors = 0
+        self.num_refused = 0
 
     def probe(self, block_hash: BlockHash) -> bool:
         self.probes.append(block_hash)

@@ -43,6 +43,9 @@ class ShadowDisk:
         self.files: dict[BlockHash, Label] = {}
         self.corrupt: set[BlockHash] = set()
         self.buffer: dict[BlockHash, Label] = {}
+        self.enabled = True
+        self.num_write_errors = 0
+        self.num_refused = 0
 
     def probe(self, block_hash: BlockHash) -> bool:
         if block_hash in self.buffer:
