@@ -20,6 +20,7 @@ from engine.outputs import RequestMetrics
 from engine.sampling_params import SamplingParams
 from engine.sequence import Request
 from engine.stats import ModelInfo
+from engine.structured.compiler import validate_response_format
 
 Prompt = str | Seq[int]
 
@@ -53,6 +54,8 @@ class InputProcessor:
             max_n=lim.max_n,
             max_logprobs=lim.max_logprobs,
         )
+        if params.response_format is not None:
+            validate_response_format(params.response_format)
 
     def prepare(
         self,

@@ -53,10 +53,7 @@ class LLM:
                 )
         # Validate everything before queueing anything.
         for p in params_list:
-            sc = self.engine.config.scheduler
-            p.validate(
-                vocab_size=self.engine.vocab_size, max_n=sc.max_n, max_logprobs=sc.max_logprobs
-            )
+            self.engine.inputs.validate_params(p)  # ranges, and response_format's grammar
         ids = []
         try:
             for prompt, params in zip(prompt_list, params_list, strict=True):

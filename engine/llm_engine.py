@@ -5,6 +5,8 @@ from __future__ import annotations
 import itertools
 import os
 import time
+from concurrent.futures import FIRST_COMPLETED, Future, wait
+from typing import Any
 
 import torch
 
@@ -29,6 +31,7 @@ from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 from engine.sequence import Request, SeqStatus, Sequence
 from engine.stats import EngineStats, ModelInfo, TierStats
+from engine.structured.compiler import GrammarCompilerPool
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -98,6 +101,10 @@ class LLMEngine:
         self.runner = ModelRunner(
             self.model, self.backend, kv_cache, sampler, cc.block_size, eos, self.device
         )
+        self.grammars = GrammarCompilerPool(self.tokenizer, self.vocab_size, eos)
+        """Structured outputs: compiles response formats off the step loop, cached per spec."""
+        self._grammar_waits: dict[str, tuple[Request, Future[Any]]] = {}
+        """Queued requests whose grammar is compiling."""
         self.tiers: TieredCache | None = None
         self.offload: KVStore | None = None
         built = build_tiers(cc, self.model_info, mc.path, kv_cache, self.block_bytes)
@@ -144,9 +151,21 @@ class LLMEngine:
         )
 
     def enqueue(self, req: Request) -> None:
-        """Queues a prepared request (the step loop's thread only)."""
+        """Queues a prepared request (the step loop's thread only).
+
+        A request with a response_format starts its grammar's compile (or finds it cached); until
+        it is ready the scheduler steps over the request.
+        """
         if req.request_id in self.requests:
             raise ValueError(f"request id {req.request_id!r} is already in use")
+        fmt = req.params.response_format
+        if fmt is not None:
+            fut = self.grammars.submit(fmt)
+            if fut.done() and not fut.cancelled() and fut.exception() is None:
+                req.compiled_grammar = fut.result()
+            else:
+                req.waiting_for_grammar = True
+                self._grammar_waits[req.request_id] = (req, fut)
         n, seed = req.params.n, req.params.seed
         req.generators = [None] * n
         if seed is not None:
@@ -184,6 +203,8 @@ class LLMEngine:
     def _new_seq(self, req: Request, index: int, token_ids: list[int]) -> Sequence:
         seq = Sequence(next(self._seq_ids), req, index, token_ids, self.kv.block_size)
         seq.detokenizer = IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids, req.params)
+        if req.compiled_grammar is not None:
+            seq.grammar = self.grammars.new_matcher(req.compiled_grammar)
         if req.params.logprobs is not None:
             seq.logprobs = []
         req.seqs.append(seq)
@@ -194,6 +215,7 @@ class LLMEngine:
         req = self.requests.get(request_id)
         if req is None:
             return False
+        self._grammar_waits.pop(request_id, None)  # a compile in flight is kept for its cache
         for seq in req.seqs:
             if seq.status is not SeqStatus.FINISHED:
                 self.scheduler.remove(seq)
@@ -247,6 +269,8 @@ class LLMEngine:
     # -- the step ------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """One scheduling decision and one forward pass; returns deltas of requests with news."""
+        if self._grammar_waits:
+            self._poll_grammars()
         now = time.monotonic()
         self._between_steps()
         if self.kv.pins:
@@ -276,6 +300,35 @@ class LLMEngine:
             self._process_samples(res, now)
         self._between_steps()
         return self.collect_outputs(now)
+
+    def _poll_grammars(self) -> None:
+        """Releases requests whose grammar finished compiling (or fails them with its error).
+
+        Only when nothing else can run does this wait (briefly) for a compile to finish.
+        """
+        runnable = bool(self.scheduler.running) or any(
+            not s.request.waiting_for_grammar for s in self.scheduler.waiting
+        )
+        if not runnable:
+            futures = [f for _, f in self._grammar_waits.values()]
+            wait(futures, timeout=0.05, return_when=FIRST_COMPLETED)
+        for rid, (req, fut) in list(self._grammar_waits.items()):
+            if not fut.done():
+                continue
+            del self._grammar_waits[rid]
+            if self.requests.get(rid) is not req or req.finished:
+                continue  # aborted while compiling
+            error = "grammar compile cancelled" if fut.cancelled() else fut.exception()
+            if error is not None:
+                req.error = str(error)
+                for seq in req.seqs:
+                    self._finish(seq, "error", None)
+                self._touched[rid] = req
+                continue
+            req.compiled_grammar = fut.result()
+            req.waiting_for_grammar = False
+            for seq in req.seqs:
+                seq.grammar = self.grammars.new_matcher(req.compiled_grammar)
 
     def _process_samples(self, res: StepSamples, now: float) -> None:
         seq = res.item.seq
@@ -312,6 +365,15 @@ class LLMEngine:
         n_out = seq.num_output_tokens
         detok = seq.detokenizer
         assert detok is not None
+        if seq.grammar is not None and not seq.grammar.accept_token(token_id):
+            # Only reachable when other settings ban every token the grammar allows (min_tokens
+            # or a stop token id against a grammar that must end now).
+            seq.request.error = (
+                f"token {token_id} does not fit the response_format; min_tokens or "
+                "stop_token_ids conflict with the grammar"
+            )
+            self._finish(seq, "error", None)
+            return
         if token_id in params.stop_token_ids and n_out >= params.min_tokens:
             self._finish(seq, "stop", token_id)
             return
@@ -321,6 +383,9 @@ class LLMEngine:
             and n_out >= params.min_tokens
         ):
             self._finish(seq, "stop", None)
+            return
+        if seq.grammar is not None and seq.grammar.is_terminated():
+            self._finish(seq, "stop", None)  # the grammar ended (with ignore_eos set)
             return
         seq.pending_text += detok.add(token_id)
         if detok.stop_string is not None:
@@ -417,4 +482,5 @@ class LLMEngine:
             prefix_hits=hits,
             free_device_blocks=kv.num_free_blocks,
             tiers=tiers,
+            grammar_cache=self.grammars.stats(),
         )

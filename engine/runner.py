@@ -12,12 +12,19 @@ from engine.kv.plan import KVPlan
 from engine.outputs import TokenLogprob
 from engine.sampler import Sampler, SamplingRow
 from engine.scheduler import ScheduledSeq, SchedulerOutput
+from engine.sequence import Request
+from engine.structured.bitmask import fill_bitmask
 
 
 class OffloadStore(Protocol):
     """Carries out the CPU/disk parts of a plan (engine/kv_store.py)."""
 
     def apply(self, plan: KVPlan, kv_cache: torch.Tensor) -> None: ...
+
+
+def _token_filter(req: Request) -> torch.Tensor | None:
+    g = req.compiled_grammar
+    return None if g is None else g.token_filter
 
 
 @dataclass(slots=True)
@@ -120,6 +127,8 @@ class ModelRunner:
         hidden = self.model(input_ids, positions, self.kv_cache, meta)  # [T, hidden]
 
         rows: list[SamplingRow] = []
+        matchers: list[Any] = []  # each row's grammar matcher (structured outputs) or None
+        filters: list[torch.Tensor | None] = []  # each row's static token filter or None
         row_index: list[int] = []  # flat token index of each row's logits
         owners: list[tuple[ScheduledSeq, int]] = []  # (item, number of rows)
         end = 0
@@ -135,6 +144,8 @@ class ModelRunner:
                     SamplingRow(req.params, prompt, [], req.generators[i]) for i in range(n)
                 )
                 row_index.extend([end - 1] * n)
+                matchers.extend([seq.grammar] * n)  # the samples fork after this token
+                filters.extend([_token_filter(req)] * n)
                 owners.append((item, n))
             else:
                 rows.append(
@@ -146,12 +157,16 @@ class ModelRunner:
                     )
                 )
                 row_index.append(end - 1)
+                matchers.append(seq.grammar)
+                filters.append(_token_filter(req))
                 owners.append((item, 1))
         if not rows:
             return []
+        # One token bitmask for the batch, filled on the host while the device runs the model.
+        bitmask = fill_bitmask(matchers, self.sampler.vocab_size, filters)
         idx = torch.tensor(row_index, dtype=torch.int64, device=hidden.device)
         logits = self.model.compute_logits(hidden.index_select(0, idx))  # [rows, vocab] fp32
-        out = self.sampler(logits, rows, self.eos_token_ids)
+        out = self.sampler(logits, rows, self.eos_token_ids, bitmask)
         results = []
         k = 0
         for item, n in owners:

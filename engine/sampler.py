@@ -1,6 +1,8 @@
 """Vectorized sampling over a batch of logits rows (vLLM's semantics).
 
 Order of operations on the [B, V] logits:
+    0. Structured outputs: the batch's token bitmask (engine/structured/bitmask.py) sets the
+       tokens each constrained row's grammar forbids to -inf, in one op for the whole batch.
     1. min_tokens: while a row has fewer than `min_tokens` outputs, its stop_token_ids and (unless
        ignore_eos) the EOS ids are set to -inf.
     2. Penalties: repetition (prompt + output tokens; positive logits divided, negative multiplied),
@@ -24,6 +26,7 @@ import torch
 
 from engine.outputs import TokenLogprob
 from engine.sampling_params import SamplingParams
+from engine.structured.bitmask import apply_bitmask
 
 _NEG_INF = float("-inf")
 
@@ -59,9 +62,16 @@ class Sampler:
         self.generator.manual_seed(seed)
 
     def __call__(
-        self, logits: torch.Tensor, rows: list[SamplingRow], eos_token_ids: Sequence[int]
+        self,
+        logits: torch.Tensor,
+        rows: list[SamplingRow],
+        eos_token_ids: Sequence[int],
+        bitmask: torch.Tensor | None = None,
     ) -> SamplerOutput:
-        """logits: [B, V'] with V' >= vocab_size (padding columns are dropped); B == len(rows)."""
+        """logits: [B, V'] with V' >= vocab_size (padding columns are dropped); B == len(rows).
+
+        bitmask: [B, ceil(vocab_size / 32)] int32 (any device) of allowed tokens, or None.
+        """
         num_rows = len(rows)
         if num_rows == 0:
             return SamplerOutput(token_ids=[], logprobs=[])
@@ -69,6 +79,8 @@ class Sampler:
             raise ValueError(f"got {logits.shape[0]} logits rows for {num_rows} sampling rows")
         # logits: [B, V] float32, our own copy (modified in place below)
         logits = logits[:, : self.vocab_size].to(dtype=torch.float32, copy=True)
+        if bitmask is not None:
+            apply_bitmask(logits, bitmask.to(self.device, non_blocking=True))
 
         self._apply_min_tokens(logits, rows, eos_token_ids)
         logits = self._apply_penalties(logits, rows)

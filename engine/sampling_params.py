@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from engine.structured.spec import ResponseFormat
+
 
 @dataclass(slots=True)
 class SamplingParams:
@@ -36,6 +38,11 @@ class SamplingParams:
     skip_special_tokens: bool = True
     pin_ttl_s: float = 0.0
     """Keep this prompt's prefix blocks out of eviction for this long (0: no pin)."""
+    response_format: ResponseFormat | None = None
+    """Constrain the output to a JSON schema, JSON object, regex, grammar or choice. EOS is
+    allowed exactly when the grammar accepts; an output cut by max_tokens ends with "length" and
+    holds the partial (invalid) text; when the grammar ends, the sample stops (even with
+    ignore_eos)."""
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -82,3 +89,9 @@ class SamplingParams:
             raise ValueError(f"logprobs must be between 0 and {max_logprobs}, got {self.logprobs}")
         if self.pin_ttl_s < 0:
             raise ValueError(f"pin_ttl_s must be >= 0, got {self.pin_ttl_s}")
+        if self.response_format is not None and not isinstance(
+            self.response_format, ResponseFormat
+        ):
+            raise ValueError(
+                f"response_format must be a ResponseFormat, got {type(self.response_format)}"
+            )

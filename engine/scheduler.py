@@ -7,7 +7,8 @@ Each step:
    waiting queue; its cached blocks stay findable, so it comes back through the prefix cache).
 2. If nothing was preempted, waiting sequences are admitted first come, first served, each with
    its longest cached prefix and as much of the rest of its prompt as the budget allows. The
-   queue does not skip: when the head does not fit, admission stops for this step.
+   queue does not skip: when the head does not fit, admission stops for this step. The one
+   exception: a request whose grammar is still compiling is stepped over (it keeps its place).
 A sequence that can never fit (it needs more blocks than the whole pool) finishes with an error
 instead of blocking the queue.
 """
@@ -119,8 +120,13 @@ class Scheduler:
         if out.preempted:
             return self._finish(out)
 
+        # Requests whose grammar is still compiling are set aside and put back in order.
+        not_ready: list[Sequence] = []
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
+            if seq.request.waiting_for_grammar:
+                not_ready.append(self.waiting.popleft())
+                continue
             if not self._can_ever_fit(seq):
                 self.waiting.popleft()
                 out.failed.append((seq, self._too_big_message(seq)))
@@ -147,6 +153,7 @@ class Scheduler:
             self.running.append(seq)
             out.scheduled.append(ScheduledSeq(seq, num_new, seq.num_computed_tokens))
             budget -= num_new
+        self.waiting.extendleft(reversed(not_ready))
         return self._finish(out)
 
     def _record_hit(self, seq: Sequence, match: PrefixMatch | None) -> None:

@@ -18,8 +18,10 @@ from engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     import torch
+    import xgrammar as xgr
 
     from engine.detokenizer import IncrementalDetokenizer
+    from engine.structured.compiler import Grammar
 
 
 class SeqStatus(enum.Enum):
@@ -43,6 +45,10 @@ class Request:
     cached_tokens: CachedTokens = field(default_factory=CachedTokens)
     error: str | None = None
     pinned: bool | None = None
+    waiting_for_grammar: bool = False
+    """Its response_format is still compiling: the scheduler skips it (others go ahead)."""
+    compiled_grammar: Grammar | None = None
+    """Set by the engine when the grammar is ready (engine side only; never pickled)."""
 
     @property
     def num_cached_tokens(self) -> int:
@@ -84,6 +90,9 @@ class Sequence:
     text: str = ""
     pending_text: str = ""
     """Text produced since the last streamed delta."""
+    grammar: xgr.GrammarMatcher | None = None
+    """This sample's grammar matcher (structured outputs); it has accepted every output token.
+    It outlives preemption: recompute and swap keep the tokens, so the state stays valid."""
 
     def __post_init__(self) -> None:
         self.update_hashes()

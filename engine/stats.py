@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from engine.structured.compiler import GrammarCacheStats
+
 
 @dataclass(frozen=True, slots=True)
 class ModelInfo:
@@ -82,6 +84,8 @@ class EngineStats:
     """Prompt tokens served from any tier."""
     free_device_blocks: int = 0
     tiers: list[TierStats] = field(default_factory=list)
+    grammar_cache: GrammarCacheStats = field(default_factory=GrammarCacheStats)
+    """Structured outputs: compiled grammars held, cache hits, compiles and their time."""
 
     @property
     def prefix_hit_rate(self) -> float:
