@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import time
 from collections.abc import AsyncGenerator, Generator, Sequence
 from dataclasses import dataclass, field
@@ -65,6 +66,7 @@ def build_request(
         )
     if (prompt is None) == (messages is None):
         raise ValueError("give exactly one of prompt (text or token ids) and messages")
+    _response_format_fields(sampling)
     req = pb.GenerateRequest(
         request_id=request_id,
         session_id=session_id,
@@ -85,6 +87,26 @@ def build_request(
             pb.ChatMessage(role=m["role"], content=m["content"]) for m in messages
         )
     return req
+
+
+def _response_format_fields(sampling: dict[str, Any]) -> None:
+    """Turns the structured-output shorthands into proto fields, in place: json_schema may be a
+    dict or a pydantic model class (sent as JSON text), choice a list of strings."""
+    schema = sampling.get("json_schema")
+    if schema is not None and not isinstance(schema, str):
+        to_schema = getattr(schema, "model_json_schema", None)
+        sampling["json_schema"] = json.dumps(schema if to_schema is None else to_schema())
+    choice = sampling.get("choice")
+    if choice is not None and not isinstance(choice, pb.Choices):
+        sampling["choice"] = pb.Choices(choices=list(choice))
+    if sampling.get("json_object") is False:
+        del sampling["json_object"]
+
+
+def _schema_model(kwargs: dict[str, Any]) -> Any:
+    """The pydantic model class given as json_schema, if any (to parse the reply with)."""
+    schema = kwargs.get("json_schema")
+    return schema if isinstance(schema, type) else None
 
 
 @dataclass(slots=True)
@@ -113,6 +135,19 @@ class GenerateResult:
     logprobs; ask for return_token_ids to see a token whose text is still held back). None when
     no token came."""
     total_s: float = 0.0
+    response_model: Any = None
+    """The pydantic model class given as json_schema (complete() sets it); parse() builds it."""
+
+    def parse(self, index: int = 0) -> Any:
+        """A choice's text parsed as JSON: an instance of `response_model` when one was given,
+        else the plain JSON value. Raises ValueError when the choice did not finish with "stop"
+        (a `length` finish holds partial JSON)."""
+        c = self.choices[index]
+        if c.finish_reason != "stop":
+            raise ValueError(f"choice {index} ended with {c.finish_reason!r}; its JSON is partial")
+        if self.response_model is not None:
+            return self.response_model.model_validate_json(c.text)
+        return json.loads(c.text)
 
     @property
     def text(self) -> str:
@@ -344,8 +379,8 @@ class DejaClient(_Base):
         timeout: float | None = None,
         **kwargs: Any,
     ) -> GenerateResult:
-        """Runs one request to the end and returns it collected."""
-        result = GenerateResult()
+        """Runs one request to the end and returns it collected (`.parse()` reads JSON output)."""
+        result = GenerateResult(response_model=_schema_model(kwargs))
         t0 = time.monotonic()
         for msg in self.generate(prompt, timeout=timeout, **kwargs):
             result.add(msg, elapsed_s=time.monotonic() - t0)
@@ -482,7 +517,7 @@ class AsyncDejaClient(_Base):
         timeout: float | None = None,
         **kwargs: Any,
     ) -> GenerateResult:
-        result = GenerateResult()
+        result = GenerateResult(response_model=_schema_model(kwargs))
         t0 = time.monotonic()
         async for msg in self.generate(prompt, timeout=timeout, **kwargs):
             result.add(msg, elapsed_s=time.monotonic() - t0)

@@ -352,7 +352,7 @@ class DiskFiles:
         self._warm_thread.start()
 
     def take_warm(self) -> list[tuple[BlockHash, torch.Tensor]]:
-        out = []
+        out: list[tuple[BlockHash, torch.Tensor]] = []
         while True:
             try:
                 item = self._warm.get_nowait()

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from engine.outputs import CompletionOutput, RequestOutput
 from engine.sampling_params import SamplingParams
 from engine.stats import EngineStats, ModelInfo
+from engine.structured.spec import ResponseFormat
 from service.proto.deja.v1 import inference_pb2 as pb
 
 FINISH_REASONS: dict[str | None, pb.FinishReason] = {
@@ -87,9 +88,22 @@ def sampling_params(request: pb.GenerateRequest) -> SamplingParams:
         p.skip_special_tokens = s.skip_special_tokens
     if request.HasField("logprobs"):
         p.logprobs = request.logprobs
+    p.response_format = response_format(s)
     if p.top_k == -1:
         p.top_k = 0
     return p
+
+
+def response_format(s: pb.SamplingParams) -> ResponseFormat | None:
+    """The oneof response_format as the engine's ResponseFormat (None when unset)."""
+    which = s.WhichOneof("response_format")
+    if which is None:
+        return None
+    if which == "json_object":
+        return ResponseFormat.json_object()
+    if which == "choice":
+        return ResponseFormat.choice(list(s.choice.choices))
+    return ResponseFormat(which, getattr(s, which))
 
 
 def _set_stop_reason(msg: pb.ChoiceDelta | pb.ChoiceEnd, stop_reason: int | str | None) -> None:
@@ -207,6 +221,9 @@ def cache_stats_message(stats: EngineStats, info: ModelInfo, replica_id: str) ->
                 swap_ins=t.swap_ins,
                 evictions=t.evictions,
                 bytes_moved=t.bytes_moved,
+                dropped_writes=t.dropped_writes,
+                write_errors=t.write_errors,
+                disabled=t.disabled,
             )
         )
     return msg

@@ -17,6 +17,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from engine.stats import EngineStats
+from service.process_metrics import register_process_metrics
 
 OUTCOMES = (
     "stop",
@@ -29,6 +30,7 @@ OUTCOMES = (
     "unauthenticated",
     "rejected_queue_full",
     "rejected_draining",
+    "rejected_engine_dead",
     "stream_overflow",
     "internal",
 )
@@ -87,8 +89,15 @@ class _EngineStatsCollector(Collector):
                 ("swap_ins", "Blocks brought back to the device."),
                 ("evictions", "Cached blocks dropped."),
                 ("bytes_moved", "Bytes copied in or out of the tier."),
+                ("dropped_writes", "Blocks the write policy dropped (writer queue full)."),
+                ("write_errors", "Writes into the tier that failed."),
             )
         }
+        disabled = GaugeMetricFamily(
+            "deja_cache_tier_disabled",
+            "1 when the tier turned itself off after a failure (disk: read-only or full).",
+            labels=["tier"],
+        )
         for t in s.tiers:
             blocks.add_metric([t.name, "total"], t.num_blocks)
             blocks.add_metric([t.name, "used"], t.used_blocks)
@@ -96,7 +105,9 @@ class _EngineStatsCollector(Collector):
             blocks.add_metric([t.name, "pinned"], t.pinned_blocks)
             for name, fam in tier_counters.items():
                 fam.add_metric([t.name], getattr(t, name))
+            disabled.add_metric([t.name], t.disabled)
         yield blocks
+        yield disabled
         yield from tier_counters.values()
 
 
@@ -147,6 +158,7 @@ class ServiceMetrics:
         )
         self._engine = _EngineStatsCollector(model)
         r.register(self._engine)
+        register_process_metrics(r)
         self._http: WSGIServer | None = None
         self._thread: threading.Thread | None = None
 

@@ -7,6 +7,11 @@ bounded per request). The agent also keeps a local LRU of the hashes it recorded
 replica's KV tiers; a hash pushed out of it has most likely been evicted by the engine too, so its
 record is removed (best effort: the engine does not publish evictions).
 
+Republishing: given the engine's `cached_block_hashes` (an async callable), `start()` also
+publishes, in the background, the block hashes the engine already holds (after a restart: those
+the disk tier's index rebuilt, most recently used first, as many as the local LRU holds), so
+routers send sessions back to a restarted replica before it has served them again.
+
 The store is an optimisation: every failure is logged (rate limited) and counted in
 `deja_affinity_store_errors_total`, and never reaches a request.
 """
@@ -37,6 +42,12 @@ log = logging.getLogger(__name__)
 _MAX_PENDING_RECORDS = 256
 """Records waiting for the store beyond this are dropped (counted), so memory stays bounded."""
 _LOG_EVERY_S = 10.0
+_REPUBLISH_BATCH = 1024
+"""Hashes per record_prefix call when republishing."""
+_REPUBLISH_TIMEOUT_S = 30.0
+
+CachedHashes = Callable[[int], Awaitable[list[BlockHash]]]
+"""`limit -> the engine's cached block hashes, most recently used first` (AsyncEngine's)."""
 
 
 def load_from_stats(stats: EngineStats) -> ReplicaLoad:
@@ -64,15 +75,17 @@ class ReplicaAgent:
         *,
         capacity_blocks: int,
         registry: CollectorRegistry | None = None,
+        cached_hashes: CachedHashes | None = None,
     ) -> None:
         self.store = store
+        self._cached_hashes = cached_hashes
         self.info = info
         self._get_stats = get_stats
         self._config = config
         self._capacity = max(1, capacity_blocks)
         self._held: OrderedDict[BlockHash, None] = OrderedDict()
         """Hashes recorded for this replica, least recently recorded first."""
-        self._pending: set[asyncio.Task[bool]] = set()
+        self._pending: set[asyncio.Task[bool] | asyncio.Task[int]] = set()
         self._heartbeat: asyncio.Task[None] | None = None
         self._last_log = 0.0
         self._stopping = False
@@ -94,7 +107,39 @@ class ReplicaAgent:
     async def start(self) -> None:
         """Registers now (a failure is only logged) and starts the heartbeat loop."""
         await self.heartbeat_once()
-        self._heartbeat = asyncio.get_running_loop().create_task(self._heartbeat_loop())
+        loop = asyncio.get_running_loop()
+        self._heartbeat = loop.create_task(self._heartbeat_loop())
+        if self._cached_hashes is not None:
+            task = loop.create_task(self.republish())
+            self._pending.add(task)
+            task.add_done_callback(self._pending.discard)
+
+    async def republish(self) -> int:
+        """Records the prefixes the engine holds now (its tiers, disk index included) for this
+        replica; returns how many hashes the store took. Never raises."""
+        if self._cached_hashes is None:
+            return 0
+        try:
+            hashes = await asyncio.wait_for(
+                self._cached_hashes(self._capacity), timeout=_REPUBLISH_TIMEOUT_S
+            )
+        except Exception as e:  # the engine is an optimisation's source here, never fatal
+            log.warning("cannot list the engine's cached blocks to republish: %r", e)
+            return 0
+        # least recently used first into the local LRU, so the hottest are evicted last
+        self._touch(list(reversed(hashes)))
+        n = 0
+        for i in range(0, len(hashes), _REPUBLISH_BATCH):
+            chunk = hashes[i : i + _REPUBLISH_BATCH]
+            ok = await self._try(
+                "record_prefix",
+                self.store.record_prefix(self.info.replica_id, chunk, self._config.prefix_ttl_s),
+            )
+            n += len(chunk) if ok else 0
+        self.records.labels("republished" if n else "failed").inc()
+        if hashes:
+            log.info("republished %d of %d cached block hashes", n, len(hashes))
+        return n
 
     async def stop(self, deregister: bool = True) -> None:
         """Stops heartbeating, waits briefly for pending records, deregisters, closes the store."""
@@ -241,6 +286,7 @@ async def start_replica_agent(
     model_info: ModelInfo,
     get_stats: Callable[[], EngineStats],
     registry: CollectorRegistry | None = None,
+    cached_hashes: CachedHashes | None = None,
 ) -> ReplicaAgent:
     """Builds the store and the agent of one replica and starts heartbeating (never raises for
     an unreachable store: the heartbeat keeps trying)."""
@@ -259,6 +305,7 @@ async def start_replica_agent(
         settings.affinity,
         capacity_blocks=cache_capacity_blocks(model_info.num_device_blocks, get_stats()),
         registry=registry,
+        cached_hashes=cached_hashes,
     )
     await agent.start()
     log.info("registered as %s at %s (%s)", replica_id, info.address, settings.affinity.redis_url)

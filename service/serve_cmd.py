@@ -118,6 +118,7 @@ async def serve_until_signal(
             model_info=engine.model_info,
             get_stats=engine.get_stats,
             registry=replica.metrics.registry,
+            cached_hashes=engine.cached_block_hashes,
         )
         replica.servicer.on_finished = agent.record
     stop = asyncio.Event()

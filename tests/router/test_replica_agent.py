@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
 
 from prometheus_client import CollectorRegistry
 
@@ -90,3 +91,51 @@ async def test_redis_down_never_raises_and_counts(redis_proc: RedisProcess) -> N
         await asyncio.sleep(0.05)
     assert [s.info.replica_id for s in await store.list_replicas()] == ["r1"]
     await agent.stop()
+
+
+async def test_restarted_replica_republishes_what_its_disk_tier_holds(
+    tiny_llama_path: Path, tmp_path: Path
+) -> None:
+    from engine import LLM, SamplingParams
+    from engine.async_engine import AsyncEngine
+    from engine.config import EngineConfig
+
+    prompt = [(7 * i) % 400 + 10 for i in range(200)]  # 12 full blocks of 16
+    llm = LLM(
+        str(tiny_llama_path),
+        block_size=16,
+        num_device_blocks=64,
+        num_cpu_blocks=8,
+        disk_dir=str(tmp_path),
+    )
+    llm.generate([prompt], SamplingParams(max_tokens=2))
+    assert llm.engine.close(timeout_s=30.0)
+
+    config = EngineConfig.from_kwargs(
+        str(tiny_llama_path),
+        block_size=16,
+        num_device_blocks=64,
+        num_cpu_blocks=8,
+        disk_dir=str(tmp_path),
+    )
+    engine = AsyncEngine.from_config(config)
+    engine.start()
+    try:
+        info = ReplicaInfo("r9", "127.0.0.1:5009", engine.model_info.model_id, 16)
+        store = MemoryAffinityStore()
+        agent = ReplicaAgent(
+            store,
+            info,
+            stats,
+            AffinityConfig(),
+            capacity_blocks=72,
+            cached_hashes=engine.cached_block_hashes,
+        )
+        await agent.start()
+        await agent.flush()
+        chain = prompt_block_hashes(prompt, 16, engine.model_info.model_id, None)
+        assert len(chain) == 12
+        assert await store.longest_prefix(chain) == {"r9": 12}
+        await agent.stop()
+    finally:
+        engine.shutdown(5.0)

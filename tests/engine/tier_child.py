@@ -1,0 +1,85 @@
+"""A child process for the disk-tier crash and fault tests (run as a script, not collected).
+
+python tests/engine/tier_child.py MODEL DISK_DIR crash
+    Serves prompts `rand_tokens(256, i)` for i = 0, 1, ... with write-through until killed;
+    prints "done i" after each request.
+python tests/engine/tier_child.py MODEL DISK_DIR full|read-only
+    Serves 4 prompts, then breaks the disk directory (full: RLIMIT_FSIZE below one block
+    file, so writes fail with EFBIG; read-only: a read-only bind mount, when run inside
+    `unshare -r -m`), serves 6 more, and prints one JSON line: outputs, reference outputs
+    (caching off) and the disk tier's stats.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import random
+import resource
+import signal
+import subprocess
+import sys
+
+from engine import LLM, SamplingParams
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+
+
+def rand_tokens(n: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(10, 400) for _ in range(n)]
+
+
+def crash(model: str, disk_dir: str) -> None:
+    llm = LLM(
+        model,
+        dtype="float32",
+        block_size=16,
+        num_device_blocks=64,
+        num_cpu_blocks=16,
+        disk_dir=disk_dir,
+        disk_write_policy="write-through",
+    )
+    i = 0
+    while True:
+        llm.generate([rand_tokens(256, i)], GREEDY)
+        print(f"done {i}", flush=True)
+        i += 1
+
+
+def fault(model: str, disk_dir: str, kind: str) -> None:
+    ref = LLM(model, dtype="float32", block_size=16, num_device_blocks=256, num_cpu_blocks=0)
+    llm = LLM(
+        model,
+        dtype="float32",
+        block_size=16,
+        num_device_blocks=32,
+        num_cpu_blocks=8,
+        disk_dir=disk_dir,
+        disk_write_policy="write-through",
+    )
+    prompts = [rand_tokens(160, 500 + i % 5) + rand_tokens(8, i) for i in range(10)]
+    outs: list[list[int]] = []
+    for i, p in enumerate(prompts):
+        if i == 4:
+            assert llm.engine.offload is not None
+            llm.engine.offload.flush()
+            if kind == "full":
+                signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # EFBIG instead of the signal
+                resource.setrlimit(resource.RLIMIT_FSIZE, (4096, resource.RLIM_INFINITY))
+            else:
+                subprocess.run(["mount", "--bind", disk_dir, disk_dir], check=True)
+                subprocess.run(["mount", "-o", "remount,bind,ro", disk_dir], check=True)
+        outs.append(llm.generate([p], GREEDY)[0].token_ids)
+    expected = [o.token_ids for o in ref.generate(prompts, GREEDY)]
+    disk = next(t for t in llm.engine.get_stats().tiers if t.name == "disk")
+    llm.engine.close(timeout_s=5.0)
+    print(json.dumps({"outs": outs, "expected": expected, "disk": dataclasses.asdict(disk)}))
+
+
+if __name__ == "__main__":
+    model_path, directory, mode = sys.argv[1:4]
+    if mode == "crash":
+        crash(model_path, directory)
+    else:
+        fault(model_path, directory, mode)
