@@ -11,7 +11,9 @@ message (after a shared system prompt), sessions round-robin in groups of 4. Thr
 side, each group running on all three in rotating order: device pool at 25% of the working set
 with the CPU tier off, the same with the CPU tier on, and an unbounded device pool.
 
-    python -m bench.tiers [--model demo] [--part all|ttft|multiturn] [--json out.json]
+Part 3 (restart): bench/tiers_restart.py.
+
+    python -m bench.tiers [--model demo] [--part all|ttft|multiturn|restart] [--json out.json]
 """
 
 from __future__ import annotations
@@ -67,7 +69,10 @@ TIERS = ("device", "cpu", "disk", "recompute")
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_common_arguments(parser)
     parser.add_argument(
-        "--part", choices=("all", "ttft", "multiturn"), default="all", help="which part to run"
+        "--part",
+        choices=("all", "ttft", "multiturn", "restart"),
+        default="all",
+        help="which part to run (restart: bench/tiers_restart.py)",
     )
     parser.add_argument("--reps", type=int, default=None, help="ttft repetitions (default 2)")
     parser.add_argument("--sessions", type=int, default=None, help="multi-turn sessions (32)")
@@ -382,6 +387,12 @@ def run(args: argparse.Namespace) -> int:
         out["multiturn"] = run_multiturn(args, model_path, ids, work)
         ratio = out["multiturn"]["results"]["cpu on"]["hit_rate_vs_unbounded"]
         print(f"hit rate with the CPU tier / unbounded device pool: {ratio:.2f} (target >= 0.90)")
+    if args.part in ("all", "restart"):
+        from bench.tiers_restart import run_restart
+
+        print("\n-- first request after a restart (write-through, graceful close) --")
+        sys.stdout.flush()
+        out["restart"] = run_restart(args, model_path, ids, args.quick)
     print(f"\ntotal bench time {time.perf_counter() - start:.0f} s")
     write_json(args.json, out)
     return 0
