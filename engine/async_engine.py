@@ -176,6 +176,7 @@ class AsyncEngine:
             while not self._stop.is_set():
                 self._drain_commands()
                 if not eng.has_unfinished_requests():
+                    eng.expire_pins()  # an idle engine releases expired pins too
                     self._stats = eng.get_stats()
                     self._wake.wait(timeout=0.5)
                     self._wake.clear()

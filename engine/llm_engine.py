@@ -225,14 +225,18 @@ class LLMEngine:
 
     def close(self, timeout_s: float | None = None) -> bool:
         """Queues the write policy's last writes, flushes the disk tier's queue (at most
-        `timeout_s`; None waits for all) and stops its threads; call when done (step thread).
+        `timeout_s`; None waits for all) and stops its threads, then stops the grammar compiler's
+        worker (compiles still queued are cancelled); call when done (step thread).
 
         True when every queued write reached disk; the rest are lost, as after a crash.
         """
-        if self.offload is None:
-            return True
-        self._between_steps()
-        return self.offload.close(timeout_s)
+        try:
+            if self.offload is None:
+                return True
+            self._between_steps()
+            return self.offload.close(timeout_s)
+        finally:
+            self.grammars.close()
 
     def cached_block_hashes(self, limit: int) -> list[bytes]:
         """Up to `limit` block hashes this engine holds (device, then CPU, then disk), most
@@ -266,17 +270,28 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
 
+    def expire_pins(self, now: float | None = None) -> bool:
+        """Releases the pins whose TTL has passed (device and CPU tier); True when some were.
+
+        `step` does this; an idle step loop must call it too, or pinned blocks stay held (and
+        counted as used) after their TTL until the next request arrives.
+        """
+        now = time.monotonic() if now is None else now
+        before = len(self.kv.pins) + (len(self.tiers.pins) if self.tiers is not None else 0)
+        if self.kv.pins:
+            self.kv.expire_pins(now)
+        if self.tiers is not None and self.tiers.pins:
+            self.tiers.expire_pins(now)
+        after = len(self.kv.pins) + (len(self.tiers.pins) if self.tiers is not None else 0)
+        return after < before
+
     # -- the step ------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """One scheduling decision and one forward pass; returns deltas of requests with news."""
         if self._grammar_waits:
             self._poll_grammars()
-        now = time.monotonic()
         self._between_steps()
-        if self.kv.pins:
-            self.kv.expire_pins(now)
-        if self.tiers is not None and self.tiers.pins:
-            self.tiers.expire_pins(now)
+        self.expire_pins()
         sched = self.scheduler.schedule()
         scheduled_at = time.monotonic()
         for seq, message in sched.failed:
