@@ -5,7 +5,12 @@
 
 Every flag also reads a DEJA_* environment variable (--max-num-seqs <- DEJA_MAX_NUM_SEQS).
 On SIGTERM/SIGINT the replica drains: health NOT_SERVING, new calls UNAVAILABLE, running
-streams get --grace-period seconds to finish, the rest are aborted.
+streams get --grace-period seconds to finish, the rest are aborted, and the disk tier's queued
+writes are flushed (within the grace period) before exit.
+
+The engine's step loop runs in a process of its own (`--engine-core process`, the default; see
+engine/core.py); if that process dies, open streams end with INTERNAL, new calls get UNAVAILABLE,
+health turns NOT_SERVING and `deja serve` exits with status 1 so an orchestrator restarts it.
 """
 
 from __future__ import annotations
@@ -24,10 +29,13 @@ from service.flags import add_flag
 from service.replica_agent import AgentSettings, add_replica_agent_args, agent_settings_from_args
 
 if TYPE_CHECKING:
-    from engine.async_engine import AsyncEngine
+    from engine.config import EngineConfig
+    from service.server import Engine
 
 log = logging.getLogger("deja.serve")
 LOG_LEVELS = ("debug", "info", "warning", "error")
+ENGINE_CORE_MODES = ("process", "thread")
+EXIT_ENGINE_DEAD = 1
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -35,6 +43,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_service_args(parser)
     add_replica_agent_args(parser)
     add_flag(parser, "--log-level", default="info", choices=LOG_LEVELS, help="Logging level.")
+    add_flag(
+        parser,
+        "--engine-core",
+        default="process",
+        choices=ENGINE_CORE_MODES,
+        help="Where the step loop runs: its own process (full speed, crash-isolated) or a "
+        "thread of the server process.",
+    )
 
 
 def setup_logging(level: str) -> None:
@@ -60,10 +76,17 @@ def run(args: argparse.Namespace) -> int:
     except (ValueError, FileNotFoundError) as e:
         print(f"deja serve: error: {e}", file=sys.stderr)
         return 2
-    from engine.async_engine import AsyncEngine
-
-    log.info("loading %s", engine_config.model.path)
-    engine = AsyncEngine.from_config(engine_config, stream_buffer=service_config.stream_buffer)
+    log.info("loading %s (engine core: %s)", engine_config.model.path, args.engine_core)
+    try:
+        engine = start_engine(
+            engine_config,
+            args.engine_core,
+            stream_buffer=service_config.stream_buffer,
+            log_level=getattr(logging, args.log_level.upper()),
+        )
+    except RuntimeError as e:
+        print(f"deja serve: error: {e}", file=sys.stderr)
+        return 2
     info = engine.model_info
     log.info(
         "loaded %s (%s, %s, max_model_len %d, %d KV blocks of %d) in %.1f s",
@@ -75,16 +98,32 @@ def run(args: argparse.Namespace) -> int:
         info.block_size,
         time.monotonic() - t0,
     )
-    engine.start()
     try:
         return asyncio.run(serve_until_signal(service_config, engine, agent_settings))
     finally:
-        engine.shutdown()
+        engine.shutdown(service_config.grace_period_s)
+
+
+def start_engine(
+    config: EngineConfig, mode: str, *, stream_buffer: int, log_level: int = logging.INFO
+) -> Engine:
+    """Loads the model and starts the step loop (blocking): in an engine-core process, or in a
+    thread of this process. Raises RuntimeError when the engine core cannot start."""
+    if mode == "process":
+        from engine.core_client import EngineCoreClient
+
+        return EngineCoreClient(config, stream_buffer=stream_buffer, log_level=log_level)
+    from engine.async_engine import AsyncEngine
+
+    engine = AsyncEngine.from_config(config, stream_buffer=stream_buffer)
+    engine.start()
+    return engine
 
 
 async def serve_until_signal(
-    config: ServiceConfig, engine: AsyncEngine, agent_settings: AgentSettings | None = None
+    config: ServiceConfig, engine: Engine, agent_settings: AgentSettings | None = None
 ) -> int:
+    """Serves until SIGTERM/SIGINT (drain, exit 0) or the engine's death (exit 1)."""
     from service.server import serve
     from service.tracing import make_tracer_provider
 
@@ -125,12 +164,26 @@ async def serve_until_signal(
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    await stop.wait()
-    log.info("signal received; draining (grace period %.1f s)", config.grace_period_s)
+    dead = loop.create_task(_wait_engine_dead(engine))
+    signalled = loop.create_task(stop.wait())
+    await asyncio.wait((dead, signalled), return_when=asyncio.FIRST_COMPLETED)
+    code = 0
+    if dead.done():
+        log.error("the engine failed; stopping so that the replica is restarted")
+        code = EXIT_ENGINE_DEAD
+    else:
+        dead.cancel()
+        log.info("signal received; draining (grace period %.1f s)", config.grace_period_s)
+    signalled.cancel()
     if agent is not None:
         await agent.stop()  # leave the registry first, so routers stop sending here
-    await replica.shutdown(config.grace_period_s)
+    await replica.shutdown(0.0 if code else config.grace_period_s)
     if provider is not None:
         provider.shutdown()
     log.info("stopped")
-    return 0
+    return code
+
+
+async def _wait_engine_dead(engine: Engine, interval_s: float = 0.1) -> None:
+    while not engine.errored:
+        await asyncio.sleep(interval_s)

@@ -54,7 +54,8 @@ _NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 
 
 class Engine(Protocol):
-    """What the server needs from engine.async_engine.AsyncEngine."""
+    """What the server needs from an engine: engine.core_client.EngineCoreClient (the engine core
+    in its own process) or engine.async_engine.AsyncEngine (the step loop in a thread)."""
 
     @property
     def model_info(self) -> ModelInfo: ...
@@ -78,6 +79,13 @@ class Engine(Protocol):
     ) -> list[int]: ...
 
     def check_health(self) -> None: ...
+
+    @property
+    def errored(self) -> bool: ...
+
+    def shutdown(self, flush_timeout_s: float | None = None) -> None: ...
+
+    async def cached_block_hashes(self, limit: int) -> list[bytes]: ...
 
 
 def derive_cache_salt(tenant: str | None, client_salt: str, allow_client: bool) -> str | None:
@@ -219,6 +227,17 @@ class InferenceServicer:
     ) -> AsyncIterator[pb.GenerateResponse]:
         tenant = await self._check_request(request, context)
         assert isinstance(request, pb.GenerateRequest)
+        try:
+            self._engine.check_health()
+        except Exception as e:
+            await self.engine_failed_now(e)
+            await self._abort(
+                context,
+                grpc.StatusCode.UNAVAILABLE,
+                f"the engine of replica {self.replica_id} has failed ({e}); retry on another "
+                "replica",
+                "rejected_engine_dead",
+            )
         if self.num_queued >= self._config.max_queued_requests:
             await self._abort(
                 context,

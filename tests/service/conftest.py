@@ -1,5 +1,5 @@
-"""Fixtures: a real AsyncEngine on the tiny random Llama, real grpc.aio servers on free ports,
-and real clients."""
+"""Fixtures: a real engine on the tiny random Llama — by default the engine core in its own process,
+as `deja serve` runs it — real grpc.aio servers on free ports, and real clients."""
 
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ from opentelemetry.sdk.trace import TracerProvider
 from clients.client import AsyncDejaClient
 from engine.async_engine import AsyncEngine
 from engine.config import EngineConfig
+from engine.core_client import EngineCoreClient
 from service.config import ServiceConfig
 from service.server import Replica, serve
 
@@ -37,18 +38,24 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def make_engine(path: Path, *, stream_buffer: int = 1024, **overrides: Any) -> AsyncEngine:
-    """A started AsyncEngine on `path` with ENGINE_KWARGS (overridable)."""
-    engine = AsyncEngine.from_config(
-        EngineConfig.from_kwargs(str(path), **{**ENGINE_KWARGS, **overrides}),
-        stream_buffer=stream_buffer,
-    )
+Engine = AsyncEngine | EngineCoreClient
+
+
+def make_engine(
+    path: Path, *, stream_buffer: int = 1024, in_process: bool = False, **overrides: Any
+) -> Engine:
+    """A started engine on `path` with ENGINE_KWARGS (overridable): the engine core in its own
+    process (what `deja serve` runs), or with `in_process` the step loop in a thread."""
+    config = EngineConfig.from_kwargs(str(path), **{**ENGINE_KWARGS, **overrides})
+    if not in_process:
+        return EngineCoreClient(config, stream_buffer=stream_buffer)
+    engine = AsyncEngine.from_config(config, stream_buffer=stream_buffer)
     engine.start()
     return engine
 
 
 @pytest.fixture(scope="session")
-def engine(tiny_llama_path: Path) -> Iterator[AsyncEngine]:
+def engine(tiny_llama_path: Path) -> Iterator[Engine]:
     """One engine shared by the module's servers; tests must leave it idle."""
     eng = make_engine(tiny_llama_path)
     yield eng
@@ -59,7 +66,7 @@ def engine(tiny_llama_path: Path) -> Iterator[AsyncEngine]:
 class Harness:
     replica: Replica
     client: AsyncDejaClient
-    engine: AsyncEngine
+    engine: Engine
 
     @property
     def target(self) -> str:
@@ -88,7 +95,7 @@ class Harness:
             await asyncio.sleep(0.01)
 
 
-def _busy(engine: AsyncEngine) -> bool:
+def _busy(engine: Engine) -> bool:
     s = engine.get_stats()
     return bool(s.num_running or s.num_waiting)
 
@@ -97,12 +104,12 @@ StartServer = Callable[..., Awaitable[Harness]]
 
 
 @pytest.fixture
-async def start_server(engine: AsyncEngine) -> AsyncIterator[StartServer]:
+async def start_server(engine: Engine) -> AsyncIterator[StartServer]:
     """start_server(engine=None, tracer_provider=None, token=None, **ServiceConfig fields)."""
     started: list[Harness] = []
 
     async def start(
-        engine_: AsyncEngine | None = None,
+        engine_: Engine | None = None,
         *,
         tracer_provider: TracerProvider | None = None,
         token: str | None = None,

@@ -260,7 +260,8 @@ async def test_engine_failure_is_internal_and_not_serving(
 ) -> None:
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-    engine: AsyncEngine = make_engine(tiny_llama_path)
+    engine = make_engine(tiny_llama_path, in_process=True)
+    assert isinstance(engine, AsyncEngine)
     try:
         h = await start_server(engine)
 
@@ -274,7 +275,8 @@ async def test_engine_failure_is_internal_and_not_serving(
         assert "simulated device failure" in (info.value.details() or "")
         with pytest.raises(grpc.aio.AioRpcError) as again:
             await h.client.complete("Hello", max_tokens=3)
-        assert again.value.code() == grpc.StatusCode.INTERNAL
+        assert again.value.code() == grpc.StatusCode.UNAVAILABLE  # new calls: go elsewhere
+        assert "has failed" in (again.value.details() or "")
         async with grpc.aio.insecure_channel(h.target) as ch:
             resp = await health_pb2_grpc.HealthStub(ch).Check(
                 health_pb2.HealthCheckRequest(service="deja.v1.Inference")

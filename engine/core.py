@@ -1,0 +1,246 @@
+"""The engine core: the step loop in a process of its own (vLLM V1's EngineCore).
+
+    API-server process                         engine-core process (this module)
+    ------------------                         ---------------------------------
+    EngineCoreClient  --PUSH  ipc://…/in--->   PULL   add / abort / call / shutdown
+                      <--PULL ipc://…/out---   PUSH   outputs (+ stats) / results / failure
+
+Why a process: on a small CPU host, torch work driven from a thread other than the one that
+loaded the model, sharing a GIL with the gRPC event loop, decoded at about half the speed of the
+same engine in the main thread (measured; see docs/architecture.md). Here every torch call, from
+loading the weights to the last step, runs in this process's main thread, and the API server's
+Python work (gRPC, protobuf, tokenization) never takes this loop's GIL.
+
+The loop never waits on I/O while it has work: commands are drained without blocking before each
+step and outputs are handed to ZMQ (whose own I/O thread does the sending). Only an idle core
+blocks, in a poll with a short timeout, so it also notices a dead parent.
+
+Messages are pickled tuples (both ends are this codebase, on one host):
+    in:  ("add", Request) | ("abort", [request_id, ...]) | ("call", call_id, name, args)
+         | ("shutdown", flush_timeout_s)
+    out: ("outputs", [PackedOutput, ...], EngineStats | None) | ("rejected", request_id, message)
+         | ("result", call_id, ok, value) | ("failed", message)
+Deltas travel without their prompt's token ids (the client has them): see `pack_output`.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import pickle
+import signal
+import sys
+import time
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+from typing import Any
+
+from engine.config import EngineConfig
+from engine.outputs import CachedTokens, CompletionOutput, RequestMetrics, RequestOutput
+
+log = logging.getLogger("deja.engine_core")
+
+IDLE_POLL_MS = 100
+"""How long an idle core blocks for a command before checking on its parent."""
+STATS_INTERVAL_S = 0.05
+"""While busy, stats ride along with outputs at most this often, and with the first batch after a
+request arrives or finishes; always once the core idles."""
+CALLS = frozenset({"cached_block_hashes", "get_stats"})
+"""LLMEngine methods a client may `call` (read-only, step-thread only)."""
+
+
+@dataclass(frozen=True, slots=True)
+class CoreAddresses:
+    inputs: str
+    """ZMQ address the client binds a PUSH socket to; the core's PULL connects."""
+    outputs: str
+    """ZMQ address the client binds a PULL socket to; the core's PUSH connects."""
+
+
+PackedOutput = tuple[
+    str,  # request_id
+    list[CompletionOutput],  # outputs (deltas)
+    bool,  # finished
+    CachedTokens,  # cached_tokens
+    RequestMetrics | None,  # metrics
+    str | None,  # error
+    bool | None,  # pinned
+]
+
+
+def pack_output(out: RequestOutput) -> PackedOutput:
+    return (
+        out.request_id,
+        out.outputs,
+        out.finished,
+        out.cached_tokens,
+        out.metrics,
+        out.error,
+        out.pinned,
+    )
+
+
+def unpack_output(packed: PackedOutput, prompt_token_ids: list[int]) -> RequestOutput:
+    rid, outputs, finished, cached, metrics, error, pinned = packed
+    return RequestOutput(
+        request_id=rid,
+        prompt_token_ids=prompt_token_ids,
+        outputs=outputs,
+        finished=finished,
+        num_cached_tokens=cached.total,
+        cached_tokens=cached,
+        metrics=metrics,
+        error=error,
+        pinned=pinned,
+    )
+
+
+class EngineCore:
+    """Drives one LLMEngine from ZMQ commands until shutdown or the parent's death."""
+
+    def __init__(self, engine: Any, inputs: Any, outputs: Any, parent_pid: int) -> None:
+        import zmq
+
+        self.engine = engine
+        self._in = inputs
+        self._out = outputs
+        self._parent_pid = parent_pid
+        self._poller = zmq.Poller()
+        self._poller.register(inputs, zmq.POLLIN)
+        self._stats_dirty = True
+        """Something changed since the last stats sent (sent when the core goes idle)."""
+        self._stats_urgent = False
+        """A request arrived or finished: blocks changed hands; send stats with the next batch."""
+        self._stats_sent_at = 0.0
+        self._stopping = False
+        self._flush_timeout_s: float | None = None
+
+    def run(self) -> None:
+        """The busy loop: drain commands, step, send; returns after shutdown (queues flushed)."""
+        eng = self.engine
+        while not self._stopping:
+            busy = eng.has_unfinished_requests()
+            self._drain(0 if busy else IDLE_POLL_MS)
+            if not eng.has_unfinished_requests():
+                if eng.expire_pins():  # idle: pinned blocks are released when their TTL passes
+                    self._stats_dirty = True
+                if self._stats_dirty:
+                    self._send_outputs([], force_stats=True)
+                if os.getppid() != self._parent_pid:
+                    log.warning("the API server exited; engine core shutting down")
+                    self._stopping, self._flush_timeout_s = True, 10.0
+                continue
+            outs = eng.step()
+            self._stats_dirty = True
+            self._send_outputs(outs)
+        for rid in list(eng.requests):
+            eng.abort(rid)
+        while eng.has_unfinished_requests():
+            self._send_outputs(eng.step())
+        eng.close(self._flush_timeout_s)
+        self._send_outputs([], force_stats=True)
+
+    def _drain(self, timeout_ms: int) -> None:
+        import zmq
+
+        if timeout_ms and not self._poller.poll(timeout_ms):
+            return
+        while True:
+            try:
+                frame = self._in.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            self._handle(pickle.loads(frame))
+
+    def _handle(self, msg: tuple[Any, ...]) -> None:
+        eng = self.engine
+        kind = msg[0]
+        self._stats_dirty = True
+        if kind == "add":
+            self._stats_urgent = True
+            try:
+                eng.enqueue(msg[1])
+            except ValueError as e:
+                self._send(("rejected", msg[1].request_id, str(e)))
+        elif kind == "abort":
+            if any([eng.abort(rid) for rid in msg[1]]):
+                # Deliver the final "abort" deltas now: blocks are free before the next step.
+                self._send_outputs(eng.collect_outputs(), force_stats=True)
+        elif kind == "call":
+            _, call_id, name, args = msg
+            try:
+                if name not in CALLS:
+                    raise ValueError(f"{name!r} is not a callable engine-core method")
+                self._send(("result", call_id, True, getattr(eng, name)(*args)))
+            except Exception as e:
+                self._send(("result", call_id, False, f"{type(e).__name__}: {e}"))
+        elif kind == "shutdown":
+            self._stopping, self._flush_timeout_s = True, msg[1]
+
+    def _send_outputs(self, outs: list[RequestOutput], *, force_stats: bool = False) -> None:
+        now = time.monotonic()
+        stats = None
+        urgent = force_stats or self._stats_urgent or any(o.finished for o in outs)
+        if urgent or now - self._stats_sent_at >= STATS_INTERVAL_S:
+            stats = self.engine.get_stats()
+            self._stats_sent_at = now
+            self._stats_dirty = self._stats_urgent = False
+        if outs or stats is not None:
+            self._send(("outputs", [pack_output(o) for o in outs], stats))
+
+    def _send(self, msg: tuple[Any, ...]) -> None:
+        self._out.send(pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL), copy=False)
+
+
+def run_engine_core(
+    config: EngineConfig,
+    addresses: CoreAddresses,
+    ready: Connection,
+    parent_pid: int,
+    log_level: int = logging.INFO,
+) -> None:
+    """The engine-core process's entry point (multiprocessing target, spawn context).
+
+    Loads the model in this process's main thread, answers ("ready", ModelInfo, EngineStats) or
+    ("failed", message) on `ready`, then runs the loop. Exits 0 after a shutdown command or the
+    parent's death, 1 when loading or a step fails (after telling the client why).
+    """
+    import zmq
+
+    # The API server owns the signals: Ctrl-C in a terminal reaches the whole process group, and
+    # the server drains before it tells the core to stop.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    logging.basicConfig(
+        level=log_level,
+        format="%(asctime)s %(levelname)s %(name)s[core]: %(message)s",
+        stream=sys.stderr,
+    )
+    try:
+        from engine.llm_engine import LLMEngine
+
+        engine = LLMEngine(config)
+    except BaseException as e:
+        log.exception("engine core failed to start")
+        ready.send(("failed", f"{type(e).__name__}: {e}"))
+        ready.close()
+        sys.exit(1)
+    ctx = zmq.Context(io_threads=1)
+    inputs = ctx.socket(zmq.PULL)
+    inputs.connect(addresses.inputs)
+    outputs = ctx.socket(zmq.PUSH)
+    outputs.connect(addresses.outputs)
+    ready.send(("ready", engine.model_info, engine.get_stats()))
+    ready.close()
+    core = EngineCore(engine, inputs, outputs, parent_pid)
+    code = 0
+    try:
+        core.run()
+    except BaseException as e:
+        log.exception("engine core step loop failed")
+        core._send(("failed", f"the engine core failed: {type(e).__name__}: {e}"))
+        code = 1
+    outputs.close(linger=2000)
+    inputs.close(linger=0)
+    ctx.term()
+    sys.exit(code)

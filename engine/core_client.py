@@ -1,0 +1,341 @@
+"""`EngineCoreClient`: the AsyncEngine interface over an engine core in its own process.
+
+The client lives in the API server's process and event loop. It tokenizes and validates requests
+itself (`InputProcessor`), sends them to the core (engine/core.py) over ZMQ, and fans the core's
+per-step output batches out to one asyncio.Queue per request, all on the event loop's thread.
+
+Failure model:
+- the core process dies (killed, crashed, failed a step): every open stream gets
+  EngineDeadError, `errored` turns True, `check_health()` raises; `deja serve` then exits
+  non-zero so an orchestrator restarts the replica;
+- a reader more than `stream_buffer` deltas behind is aborted (its blocks freed) and its
+  generator raises StreamOverflowError;
+- leaving a `generate()` early (cancellation, deadline) sends an abort: the core frees the
+  request's blocks before its next step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import multiprocessing as mp
+import os
+import pickle
+import shutil
+import tempfile
+import time
+from collections.abc import AsyncGenerator
+from dataclasses import dataclass
+from typing import Any
+
+from engine.config import EngineConfig
+from engine.core import CoreAddresses, PackedOutput, run_engine_core, unpack_output
+from engine.errors import EngineDeadError, StreamOverflowError
+from engine.input_processor import InputProcessor, Prompt
+from engine.outputs import RequestOutput
+from engine.sampling_params import SamplingParams
+from engine.stats import EngineStats, ModelInfo
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class _Stream:
+    prompt_token_ids: list[int]
+    queue: asyncio.Queue[RequestOutput | BaseException]
+    closed: bool = False
+
+
+class EngineCoreClient:
+    """Spawns the engine core, then serves `generate` / `abort` / stats like AsyncEngine."""
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        *,
+        stream_buffer: int = 1024,
+        start_timeout_s: float = 1800.0,
+        log_level: int = logging.INFO,
+    ) -> None:
+        import zmq
+
+        from engine.model_loader import load_tokenizer
+
+        self.config = config
+        self.stream_buffer = stream_buffer
+        self._dir = tempfile.mkdtemp(prefix="deja-core-")
+        addrs = CoreAddresses(f"ipc://{self._dir}/in", f"ipc://{self._dir}/out")
+        self._ctx = zmq.Context(io_threads=1)
+        self._in = self._ctx.socket(zmq.PUSH)
+        self._in.bind(addrs.inputs)
+        self._out_sync = self._ctx.socket(zmq.PULL)
+        self._out_sync.bind(addrs.outputs)
+        self._out: Any = None
+        """The asyncio view of the outputs socket, made on first use inside the event loop."""
+        self._reader: asyncio.Task[None] | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._streams: dict[str, _Stream] = {}
+        self._calls: dict[int, asyncio.Future[Any]] = {}
+        self._call_ids = itertools.count()
+        self._ids = itertools.count(1)
+        self._dead: str | None = None
+        mpctx = mp.get_context("spawn")
+        parent_conn, child_conn = mpctx.Pipe(duplex=False)
+        self._proc = mpctx.Process(
+            target=run_engine_core,
+            args=(config, addrs, child_conn, os.getpid(), log_level),
+            name="deja-engine-core",
+            daemon=True,
+        )
+        self._proc.start()
+        child_conn.close()
+        try:
+            msg = _wait_ready(parent_conn, self._proc, start_timeout_s)
+        except BaseException:
+            self._stop_process(0.0)
+            self._close_sockets()
+            raise
+        _, self._model_info, self._stats = msg
+        self.tokenizer = load_tokenizer(config.model.path)
+        self._inputs = InputProcessor(self.tokenizer, self._model_info, config.scheduler)
+
+    @classmethod
+    def from_config(cls, config: EngineConfig, *, stream_buffer: int = 1024) -> EngineCoreClient:
+        """Starts the core and waits until its model is loaded (blocking)."""
+        return cls(config, stream_buffer=stream_buffer)
+
+    # -- facts ---------------------------------------------------------------------------------
+    @property
+    def model_info(self) -> ModelInfo:
+        return self._model_info
+
+    @property
+    def pid(self) -> int | None:
+        """The engine core's process id."""
+        return self._proc.pid
+
+    @property
+    def errored(self) -> bool:
+        if self._dead is None and not self._proc.is_alive():
+            self._mark_dead(f"the engine core process exited with code {self._proc.exitcode}")
+        return self._dead is not None
+
+    def get_stats(self) -> EngineStats:
+        """The core's last snapshot (sent with outputs, and whenever it goes idle)."""
+        return self._stats
+
+    def tokenize(
+        self, text: Prompt | None = None, messages: list[dict[str, str]] | None = None
+    ) -> list[int]:
+        return self._inputs.tokenize(text, messages)
+
+    def check_health(self) -> None:
+        if self.errored:
+            raise EngineDeadError(self._dead)
+
+    # -- life cycle ----------------------------------------------------------------------------
+    def start(self) -> None:
+        """Nothing to do: the core runs from construction (kept for AsyncEngine's interface)."""
+
+    def shutdown(self, flush_timeout_s: float | None = None) -> None:
+        """Aborts what is in flight, lets the core flush its disk writes (at most
+        `flush_timeout_s`; None: all of them), and stops it; kills it if it does not stop in
+        time."""
+        if self._proc.is_alive():
+            with contextlib.suppress(Exception):
+                self._send(("shutdown", flush_timeout_s))
+        self._stop_process((600.0 if flush_timeout_s is None else flush_timeout_s) + 10.0)
+        self._mark_dead("the engine was shut down", quiet=True)
+        if self._reader is not None and self._loop is not None and not self._loop.is_closed():
+            self._loop.call_soon_threadsafe(self._reader.cancel)
+        self._close_sockets()
+
+    # -- requests ------------------------------------------------------------------------------
+    async def generate(
+        self,
+        prompt: Prompt | None,
+        params: SamplingParams | None = None,
+        *,
+        request_id: str | None = None,
+        messages: list[dict[str, str]] | None = None,
+        cache_salt: str | None = None,
+    ) -> AsyncGenerator[RequestOutput, None]:
+        """Streams deltas of one request; leaving early aborts it and frees its blocks."""
+        self.check_health()
+        self._attach()
+        rid = request_id or f"creq-{next(self._ids)}"
+        req = self._inputs.prepare(
+            prompt, params, request_id=rid, messages=messages, cache_salt=cache_salt
+        )
+        if rid in self._streams:
+            raise ValueError(f"request id {rid!r} is already in use")
+        stream = _Stream(req.prompt_token_ids, asyncio.Queue())
+        self._streams[rid] = stream
+        finished = False
+        try:
+            self._send(("add", req))
+            while True:
+                item = await stream.queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                finished = item.finished
+                yield item
+                if finished:
+                    return
+        finally:
+            self._streams.pop(rid, None)
+            if not finished and self._dead is None:
+                self._send(("abort", [rid]))
+
+    def abort(self, request_id: str) -> bool:
+        """Aborts a request; the core frees its blocks before its next step."""
+        if self._dead is None:
+            self._send(("abort", [request_id]))
+        return request_id in self._streams
+
+    async def call(self, name: str, *args: Any) -> Any:
+        """Runs a read-only LLMEngine method (engine.core.CALLS) in the core, between steps."""
+        self.check_health()
+        self._attach()
+        call_id = next(self._call_ids)
+        fut: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        self._calls[call_id] = fut
+        self._send(("call", call_id, name, args))
+        try:
+            return await fut
+        finally:
+            self._calls.pop(call_id, None)
+
+    async def cached_block_hashes(self, limit: int) -> list[bytes]:
+        """Block hashes the core holds (device, CPU, disk): what a replica republishes."""
+        return list(await self.call("cached_block_hashes", limit))
+
+    # -- plumbing ------------------------------------------------------------------------------
+    def _send(self, msg: tuple[Any, ...]) -> None:
+        self._in.send(pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL), copy=False)
+
+    def _attach(self) -> None:
+        """Reads the core's outputs on the running loop (once per loop: a server has one; tests
+        may run one loop after another over the same client)."""
+        loop = asyncio.get_running_loop()
+        if self._loop is loop:
+            return
+        import zmq.asyncio
+
+        if self._reader is not None and self._loop is not None and not self._loop.is_closed():
+            self._loop.call_soon_threadsafe(self._reader.cancel)
+        self._loop = loop
+        self._out = zmq.asyncio.Socket.from_socket(self._out_sync)
+        self._reader = loop.create_task(self._read_outputs(), name="deja-core-outputs")
+        with contextlib.suppress(NotImplementedError, ValueError, OSError):
+            loop.add_reader(self._proc.sentinel, self._on_core_exit)
+
+    def _on_core_exit(self) -> None:
+        with contextlib.suppress(Exception):
+            asyncio.get_running_loop().remove_reader(self._proc.sentinel)
+        self._proc.join(timeout=1.0)
+        # Outputs the core sent just before it died are still in the socket: read them first.
+        asyncio.get_running_loop().call_later(0.05, self._check_exit)
+
+    def _check_exit(self) -> None:
+        _ = self.errored
+
+    async def _read_outputs(self) -> None:
+        while True:
+            frame = await self._out.recv()
+            msg = pickle.loads(frame)
+            kind = msg[0]
+            if kind == "outputs":
+                for packed in msg[1]:
+                    self._deliver(packed)
+                if msg[2] is not None:
+                    self._stats = msg[2]
+            elif kind == "rejected":
+                self._push(msg[1], ValueError(msg[2]))
+            elif kind == "result":
+                fut = self._calls.get(msg[1])
+                if fut is not None and not fut.done():
+                    if msg[2]:
+                        fut.set_result(msg[3])
+                    else:
+                        fut.set_exception(RuntimeError(msg[3]))
+            elif kind == "failed":
+                self._mark_dead(msg[1])
+
+    def _deliver(self, packed: PackedOutput) -> None:
+        rid = packed[0]
+        stream = self._streams.get(rid)
+        if stream is None:
+            if not packed[2]:  # nobody listens (the caller left): stop the request
+                self._send(("abort", [rid]))
+            return
+        if stream.closed:
+            return
+        out = unpack_output(packed, stream.prompt_token_ids)
+        if stream.queue.qsize() >= self.stream_buffer and not out.finished:
+            stream.closed = True
+            self._send(("abort", [rid]))
+            stream.queue.put_nowait(
+                StreamOverflowError(
+                    f"request {rid} was aborted: its reader fell {stream.queue.qsize()} "
+                    "messages behind"
+                )
+            )
+            return
+        stream.closed = out.finished
+        stream.queue.put_nowait(out)
+
+    def _push(self, rid: str, err: BaseException) -> None:
+        stream = self._streams.get(rid)
+        if stream is not None and not stream.closed:
+            stream.closed = True
+            stream.queue.put_nowait(err)
+
+    def _mark_dead(self, message: str, *, quiet: bool = False) -> None:
+        if self._dead is not None:
+            return
+        self._dead = message
+        if not quiet:
+            log.error("engine core is dead: %s", message)
+        err = EngineDeadError(message)
+        for rid in list(self._streams):
+            self._push(rid, err)
+        for fut in self._calls.values():
+            if not fut.done():
+                fut.set_exception(EngineDeadError(message))
+
+    def _stop_process(self, timeout_s: float) -> None:
+        self._proc.join(timeout=timeout_s)
+        if self._proc.is_alive():
+            log.warning("engine core did not stop in %.0f s; killing it", timeout_s)
+            self._proc.kill()
+            self._proc.join(timeout=5.0)
+
+    def _close_sockets(self) -> None:
+        for sock in (self._in, self._out_sync):
+            with contextlib.suppress(Exception):
+                sock.close(linger=0)
+        with contextlib.suppress(Exception):
+            self._ctx.term()
+        shutil.rmtree(self._dir, ignore_errors=True)
+
+
+def _wait_ready(conn: Any, proc: Any, timeout_s: float) -> tuple[Any, ...]:
+    """The core's ("ready", ModelInfo, EngineStats); raises RuntimeError with its reason."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if conn.poll(0.2):
+            try:
+                msg = conn.recv()
+            except EOFError:
+                break
+            if msg[0] == "ready":
+                return tuple(msg)
+            raise RuntimeError(f"the engine core failed to start: {msg[1]}")
+        if not proc.is_alive():
+            break
+    if proc.is_alive():
+        raise RuntimeError(f"the engine core did not load its model within {timeout_s:.0f} s")
+    raise RuntimeError(f"the engine core exited with code {proc.exitcode} while starting")

@@ -1,0 +1,174 @@
+"""The engine core in its own process: parity with the offline engine, crash isolation, and no
+orphan processes (issue 9, acceptance 3)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from clients.client import DejaClient
+from engine import LLM, SamplingParams
+from engine.core_client import EngineCoreClient
+from tests.service.conftest import ENGINE_KWARGS, StartServer, free_port, make_engine
+from tests.service.test_cancel_shutdown import _health, _start_serve, _wait_serving
+
+NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+
+
+def _core_of(pid: int) -> int:
+    """The engine-core child of a `deja serve` process (not multiprocessing's resource tracker)."""
+    with open(f"/proc/{pid}/task/{pid}/children") as f:
+        children = [int(p) for p in f.read().split()]
+    cores = []
+    for child in children:
+        with open(f"/proc/{child}/cmdline", "rb") as f:
+            if b"spawn_main" in f.read():
+                cores.append(child)
+    assert len(cores) == 1, f"expected one engine core among {children}"
+    return cores[0]
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            state = f.read().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return False
+    return state != "Z"
+
+
+def _wait_gone(pid: int, timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while _alive(pid):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
+async def test_core_process_matches_offline_greedy(
+    start_server: StartServer, engine: EngineCoreClient, tiny_llama_path: Path
+) -> None:
+    assert isinstance(engine, EngineCoreClient) and engine.pid != os.getpid()
+    h = await start_server()
+    prompts = ["Once upon a time", "The quick brown fox jumps", "Hello " * 40]
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    offline = LLM(model=str(tiny_llama_path), **ENGINE_KWARGS).generate(prompts, params)
+    for prompt, ref in zip(prompts, offline, strict=True):
+        ids: list[int] = []
+        async for msg in h.client.generate(
+            prompt, max_tokens=24, ignore_eos=True, temperature=0.0, return_token_ids=True
+        ):
+            for choice in msg.choices:
+                ids.extend(choice.token_ids)
+        assert ids == ref.token_ids
+    await h.assert_clean()
+
+
+async def test_killed_core_fails_streams_and_turns_not_serving(
+    start_server: StartServer, tiny_llama_path: Path
+) -> None:
+    engine = make_engine(tiny_llama_path)
+    assert isinstance(engine, EngineCoreClient) and engine.pid is not None
+    try:
+        h = await start_server(engine)
+        stream = h.client.generate("Once upon a time", max_tokens=900, ignore_eos=True)
+        await anext(stream)
+        os.kill(engine.pid, signal.SIGKILL)
+        t0 = time.monotonic()
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            async for _ in stream:
+                pass
+        assert info.value.code() == grpc.StatusCode.INTERNAL
+        assert "engine core" in (info.value.details() or "")
+        assert time.monotonic() - t0 < 2.0
+        async with grpc.aio.insecure_channel(h.target) as ch:
+            resp = await health_pb2_grpc.HealthStub(ch).Check(
+                health_pb2.HealthCheckRequest(service="deja.v1.Inference")
+            )
+        assert resp.status == NOT_SERVING
+        with pytest.raises(grpc.aio.AioRpcError) as again:
+            await h.client.complete("Hello", max_tokens=3)
+        assert again.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert "has failed" in (again.value.details() or "")
+        assert not h.replica.servicer.streams
+    finally:
+        engine.shutdown(0.0)
+
+
+def test_deja_serve_exits_nonzero_when_its_core_dies(tiny_llama_path: Path, tmp_path: Path) -> None:
+    port = free_port()
+    target = f"127.0.0.1:{port}"
+    log = tmp_path / "serve.log"
+    proc = _start_serve(tiny_llama_path, port, 30.0, log)
+    try:
+        _wait_serving(proc, target, log)
+        core = _core_of(proc.pid)
+        with DejaClient(target, retries=0, timeout=60) as client:
+            stream = client.generate("Once upon a time", max_tokens=900, ignore_eos=True)
+            next(stream)
+            os.kill(core, signal.SIGKILL)
+            with pytest.raises(grpc.RpcError) as info:
+                list(stream)
+            assert info.value.code() == grpc.StatusCode.INTERNAL  # type: ignore[attr-defined]
+        assert proc.wait(timeout=20) == 1, log.read_text()
+        assert "engine" in log.read_text()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def test_core_exits_when_deja_serve_is_killed(tiny_llama_path: Path, tmp_path: Path) -> None:
+    port = free_port()
+    target = f"127.0.0.1:{port}"
+    log = tmp_path / "serve.log"
+    proc = _start_serve(tiny_llama_path, port, 30.0, log)
+    core = None
+    try:
+        _wait_serving(proc, target, log)
+        core = _core_of(proc.pid)
+        proc.kill()
+        proc.wait()
+        assert _health(target, timeout=0.5) is None
+        assert _wait_gone(core, 10.0), "the engine core outlived its API server"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        if core is not None and _alive(core):
+            os.kill(core, signal.SIGKILL)
+
+
+def test_sigterm_stops_core_cleanly(tiny_llama_path: Path, tmp_path: Path) -> None:
+    port = free_port()
+    target = f"127.0.0.1:{port}"
+    log = tmp_path / "serve.log"
+    proc = _start_serve(tiny_llama_path, port, 5.0, log)
+    try:
+        _wait_serving(proc, target, log)
+        core = _core_of(proc.pid)
+        with DejaClient(target, retries=0, timeout=60) as client:
+            out = client.complete("Hello", max_tokens=4, ignore_eos=True)
+            assert out.final is not None and out.final.usage.completion_tokens == 4
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 0, log.read_text()
+        assert _wait_gone(core, 5.0)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def test_start_failure_is_reported(tmp_path: Path) -> None:
+    from engine.config import EngineConfig
+
+    (tmp_path / "config.json").write_text("{}")
+    with pytest.raises(RuntimeError, match="engine core failed to start"):
+        EngineCoreClient(EngineConfig.from_kwargs(str(tmp_path)), start_timeout_s=120)
