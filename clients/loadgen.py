@@ -3,6 +3,10 @@
     # against a running server
     deja bench serve --target localhost:50051 --dataset random --num-prompts 64 --input-len 256
 
+    # concurrency sweep: a spawned server vs the offline engine on the same requests, one table
+    deja bench serve --spawn-servers cache-on --sweep-concurrency 1,4,16,64 --compare-offline \\
+        --model demo --dataset random --num-prompts 64 --input-len 256 --output-len 32
+
     # multi-turn chat: 16 sessions x 4 turns sharing a 512-token system prompt, run against two
     # local servers (prefix caching on, then off) started by the command itself, plus the engine
     # in-process on the same requests (gRPC streaming overhead)
@@ -103,6 +107,25 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="Also run the workload on the engine in this process (gRPC overhead).",
     )
     add_flag(s, "--server-args", default="", help="Extra `deja serve` flags for spawned servers.")
+    add_flag(
+        s,
+        "--sweep-concurrency",
+        help="Comma-separated concurrency levels (e.g. 1,4,16,64): run the workload at each "
+        "level against --target or the one --spawn-servers variant, print one table. Each level "
+        "gets its own prompts (seed + level index: no prefix-cache hits across levels) and at "
+        "least as many requests as its concurrency. random / shared-prefix datasets only.",
+    )
+    add_bool_flag(
+        s,
+        "--compare-offline",
+        default=False,
+        help="With --sweep-concurrency: also run every level on the offline engine, after the "
+        "server has stopped, on the very same requests. Offline at concurrency c = a closed loop "
+        "in this process's main thread: LLMEngine.add_request keeps c requests in flight, "
+        "step() runs them, a finished request is replaced before the next step (the client's "
+        "discipline, without gRPC, asyncio or threads; same engine flags as the server). "
+        "Target: served output tok/s >= 0.95 x offline at every level.",
+    )
     add_flag(s, "--server-start-timeout", type=float, default=900.0, help="Seconds to wait.")
     parser.set_defaults(_engine_actions=add_engine_args(parser))
 
@@ -240,7 +263,8 @@ def _tail(log: Path, n: int = 30) -> str:
     return "\n".join(log.read_text(errors="replace").splitlines()[-n:])
 
 
-def _stop(proc: subprocess.Popen[bytes]) -> None:
+def stop_server(proc: subprocess.Popen[bytes]) -> None:
+    """SIGTERM (drain), SIGKILL after 60 s."""
     if proc.poll() is None:
         proc.send_signal(signal.SIGTERM)
         try:
@@ -250,9 +274,11 @@ def _stop(proc: subprocess.Popen[bytes]) -> None:
             proc.wait()
 
 
-def _run_spawned(
-    args: argparse.Namespace, variant: str, workload: Workload | None, tmp: Path
-) -> tuple[dict[str, Any], Workload]:
+def spawn_server(
+    args: argparse.Namespace, variant: str, tmp: Path
+) -> tuple[subprocess.Popen[bytes], str]:
+    """Starts `deja serve` (this command's engine flags + the variant) on a free port and waits
+    until it is healthy; returns the process (stop it with `stop_server`) and its target."""
     port = _free_port()
     log = tmp / f"serve-{variant}.log"
     argv = _serve_argv(args, variant, port)
@@ -263,10 +289,21 @@ def _run_spawned(
     try:
         t0 = time.monotonic()
         _wait_healthy(proc, f"127.0.0.1:{port}", args.server_start_timeout, log)
-        print(f"{variant} ready in {time.monotonic() - t0:.1f} s", file=sys.stderr)
-        return asyncio.run(_bench_target(f"127.0.0.1:{port}", args, variant, workload))
+    except BaseException:
+        stop_server(proc)
+        raise
+    print(f"{variant} ready in {time.monotonic() - t0:.1f} s", file=sys.stderr)
+    return proc, f"127.0.0.1:{port}"
+
+
+def _run_spawned(
+    args: argparse.Namespace, variant: str, workload: Workload | None, tmp: Path
+) -> tuple[dict[str, Any], Workload]:
+    proc, target = spawn_server(args, variant, tmp)
+    try:
+        return asyncio.run(_bench_target(target, args, variant, workload))
     finally:
-        _stop(proc)
+        stop_server(proc)
 
 
 def _run_in_process(args: argparse.Namespace, workload: Workload | None) -> dict[str, Any]:
@@ -368,6 +405,10 @@ def format_comparison(c: dict[str, Any]) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.sweep_concurrency:
+        from clients.sweep import run_sweep
+
+        return run_sweep(args)
     results: dict[str, dict[str, Any]] = {}
     workload: Workload | None = None
     variants = [v.strip() for v in (args.spawn_servers or "").split(",") if v.strip()]
