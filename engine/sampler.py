@@ -7,8 +7,11 @@ Order of operations on the [B, V] logits:
        ignore_eos) the EOS ids are set to -inf.
     2. Penalties: repetition (prompt + output tokens; positive logits divided, negative multiplied),
        then frequency and presence (output tokens only; subtracted).
-    3. Logprobs are taken here: log_softmax of the logits after steps 1-2, before temperature,
-       min_p, top-k and top-p (vLLM's "processed logits" before the sampling transforms).
+    3. Logprobs are taken here: log_softmax of the logits after steps 0-2, before temperature,
+       min_p, top-k and top-p (vLLM's "processed logits" before the sampling transforms). So a
+       grammar's or min_tokens' masked tokens have probability 0: they never appear among the top
+       alternatives, which can then hold fewer than k entries (vLLM's default, raw logprobs
+       before any processing, would list tokens that cannot be sampled).
     4. Greedy rows (temperature 0) take the argmax.
     5. Other rows: divide by temperature, min_p, then top-k and top-p, softmax, and sample with
        the exponential race argmax(probs / q), q ~ Exponential(1). Unseeded rows draw q from the
@@ -121,7 +124,7 @@ class Sampler:
             out_logprobs[i] = TokenLogprob(
                 token_id=tokens[i],
                 logprob=chosen_lp[j],
-                top=[(int(t), v) for t, v in zip(ids, vals, strict=True)],
+                top=[(int(t), v) for t, v in zip(ids, vals, strict=True) if v != _NEG_INF],
             )
         return SamplerOutput(token_ids=tokens, logprobs=out_logprobs)
 

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from engine.structured.compiler import GrammarCacheStats
-
 
 @dataclass(frozen=True, slots=True)
 class ModelInfo:
@@ -69,6 +67,20 @@ class TierStats:
     @property
     def hit_rate(self) -> float:
         return self.hits / self.queries if self.queries else 0.0
+
+
+@dataclass(slots=True)
+class GrammarCacheStats:
+    """Structured outputs: the engine's grammar compile cache (engine/structured/compiler.py)."""
+
+    entries: int = 0
+    """Compiled (or compiling) grammars held in the cache."""
+    hits: int = 0
+    """Submits served by an existing entry."""
+    compiles: int = 0
+    """Grammars compiled (cache misses)."""
+    compile_seconds: float = 0.0
+    """Total time spent compiling, on the worker thread."""
 
 
 @dataclass(slots=True)

@@ -8,8 +8,9 @@ Contracts:
   one entry of a bounded LRU cache; a miss compiles on the pool's worker thread, never on the
   caller's. A failed compile is not cached.
 - The tokenizer info (xgrammar's view of the vocabulary) is built once, lazily, on the worker
-  thread, the first time a grammar is compiled. xgrammar itself is imported on first use (it
-  takes seconds), so engines that never see a structured request never pay for it.
+  thread, the first time a grammar is compiled. xgrammar (and torch) are imported on first use
+  (xgrammar takes seconds), so engines that never see a structured request never pay for it, and
+  torch-free processes (the CLI, the replica agent) can import this module.
 """
 
 from __future__ import annotations
@@ -22,12 +23,11 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-import torch
-
-from engine.structured.bitmask import pack_allowed
+from engine.stats import GrammarCacheStats
 from engine.structured.spec import ResponseFormat
 
 if TYPE_CHECKING:
+    import torch
     import xgrammar as xgr
 
 _JSON_OBJECT_SCHEMA = '{"type": "object"}'
@@ -68,18 +68,6 @@ class Grammar:
     """[W] int32 packed mask ANDed into each step's row, or None. JSON formats ban tokens holding
     raw control bytes (< 0x20): JSON forbids them in strings, but xgrammar's string rule lets
     them through (seen with byte-level BPE vocabularies, whose 256 byte tokens include them)."""
-
-
-@dataclass(slots=True)
-class GrammarCacheStats:
-    entries: int = 0
-    """Compiled (or compiling) grammars held in the cache."""
-    hits: int = 0
-    """Submits served by an existing entry."""
-    compiles: int = 0
-    """Grammars compiled (cache misses)."""
-    compile_seconds: float = 0.0
-    """Total time spent compiling, on the worker thread."""
 
 
 class GrammarCompilerPool:
@@ -159,7 +147,10 @@ class GrammarCompilerPool:
 
     def _get_compiler(self) -> xgr.GrammarCompiler:
         if self._compiler is None:
+            import torch
             import xgrammar as xgr
+
+            from engine.structured.bitmask import pack_allowed
 
             info = xgr.TokenizerInfo.from_huggingface(
                 self._tokenizer,

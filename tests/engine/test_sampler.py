@@ -257,6 +257,28 @@ def test_logprobs_are_log_softmax_and_sorted() -> None:
     assert lp1.logprob == pytest.approx(float(expected[1, out.token_ids[1]]), abs=1e-5)
 
 
+def test_logprobs_skip_tokens_a_grammar_forbids() -> None:
+    """Logprobs are taken after the grammar's mask: forbidden tokens are never top alternatives."""
+    from engine.structured.bitmask import pack_allowed
+
+    logits = _logits(2, seed=9)
+    allowed = torch.zeros(V, dtype=torch.bool)
+    allowed[[2, 5, 11]] = True
+    bitmask = torch.stack([pack_allowed(allowed), pack_allowed(torch.ones(V, dtype=torch.bool))])
+    rows = [_row(SamplingParams(logprobs=5)), _row(SamplingParams(logprobs=5))]
+    out = Sampler(V, CPU, 0)(logits, rows, [EOS], bitmask=bitmask)
+    lp0, lp1 = out.logprobs
+    assert lp0 is not None and lp1 is not None
+    assert out.token_ids[0] in (2, 5, 11) and math.isfinite(lp0.logprob)
+    masked = torch.full((V,), float("-inf"))
+    masked[[2, 5, 11]] = logits[0, [2, 5, 11]]
+    expected = torch.log_softmax(masked, -1)
+    # Only the 3 allowed tokens, though 5 were asked for; they hold all the probability.
+    assert [t for t, _ in lp0.top] == expected.topk(3).indices.tolist()
+    assert sum(math.exp(v) for _, v in lp0.top) == pytest.approx(1.0)
+    assert len(lp1.top) == 5  # an unconstrained row in the same batch is untouched
+
+
 def test_one_host_sync_per_call(monkeypatch: pytest.MonkeyPatch) -> None:
     syncs = Counter[str]()
     for name in ("tolist", "item", "cpu", "numpy", "__bool__", "__int__", "__float__"):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import pickle
 import re
 import threading
@@ -157,6 +158,9 @@ def test_structured_with_logprobs_and_stop_string(llm: LLM) -> None:
     assert with_lp.outputs[0].token_ids == out[0].outputs[0].token_ids
     assert with_lp.outputs[0].logprobs is not None
     assert len(with_lp.outputs[0].logprobs) == len(with_lp.outputs[0].token_ids)
+    # Taken after the grammar's mask: no top alternative is a token the grammar forbids (-inf).
+    for lp in with_lp.outputs[0].logprobs:
+        assert math.isfinite(lp.logprob) and all(math.isfinite(v) for _, v in lp.top)
     # A stop string inside the constrained text ends it early, as for unconstrained output.
     cut = llm.generate(
         "x",
