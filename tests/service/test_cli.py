@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import io
+import json
 import re
 import subprocess
 import sys
@@ -19,6 +20,7 @@ from service import cli
 from service.config import ServiceConfig, parse_auth_token, service_config_from_args
 from service.engine_args import add_engine_args, engine_config_from_args
 from service.flags import EnvError, add_bool_flag, add_flag, add_list_flag, env_name, to_argv
+from tests.engine.structured_cases import CHOICES, SCHEMAS, check_json
 from tests.service.conftest import Harness
 
 
@@ -165,3 +167,60 @@ async def test_chat_loop(server: Harness) -> None:
 
     out = await asyncio.to_thread(run)
     assert "completion 4" in out and "(conversation reset)" in out and "commands:" in out
+
+
+async def test_generate_json_schema(
+    server: Harness, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    schema = SCHEMAS[2]
+    path = tmp_path / "user.schema.json"
+    path.write_text(json.dumps(schema))
+    base = ["generate", "Give me a user.", "--target", server.target, "--temperature", "0"]
+    argv = [*base, "--json-schema", str(path), "--max-tokens", "120"]
+    assert await asyncio.to_thread(cli.main, argv) == 0
+    out, _ = capsys.readouterr()
+    check_json(out.rstrip("\n"), schema)
+
+    # Cut by max_tokens: the partial text is printed, and the command says why it fails.
+    argv = [*base, "--json-schema", str(path), "--max-tokens", "3"]
+    assert await asyncio.to_thread(cli.main, argv) == 1
+    out, err = capsys.readouterr()
+    assert out.startswith("{")
+    assert "not valid JSON (cut by --max-tokens; raise it)" in err, err
+
+    # A schema the compiler rejects: INVALID_ARGUMENT with its message; a file that is not JSON
+    # fails before any call.
+    path.write_text('{"type": "objectx"}')
+    assert await asyncio.to_thread(cli.main, [*base, "--json-schema", str(path)]) == 1
+    assert 'INVALID_ARGUMENT: invalid json_schema: Unsupported type "objectx"' in (
+        capsys.readouterr().err
+    )
+    path.write_text("{not json")
+    assert await asyncio.to_thread(cli.main, [*base, "--json-schema", str(path)]) == 2
+    assert f"--json-schema: {path} is not JSON" in capsys.readouterr().err
+
+
+async def test_generate_regex_choice_and_json_object(
+    server: Harness, capsys: pytest.CaptureFixture[str]
+) -> None:
+    base = ["generate", "x", "--target", server.target, "--temperature", "0"]
+    argv = [*base, "--regex", "[0-9]{3}-[a-z]{2}", "--max-tokens", "20"]
+    assert await asyncio.to_thread(cli.main, argv) == 0
+    assert re.fullmatch(r"[0-9]{3}-[a-z]{2}\n", capsys.readouterr().out)
+
+    argv = [*base, "--temperature", "1", "--seed", "1"]
+    argv += [x for c in CHOICES for x in ("--choice", c)]
+    assert await asyncio.to_thread(cli.main, argv) == 0
+    assert capsys.readouterr().out.rstrip("\n") in CHOICES
+
+    argv = [*base, "--json-object", "--max-tokens", "80"]
+    code = await asyncio.to_thread(cli.main, argv)
+    out, err = capsys.readouterr()
+    if code == 0:
+        assert isinstance(json.loads(out), dict)
+    else:  # a random tiny model may not close the object within 80 tokens
+        assert code == 1 and "cut by --max-tokens" in err, err
+
+    with pytest.raises(SystemExit):  # at most one format
+        cli.main([*base, "--regex", "a", "--choice", "a"])
+    assert "not allowed with argument" in capsys.readouterr().err
