@@ -171,6 +171,16 @@ def test_structured_with_logprobs_and_stop_string(llm: LLM) -> None:
         assert out[0].outputs[0].text.startswith(cut.text)
 
 
+def test_min_tokens_past_the_grammar_end_fails_the_request(llm: LLM) -> None:
+    """min_tokens still bans EOS: once the grammar can only end, no token is left (documented in
+    the proto's response_format comment)."""
+    fmt = ResponseFormat.choice(["yes", "no"])
+    params = SamplingParams(temperature=0.0, min_tokens=10, max_tokens=16, response_format=fmt)
+    out = llm.generate("x", params)[0]
+    assert out.outputs[0].finish_reason == "error"
+    assert out.error is not None and "min_tokens or stop_token_ids conflict" in out.error
+
+
 def test_length_ends_with_partial_text(llm: LLM) -> None:
     fmt = ResponseFormat.json_schema(SCHEMAS[2])
     out = llm.generate("x", SamplingParams(temperature=0.0, max_tokens=3, response_format=fmt))
