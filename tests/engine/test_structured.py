@@ -291,3 +291,18 @@ def test_ten_schemas_validate_on_demo_model(demo_model_path: Path, temperature: 
 def test_regex_and_choice_on_demo_model(demo_model_path: Path) -> None:
     llm = LLM(str(demo_model_path), num_device_blocks=256)
     test_regex_and_choice_on_tiny_model(llm)
+
+
+def test_engine_close_stops_the_grammar_worker(tiny_llama_path: Path) -> None:
+    llm = LLM(str(tiny_llama_path), num_device_blocks=64)
+    fmt = ResponseFormat.choice(["yes", "no"])
+    llm.generate("x", SamplingParams(temperature=0.0, max_tokens=4, response_format=fmt))
+    executor = llm.engine.grammars._executor
+    assert executor is not None
+    workers = list(executor._threads)
+    assert workers and all(t.is_alive() for t in workers)
+    assert llm.engine.close() is True  # no disk tier: nothing to flush
+    for t in workers:
+        t.join(timeout=10)
+        assert not t.is_alive()
+    assert llm.engine.grammars._executor is None
