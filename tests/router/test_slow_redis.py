@@ -1,0 +1,70 @@
+"""A Redis that answers slowly (a delaying TCP proxy in front of a real redis-server), not only
+one that stops: calls stay bounded by the store's op timeout, the store reports itself
+unavailable (the router falls back to least-load routing) and recovers when Redis is fast again."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from service.affinity import AffinityStoreError, ReplicaInfo, ReplicaLoad
+from service.affinity.redis_store import RedisAffinityStore
+
+from .delay_proxy import DelayProxy
+from .redis_proc import RedisProcess
+
+OP_TIMEOUT_S = 0.3
+
+
+async def test_slow_redis_below_the_timeout_still_works(redis_proc: RedisProcess) -> None:
+    proxy = DelayProxy(redis_proc.port, delay_s=0.05)
+    await proxy.start()
+    # NOTE: the first call also connects (several delayed round trips), hence the larger timeout.
+    store = RedisAffinityStore(proxy.url, key_prefix="slow:", op_timeout_s=1.0)
+    try:
+        await store.set_session("s", "a", ttl_s=60)
+        for _ in range(5):
+            t0 = time.monotonic()
+            assert await store.get_session("s") == "a"
+            assert 0.05 <= time.monotonic() - t0 < 1.0
+        assert store.available
+    finally:
+        await store.close()
+        await proxy.close()
+
+
+async def test_slower_than_the_timeout_is_bounded_then_recovers(redis_proc: RedisProcess) -> None:
+    proxy = DelayProxy(redis_proc.port)
+    await proxy.start()
+    store = RedisAffinityStore(
+        proxy.url, key_prefix="slow:", op_timeout_s=OP_TIMEOUT_S, reconnect_interval_s=0.1
+    )
+    try:
+        await store.register(ReplicaInfo("a", "127.0.0.1:1", "m", 16), ReplicaLoad(), ttl_s=60)
+        await store.set_session("s", "a", ttl_s=60)
+        proxy.delay_s = 2.0  # every reply now takes longer than the op timeout
+        for call in (
+            store.get_session("s"),
+            store.list_replicas(),
+            store.set_session("t", "a", 60),
+        ):
+            t0 = time.monotonic()
+            with pytest.raises(AffinityStoreError):
+                await call
+            assert time.monotonic() - t0 < OP_TIMEOUT_S + 0.3
+        assert not store.available
+        proxy.delay_s = 0.0
+        for _ in range(100):
+            if store.available:
+                break
+            with pytest.raises(AffinityStoreError):
+                await store.get_session("s")
+            await asyncio.sleep(0.05)
+        assert store.available
+        assert await store.get_session("s") == "a"
+        assert [r.info.replica_id for r in await store.list_replicas()] == ["a"]
+    finally:
+        await store.close()
+        await proxy.close()
