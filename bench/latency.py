@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import gc
 import random
+import signal
 import sys
 import tempfile
 import time
@@ -327,6 +328,15 @@ def checks(served: SystemResult, offline: SystemResult, hf: SystemResult | None)
 
 
 def run(args: argparse.Namespace) -> int:
+    # SIGTERM (e.g. from `timeout`) unwinds like Ctrl-C, so the spawned server is stopped too.
+    previous = signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    try:
+        return _run(args)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _run(args: argparse.Namespace) -> int:
     for key, value in (QUICK if args.quick else FULL).items():
         if getattr(args, key) is None:
             setattr(args, key, value)
