@@ -14,13 +14,22 @@ tokens / wall time of the whole workload (prefill included). Ratios are what to 
 run in the same process, minutes apart, on the same requests.
 
     python -m bench.offline [--model demo] [--json out.json]
+
+With --compare-disk-write-through, ours also runs with a disk tier (write-through, a fresh temp
+directory per run) on the same requests, alternating with runs without one (`--compare-reps`
+each, the order flipped every repetition); both medians and the on/off throughput ratio (median of
+the paired ratios; target >= 0.97) are printed. Add --skip-generate --skip-generate-batch
+--parity 0 to leave transformers out.
 """
 
 from __future__ import annotations
 
 import argparse
 import gc
+import shutil
+import statistics
 import sys
+import tempfile
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -91,6 +100,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="requests checked token by token against unpadded transformers generate (0: none)",
     )
     parser.add_argument(
+        "--compare-disk-write-through",
+        action="store_true",
+        help="also run ours with a write-through disk tier (temp dir), interleaved, and print "
+        "the throughput ratio with / without",
+    )
+    parser.add_argument(
+        "--compare-reps",
+        type=int,
+        default=None,
+        help="runs of ours with and without the disk tier each (default 3, 1 with --quick)",
+    )
+    parser.add_argument(
         "--cb-page-size", type=int, default=16, help="transformers CB page size in tokens"
     )
     parser.add_argument(
@@ -147,9 +168,17 @@ class SystemResult:
 
 # -- ours --------------------------------------------------------------------------------------
 def run_ours(
-    model_path: str, args: argparse.Namespace, requests: list[Request], warmup: list[Request]
+    model_path: str,
+    args: argparse.Namespace,
+    requests: list[Request],
+    warmup: list[Request],
+    disk_dir: str | None = None,
 ) -> tuple[SystemResult, int]:
-    """Returns the result and the prompt tokens served from the prefix cache (expected 0)."""
+    """Returns the result and the prompt tokens served from the prefix cache (expected 0).
+
+    `disk_dir`: with a write-through disk tier there (its writes queued during the timed run
+    are flushed after the clock stops, at close).
+    """
     from engine import LLM, SamplingParams
 
     llm = LLM(
@@ -158,6 +187,8 @@ def run_ours(
         device="cpu",
         max_num_batched_tokens=args.max_num_batched_tokens,
         num_device_blocks=args.num_device_blocks,
+        disk_dir=disk_dir,
+        disk_write_policy="write-through",
     )
 
     def params(reqs: list[Request]) -> list[SamplingParams]:
@@ -170,10 +201,65 @@ def run_ours(
         outs = llm.generate([r.prompt for r in requests], params(requests))
     tokens = [list(o.token_ids) for o in outs]
     cached = sum(o.num_cached_tokens for o in outs)
+    name = "deja (ours)"
+    if disk_dir is not None:
+        assert llm.engine.tiers is not None
+        counts = llm.engine.tiers.counts
+        name = (
+            f"deja (ours) + disk write-through ({counts.disk_writes} blocks queued, "
+            f"{counts.dropped_writes} dropped)"
+        )
+    llm.engine.close()
     del llm
     gc.collect()
     n = sum(len(x) for x in tokens)
-    return SystemResult("deja (ours)", t.wall, t.cpu, n, n, tokens), cached
+    return SystemResult(name, t.wall, t.cpu, n, n, tokens), cached
+
+
+def compare_disk_write_through(
+    model_path: str,
+    args: argparse.Namespace,
+    requests: list[Request],
+    warmup: list[Request],
+    reps: int,
+) -> tuple[SystemResult, SystemResult, dict[str, Any]]:
+    """Ours without and with a write-through disk tier, alternating (off, on / on, off, ...).
+
+    Returns the median-throughput run of each and the comparison's figures.
+    """
+    runs: dict[bool, list[SystemResult]] = {False: [], True: []}
+    for r in range(reps):
+        for on in (False, True) if r % 2 == 0 else (True, False):
+            disk_dir = tempfile.mkdtemp(prefix="deja-bench-offline-") if on else None
+            # fresh directory each run: files of an earlier run would be prefix-cache hits
+            try:
+                res, cached = run_ours(model_path, args, requests, warmup, disk_dir)
+            finally:
+                if disk_dir is not None:
+                    shutil.rmtree(disk_dir, ignore_errors=True)
+            assert cached == 0, f"prefix-cache hits in a fresh engine: {cached}"
+            runs[on].append(res)
+            print(
+                f"  rep {r + 1}/{reps}: {'with' if on else 'without'} disk tier "
+                f"{res.tokens_per_s:.1f} tok/s ({res.seconds:.1f} s)",
+                flush=True,
+            )
+    paired = [a.tokens_per_s / b.tokens_per_s for a, b in zip(runs[True], runs[False], strict=True)]
+
+    def median_run(rs: list[SystemResult]) -> SystemResult:
+        return sorted(rs, key=lambda x: x.tokens_per_s)[len(rs) // 2]
+
+    off, with_disk = median_run(runs[False]), median_run(runs[True])
+    same = sum(a == b for a, b in zip(off.outputs, with_disk.outputs, strict=True))
+    figures = {
+        "reps": reps,
+        "tokens_per_s_without": [x.tokens_per_s for x in runs[False]],
+        "tokens_per_s_with": [x.tokens_per_s for x in runs[True]],
+        "ratio_with_over_without": statistics.median(paired),
+        "paired_ratios": paired,
+        "identical_outputs": same,
+    }
+    return off, with_disk, figures
 
 
 # -- transformers generate -------------------------------------------------------------------
@@ -379,8 +465,17 @@ def run(args: argparse.Namespace) -> int:
 
     results: list[SystemResult] = []
     start = time.perf_counter()
-    ours, cached = run_ours(model_path, args, requests, warmup)
-    results.append(ours)
+    disk_cmp: dict[str, Any] = {}
+    if args.compare_disk_write_through:
+        reps = args.compare_reps or (1 if args.quick else 3)
+        ours, with_disk, disk_cmp = compare_disk_write_through(
+            model_path, args, requests, warmup, reps
+        )
+        results += [ours, with_disk]
+        cached = 0
+    else:
+        ours, cached = run_ours(model_path, args, requests, warmup)
+        results.append(ours)
     print(f"  {ours.name}: {ours.seconds:.1f} s (prefix-cache hit tokens: {cached})", flush=True)
     model = None
     if not (args.skip_generate and args.skip_generate_batch and args.parity == 0):
@@ -416,6 +511,14 @@ def run(args: argparse.Namespace) -> int:
     )
     print()
     ratios: dict[str, float] = {}
+    if disk_cmp:
+        ratios["ours_disk_write_through_over_without"] = disk_cmp["ratio_with_over_without"]
+        print(
+            "ratio ours with / without the disk tier (write-through): "
+            f"{disk_cmp['ratio_with_over_without']:.3f}x (median of {disk_cmp['reps']} paired "
+            f"runs: {', '.join(f'{x:.3f}' for x in disk_cmp['paired_ratios'])}; target >= 0.97); "
+            f"identical outputs {disk_cmp['identical_outputs']}/{len(requests)}"
+        )
     if gen is not None:
         ratios["ours_over_generate"] = ours.tokens_per_s / gen.tokens_per_s
         ratios["ours_over_generate_cpu_time"] = ours.tokens_per_cpu_s / gen.tokens_per_cpu_s
@@ -430,7 +533,8 @@ def run(args: argparse.Namespace) -> int:
             for k, v in ratios.items()
             if k.endswith("_cpu_time")
         ]
-        print(f"(same ratios per CPU second: {', '.join(cpu_ratios)})")
+        if cpu_ratios:
+            print(f"(same ratios per CPU second: {', '.join(cpu_ratios)})")
     agreement: dict[str, Any] = {}
     for other in (gen, cb):
         if other is not None:
@@ -466,6 +570,7 @@ def run(args: argparse.Namespace) -> int:
             "prefix_cache_hit_tokens": cached,
             "identical_outputs": agreement,
             "parity": parity,
+            "disk_write_through": disk_cmp,
         },
     )
     return 0

@@ -78,6 +78,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--sessions", type=int, default=None, help="multi-turn sessions (32)")
     parser.add_argument("--turns", type=int, default=None, help="turns per session (4)")
     parser.add_argument(
+        "--restart-reps",
+        type=int,
+        default=None,
+        help="restart part: restarts per mode, medians printed (default 3, 1 with --quick)",
+    )
+    parser.add_argument(
+        "--restart-prefixes",
+        type=int,
+        nargs="+",
+        default=None,
+        help="restart part: prefix lengths in tokens (default 1024 4096; --quick: 128 256)",
+    )
+    parser.add_argument(
         "--device-fraction",
         type=float,
         default=0.25,

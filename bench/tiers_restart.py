@@ -1,21 +1,28 @@
 """`deja bench tiers --part restart`: the first request after a restart, and disk load speed.
 
 For each prefix length (1k and 4k tokens; --quick: 128 and 256) an engine with write-through
-serves prefix + suffix and closes (flushing its writes). Then, each on a fresh engine, the first
-request with the same prefix and a new suffix (max_tokens 1) is timed:
-    recompute   prefix caching off
+serves prefix + suffix and closes (flushing its writes). Then the first request with the same
+prefix and a new 8-token suffix (max_tokens 1) is timed after a warm-up request on other tokens:
+    recompute   prefix caching off (one engine, `--restart-reps` requests)
     disk-warm   a new engine on the directory (files in the OS page cache)
-    warm-cpu    a new engine with --warm-start-blocks covering the prefix (read into the CPU tier
-                in the background before the request)
-and the disk load speed: the prefix's block files read and verified by the disk tier
-(`DiskFiles._read`: read, XXH3 check) in bytes/s, against a plain sequential read of the same
-files in the same run.
+    warm-cpu    a new engine with --warm-start-blocks covering the prefix, read into the CPU tier
+                before the request (`load_warm_start`, timed apart and not in the TTFT)
+disk-warm and warm-cpu alternate, each on a fresh engine per repetition; medians are printed.
+Each TTFT is split into fetch (disk probes and reads, plan copies into the device cache: the
+tier's own work) and the rest (the forward over the suffix, scheduling). NOTE: on a loaded
+machine the forward of even 8 tokens varies by seconds; compare fetch times to judge the tiers.
+
+Disk load speed: the prefix's block files read and verified by the disk tier (`DiskFiles.read`:
+read, XXH3 check, queued mtime refresh) in bytes/s, against a plain sequential read of the same
+files in the same run (page cache warm for both; medians of interleaved passes).
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import shutil
+import statistics
 import tempfile
 import time
 from pathlib import Path
@@ -37,32 +44,81 @@ def _engine(model_path: str, args: argparse.Namespace, **cfg: Any) -> Any:
     )
 
 
-def _ttft(llm: Any, prompt: list[int]) -> tuple[float, Any]:
+def _fetch_clock(llm: Any) -> list[float]:
+    """Wraps the engine's disk probes and plan application; box[0] sums their seconds."""
+    box = [0.0]
+    runner = llm.engine.runner
+    apply = runner.apply_plan
+
+    def timed_apply(plan: Any) -> None:
+        t0 = time.perf_counter()
+        apply(plan)
+        box[0] += time.perf_counter() - t0
+
+    runner.apply_plan = timed_apply
+    store = llm.engine.offload
+    if store is not None and store.disk is not None:
+        probe = store.disk.probe
+
+        def timed_probe(h: bytes) -> bool:
+            t0 = time.perf_counter()
+            found = bool(probe(h))
+            box[0] += time.perf_counter() - t0
+            return found
+
+        store.disk.probe = timed_probe
+    return box
+
+
+def _ttft(llm: Any, prompt: list[int], clock: list[float] | None = None) -> dict[str, Any]:
     from engine import SamplingParams
 
     params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+    if clock is not None:
+        clock[0] = 0.0
     t0 = time.perf_counter()
     out = llm.generate([prompt], params)[0]
     assert out.error is None, out.error
-    return time.perf_counter() - t0, out.cached_tokens
+    return {
+        "ttft_s": time.perf_counter() - t0,
+        "fetch_s": clock[0] if clock is not None else 0.0,
+        "cached": out.cached_tokens,
+    }
 
 
-def load_speed(files: Any, hashes: list[bytes]) -> dict[str, float]:
-    """Bytes/s of the tier's verified reads vs plain reads of the same files (page cache warm)."""
+def load_speed(files: Any, hashes: list[bytes], passes: int = 5) -> dict[str, float]:
+    """Bytes/s of the tier's verified reads vs plain reads of the same files (page cache warm),
+    medians of `passes` interleaved passes."""
     paths = [files.path(h) for h in hashes]
     for p in paths:  # warm the page cache for both
         Path(p).read_bytes()
     total = sum(Path(p).stat().st_size for p in paths)
-    t0 = time.perf_counter()
-    for p in paths:
-        with open(p, "rb") as f:
-            f.read()
-    plain = total / (time.perf_counter() - t0)
-    t0 = time.perf_counter()
-    for h in hashes:
-        assert files._read(h) is not None
-    tier = total / (time.perf_counter() - t0)
-    return {"tier_bytes_s": tier, "plain_bytes_s": plain, "ratio": tier / plain}
+    plain: list[float] = []
+    tier: list[float] = []
+    for _ in range(passes):
+        t0 = time.perf_counter()
+        for p in paths:
+            with open(p, "rb") as f:
+                f.read()
+        plain.append(total / (time.perf_counter() - t0))
+        files._touched.clear()  # every read queues its mtime refresh, as after a restart
+        t0 = time.perf_counter()
+        for h in hashes:
+            assert files.read(h) is not None
+        files.end_step()
+        tier.append(total / (time.perf_counter() - t0))
+    p_med, t_med = statistics.median(plain), statistics.median(tier)
+    return {"tier_bytes_s": t_med, "plain_bytes_s": p_med, "ratio": t_med / p_med}
+
+
+def _med(rows: list[dict[str, Any]], key: str) -> float:
+    return statistics.median(r[key] for r in rows)
+
+
+def _drop(llm: Any) -> None:
+    llm.engine.close()
+    del llm
+    gc.collect()
 
 
 def run_restart(
@@ -73,59 +129,85 @@ def run_restart(
     from bench.common import random_prompt
 
     rng = random.Random(args.seed)
-    out: dict[str, Any] = {}
-    for plen in (128, 256) if quick else (1024, 4096):
+    reps = getattr(args, "restart_reps", None) or (1 if quick else 3)
+    lengths = getattr(args, "restart_prefixes", None) or ((128, 256) if quick else (1024, 4096))
+    out: dict[str, Any] = {"reps": reps}
+    for plen in lengths:
         prefix = random_prompt(rng, ids, plen)
-        first = prefix + random_prompt(rng, ids, 8)
-        second = prefix + random_prompt(rng, ids, 8)
+
+        def request() -> list[int]:
+            return prefix + random_prompt(rng, ids, 8)  # noqa: B023 (used in this iteration)
+
         blocks = plen // BS + 2
         disk_dir = tempfile.mkdtemp(prefix="deja-bench-restart-")
+        rec: list[dict[str, Any]] = []
+        disk: list[dict[str, Any]] = []
+        cpu: list[dict[str, Any]] = []
+        warm_s: list[float] = []
+        speed: dict[str, float] = {}
         try:
             common = {"num_device_blocks": blocks + 2, "disk_dir": disk_dir}
-            a = _engine(model_path, args, num_cpu_blocks=8, **common)
-            _ttft(a, first)
-            a.engine.close()
-            rec = _engine(
-                model_path, args, num_device_blocks=blocks + 2, enable_prefix_caching=False
-            )
-            _ttft(rec, random_prompt(rng, ids, 16))  # warm up kernels
-            t_rec, _ = _ttft(rec, second)
-            del rec
-            b = _engine(model_path, args, num_cpu_blocks=8, **common)
-            _ttft(b, random_prompt(rng, ids, 16))
-            t_disk, c_disk = _ttft(b, second)
-            store = b.engine.offload
-            hashes = list(store.disk_index.entries) if store and store.disk_index else []
-            speed = load_speed(store.disk, hashes) if store and store.disk else {}
-            b.engine.close()
-            c = _engine(model_path, args, num_cpu_blocks=blocks, warm_start_blocks=blocks, **common)
-            c.engine.load_warm_start(timeout_s=120)
-            _ttft(c, random_prompt(rng, ids, 16))
-            t_cpu, c_cpu = _ttft(c, second)
-            c.engine.close()
+            seed = _engine(model_path, args, num_cpu_blocks=8, **common)
+            _ttft(seed, request())
+            _drop(seed)
+            e = _engine(model_path, args, num_device_blocks=blocks + 2, enable_prefix_caching=False)
+            _ttft(e, random_prompt(rng, ids, 16))  # warm up kernels
+            rec = [_ttft(e, request()) for _ in range(reps)]
+            _drop(e)
+            for r in range(reps):
+                e = _engine(model_path, args, num_cpu_blocks=8, **common)
+                clock = _fetch_clock(e)
+                _ttft(e, random_prompt(rng, ids, 16))
+                disk.append(_ttft(e, request(), clock))
+                if r == 0:
+                    store = e.engine.offload
+                    hashes = list(store.disk_index.entries)[-(plen // BS) :]
+                    speed = load_speed(store.disk, hashes)
+                _drop(e)
+                e = _engine(
+                    model_path, args, num_cpu_blocks=blocks, warm_start_blocks=blocks, **common
+                )
+                t0 = time.perf_counter()
+                e.engine.load_warm_start(timeout_s=300)
+                warm_s.append(time.perf_counter() - t0)
+                clock = _fetch_clock(e)
+                _ttft(e, random_prompt(rng, ids, 16))
+                cpu.append(_ttft(e, request(), clock))
+                _drop(e)
         finally:
             shutil.rmtree(disk_dir, ignore_errors=True)
+        t_rec, t_disk, t_cpu = _med(rec, "ttft_s"), _med(disk, "ttft_s"), _med(cpu, "ttft_s")
         row = {
             "recompute_s": t_rec,
             "disk_warm_s": t_disk,
             "warm_cpu_s": t_cpu,
             "disk_speedup": t_rec / t_disk,
             "cpu_speedup": t_rec / t_cpu,
-            "disk_hit_tokens": c_disk.disk,
-            "cpu_hit_tokens": c_cpu.cpu,
+            "disk_fetch_s": _med(disk, "fetch_s"),
+            "cpu_fetch_s": _med(cpu, "fetch_s"),
+            "warm_start_s": statistics.median(warm_s),
+            "disk_hit_tokens": min(r["cached"].disk for r in disk),
+            "cpu_hit_tokens": min(r["cached"].cpu for r in cpu),
+            "samples_s": {
+                "recompute": [r["ttft_s"] for r in rec],
+                "disk_warm": [r["ttft_s"] for r in disk],
+                "warm_cpu": [r["ttft_s"] for r in cpu],
+            },
             "load_speed": speed,
         }
         out[str(plen)] = row
         print(
-            f"restart, {plen}-token prefix: recompute {t_rec * 1e3:.0f} ms | disk-warm "
-            f"{t_disk * 1e3:.0f} ms ({row['disk_speedup']:.1f}x, {c_disk.disk} tokens from disk) | "
-            f"warm-start CPU {t_cpu * 1e3:.0f} ms ({row['cpu_speedup']:.1f}x, {c_cpu.cpu} tokens "
-            "from CPU)"
+            f"restart, {plen}-token prefix (median of {reps}): recompute {t_rec * 1e3:.0f} ms | "
+            f"disk-warm {t_disk * 1e3:.0f} ms ({row['disk_speedup']:.1f}x, "
+            f"{row['disk_hit_tokens']} tokens from disk, fetch {row['disk_fetch_s'] * 1e3:.0f} ms)"
+            f" | warm-start CPU {t_cpu * 1e3:.0f} ms ({row['cpu_speedup']:.1f}x, "
+            f"{row['cpu_hit_tokens']} tokens from CPU, fetch {row['cpu_fetch_s'] * 1e3:.0f} ms; "
+            f"warm start took {row['warm_start_s'] * 1e3:.0f} ms before the request)"
         )
         if speed:
             print(
                 f"  disk load speed: tier {speed['tier_bytes_s'] / 1e9:.2f} GB/s vs plain read "
-                f"{speed['plain_bytes_s'] / 1e9:.2f} GB/s of the same {len(hashes)} files: "
+                f"{speed['plain_bytes_s'] / 1e9:.2f} GB/s of the same {plen // BS} files: "
                 f"{speed['ratio']:.0%} (target >= 50%)"
             )
     return out

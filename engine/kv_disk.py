@@ -10,21 +10,16 @@ the directory only ever see whole files. `manifest.json` binds the directory to 
 identity, dtype, block size and layout; a directory whose manifest differs is not used (logged).
 A file that is missing, truncated, corrupt (checksum) or for another block is deleted and is a
 miss: it is detected when `find` probes it, before the manager plans a load (see engine/kv/tiers).
-On startup the index is rebuilt from the directory, least recently accessed (mtime) first; a read
-refreshes the file's mtime.
+On startup the index is rebuilt from the directory, least recently accessed (mtime) first; reads
+refresh a file's mtime, coarsely and off the read path (see `TOUCH_EVERY_S`). The directory's layout,
+the scan and the budget shared by replicas are engine/kv_disk_dir.py's; warm start (reading the
+most recent files back into the CPU tier) is engine/kv_disk_warm.py's.
 
 The writer never holds up the step loop: `store` takes a payload already copied off the KV cache
 (the step thread's staging copy) and returns at once; at most `max_queued` stores wait, and a store
 past that is refused (the caller counts it as dropped). The first failed write (read-only or full
 directory, any OSError) turns the tier off: a warning, `num_write_errors`, `enabled` False, queued
 writes dropped, lookups stop (requests go on without the tier).
-
-Shared directory: replicas on one host may share it. Files are whole (atomic rename) and content
-addressed, so a file written by one is valid for all. The size budget is kept together by
-`enforce_budget`: the writer thread counts the directory's block files every `scan_every` writes
-(and at close) and deletes the least recently accessed (oldest mtime; reads refresh it) beyond the
-budget, so the directory exceeds it by at most `scan_every` blocks per replica between scans. A
-file another replica deleted is a clean miss here (and leaves this index on its next lookup).
 """
 
 from __future__ import annotations
@@ -47,6 +42,8 @@ import torch
 import xxhash
 
 from engine.kv.hashing import BlockHash
+from engine.kv_disk_dir import block_path, enforce_budget, scan, unlink
+from engine.kv_disk_warm import WarmStart
 from engine.model_loader import safetensors_files
 
 log = logging.getLogger(__name__)
@@ -60,11 +57,13 @@ NOTE: XXH3 (~10 GB/s) rather than a cryptographic hash: it guards against torn a
 files, not against an attacker who can write the directory; blake2b (~0.3 GB/s here) made
 verification, not the read, the cost of a disk hit."""
 HEADER_BYTES = 128
-_SUFFIX = ".kv"
+TOUCH_EVERY_S = 30.0
+"""A read refreshes its file's mtime (the access order budget scans and restarts use) at most
+this often per file, and on the writer thread (`end_step` hands them over in one batch): an
+inline utime per read cost ~25% of the read. The access order is right to within this long."""
+_MAX_TOUCHED = 1 << 16
 READ_CACHE_BYTES = 128 * 2**20
 """Verified disk payloads an engine keeps in memory across steps."""
-_STALE_TMP_S = 3600.0
-"""Temp files older than this are leftovers of a crashed writer and are removed at startup."""
 
 
 def model_fingerprint(model_path: str | Path) -> str:
@@ -138,8 +137,12 @@ class DiskFiles:
         self._queue: queue.SimpleQueue[_Op | None] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, name="deja-disk-writer", daemon=True)
         self._thread.start()
-        self._warm: queue.SimpleQueue[tuple[BlockHash, torch.Tensor] | None] = queue.SimpleQueue()
-        self._warm_thread: threading.Thread | None = None
+        self._warm: WarmStart | None = None
+        self._root = str(directory)
+        self._touched: dict[BlockHash, float] = {}
+        """When `read` last queued a file's mtime refresh (monotonic s), by hash; bounded."""
+        self._to_touch: list[BlockHash] = []
+        """Hashes read in this step whose mtime refresh is due (step thread)."""
 
     @classmethod
     def open(
@@ -173,7 +176,7 @@ class DiskFiles:
                 )
                 return None
         else:
-            if any(root.glob(f"??/*{_SUFFIX}")):
+            if any(root.glob("??/*.kv")):
                 log.warning(
                     "disk tier off: %s holds block files but no %s, so their model is unknown; "
                     "give this engine an empty or its own disk_dir",
@@ -193,51 +196,22 @@ class DiskFiles:
         )
 
     def path(self, block_hash: BlockHash) -> Path:
-        name = block_hash.hex()
-        return self.directory / name[:2] / (name + _SUFFIX)
+        return block_path(self.directory, block_hash)
 
     def scan(self) -> list[BlockHash]:
         """Hashes of the block files in the directory, least recently accessed first."""
-        found: list[tuple[float, BlockHash]] = []
-        now = time.time()
-        for sub in self.directory.iterdir():
-            if len(sub.name) != 2 or not sub.is_dir():
-                continue
-            for f in sub.iterdir():
-                try:
-                    st = f.stat()
-                except FileNotFoundError:  # another replica removed it
-                    continue
-                if f.name.endswith(".tmp"):
-                    if now - st.st_mtime > _STALE_TMP_S:
-                        _unlink(f)
-                    continue
-                if not f.name.endswith(_SUFFIX):
-                    continue
-                try:
-                    h = bytes.fromhex(f.name[: -len(_SUFFIX)])
-                except ValueError:
-                    continue
-                if len(h) != 32:
-                    continue
-                if st.st_size != HEADER_BYTES + self.payload_bytes:
-                    self._drop_bad(f, f"size {st.st_size}")
-                    continue
-                found.append((st.st_mtime, h))
-        found.sort()
-        return [h for _, h in found]
+        return scan(self.directory, HEADER_BYTES + self.payload_bytes, self._drop_bad)
 
     def enforce_budget(self) -> list[BlockHash]:
         """Deletes the least recently accessed block files beyond `capacity_blocks` (counting
         every replica's files in the directory); returns their hashes."""
         if self.capacity_blocks is None:
             return []
-        found = self.scan()
-        extra = found[: max(0, len(found) - self.capacity_blocks)]
-        for h in extra:
-            _unlink(self.path(h))
-        self.num_budget_deletes += len(extra)
-        return extra
+        gone = enforce_budget(
+            self.directory, self.capacity_blocks, HEADER_BYTES + self.payload_bytes, self._drop_bad
+        )
+        self.num_budget_deletes += len(gone)
+        return gone
 
     def take_budget_deletes(self) -> list[BlockHash]:
         """Hashes budget scans deleted since the last call (the step thread drops them)."""
@@ -264,7 +238,7 @@ class DiskFiles:
             if ready is not None:
                 ready.synchronize()
         else:
-            payload = self._read(block_hash)
+            payload = self.read(block_hash)
         if payload is None:
             return False
         self._buffer[block_hash] = payload
@@ -272,6 +246,13 @@ class DiskFiles:
 
     def end_step(self) -> None:
         self._stored.clear()
+        if self._to_touch:
+            hashes, self._to_touch = tuple(self._to_touch), []
+            with self._lock:
+                on = self._enabled
+                self._unfinished += on
+            if on:
+                self._queue.put(_Op("touch", hashes=hashes))
         while len(self._buffer) > self.read_cache_blocks:
             self._buffer.popitem(last=False)
 
@@ -332,7 +313,8 @@ class DiskFiles:
         True when every queued write reached disk; what is left is lost, as after a crash.
         """
         done = self.flush(timeout_s)
-        self._warm.put(None)
+        if self._warm is not None:
+            self._warm.stop()
         if self._thread.is_alive():
             if done:
                 self._queue.put(_Op("budget"))
@@ -340,45 +322,29 @@ class DiskFiles:
             self._thread.join(timeout=None if done else 0.1)
         return done
 
-    # -- warm start ----------------------------------------------------------------------------
+    # -- warm start (engine/kv_disk_warm.py) ---------------------------------------------------
     def start_warm(self, hashes: list[BlockHash]) -> None:
         """Reads and verifies these blocks' files in a background thread, in order; `take_warm`
         hands over the payloads read so far."""
-        if not hashes:
-            return
-        self._warm_thread = threading.Thread(
-            target=self._read_warm, args=(hashes,), name="deja-disk-warm", daemon=True
-        )
-        self._warm_thread.start()
+        if hashes:
+            self._warm = WarmStart(self._read, hashes)
 
     def take_warm(self) -> list[tuple[BlockHash, torch.Tensor]]:
-        out: list[tuple[BlockHash, torch.Tensor]] = []
-        while True:
-            try:
-                item = self._warm.get_nowait()
-            except queue.Empty:
-                return out
-            if item is None:
-                self._warm_thread = None
-                return out
-            out.append(item)
+        if self._warm is None:
+            return []
+        out = self._warm.take()
+        if self._warm.done:
+            self._warm = None
+        return out
 
     @property
     def warming(self) -> bool:
-        return self._warm_thread is not None
+        return self._warm is not None
 
     def wait_warm(self, timeout_s: float | None = None) -> None:
         """Waits for the warm-start reads to finish (tests, benchmarks)."""
-        t = self._warm_thread
-        if t is not None:
-            t.join(timeout_s)
-
-    def _read_warm(self, hashes: list[BlockHash]) -> None:
-        for h in hashes:
-            payload = self._read(h)
-            if payload is not None:
-                self._warm.put((h, payload))
-        self._warm.put(None)
+        if self._warm is not None:
+            self._warm.wait(timeout_s)
 
     # -- the writer thread ---------------------------------------------------------------------
     def _run(self) -> None:
@@ -400,12 +366,17 @@ class DiskFiles:
                         self._idle.notify_all()
 
     def _do(self, op: _Op) -> None:
+        if op.kind == "touch":
+            for h in op.hashes:
+                with contextlib.suppress(OSError):
+                    os.utime(self.path(h))  # the access order of budget scans and restarts
+            return
         if op.kind == "budget":
             self._enforce_budget_logged()
             return
         if op.kind == "delete":
             try:
-                _unlink(self.path(op.block_hash))
+                unlink(self.path(op.block_hash))
             except OSError as exc:
                 log.warning("disk tier: delete of %s failed: %s", op.block_hash.hex()[:16], exc)
             return
@@ -464,45 +435,73 @@ class DiskFiles:
                 tmp.unlink()
             raise
 
+    def read(self, block_hash: BlockHash) -> torch.Tensor | None:
+        """The block's verified payload ([payload_bytes] uint8, owned) from its file, or None
+        (missing, or bad and deleted). The file's mtime refresh, due at most every TOUCH_EVERY_S,
+        is handed to the writer thread by `end_step`."""
+        payload = self._read(block_hash)
+        if payload is not None:
+            now = time.monotonic()
+            last = self._touched.get(block_hash)
+            if last is None or now - last >= TOUCH_EVERY_S:
+                if len(self._touched) >= _MAX_TOUCHED:
+                    self._touched.clear()
+                self._touched[block_hash] = now
+                self._to_touch.append(block_hash)
+        return payload
+
     def _read(self, block_hash: BlockHash) -> torch.Tensor | None:
-        path = self.path(block_hash)
+        """Reads and verifies one file (any thread); no mtime refresh (`read` does that)."""
+        name = block_hash.hex()
+        path = f"{self._root}/{name[:2]}/{name}.kv"
         expected = HEADER_BYTES + self.payload_bytes
-        buf = bytearray(expected + 1)  # one spare byte tells a longer file apart
+        # NOTE: uninitialized (a bytearray zero-fills every byte first); the payload is a view
+        # into it at HEADER_BYTES (aligned for any dtype), so the bytes are read once, not copied.
+        buf = torch.empty(expected, dtype=torch.uint8)
+        view = buf.numpy().data  # memoryview of the bytes
         try:
-            with open(path, "rb") as f:
-                n = f.readinto(buf)
+            fd = os.open(path, os.O_RDONLY)
         except FileNotFoundError:
             return None
         except OSError as exc:
             log.warning("disk tier: cannot read %s: %s", path, exc)
             return None
+        try:
+            size = os.fstat(fd).st_size
+            n = 0
+            if size == expected:
+                while n < expected:
+                    k = os.readv(fd, [view[n:]])
+                    if k == 0:
+                        break
+                    n += k
+        except OSError as exc:
+            log.warning("disk tier: cannot read %s: %s", path, exc)
+            return None
+        finally:
+            os.close(fd)
         reason = None
-        if n != expected:
-            reason = f"size {n}, expected {expected}"
+        if size != expected or n != expected:
+            reason = f"size {size if size != expected else n}, expected {expected}"
         else:
-            magic, stored_hash, length, digest = _HEADER.unpack_from(buf)
-            payload = memoryview(buf)[HEADER_BYTES:expected]
+            magic, stored_hash, length, digest = _HEADER.unpack_from(view)
             if magic != _MAGIC:
                 reason = "bad magic"
             elif stored_hash != block_hash:
                 reason = "header names another block"
             elif length != self.payload_bytes:
                 reason = f"payload length {length}"
-            elif _digest(payload) != digest:
+            elif _digest(view[HEADER_BYTES:]) != digest:
                 reason = "checksum mismatch"
         if reason is not None:
-            self._drop_bad(path, reason)
+            self._drop_bad(Path(path), reason)
             return None
-        with contextlib.suppress(OSError):
-            os.utime(path)  # access time for the LRU order after a restart
-        return torch.frombuffer(
-            buf, dtype=torch.uint8, offset=HEADER_BYTES, count=self.payload_bytes
-        )
+        return buf[HEADER_BYTES:]
 
     def _drop_bad(self, path: Path, reason: str) -> None:
         self.num_bad += 1
         log.warning("disk tier: deleting bad block file %s (%s); it is a cache miss", path, reason)
-        _unlink(path)
+        unlink(path)
 
 
 @dataclass(frozen=True, slots=True)
@@ -510,12 +509,8 @@ class _Op:
     """One job of the writer thread."""
 
     kind: str
-    """store, delete or budget (a budget scan)."""
+    """store, delete, budget (a budget scan) or touch (refresh the mtimes of `hashes`)."""
     block_hash: BlockHash = b""
     payload: torch.Tensor | None = None
     ready: Ready | None = None
-
-
-def _unlink(path: Path) -> None:
-    with contextlib.suppress(FileNotFoundError):
-        path.unlink()
+    hashes: tuple[BlockHash, ...] = ()

@@ -305,6 +305,10 @@ class TieredCache:
         Call between steps (no plan pending): every cached block then holds its hash's bytes.
         Each taken hash enters the disk index now (its payload is readable from the writer's
         queue until the file exists).
+        NOTE: not when the file is renamed into place: the index is the step thread's and this
+        is what keeps a hash from being queued twice. A write that then fails turns the whole
+        tier off (lookups stop, `cached_hashes` skips the index), and a restart rebuilds the
+        index from the files that exist, so such an entry is never served.
         """
         out = DiskWrites()
         queued, self._writes = self._writes, {}
@@ -363,7 +367,7 @@ class TieredCache:
         cpu_order = [b.block_hash for b in self.cpu.free_queue if b.block_hash is not None]
         held = [b.block_hash for b in self.cpu.blocks if b.ref_cnt and b.block_hash is not None]
         sources: list[Iterable[BlockHash]] = [held, reversed(cpu_order)]
-        if self.disk is not None:
+        if self.disk is not None and self._disk_on():
             sources.append(reversed(self.disk.entries))
         for src in sources:
             for h in src:
