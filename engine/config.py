@@ -132,8 +132,15 @@ class EngineConfig:
     """auto (cupy on CUDA when CuPy is present, else torch), torch or cupy."""
     seed: int = 0
     """Seed for requests without their own seed."""
+    num_threads: int | None = None
+    """torch intra-op threads of the process that runs the engine (None: torch's default, one
+    per core). Set where the engine is built, in the thread that runs it."""
 
     def __post_init__(self) -> None:
+        _check(
+            self.num_threads is None or self.num_threads >= 1,
+            f"num_threads must be >= 1, got {self.num_threads}",
+        )
         _check(self.device in DEVICES, f"device must be one of {DEVICES}, got {self.device!r}")
         _check(
             self.attention_backend in ATTENTION_BACKENDS,

@@ -36,7 +36,6 @@ from engine.structured.compiler import GrammarCompilerPool
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
-
 def resolve_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -48,6 +47,8 @@ def resolve_device(name: str) -> torch.device:
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         mc = config.model
+        if config.num_threads is not None:
+            torch.set_num_threads(config.num_threads)
         self.device = resolve_device(config.device)
         self.dtype = _DTYPES[mc.dtype]
         hf_config = read_hf_config(mc.path)

@@ -45,6 +45,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> list[argparse.Action]:
         add_flag(g, "--dtype", default="float32", choices=DTYPES, help="Compute and KV dtype."),
         add_flag(g, "--device", default="auto", choices=DEVICES, help="auto: cuda when present."),
         add_flag(g, "--attention-backend", default="auto", choices=ATTENTION_BACKENDS),
+        add_flag(
+            g, "--threads", type=int, help="torch intra-op threads of the engine (one per core)."
+        ),
         add_flag(g, "--max-model-len", type=int, help="Prompt + output limit (checkpoint's)."),
         add_flag(g, "--block-size", type=int, default=_CACHE.block_size, choices=(8, 16, 32, 64)),
         add_flag(
@@ -197,4 +200,5 @@ def engine_config_from_args(
         device=args.device,
         attention_backend=args.attention_backend,
         seed=args.seed,
+        num_threads=args.threads,
     )
