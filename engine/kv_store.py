@@ -68,8 +68,12 @@ class KVStore:
             dev, cpu = _pairs(plan.spill, kv_cache.device)
             self.cpu_cache[:, :, cpu] = kv_cache[:, :, dev]
         if plan.disk_load:
-            dst = torch.tensor([d for _, d in plan.disk_load], dtype=torch.long)
-            kv_cache[:, :, dst] = self._disk_payloads(plan)
+            # NOTE: one copy per block straight into the cache; torch.stack of the payloads then
+            # an indexed store was ~7x slower (the stack along dim 2 of a 6-d tensor).
+            assert self.disk is not None
+            dtype = self.cpu_cache.dtype
+            for h, d in plan.disk_load:
+                kv_cache[:, :, d].copy_(self.disk.buffered(h).view(dtype).view(self.block_shape))
         if plan.swap_in:
             cpu, dev = _pairs(plan.swap_in, kv_cache.device)
             kv_cache[:, :, dev] = self.cpu_cache[:, :, cpu]
@@ -160,10 +164,11 @@ class KVStore:
         """[num_layers, 2, n, block_size, Hkv, D] host tensor of the plan's disk loads."""
         assert self.disk is not None
         dtype = self.cpu_cache.dtype
-        blocks = [
-            self.disk.buffered(h).view(dtype).view(self.block_shape) for h, _ in plan.disk_load
-        ]
-        return torch.stack(blocks, dim=2)
+        L, two, bs, h, d = self.block_shape
+        out = torch.empty((L, two, len(plan.disk_load), bs, h, d), dtype=dtype)
+        for i, (block_hash, _) in enumerate(plan.disk_load):
+            out[:, :, i].copy_(self.disk.buffered(block_hash).view(dtype).view(self.block_shape))
+        return out
 
     def _apply_cuda(self, plan: KVPlan, kv_cache: torch.Tensor) -> None:
         device = kv_cache.device
