@@ -2,8 +2,8 @@
 
     API-server process                         engine-core process (this module)
     ------------------                         ---------------------------------
-    EngineCoreClient  --PUSH  ipc://…/in--->   PULL   add / abort / call / shutdown
-                      <--PULL ipc://…/out---   PUSH   outputs (+ stats) / results / failure
+    EngineCoreClient  --pipe (inputs)--->      add / abort / call / shutdown
+                      <--pipe (outputs)--      outputs (+ stats) / results / failure
 
 Why a process: on a small CPU host, torch work driven from a thread other than the one that
 loaded the model, sharing a GIL with the gRPC event loop, decoded at about half the speed of the
@@ -11,9 +11,13 @@ same engine in the main thread (measured; see docs/architecture.md). Here every 
 loading the weights to the last step, runs in this process's main thread, and the API server's
 Python work (gRPC, protobuf, tokenization) never takes this loop's GIL.
 
-The loop never waits on I/O while it has work: commands are drained without blocking before each
-step and outputs are handed to ZMQ (whose own I/O thread does the sending). Only an idle core
-blocks, in a poll with a short timeout, so it also notices a dead parent.
+The channel is a pair of OS pipes (multiprocessing Connections), read and written by the calling
+thread itself: no I/O threads. On a 2-core host every extra thread wake-up per token preempts one
+of torch's two OpenMP workers and stalls the whole step (measured: ZMQ, with an I/O thread on each
+side, served 0.88x of offline decode; pipes 0.98x — docs/architecture.md). The loop never waits on I/O while it has work: commands are drained
+without blocking before each step, and a step's outputs are one small write into a 1 MiB pipe
+buffer. Only an idle core blocks, in a poll with a short timeout, so it also notices a dead
+parent.
 
 Messages are pickled tuples (both ends are this codebase, on one host):
     in:  ("add", Request) | ("abort", [request_id, ...]) | ("call", call_id, name, args)
@@ -31,7 +35,6 @@ import pickle
 import signal
 import sys
 import time
-from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any
 
@@ -40,8 +43,10 @@ from engine.outputs import CachedTokens, CompletionOutput, RequestMetrics, Reque
 
 log = logging.getLogger("deja.engine_core")
 
-IDLE_POLL_MS = 100
+IDLE_POLL_S = 0.1
 """How long an idle core blocks for a command before checking on its parent."""
+PIPE_BYTES = 1 << 20
+"""Pipe buffer asked of the kernel (F_SETPIPE_SZ), so a slow reader does not block a step."""
 STATS_INTERVAL_S = 0.05
 """While busy, stats ride along with outputs at most this often, and with the first batch after a
 request arrives or finishes; always once the core idles."""
@@ -49,12 +54,13 @@ CALLS = frozenset({"cached_block_hashes", "get_stats"})
 """LLMEngine methods a client may `call` (read-only, step-thread only)."""
 
 
-@dataclass(frozen=True, slots=True)
-class CoreAddresses:
-    inputs: str
-    """ZMQ address the client binds a PUSH socket to; the core's PULL connects."""
-    outputs: str
-    """ZMQ address the client binds a PULL socket to; the core's PUSH connects."""
+def widen_pipe(conn: Connection) -> None:
+    """Best effort: a larger kernel buffer for a pipe end (Linux F_SETPIPE_SZ)."""
+    import contextlib
+    import fcntl
+
+    with contextlib.suppress(OSError, AttributeError):
+        fcntl.fcntl(conn.fileno(), fcntl.F_SETPIPE_SZ, PIPE_BYTES)
 
 
 PackedOutput = tuple[
@@ -96,17 +102,15 @@ def unpack_output(packed: PackedOutput, prompt_token_ids: list[int]) -> RequestO
 
 
 class EngineCore:
-    """Drives one LLMEngine from ZMQ commands until shutdown or the parent's death."""
+    """Drives one LLMEngine from pipe commands until shutdown or the parent's death."""
 
-    def __init__(self, engine: Any, inputs: Any, outputs: Any, parent_pid: int) -> None:
-        import zmq
-
+    def __init__(
+        self, engine: Any, inputs: Connection, outputs: Connection, parent_pid: int
+    ) -> None:
         self.engine = engine
         self._in = inputs
         self._out = outputs
         self._parent_pid = parent_pid
-        self._poller = zmq.Poller()
-        self._poller.register(inputs, zmq.POLLIN)
         self._stats_dirty = True
         """Something changed since the last stats sent (sent when the core goes idle)."""
         self._stats_urgent = False
@@ -120,7 +124,7 @@ class EngineCore:
         eng = self.engine
         while not self._stopping:
             busy = eng.has_unfinished_requests()
-            self._drain(0 if busy else IDLE_POLL_MS)
+            self._drain(0.0 if busy else IDLE_POLL_S)
             if not eng.has_unfinished_requests():
                 if eng.expire_pins():  # idle: pinned blocks are released when their TTL passes
                     self._stats_dirty = True
@@ -140,17 +144,11 @@ class EngineCore:
         eng.close(self._flush_timeout_s)
         self._send_outputs([], force_stats=True)
 
-    def _drain(self, timeout_ms: int) -> None:
-        import zmq
-
-        if timeout_ms and not self._poller.poll(timeout_ms):
+    def _drain(self, timeout_s: float) -> None:
+        if timeout_s and not self._in.poll(timeout_s):
             return
-        while True:
-            try:
-                frame = self._in.recv(zmq.NOBLOCK)
-            except zmq.Again:
-                return
-            self._handle(pickle.loads(frame))
+        while self._in.poll():
+            self._handle(pickle.loads(self._in.recv_bytes()))
 
     def _handle(self, msg: tuple[Any, ...]) -> None:
         eng = self.engine
@@ -189,12 +187,13 @@ class EngineCore:
             self._send(("outputs", [pack_output(o) for o in outs], stats))
 
     def _send(self, msg: tuple[Any, ...]) -> None:
-        self._out.send(pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL), copy=False)
+        self._out.send_bytes(pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL))
 
 
 def run_engine_core(
     config: EngineConfig,
-    addresses: CoreAddresses,
+    inputs: Connection,
+    outputs: Connection,
     ready: Connection,
     parent_pid: int,
     log_level: int = logging.INFO,
@@ -205,8 +204,6 @@ def run_engine_core(
     ("failed", message) on `ready`, then runs the loop. Exits 0 after a shutdown command or the
     parent's death, 1 when loading or a step fails (after telling the client why).
     """
-    import zmq
-
     # The API server owns the signals: Ctrl-C in a terminal reaches the whole process group, and
     # the server drains before it tells the core to stop.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -225,11 +222,7 @@ def run_engine_core(
         ready.send(("failed", f"{type(e).__name__}: {e}"))
         ready.close()
         sys.exit(1)
-    ctx = zmq.Context(io_threads=1)
-    inputs = ctx.socket(zmq.PULL)
-    inputs.connect(addresses.inputs)
-    outputs = ctx.socket(zmq.PUSH)
-    outputs.connect(addresses.outputs)
+    widen_pipe(outputs)
     ready.send(("ready", engine.model_info, engine.get_stats()))
     ready.close()
     core = EngineCore(engine, inputs, outputs, parent_pid)
@@ -240,7 +233,6 @@ def run_engine_core(
         log.exception("engine core step loop failed")
         core._send(("failed", f"the engine core failed: {type(e).__name__}: {e}"))
         code = 1
-    outputs.close(linger=2000)
-    inputs.close(linger=0)
-    ctx.term()
+    outputs.close()
+    inputs.close()
     sys.exit(code)

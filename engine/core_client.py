@@ -1,8 +1,9 @@
 """`EngineCoreClient`: the AsyncEngine interface over an engine core in its own process.
 
 The client lives in the API server's process and event loop. It tokenizes and validates requests
-itself (`InputProcessor`), sends them to the core (engine/core.py) over ZMQ, and fans the core's
-per-step output batches out to one asyncio.Queue per request, all on the event loop's thread.
+itself (`InputProcessor`), writes them to the core (engine/core.py) through a pipe, and fans the
+core's per-step output batches out to one asyncio.Queue per request: the outputs pipe is read by
+the event loop itself (`add_reader`), so no thread sits between the core and the streams.
 
 Failure model:
 - the core process dies (killed, crashed, failed a step): every open stream gets
@@ -23,15 +24,13 @@ import logging
 import multiprocessing as mp
 import os
 import pickle
-import shutil
-import tempfile
 import time
 from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 from typing import Any
 
 from engine.config import EngineConfig
-from engine.core import CoreAddresses, PackedOutput, run_engine_core, unpack_output
+from engine.core import PackedOutput, run_engine_core, unpack_output, widen_pipe
 from engine.errors import EngineDeadError, StreamOverflowError
 from engine.input_processor import InputProcessor, Prompt
 from engine.outputs import RequestOutput
@@ -59,43 +58,36 @@ class EngineCoreClient:
         start_timeout_s: float = 1800.0,
         log_level: int = logging.INFO,
     ) -> None:
-        import zmq
-
         from engine.model_loader import load_tokenizer
 
         self.config = config
         self.stream_buffer = stream_buffer
-        self._dir = tempfile.mkdtemp(prefix="deja-core-")
-        addrs = CoreAddresses(f"ipc://{self._dir}/in", f"ipc://{self._dir}/out")
-        self._ctx = zmq.Context(io_threads=1)
-        self._in = self._ctx.socket(zmq.PUSH)
-        self._in.bind(addrs.inputs)
-        self._out_sync = self._ctx.socket(zmq.PULL)
-        self._out_sync.bind(addrs.outputs)
-        self._out: Any = None
-        """The asyncio view of the outputs socket, made on first use inside the event loop."""
-        self._reader: asyncio.Task[None] | None = None
+        mpctx = mp.get_context("spawn")
+        core_in, self._in = mpctx.Pipe(duplex=False)
+        self._out, core_out = mpctx.Pipe(duplex=False)
+        widen_pipe(self._in)
         self._loop: asyncio.AbstractEventLoop | None = None
+        """The event loop reading the outputs pipe (one per server; tests may run several in turn)."""
         self._streams: dict[str, _Stream] = {}
         self._calls: dict[int, asyncio.Future[Any]] = {}
         self._call_ids = itertools.count()
         self._ids = itertools.count(1)
         self._dead: str | None = None
-        mpctx = mp.get_context("spawn")
         parent_conn, child_conn = mpctx.Pipe(duplex=False)
         self._proc = mpctx.Process(
             target=run_engine_core,
-            args=(config, addrs, child_conn, os.getpid(), log_level),
+            args=(config, core_in, core_out, child_conn, os.getpid(), log_level),
             name="deja-engine-core",
             daemon=True,
         )
         self._proc.start()
-        child_conn.close()
+        for conn in (child_conn, core_in, core_out):
+            conn.close()
         try:
             msg = _wait_ready(parent_conn, self._proc, start_timeout_s)
         except BaseException:
             self._stop_process(0.0)
-            self._close_sockets()
+            self._close_pipes()
             raise
         _, self._model_info, self._stats = msg
         self.tokenizer = load_tokenizer(config.model.path)
@@ -148,9 +140,8 @@ class EngineCoreClient:
                 self._send(("shutdown", flush_timeout_s))
         self._stop_process((600.0 if flush_timeout_s is None else flush_timeout_s) + 10.0)
         self._mark_dead("the engine was shut down", quiet=True)
-        if self._reader is not None and self._loop is not None and not self._loop.is_closed():
-            self._loop.call_soon_threadsafe(self._reader.cancel)
-        self._close_sockets()
+        self._detach()
+        self._close_pipes()
 
     # -- requests ------------------------------------------------------------------------------
     async def generate(
@@ -187,12 +178,12 @@ class EngineCoreClient:
         finally:
             self._streams.pop(rid, None)
             if not finished and self._dead is None:
-                self._send(("abort", [rid]))
+                self._send_abort([rid])
 
     def abort(self, request_id: str) -> bool:
         """Aborts a request; the core frees its blocks before its next step."""
         if self._dead is None:
-            self._send(("abort", [request_id]))
+            self._send_abort([request_id])
         return request_id in self._streams
 
     async def call(self, name: str, *args: Any) -> Any:
@@ -214,69 +205,89 @@ class EngineCoreClient:
 
     # -- plumbing ------------------------------------------------------------------------------
     def _send(self, msg: tuple[Any, ...]) -> None:
-        self._in.send(pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL), copy=False)
+        try:
+            self._in.send_bytes(pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL))
+        except OSError as e:  # BrokenPipeError: the core is gone
+            self._mark_dead(f"the engine core is unreachable: {e!r}")
+            raise EngineDeadError(self._dead) from e
+
+    def _send_abort(self, request_ids: list[str]) -> None:
+        """Aborts never raise: with the core gone there is nothing left to abort."""
+        with contextlib.suppress(EngineDeadError):
+            self._send(("abort", request_ids))
 
     def _attach(self) -> None:
-        """Reads the core's outputs on the running loop (once per loop: a server has one; tests
-        may run one loop after another over the same client)."""
+        """Reads the core's outputs on the running loop (once per loop)."""
         loop = asyncio.get_running_loop()
         if self._loop is loop:
             return
-        import zmq.asyncio
-
-        if self._reader is not None and self._loop is not None and not self._loop.is_closed():
-            self._loop.call_soon_threadsafe(self._reader.cancel)
+        self._detach()
         self._loop = loop
-        self._out = zmq.asyncio.Socket.from_socket(self._out_sync)
-        self._reader = loop.create_task(self._read_outputs(), name="deja-core-outputs")
+        loop.add_reader(self._out.fileno(), self._on_readable)
         with contextlib.suppress(NotImplementedError, ValueError, OSError):
             loop.add_reader(self._proc.sentinel, self._on_core_exit)
 
-    def _on_core_exit(self) -> None:
-        with contextlib.suppress(Exception):
-            asyncio.get_running_loop().remove_reader(self._proc.sentinel)
-        self._proc.join(timeout=1.0)
-        # Outputs the core sent just before it died are still in the socket: read them first.
-        asyncio.get_running_loop().call_later(0.05, self._check_exit)
+    def _detach(self) -> None:
+        loop, self._loop = self._loop, None
+        if loop is not None and not loop.is_closed():
+            with contextlib.suppress(Exception):
+                loop.remove_reader(self._out.fileno())
+            with contextlib.suppress(Exception):
+                loop.remove_reader(self._proc.sentinel)
 
-    def _check_exit(self) -> None:
+    def _on_core_exit(self) -> None:
+        if self._loop is not None:
+            with contextlib.suppress(Exception):
+                self._loop.remove_reader(self._proc.sentinel)
+        self._proc.join(timeout=1.0)
+        # Outputs the core sent just before it died are still in the pipe: read them first.
+        self._on_readable()
         _ = self.errored
 
-    async def _read_outputs(self) -> None:
-        while True:
-            frame = await self._out.recv()
-            msg = pickle.loads(frame)
-            kind = msg[0]
-            if kind == "outputs":
-                for packed in msg[1]:
-                    self._deliver(packed)
-                if msg[2] is not None:
-                    self._stats = msg[2]
-            elif kind == "rejected":
-                self._push(msg[1], ValueError(msg[2]))
-            elif kind == "result":
-                fut = self._calls.get(msg[1])
-                if fut is not None and not fut.done():
-                    if msg[2]:
-                        fut.set_result(msg[3])
-                    else:
-                        fut.set_exception(RuntimeError(msg[3]))
-            elif kind == "failed":
-                self._mark_dead(msg[1])
+    def _on_readable(self) -> None:
+        """Everything the core has written so far, dispatched in order (event loop thread)."""
+        try:
+            while self._out.poll():
+                self._dispatch(pickle.loads(self._out.recv_bytes()))
+        except (EOFError, OSError):
+            if self._loop is not None:
+                with contextlib.suppress(Exception):
+                    self._loop.remove_reader(self._out.fileno())
+            self._proc.join(timeout=1.0)
+            self._mark_dead(f"the engine core process exited with code {self._proc.exitcode}")
+
+    def _dispatch(self, msg: tuple[Any, ...]) -> None:
+        kind = msg[0]
+        if kind == "outputs":
+            for packed in msg[1]:
+                self._deliver(packed)
+            if msg[2] is not None:
+                self._stats = msg[2]
+        elif kind == "rejected":
+            self._push(msg[1], ValueError(msg[2]))
+        elif kind == "result":
+            fut = self._calls.get(msg[1])
+            if fut is not None and not fut.done():
+                if msg[2]:
+                    fut.set_result(msg[3])
+                else:
+                    fut.set_exception(RuntimeError(msg[3]))
+        elif kind == "failed":
+            self._mark_dead(msg[1])
 
     def _deliver(self, packed: PackedOutput) -> None:
         rid = packed[0]
         stream = self._streams.get(rid)
         if stream is None:
             if not packed[2]:  # nobody listens (the caller left): stop the request
-                self._send(("abort", [rid]))
+                self._send_abort([rid])
             return
         if stream.closed:
             return
         out = unpack_output(packed, stream.prompt_token_ids)
         if stream.queue.qsize() >= self.stream_buffer and not out.finished:
             stream.closed = True
-            self._send(("abort", [rid]))
+            self._send_abort([rid])
             stream.queue.put_nowait(
                 StreamOverflowError(
                     f"request {rid} was aborted: its reader fell {stream.queue.qsize()} "
@@ -313,13 +324,10 @@ class EngineCoreClient:
             self._proc.kill()
             self._proc.join(timeout=5.0)
 
-    def _close_sockets(self) -> None:
-        for sock in (self._in, self._out_sync):
+    def _close_pipes(self) -> None:
+        for conn in (self._in, self._out):
             with contextlib.suppress(Exception):
-                sock.close(linger=0)
-        with contextlib.suppress(Exception):
-            self._ctx.term()
-        shutil.rmtree(self._dir, ignore_errors=True)
+                conn.close()
 
 
 def _wait_ready(conn: Any, proc: Any, timeout_s: float) -> tuple[Any, ...]:
