@@ -160,6 +160,9 @@ class _Step:
     """Hashes whose file `find` verified in this step (bytes in the read buffer)."""
     disk_stores: set[BlockHash] = field(default_factory=set)
     """Hashes whose disk store this step's plan carries."""
+    spill_dst: set[int] = field(default_factory=set)
+    """CPU blocks this step's plan fills by a spill: never a hit or swap-in source in the same
+    step (the hazard rule: a block written by a plan is not read by the same plan)."""
 
 
 class TieredCache:
@@ -210,13 +213,13 @@ class TieredCache:
         NOTE: a CPU hit is held until `end_step` and a disk hit's bytes are read and verified
         now, so a hit found in a step can be fetched in that step whatever else it evicts.
         """
+        step = self._step
         b = self.cpu.lookup(block_hash)
-        if b is not None:
+        if b is not None and b.block_id not in step.spill_dst:
             self._hold_for_step(b)
             return "cpu"
         if self.disk is None or self.disk_io is None or not self.disk_io.enabled:
             return None
-        step = self._step
         if block_hash in step.disk_stores or block_hash in step.disk_found:
             return "disk"
         # NOTE: probed even when the index lacks the hash: replicas sharing the directory
@@ -233,7 +236,7 @@ class TieredCache:
         step = self._step
         self._supersede(dst_block_id, plan)
         b = self.cpu.lookup(block_hash)
-        if b is not None:
+        if b is not None and b.block_id not in step.spill_dst:
             self._hold_for_step(b)
             plan.swap_in.append((b.block_id, dst_block_id))
             self.counts.cpu_swap_ins += 1
@@ -266,6 +269,7 @@ class TieredCache:
         self.cpu.cache(c, block_hash)
         self._hold_new_for_step(c)
         plan.spill.append((block_id, c.block_id))
+        self._step.spill_dst.add(c.block_id)
         self.counts.device_spills += 1
         if block_hash in self.pins:
             self._pin_hold(block_hash)
@@ -403,6 +407,7 @@ class TieredCache:
                 h = seq.block_hashes[i]
                 self.cpu.cache(b, h)
                 plan.spill.append((device_block_ids[i], b.block_id))
+                self._step.spill_dst.add(b.block_id)
                 self.counts.device_spills += 1
                 if h in self.pins:
                     self._pin_hold(h)
@@ -411,6 +416,7 @@ class TieredCache:
             t = self._alloc_cpu(plan)
             assert t is not None
             plan.spill.append((device_block_ids[num_full], t.block_id))
+            self._step.spill_dst.add(t.block_id)
             self.counts.device_spills += 1
             blocks.append(t)
         self.swapped[seq.seq_id] = SwapRecord(blocks, num_full, tail)
