@@ -3,9 +3,13 @@ orphan processes (issue 9, acceptance 3)."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
+import subprocess
 import time
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
@@ -102,42 +106,26 @@ async def test_killed_core_fails_streams_and_turns_not_serving(
         engine.shutdown(0.0)
 
 
-def test_deja_serve_exits_nonzero_when_its_core_dies(tiny_llama_path: Path, tmp_path: Path) -> None:
+@dataclass
+class Served:
+    proc: subprocess.Popen[bytes]
+    target: str
+    log: Path
+    core: int
+
+
+@contextlib.contextmanager
+def _serving(model: Path, tmp_path: Path, grace: float) -> Iterator[Served]:
+    """A healthy `deja serve` subprocess and its engine core; both are killed on the way out."""
     port = free_port()
     target = f"127.0.0.1:{port}"
     log = tmp_path / "serve.log"
-    proc = _start_serve(tiny_llama_path, port, 30.0, log)
-    try:
-        _wait_serving(proc, target, log)
-        core = _core_of(proc.pid)
-        with DejaClient(target, retries=0, timeout=60) as client:
-            stream = client.generate("Once upon a time", max_tokens=900, ignore_eos=True)
-            next(stream)
-            os.kill(core, signal.SIGKILL)
-            with pytest.raises(grpc.RpcError) as info:
-                list(stream)
-            assert info.value.code() == grpc.StatusCode.INTERNAL  # type: ignore[attr-defined]
-        assert proc.wait(timeout=20) == 1, log.read_text()
-        assert "engine" in log.read_text()
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-
-
-def test_core_exits_when_deja_serve_is_killed(tiny_llama_path: Path, tmp_path: Path) -> None:
-    port = free_port()
-    target = f"127.0.0.1:{port}"
-    log = tmp_path / "serve.log"
-    proc = _start_serve(tiny_llama_path, port, 30.0, log)
+    proc = _start_serve(model, port, grace, log)
     core = None
     try:
         _wait_serving(proc, target, log)
         core = _core_of(proc.pid)
-        proc.kill()
-        proc.wait()
-        assert _health(target, timeout=0.5) is None
-        assert _wait_gone(core, 10.0), "the engine core outlived its API server"
+        yield Served(proc, target, log, core)
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -146,24 +134,35 @@ def test_core_exits_when_deja_serve_is_killed(tiny_llama_path: Path, tmp_path: P
             os.kill(core, signal.SIGKILL)
 
 
+def test_deja_serve_exits_nonzero_when_its_core_dies(tiny_llama_path: Path, tmp_path: Path) -> None:
+    with _serving(tiny_llama_path, tmp_path, 30.0) as s:
+        with DejaClient(s.target, retries=0, timeout=60) as client:
+            stream = client.generate("Once upon a time", max_tokens=900, ignore_eos=True)
+            next(stream)
+            os.kill(s.core, signal.SIGKILL)
+            with pytest.raises(grpc.RpcError) as info:
+                list(stream)
+            assert info.value.code() == grpc.StatusCode.INTERNAL  # type: ignore[attr-defined]
+        assert s.proc.wait(timeout=20) == 1, s.log.read_text()
+        assert "engine" in s.log.read_text()
+
+
+def test_core_exits_when_deja_serve_is_killed(tiny_llama_path: Path, tmp_path: Path) -> None:
+    with _serving(tiny_llama_path, tmp_path, 30.0) as s:
+        s.proc.kill()
+        s.proc.wait()
+        assert _health(s.target, timeout=0.5) is None
+        assert _wait_gone(s.core, 10.0), "the engine core outlived its API server"
+
+
 def test_sigterm_stops_core_cleanly(tiny_llama_path: Path, tmp_path: Path) -> None:
-    port = free_port()
-    target = f"127.0.0.1:{port}"
-    log = tmp_path / "serve.log"
-    proc = _start_serve(tiny_llama_path, port, 5.0, log)
-    try:
-        _wait_serving(proc, target, log)
-        core = _core_of(proc.pid)
-        with DejaClient(target, retries=0, timeout=60) as client:
+    with _serving(tiny_llama_path, tmp_path, 5.0) as s:
+        with DejaClient(s.target, retries=0, timeout=60) as client:
             out = client.complete("Hello", max_tokens=4, ignore_eos=True)
             assert out.final is not None and out.final.usage.completion_tokens == 4
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(timeout=30) == 0, log.read_text()
-        assert _wait_gone(core, 5.0)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+        s.proc.send_signal(signal.SIGTERM)
+        assert s.proc.wait(timeout=30) == 0, s.log.read_text()
+        assert _wait_gone(s.core, 5.0)
 
 
 def test_start_failure_is_reported(tmp_path: Path) -> None:
