@@ -13,11 +13,13 @@ payloads warm start has read so far into free CPU blocks.
 
 from __future__ import annotations
 
+import importlib.util
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
+from cuda.tier_copy import copy_blocks_between
 from engine.config import CacheConfig
 from engine.kv.disk_index import DiskIndex
 from engine.kv.hashing import BlockHash
@@ -25,6 +27,11 @@ from engine.kv.plan import KVPlan
 from engine.kv.tiers import DiskWrites, TieredCache
 from engine.kv_disk import FORMAT, HEADER_BYTES, READ_CACHE_BYTES, DiskFiles, model_fingerprint
 from engine.stats import ModelInfo
+
+
+def kv_cache_direct_copies_available() -> bool:
+    """Whether CuPy (for cudaMemcpy2DAsync) can be imported; the tiers then skip staging."""
+    return importlib.util.find_spec("cupy") is not None
 
 
 def _pairs(pairs: list[tuple[int, int]], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -58,6 +65,9 @@ class KVStore:
         self._stream: Any = None
         self._inflight: list[torch.Tensor] = []
         """Host staging tensors of the last CUDA copies (kept alive until they are done)."""
+        self.direct_copies = kv_cache_direct_copies_available()
+        """CUDA: spills and swap-ins move blocks straight between the pinned CPU tier and the
+        device (cuda/tier_copy.py, CuPy); False: gather, staging tensor, scatter (torch only)."""
 
     def apply(self, plan: KVPlan, kv_cache: torch.Tensor) -> None:
         if kv_cache.is_cuda:
@@ -143,6 +153,8 @@ class KVStore:
     def _insert_warm(self, tiers: TieredCache) -> None:
         assert self.disk is not None
         dtype = self.cpu_cache.dtype
+        if self._stream is not None:
+            self._stream.synchronize()  # no swap-in still reads a CPU block written here
         for h, payload in self.disk.take_warm():
             cpu_id = tiers.warm_target(h)
             if cpu_id is not None:
@@ -182,7 +194,11 @@ class KVStore:
         self._store_to_disk(plan)
         stream.wait_stream(compute)
         with torch.cuda.stream(stream):
-            if plan.spill:
+            direct = self.direct_copies and self.cpu_cache.is_pinned()
+            if plan.spill and direct:
+                copy_blocks_between(self.cpu_cache, kv_cache, plan.spill, stream)
+                stream.synchronize()  # spilled blocks are host-readable when apply returns
+            elif plan.spill:
                 dev, cpu = _pairs(plan.spill, device)
                 staged = kv_cache[:, :, dev]  # gather on the copy stream
                 host = torch.empty(staged.shape, dtype=staged.dtype, pin_memory=True)
@@ -194,7 +210,11 @@ class KVStore:
             if plan.disk_load:
                 srcs.append(self._disk_payloads(plan))
                 dsts += [d for _, d in plan.disk_load]
-            if plan.swap_in:
+            if plan.swap_in and direct:
+                # Straight from the pinned CPU tier; the next apply's synchronize keeps the
+                # source blocks from being reused before the copies are done.
+                copy_blocks_between(kv_cache, self.cpu_cache, plan.swap_in, stream)
+            elif plan.swap_in:
                 cpu_ids = torch.tensor([c for c, _ in plan.swap_in], dtype=torch.long)
                 srcs.append(self.cpu_cache[:, :, cpu_ids])
                 dsts += [d for _, d in plan.swap_in]

@@ -26,6 +26,7 @@ COMMANDS: dict[str, str] = {
     "bench tiers": "bench.tiers",
     "bench kernels": "bench.kernels",
     "bench gpu": "bench.gpu_engine",
+    "bench tiers-gpu": "bench.tiers_gpu",
     "bench router": "bench.router",
     "bench latency": "bench.latency",
     "bench structured": "bench.structured",
