@@ -1,0 +1,71 @@
+#!/usr/bin/env bash
+# GPU bring-up check: runs, in order, each step logging to $OUT/<step>.log (default ./gpu_logs):
+#   tests     pytest tests/gpu -x (override the flags with GPU_PYTEST_ARGS)
+#   sanitize  compute-sanitizer memcheck + racecheck on one decode (plain and split-K) and one
+#             prefill launch (scripts/gpu_sanitize_case.py), checking deja's kernels only
+#   kernels   deja bench kernels (bench/kernels.py)
+#   gpu-quick deja bench gpu --quick (bench/gpu_engine.py)
+#   gpu       deja bench gpu (512 requests, cupy and torch backends, transformers baseline)
+#   tiers     CPU tier on CUDA: swap-in / spill through KVStore vs torch pinned copies (bench/tiers_gpu.py)
+#   parity    greedy parity bf16, cupy vs torch backend, on the engine (tests/gpu/test_engine_gpu.py)
+#
+#   scripts/gpu_check.sh                 all steps
+#   scripts/gpu_check.sh kernels tiers   only those, in the order given
+# Run from the repository root; PYTHON picks the interpreter (default python3). Stops at the
+# first failing step (exit status of that step) unless KEEP_GOING=1.
+set -euo pipefail
+
+OUT="${OUT:-gpu_logs}"
+PY="${PYTHON:-python3}"
+mkdir -p "$OUT"
+export PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}$(pwd)" PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
+export TRANSFORMERS_OFFLINE=1 DEJA_CACHE_DIR="${DEJA_CACHE_DIR:-/tmp/deja-cache}"
+
+steps=("$@")
+[ ${#steps[@]} -eq 0 ] && steps=(tests sanitize kernels gpu-quick gpu tiers parity)
+
+sanitize() {
+  local tool filter=()
+  # Only deja's kernels (mangled names hold the namespace); torch's own are not ours to check.
+  if compute-sanitizer --help 2>&1 | grep -q -- "--kernel-name "; then filter=(--kernel-name kns=deja); fi
+  for tool in memcheck racecheck; do
+    for case in decode prefill; do
+      echo "== compute-sanitizer --tool $tool: $case"
+      compute-sanitizer --tool "$tool" --error-exitcode 1 "${filter[@]}" \
+        "$PY" scripts/gpu_sanitize_case.py "$case"
+    done
+  done
+}
+
+run_step() {
+  case "$1" in
+    tests) "$PY" -m pytest tests/gpu ${GPU_PYTEST_ARGS:--x} -q -rs -p no:cacheprovider ;;
+    sanitize) sanitize ;;
+    kernels) "$PY" -m service.cli bench kernels --json "$OUT/kernels.json" ;;
+    gpu-quick) "$PY" -m service.cli bench gpu --quick ;;
+    gpu) "$PY" -m service.cli bench gpu --json "$OUT/gpu_engine.json" ;;
+    tiers) "$PY" -m service.cli bench tiers-gpu --json "$OUT/tiers_gpu.json" ;;
+    parity)
+      "$PY" -m pytest tests/gpu/test_engine_gpu.py -v -p no:cacheprovider \
+        -k "cupy_matches_torch_backend" ;;
+    *) echo "unknown step $1" >&2; return 2 ;;
+  esac
+}
+
+{
+  date -u
+  nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader || true
+  "$PY" -c 'import torch, cupy; print("torch", torch.__version__, "cuda", torch.version.cuda, "cupy", cupy.__version__)' || true
+} 2>&1 | tee "$OUT/env.log"
+
+for step in "${steps[@]}"; do
+  echo "===== $step ($(date -u +%T))"
+  start=$SECONDS
+  if run_step "$step" 2>&1 | tee "$OUT/$step.log"; then
+    echo "===== $step passed in $((SECONDS - start)) s"
+  else
+    status=$?
+    echo "===== $step FAILED (exit $status) after $((SECONDS - start)) s"
+    [ -n "${KEEP_GOING:-}" ] || exit "$status"
+  fi
+done
