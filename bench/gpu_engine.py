@@ -226,7 +226,12 @@ def run(args: argparse.Namespace) -> int:
         print(f"{k}: {v:.2f}x")
     if "deja (cupy)" in results and "deja (torch)" in results:
         agree = _agreement(results["deja (cupy)"]["outputs"], results["deja (torch)"]["outputs"])
-        print(f"greedy agreement cupy vs torch backend (first 32 tokens): {agree:.1%}")
+        # NOTE: random weights give near-flat logits, so bf16 rounding differences flip near-ties
+        # early; tests/gpu/test_engine_gpu.py checks parity with logprob tolerances instead.
+        print(
+            f"identical greedy outputs cupy vs torch backend (first 32 tokens): {agree:.1%} "
+            "(random weights: near-ties, see tests/gpu parity)"
+        )
     write_json(
         args.json,
         {

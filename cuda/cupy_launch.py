@@ -12,6 +12,7 @@ current stream and receive raw device pointers (`data_ptr()`), so no tensor is c
 from __future__ import annotations
 
 import functools
+import warnings
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -91,7 +92,9 @@ def widest_word(*byte_counts: int) -> int:
     raise ValueError(f"sizes/addresses {byte_counts} are not 2-byte aligned")
 
 
+@functools.cache
 def import_cupy() -> Any:
+    """The cupy module (imported once; the launch path calls this per kernel)."""
     try:
         import cupy
     except ImportError as exc:
@@ -153,8 +156,21 @@ def launch(
     """
     cupy = import_cupy()
     index = device.index if device.index is not None else torch.cuda.current_device()
-    stream_ptr = torch.cuda.current_stream(index).cuda_stream
-    with cupy.cuda.Device(index), cupy.cuda.ExternalStream(stream_ptr, index):
+    stream = _external_stream(torch.cuda.current_stream(index).cuda_stream, index)
+    with cupy.cuda.Device(index), stream:
         # NOTE: compiled (first call) and loaded with `device` current, for its architecture.
         kernel = get_kernel(cu_file, name_expression)
         kernel(grid, block, args, shared_mem=shared_mem)
+
+
+@functools.cache
+def _external_stream(stream_ptr: int, device_index: int) -> Any:
+    """CuPy's view of a torch stream, made once per stream (it only wraps the handle).
+
+    NOTE: CuPy 14 deprecates ExternalStream for Stream.from_external, which needs the
+    `__cuda_stream__` protocol that not every torch build has; ExternalStream works on all.
+    """
+    cupy = import_cupy()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        return cupy.cuda.ExternalStream(stream_ptr, device_index)
