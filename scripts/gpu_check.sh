@@ -46,7 +46,7 @@ run_step() {
     gpu) "$PY" -m service.cli bench gpu --json "$OUT/gpu_engine.json" ;;
     tiers) "$PY" -m service.cli bench tiers-gpu --json "$OUT/tiers_gpu.json" ;;
     parity)
-      "$PY" -m pytest tests/gpu/test_engine_gpu.py -v -p no:cacheprovider \
+      "$PY" -m pytest tests/gpu/test_engine_gpu.py -v -s -p no:cacheprovider \
         -k "cupy_matches_torch_backend" ;;
     *) echo "unknown step $1" >&2; return 2 ;;
   esac

@@ -58,10 +58,12 @@ def model_path(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPath
     return Path(MODELS[request.param](tmp_path_factory.mktemp(request.param)))
 
 
-LOGPROB_TOL = {"bfloat16": 0.3, "float32": 2e-3}
+LOGPROB_TOL = {"bfloat16": 0.5, "float32": 2e-3}
 """Largest logprob difference allowed between two implementations (and near-tie width). bf16:
-logits of magnitude 16..32 are rounded to steps of 0.125, and a logprob holds two such roundings
-(the logit and the log-sum-exp) plus the hidden state's own bf16 differences."""
+two bf16 runs differ by up to the sum of their own errors against float32 (seen on an H100: 0.30
+between the cupy and torch backends, on the GQA-4 head_dim-128 model); logits of magnitude 16..32
+alone are rounded to steps of 0.125. test_cupy_matches_torch_backend_bf16 also checks that the
+cupy backend's bf16 logprobs are as close to float32 as the torch backend's."""
 TOP = 5
 
 
@@ -136,6 +138,24 @@ def test_cupy_matches_torch_backend_bf16(
     extra = {"max_num_batched_tokens": 128} if chunked else {}
     cupy = _generate(model_path, "cupy", "bfloat16", **extra)
     ref = _generate(model_path, "torch", "bfloat16", **extra)
+    exact = _generate(model_path, "torch", "float32", **extra)
+    # Accuracy: on the steps where all three runs chose the same tokens so far, the cupy
+    # backend's bf16 logprobs are (on average) no further from float32 than the torch backend's.
+    ours_err: list[float] = []
+    ref_err: list[float] = []
+    for c, r, e in zip(cupy, ref, exact, strict=True):
+        for t, (x, y, z) in enumerate(zip(c.tokens, r.tokens, e.tokens, strict=True)):
+            if not x == y == z:
+                break
+            ours_err.append(abs(c.logprobs[t] - e.logprobs[t]))
+            ref_err.append(abs(r.logprobs[t] - e.logprobs[t]))
+    assert ours_err, "every request parted at its first token"
+    mean_ours, mean_ref = sum(ours_err) / len(ours_err), sum(ref_err) / len(ref_err)
+    print(
+        f"bf16 logprob error vs float32 over {len(ours_err)} steps: cupy mean {mean_ours:.4f} "
+        f"max {max(ours_err):.4f}, torch mean {mean_ref:.4f} max {max(ref_err):.4f}"
+    )
+    assert mean_ours <= 1.25 * mean_ref + 1e-3
     assert_greedy_close(cupy, ref, LOGPROB_TOL["bfloat16"])
 
 
