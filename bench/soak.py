@@ -243,8 +243,9 @@ async def _load(
 # -- sampling ----------------------------------------------------------------------------------
 
 
-def process_tree_figures(pid: int) -> tuple[int, int, int] | None:
-    """(RSS bytes, open fds, threads) of the process and all its children; None when gone."""
+def process_tree_figures(pid: int) -> tuple[int, int, int, int] | None:
+    """(RSS bytes, open fds, threads, RSS bytes of the children alone) of the process and all
+    its children; None when gone."""
     import psutil
 
     try:
@@ -252,16 +253,18 @@ def process_tree_figures(pid: int) -> tuple[int, int, int] | None:
         procs = [root, *root.children(recursive=True)]
     except psutil.Error:
         return None
-    rss = fds = threads = 0
+    rss = fds = threads = children = 0
     for p in procs:
         try:
             with p.oneshot():
-                rss += p.memory_info().rss
+                r = p.memory_info().rss
+                rss += r
+                children += r if p is not root else 0
                 fds += p.num_fds()
                 threads += p.num_threads()
         except psutil.Error:  # a child that just exited
             continue
-    return rss, fds, threads
+    return rss, fds, threads, children
 
 
 def listening_pid(target: str) -> int | None:
@@ -300,13 +303,14 @@ async def take_sample(
     client: AsyncDejaClient, pid: int | None, metrics_url: str | None, t_s: float, tally: Tally
 ) -> Sample:
     figures = process_tree_figures(pid) if pid is not None else None
-    rss, fds, threads = figures if figures is not None else (None, None, None)
+    rss, fds, threads, children = figures if figures is not None else (None, None, None, None)
     tiers: dict[str, Any] = {}
-    dev_free = dev_total = None
+    dev_free = dev_total = buffers = None
     try:
         stats = await client.cache_stats()
         dev_free, dev_total = stats.free_device_blocks, stats.total_device_blocks
         tiers = {t.name: t for t in stats.tiers}
+        buffers = sum(b.bytes for b in stats.buffers if b.name.startswith("disk_"))
     except Exception:  # a sample never stops the soak
         pass
     objects = await asyncio.to_thread(python_objects, metrics_url)
@@ -319,7 +323,7 @@ async def take_sample(
     disk_used, disk_total = used("disk")
     return Sample(
         t_s, tally.requests, tally.failed, rss, fds, threads, dev_free, dev_total,
-        cpu_used, cpu_total, disk_used, disk_total, objects,
+        cpu_used, cpu_total, disk_used, disk_total, objects, children, buffers,
     )  # fmt: skip
 
 

@@ -44,6 +44,10 @@ class Sample:
     disk_total: int | None
     py_objects: int | None
     """gc-tracked objects in the serving process (from its /metrics), None when unreachable."""
+    children_rss_bytes: int | None = None
+    """Resident memory of the child processes alone (the engine core), part of `rss_bytes`."""
+    buffer_bytes: int | None = None
+    """Host bytes in the disk tier's read cache and write queue (GetCacheStats buffers)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -152,7 +156,8 @@ def _pair(used: int | None, total: int | None) -> str:
 
 HEADER = (
     f"{'t_s':>6} {'reqs':>7} {'fail':>5} {'rss_mib':>8} {'fds':>5} {'thr':>4} "
-    f"{'dev_free':>9} {'cpu_used':>9} {'disk_used':>10} {'py_objs':>9}"
+    f"{'dev_free':>9} {'cpu_used':>9} {'disk_used':>10} {'py_objs':>9} {'core_mib':>8} "
+    f"{'dbuf_mib':>8}"
 )
 
 
@@ -161,7 +166,8 @@ def format_row(s: Sample) -> str:
         f"{s.t_s:>6.0f} {s.requests:>7} {s.failed:>5} {_opt(s.rss_bytes, MIB, '.1f'):>8} "
         f"{_opt(s.fds):>5} {_opt(s.threads):>4} {_pair(s.device_free, s.device_total):>9} "
         f"{_pair(s.cpu_used, s.cpu_total):>9} {_pair(s.disk_used, s.disk_total):>10} "
-        f"{_opt(s.py_objects):>9}"
+        f"{_opt(s.py_objects):>9} {_opt(s.children_rss_bytes, MIB, '.1f'):>8} "
+        f"{_opt(s.buffer_bytes, MIB, '.1f'):>8}"
     )
 
 

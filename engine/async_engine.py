@@ -177,6 +177,7 @@ class AsyncEngine:
                 self._drain_commands()
                 if not eng.has_unfinished_requests():
                     eng.expire_pins()  # an idle engine releases expired pins too
+                    eng.trim_host_memory()
                     self._stats = eng.get_stats()
                     self._wake.wait(timeout=0.5)
                     self._wake.clear()

@@ -66,6 +66,11 @@ class CacheConfig:
     """Prefix hits that make a block worth writing under the selective policy."""
     disk_write_queue_blocks: int = 256
     """Blocks queued for the disk writer at most; writes beyond are dropped and counted."""
+    disk_write_queue_mib: float = 64.0
+    """... and MiB of block payloads queued at most (also at most a quarter of the disk tier)."""
+    disk_read_cache_mib: float = 32.0
+    """Verified disk payloads kept in host memory across steps, in MiB at most (also at most an
+    eighth of the disk tier); 0 keeps only the current step's."""
     warm_start_blocks: int = 0
     """Most recently used disk blocks read back into the CPU tier in the background at start."""
     preemption_mode: str = "recompute"
@@ -95,6 +100,8 @@ class CacheConfig:
         )
         _check(self.disk_write_min_hits >= 1, "disk_write_min_hits must be >= 1")
         _check(self.disk_write_queue_blocks >= 1, "disk_write_queue_blocks must be >= 1")
+        _check(self.disk_write_queue_mib > 0, "disk_write_queue_mib must be > 0")
+        _check(self.disk_read_cache_mib >= 0, "disk_read_cache_mib must be >= 0")
         _check(self.warm_start_blocks >= 0, "warm_start_blocks must be >= 0")
         _check(
             self.preemption_mode in PREEMPTION_MODES,

@@ -128,6 +128,7 @@ class EngineCore:
             if not eng.has_unfinished_requests():
                 if eng.expire_pins():  # idle: pinned blocks are released when their TTL passes
                     self._stats_dirty = True
+                eng.trim_host_memory()
                 if self._stats_dirty:
                     self._send_outputs([], force_stats=True)
                 if os.getppid() != self._parent_pid:

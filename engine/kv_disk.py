@@ -45,6 +45,7 @@ from engine.kv.hashing import BlockHash
 from engine.kv_disk_dir import block_path, enforce_budget, scan, unlink
 from engine.kv_disk_warm import WarmStart
 from engine.model_loader import safetensors_files
+from engine.stats import BufferStats
 
 log = logging.getLogger(__name__)
 
@@ -62,8 +63,26 @@ TOUCH_EVERY_S = 30.0
 this often per file, and on the writer thread (`end_step` hands them over in one batch): an
 inline utime per read cost ~25% of the read. The access order is right to within this long."""
 _MAX_TOUCHED = 1 << 16
-READ_CACHE_BYTES = 128 * 2**20
-"""Verified disk payloads an engine keeps in memory across steps."""
+READ_CACHE_BYTES = 32 * 2**20
+"""Verified disk payloads an engine keeps in memory across steps, in bytes at most ..."""
+READ_CACHE_SHARE = 1 / 8
+"""... and as a share of the tier's capacity at most (a cache larger than the tier it caches
+only holds memory: the soak's 145-block tier had a 182-block read cache)."""
+WRITE_QUEUE_BYTES = 64 * 2**20
+"""Payloads waiting for the writer thread, in bytes at most (besides `max_queued` blocks) ..."""
+WRITE_QUEUE_SHARE = 1 / 4
+"""... and as a share of the tier's capacity at most."""
+
+
+def buffer_blocks(
+    limit_bytes: int, payload_bytes: int, capacity_blocks: int | None, share: float
+) -> int:
+    """Blocks a host buffer of the disk tier may hold: `limit_bytes` of payloads and `share` of
+    the tier's capacity at most, one at least."""
+    n = limit_bytes // payload_bytes
+    if capacity_blocks is not None:
+        n = min(n, int(capacity_blocks * share))
+    return max(1, n)
 
 
 def model_fingerprint(model_path: str | Path) -> str:
@@ -98,12 +117,17 @@ class DiskFiles:
         read_cache_bytes: int = READ_CACHE_BYTES,
         *,
         max_queued: int = 256,
+        write_queue_bytes: int = WRITE_QUEUE_BYTES,
         capacity_blocks: int | None = None,
     ) -> None:
         self.directory = directory
         self.payload_bytes = payload_bytes
-        self.max_queued = max_queued
-        """Stores waiting for the writer at most (more are refused by `store`)."""
+        self.max_queued = min(
+            max_queued,
+            buffer_blocks(write_queue_bytes, payload_bytes, capacity_blocks, WRITE_QUEUE_SHARE),
+        )
+        """Stores waiting for the writer at most (more are refused by `store`): `max_queued`,
+        `write_queue_bytes` of payloads and WRITE_QUEUE_SHARE of the tier at most."""
         self.capacity_blocks = capacity_blocks
         """The directory's budget in block files (None: not enforced here)."""
         self.scan_every = max(1, (capacity_blocks or 0) // 32)
@@ -119,8 +143,13 @@ class DiskFiles:
         self._writes_since_scan = 0
         self._scan_evicted: list[BlockHash] = []
         """Hashes whose files a budget scan deleted; taken by the step thread for its index."""
-        self.read_cache_blocks = read_cache_bytes // payload_bytes
-        """Verified payloads kept past the end of a step (least recently used dropped first)."""
+        self.read_cache_blocks = (
+            buffer_blocks(read_cache_bytes, payload_bytes, capacity_blocks, READ_CACHE_SHARE)
+            if read_cache_bytes >= payload_bytes
+            else 0
+        )
+        """Verified payloads kept past the end of a step (least recently used dropped first):
+        `read_cache_bytes` and READ_CACHE_SHARE of the tier at most."""
         self.num_bad = 0
         """Files found corrupt, truncated or for another block (deleted)."""
         self._buffer: OrderedDict[BlockHash, torch.Tensor] = OrderedDict()
@@ -141,6 +170,7 @@ class DiskFiles:
         self._root = str(directory)
         self._touched: dict[BlockHash, float] = {}
         """When `read` last queued a file's mtime refresh (monotonic s), by hash; bounded."""
+        self._max_touched = min(_MAX_TOUCHED, max(1024, 2 * (capacity_blocks or _MAX_TOUCHED)))
         self._to_touch: list[BlockHash] = []
         """Hashes read in this step whose mtime refresh is due (step thread)."""
 
@@ -153,6 +183,7 @@ class DiskFiles:
         read_cache_bytes: int = 0,
         *,
         max_queued: int = 256,
+        write_queue_bytes: int = WRITE_QUEUE_BYTES,
         capacity_blocks: int | None = None,
     ) -> DiskFiles | None:
         """The directory's files, or None (logged) when it belongs to another model or layout."""
@@ -192,6 +223,7 @@ class DiskFiles:
             payload_bytes,
             read_cache_bytes,
             max_queued=max_queued,
+            write_queue_bytes=write_queue_bytes,
             capacity_blocks=capacity_blocks,
         )
 
@@ -260,6 +292,24 @@ class DiskFiles:
         """The payload that `probe` or `store` made available in this step."""
         payload = self._stored.get(block_hash)
         return payload if payload is not None else self._buffer[block_hash]
+
+    def buffers(self) -> list[BufferStats]:
+        """The tier's host buffers: the read cache and the write queue (sizes now, caps)."""
+        with self._lock:
+            queued = self._queued_stores
+        p = self.payload_bytes
+        return [
+            BufferStats(
+                "disk_read_cache",
+                len(self._buffer),
+                len(self._buffer) * p,
+                self.read_cache_blocks,
+                self.read_cache_blocks * p,
+            ),
+            BufferStats(
+                "disk_write_queue", queued, queued * p, self.max_queued, self.max_queued * p
+            ),
+        ]
 
     # -- writes --------------------------------------------------------------------------------
     def room(self) -> int:
@@ -444,7 +494,7 @@ class DiskFiles:
             now = time.monotonic()
             last = self._touched.get(block_hash)
             if last is None or now - last >= TOUCH_EVERY_S:
-                if len(self._touched) >= _MAX_TOUCHED:
+                if len(self._touched) >= self._max_touched:
                     self._touched.clear()
                 self._touched[block_hash] = now
                 self._to_touch.append(block_hash)

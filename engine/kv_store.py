@@ -25,8 +25,8 @@ from engine.kv.disk_index import DiskIndex
 from engine.kv.hashing import BlockHash
 from engine.kv.plan import KVPlan
 from engine.kv.tiers import DiskWrites, TieredCache
-from engine.kv_disk import FORMAT, HEADER_BYTES, READ_CACHE_BYTES, DiskFiles, model_fingerprint
-from engine.stats import ModelInfo
+from engine.kv_disk import FORMAT, HEADER_BYTES, DiskFiles, model_fingerprint
+from engine.stats import BufferStats, ModelInfo
 
 
 def kv_cache_direct_copies_available() -> bool:
@@ -87,6 +87,15 @@ class KVStore:
         if plan.swap_in:
             cpu, dev = _pairs(plan.swap_in, kv_cache.device)
             kv_cache[:, :, dev] = self.cpu_cache[:, :, cpu]
+
+    def buffers(self) -> list[BufferStats]:
+        """The CPU tier's tensor and the disk tier's read cache and write queue."""
+        n = self.cpu_cache.shape[2]
+        nbytes = self.cpu_cache.nbytes
+        out = [BufferStats("cpu_tier", n, nbytes, n, nbytes)]
+        if self.disk is not None:
+            out += self.disk.buffers()
+        return out
 
     def flush(self, timeout_s: float | None = None) -> bool:
         """Waits for queued disk writes (tests, benchmarks, shutdown); True when all are done."""
@@ -253,7 +262,10 @@ def build_tiers(
     if not cache.enable_prefix_caching:
         return None
     L, two, _, bs, h, d = kv_cache.shape
-    cpu_cache = torch.empty(
+    # NOTE: zeros, not empty: every page is touched now, so the tier's RSS is paid at start and
+    # not as blocks get used for the first time (which looked like a leak in soak runs).
+    # Pinned memory (CUDA) is resident from the start either way.
+    cpu_cache = torch.zeros(
         (L, two, num_cpu, bs, h, d), dtype=kv_cache.dtype, pin_memory=kv_cache.is_cuda
     )
     files: DiskFiles | None = None
@@ -279,8 +291,9 @@ def build_tiers(
             cache.disk_dir,
             manifest,
             block_bytes,
-            READ_CACHE_BYTES,
+            int(cache.disk_read_cache_mib * 2**20),
             max_queued=cache.disk_write_queue_blocks,
+            write_queue_bytes=int(cache.disk_write_queue_mib * 2**20),
             capacity_blocks=capacity,
         )
         if files is not None:

@@ -13,6 +13,7 @@ import torch
 from engine.attention import get_attention_backend
 from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
+from engine.host_memory import HostMemoryTrimmer
 from engine.input_processor import InputProcessor, Prompt
 from engine.kv.manager import KVCacheManager
 from engine.kv.tiers import TieredCache
@@ -121,6 +122,8 @@ class LLMEngine:
         self._request_ids = itertools.count()
         self._touched: dict[str, Request] = {}
         """Requests with news since the last step's outputs were built."""
+        self._trimmer = HostMemoryTrimmer()
+        """Gives freed host memory (disk-tier payloads) back to the OS between steps."""
 
     # -- requests ------------------------------------------------------------------------------
     def tokenize(
@@ -286,6 +289,11 @@ class LLMEngine:
         after = len(self.kv.pins) + (len(self.tiers.pins) if self.tiers is not None else 0)
         return after < before
 
+    def trim_host_memory(self, now: float | None = None) -> bool:
+        """Gives freed host memory back to the OS, at most every few seconds (engine/host_memory);
+        `step` does this; an idle step loop calls it too. True when it trimmed."""
+        return self._trimmer.maybe_trim(now)
+
     # -- the step ------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """One scheduling decision and one forward pass; returns deltas of requests with news."""
@@ -315,6 +323,7 @@ class LLMEngine:
         for res in results:
             self._process_samples(res, now)
         self._between_steps()
+        self._trimmer.maybe_trim(now)
         return self.collect_outputs(now)
 
     def _poll_grammars(self) -> None:
@@ -499,4 +508,5 @@ class LLMEngine:
             free_device_blocks=kv.num_free_blocks,
             tiers=tiers,
             grammar_cache=self.grammars.stats(),
+            buffers=self.offload.buffers() if self.offload is not None else [],
         )

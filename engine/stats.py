@@ -83,6 +83,21 @@ class GrammarCacheStats:
     """Total time spent compiling, on the worker thread."""
 
 
+@dataclass(frozen=True, slots=True)
+class BufferStats:
+    """One bounded host-memory buffer or cache of the engine (the CPU tier's tensor, the disk
+    tier's read cache and write queue): how full it is now and its caps."""
+
+    name: str
+    """cpu_tier, disk_read_cache or disk_write_queue."""
+    entries: int
+    """Blocks held now (cpu_tier: blocks allocated, all of them, at start)."""
+    bytes: int
+    """Host bytes those entries hold."""
+    max_entries: int
+    max_bytes: int
+
+
 @dataclass(slots=True)
 class EngineStats:
     num_running: int = 0
@@ -98,6 +113,8 @@ class EngineStats:
     tiers: list[TierStats] = field(default_factory=list)
     grammar_cache: GrammarCacheStats = field(default_factory=GrammarCacheStats)
     """Structured outputs: compiled grammars held, cache hits, compiles and their time."""
+    buffers: list[BufferStats] = field(default_factory=list)
+    """The engine's host-memory buffers with their sizes and caps (empty with the tiers off)."""
 
     @property
     def prefix_hit_rate(self) -> float:

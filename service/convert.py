@@ -226,4 +226,14 @@ def cache_stats_message(stats: EngineStats, info: ModelInfo, replica_id: str) ->
                 disabled=t.disabled,
             )
         )
+    for b in stats.buffers:
+        msg.buffers.append(
+            pb.BufferStats(
+                name=b.name,
+                entries=b.entries,
+                bytes=b.bytes,
+                max_entries=b.max_entries,
+                max_bytes=b.max_bytes,
+            )
+        )
     return msg

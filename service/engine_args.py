@@ -108,6 +108,22 @@ def add_engine_args(parser: argparse.ArgumentParser) -> list[argparse.Action]:
         ),
         add_flag(
             g,
+            "--disk-write-queue-mib",
+            type=float,
+            default=_CACHE.disk_write_queue_mib,
+            help="MiB of block payloads queued for disk writes at most (and a quarter of the "
+            "disk tier at most).",
+        ),
+        add_flag(
+            g,
+            "--disk-read-cache-mib",
+            type=float,
+            default=_CACHE.disk_read_cache_mib,
+            help="MiB of disk blocks kept in memory after their read (and an eighth of the disk "
+            "tier at most).",
+        ),
+        add_flag(
+            g,
             "--warm-start-blocks",
             type=int,
             default=_CACHE.warm_start_blocks,
@@ -187,6 +203,8 @@ def engine_config_from_args(
             disk_write_policy=args.disk_write_policy,
             disk_write_min_hits=args.disk_write_min_hits,
             disk_write_queue_blocks=args.disk_write_queue_blocks,
+            disk_write_queue_mib=args.disk_write_queue_mib,
+            disk_read_cache_mib=args.disk_read_cache_mib,
             warm_start_blocks=args.warm_start_blocks,
             preemption_mode=args.preemption_mode,
             max_pinned_fraction=args.max_pinned_fraction,

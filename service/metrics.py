@@ -106,9 +106,27 @@ class _EngineStatsCollector(Collector):
             for name, fam in tier_counters.items():
                 fam.add_metric([t.name], getattr(t, name))
             disabled.add_metric([t.name], t.disabled)
+        buffer_bytes = GaugeMetricFamily(
+            "deja_cache_buffer_bytes",
+            "Host bytes held by a bounded engine buffer (cpu_tier, disk_read_cache, "
+            "disk_write_queue); state: used or max.",
+            labels=["buffer", "state"],
+        )
+        buffer_entries = GaugeMetricFamily(
+            "deja_cache_buffer_blocks",
+            "Blocks held by a bounded engine buffer; state: used or max.",
+            labels=["buffer", "state"],
+        )
+        for b in s.buffers:
+            buffer_bytes.add_metric([b.name, "used"], b.bytes)
+            buffer_bytes.add_metric([b.name, "max"], b.max_bytes)
+            buffer_entries.add_metric([b.name, "used"], b.entries)
+            buffer_entries.add_metric([b.name, "max"], b.max_entries)
         yield blocks
         yield disabled
         yield from tier_counters.values()
+        yield buffer_bytes
+        yield buffer_entries
 
 
 class ServiceMetrics:

@@ -366,6 +366,7 @@ class RouterServicer(pb_grpc.InferenceServicer):
         )
         out = pb.CacheStats(replica_id=self._config.router_id)
         tiers: dict[str, pb.TierStats] = {}
+        buffers: dict[str, pb.BufferStats] = {}
         for s in stats:
             out.free_device_blocks += s.free_device_blocks
             out.total_device_blocks += s.total_device_blocks
@@ -376,7 +377,13 @@ class RouterServicer(pb_grpc.InferenceServicer):
                 for f in pb.TierStats.DESCRIPTOR.fields:
                     if f.name != "name":
                         setattr(acc, f.name, getattr(acc, f.name) + getattr(t, f.name))
+            for b in s.buffers:
+                buf = buffers.setdefault(b.name, pb.BufferStats(name=b.name))
+                for f in pb.BufferStats.DESCRIPTOR.fields:
+                    if f.name != "name":
+                        setattr(buf, f.name, getattr(buf, f.name) + getattr(b, f.name))
         out.tiers.extend(tiers.values())
+        out.buffers.extend(buffers.values())
         return out
 
     async def Abort(

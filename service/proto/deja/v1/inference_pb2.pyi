@@ -339,20 +339,36 @@ class TierStats(_message.Message):
     def __init__(self, name: _Optional[str] = ..., num_blocks: _Optional[int] = ..., used_blocks: _Optional[int] = ..., cached_blocks: _Optional[int] = ..., pinned_blocks: _Optional[int] = ..., queries: _Optional[int] = ..., hits: _Optional[int] = ..., spills: _Optional[int] = ..., swap_ins: _Optional[int] = ..., evictions: _Optional[int] = ..., bytes_moved: _Optional[int] = ..., dropped_writes: _Optional[int] = ..., write_errors: _Optional[int] = ..., disabled: _Optional[int] = ...) -> None: ...
 
 class CacheStats(_message.Message):
-    __slots__ = ("replica_id", "tiers", "free_device_blocks", "total_device_blocks", "prefix_queries", "prefix_hits")
+    __slots__ = ("replica_id", "tiers", "free_device_blocks", "total_device_blocks", "prefix_queries", "prefix_hits", "buffers")
     REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
     TIERS_FIELD_NUMBER: _ClassVar[int]
     FREE_DEVICE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     TOTAL_DEVICE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     PREFIX_QUERIES_FIELD_NUMBER: _ClassVar[int]
     PREFIX_HITS_FIELD_NUMBER: _ClassVar[int]
+    BUFFERS_FIELD_NUMBER: _ClassVar[int]
     replica_id: str
     tiers: _containers.RepeatedCompositeFieldContainer[TierStats]
     free_device_blocks: int
     total_device_blocks: int
     prefix_queries: int
     prefix_hits: int
-    def __init__(self, replica_id: _Optional[str] = ..., tiers: _Optional[_Iterable[_Union[TierStats, _Mapping]]] = ..., free_device_blocks: _Optional[int] = ..., total_device_blocks: _Optional[int] = ..., prefix_queries: _Optional[int] = ..., prefix_hits: _Optional[int] = ...) -> None: ...
+    buffers: _containers.RepeatedCompositeFieldContainer[BufferStats]
+    def __init__(self, replica_id: _Optional[str] = ..., tiers: _Optional[_Iterable[_Union[TierStats, _Mapping]]] = ..., free_device_blocks: _Optional[int] = ..., total_device_blocks: _Optional[int] = ..., prefix_queries: _Optional[int] = ..., prefix_hits: _Optional[int] = ..., buffers: _Optional[_Iterable[_Union[BufferStats, _Mapping]]] = ...) -> None: ...
+
+class BufferStats(_message.Message):
+    __slots__ = ("name", "entries", "bytes", "max_entries", "max_bytes")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    ENTRIES_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    MAX_ENTRIES_FIELD_NUMBER: _ClassVar[int]
+    MAX_BYTES_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    entries: int
+    bytes: int
+    max_entries: int
+    max_bytes: int
+    def __init__(self, name: _Optional[str] = ..., entries: _Optional[int] = ..., bytes: _Optional[int] = ..., max_entries: _Optional[int] = ..., max_bytes: _Optional[int] = ...) -> None: ...
 
 class AbortRequest(_message.Message):
     __slots__ = ("request_ids",)
