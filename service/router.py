@@ -5,7 +5,9 @@ Generate: pick a replica (service/router_policy.py over the healthy replicas of
 service/router_pool.py, with the session and prefix records of the affinity store), proxy the
 stream with the caller's deadline and metadata (bearer token; the W3C trace context becomes the
 router span's), and retry on the next replica when one answers UNAVAILABLE (or
-RESOURCE_EXHAUSTED: its queue is full) before the first message. The final message carries
+RESOURCE_EXHAUSTED: its queue is full, or INTERNAL with the trailer saying its engine core died
+before the stream sent anything: service/failover.py) before the first message; never after it.
+The final message carries
 `route {replica_id, reason}`; before it is relayed the router records `session -> replica` and
 the prompt's block hashes, so the next turn finds them. Cancelling the call cancels the upstream
 call. The store is an optimisation: when it fails, routing falls back to rendezvous hashing
@@ -32,6 +34,7 @@ from opentelemetry.trace import SpanKind, Status, StatusCode
 
 from service.affinity.base import AffinityStore, AffinityStoreError
 from service.affinity.prefix import bounded_chain
+from service.failover import engine_dead_before_output
 from service.proto.deja.v1 import inference_pb2 as pb
 from service.proto.deja.v1 import inference_pb2_grpc as pb_grpc
 from service.router_config import RouterConfig
@@ -241,9 +244,12 @@ class RouterServicer(pb_grpc.InferenceServicer):
                     return
                 except grpc.aio.AioRpcError as e:
                     code = e.code()
-                    retry = not got_first and code in _RETRY_BEFORE_FIRST
+                    core_died = code == grpc.StatusCode.INTERNAL and engine_dead_before_output(
+                        e.trailing_metadata()
+                    )
+                    retry = not got_first and (code in _RETRY_BEFORE_FIRST or core_died)
                     if retry and attempt < self._config.max_attempts:
-                        if code == grpc.StatusCode.UNAVAILABLE:
+                        if code == grpc.StatusCode.UNAVAILABLE or core_died:
                             self._pool.mark_down(handle, f"Generate: {e.details()}")
                         exclude.add(decision.replica_id)
                         self._metrics.retries.inc()

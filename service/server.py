@@ -9,6 +9,7 @@ maps failures to status codes:
     per-stream buffer overflow (slow reader)             RESOURCE_EXHAUSTED (request aborted)
     draining                                             UNAVAILABLE
     engine failure                                       INTERNAL, health turns NOT_SERVING
+    engine core died under an open stream                INTERNAL + trailer (service/failover.py)
 
 A cancelled call or a passed deadline aborts the engine request (and frees its blocks) within one
 engine step: leaving the engine's output generator aborts it, and a done-callback on the call
@@ -42,6 +43,7 @@ from engine.sampling_params import SamplingParams
 from engine.stats import EngineStats, ModelInfo
 from service import convert
 from service.config import ServiceConfig
+from service.failover import engine_dead_trailer
 from service.metrics import ServiceMetrics
 from service.proto.deja.v1 import inference_pb2 as pb
 from service.tracing import end_request_span, extract_context, get_tracer, start_request_span
@@ -152,10 +154,15 @@ class InferenceServicer:
         return sum(1 for s in self.streams.values() if s.queued)
 
     async def _abort(
-        self, context: grpc.aio.ServicerContext, code: grpc.StatusCode, msg: str, outcome: str
+        self,
+        context: grpc.aio.ServicerContext,
+        code: grpc.StatusCode,
+        msg: str,
+        outcome: str,
+        trailer: tuple[tuple[str, str], ...] = (),
     ) -> NoReturn:
         self._metrics.requests.labels(outcome).inc()
-        await context.abort(code, msg)
+        await context.abort(code, msg, trailer)
         raise AssertionError("unreachable")
 
     async def _authenticate(self, context: grpc.aio.ServicerContext) -> str | None:
@@ -279,6 +286,8 @@ class InferenceServicer:
         last: RequestOutput | None = None
         outcome, error = "cancelled", None
         last_token_t: float | None = None
+        sent = 0
+        trailer: tuple[tuple[str, str], ...] = ()
         try:
             gen = self._engine.generate(
                 inp.prompt,
@@ -312,6 +321,7 @@ class InferenceServicer:
                         if self.on_finished is not None:
                             self.on_finished(request.session_id, out.prompt_token_ids, salt)
                     yield resp
+                    sent += 1
         except ValueError as e:
             if last is not None:
                 outcome, error = "internal", f"engine failed mid-stream: {e}"
@@ -321,6 +331,7 @@ class InferenceServicer:
             outcome, error = "stream_overflow", str(e)
         except EngineDeadError as e:
             outcome, error = "internal", f"engine failed: {e}"
+            trailer = engine_dead_trailer(sent)
         except asyncio.CancelledError:
             if context.time_remaining() is not None and context.time_remaining() <= 0:
                 outcome = "deadline_exceeded"
@@ -343,7 +354,7 @@ class InferenceServicer:
                 error=error or (outcome if outcome in ("cancelled", "deadline_exceeded") else None),
             )
         if error is not None:
-            await self._fail(context, outcome, error)
+            await self._fail(context, outcome, error, trailer)
 
     @staticmethod
     def _delta(
@@ -356,7 +367,13 @@ class InferenceServicer:
             resp.choices.append(convert.choice_delta(c, return_token_ids=request.return_token_ids))
         return resp
 
-    async def _fail(self, context: grpc.aio.ServicerContext, outcome: str, error: str) -> None:
+    async def _fail(
+        self,
+        context: grpc.aio.ServicerContext,
+        outcome: str,
+        error: str,
+        trailer: tuple[tuple[str, str], ...] = (),
+    ) -> None:
         if outcome == "invalid_argument":
             await self._abort(context, grpc.StatusCode.INVALID_ARGUMENT, error, outcome)
         if outcome == "stream_overflow":
@@ -366,7 +383,7 @@ class InferenceServicer:
             self._engine.check_health()
         except Exception as e:
             await self.engine_failed_now(e)
-        await self._abort(context, grpc.StatusCode.INTERNAL, error, "internal")
+        await self._abort(context, grpc.StatusCode.INTERNAL, error, "internal", trailer)
 
     def _record(self, last: RequestOutput | None, tally: convert.StreamTally) -> None:
         m = self._metrics

@@ -19,6 +19,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from clients.client import DejaClient
 from engine import LLM, SamplingParams
 from engine.core_client import EngineCoreClient
+from service.failover import ENGINE_DEAD_KEY, engine_dead_before_output
 from tests.service.conftest import ENGINE_KWARGS, StartServer, free_port, make_engine
 from tests.service.test_cancel_shutdown import _health, _start_serve, _wait_serving
 
@@ -92,6 +93,10 @@ async def test_killed_core_fails_streams_and_turns_not_serving(
         assert info.value.code() == grpc.StatusCode.INTERNAL
         assert "engine core" in (info.value.details() or "")
         assert time.monotonic() - t0 < 2.0
+        # the trailer the router reads (service/failover.py): a token was already sent
+        trailer = dict(info.value.trailing_metadata() or ())
+        assert int(trailer[ENGINE_DEAD_KEY]) >= 1
+        assert not engine_dead_before_output(info.value.trailing_metadata())
         async with grpc.aio.insecure_channel(h.target) as ch:
             resp = await health_pb2_grpc.HealthStub(ch).Check(
                 health_pb2.HealthCheckRequest(service="deja.v1.Inference")
