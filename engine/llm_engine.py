@@ -229,8 +229,8 @@ class LLMEngine:
 
     def close(self, timeout_s: float | None = None) -> bool:
         """Queues the write policy's last writes, flushes the disk tier's queue (at most
-        `timeout_s`; None waits for all) and stops its threads, then stops the grammar compiler's
-        worker (compiles still queued are cancelled); call when done (step thread).
+        `timeout_s`; None waits for all) and stops its threads, then stops the token mask worker and
+        the grammar compiler's (compiles still queued are cancelled); call when done (step thread).
 
         True when every queued write reached disk; the rest are lost, as after a crash.
         """
@@ -240,6 +240,7 @@ class LLMEngine:
             self._between_steps()
             return self.offload.close(timeout_s)
         finally:
+            self.runner.close()
             self.grammars.close()
 
     def cached_block_hashes(self, limit: int) -> list[bytes]:
@@ -391,12 +392,9 @@ class LLMEngine:
         detok = seq.detokenizer
         assert detok is not None
         if seq.grammar is not None and not seq.grammar.accept_token(token_id):
-            # Only reachable when other settings ban every token the grammar allows (min_tokens
-            # or a stop token id against a grammar that must end now).
-            seq.request.error = (
-                f"token {token_id} does not fit the response_format; min_tokens or "
-                "stop_token_ids conflict with the grammar"
-            )
+            # Not expected: the mask allows only what the grammar accepts, and the sampler lifts
+            # min_tokens' ban where it would leave a constrained row no token.
+            seq.request.error = f"token {token_id} does not fit the response_format"
             self._finish(seq, "error", None)
             return
         if token_id in params.stop_token_ids and n_out >= params.min_tokens:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+import numpy as np
 import torch
 
 from engine.attention.base import AttentionBackend, AttentionMetadata
@@ -13,7 +14,7 @@ from engine.outputs import TokenLogprob
 from engine.sampler import Sampler, SamplingRow
 from engine.scheduler import ScheduledSeq, SchedulerOutput
 from engine.sequence import Request
-from engine.structured.bitmask import fill_bitmask
+from engine.structured.mask_filler import PendingMask, TokenMaskFiller
 
 
 class OffloadStore(Protocol):
@@ -22,7 +23,7 @@ class OffloadStore(Protocol):
     def apply(self, plan: KVPlan, kv_cache: torch.Tensor) -> None: ...
 
 
-def _token_filter(req: Request) -> torch.Tensor | None:
+def _token_filter(req: Request) -> np.ndarray | None:
     g = req.compiled_grammar
     return None if g is None else g.token_filter
 
@@ -33,6 +34,21 @@ class StepSamples:
     token_ids: list[int]
     """One token per sample: n for a request's first token (before it forks), else 1."""
     logprobs: list[TokenLogprob | None]
+
+
+@dataclass(slots=True)
+class _SamplingPlan:
+    """The rows a step samples, known before its forward pass."""
+
+    rows: list[SamplingRow]
+    row_index: list[int]
+    """Flat token index of each row's logits."""
+    owners: list[tuple[ScheduledSeq, int]]
+    """(item, number of rows), in row order."""
+    matchers: list[Any]
+    """Each row's grammar matcher (structured outputs) or None."""
+    filters: list[np.ndarray | None]
+    """Each row's static token filter or None."""
 
 
 class ModelRunner:
@@ -55,6 +71,8 @@ class ModelRunner:
         self.eos_token_ids = eos_token_ids
         self.device = device
         self.offload: OffloadStore | None = None
+        self.masks = TokenMaskFiller(sampler.vocab_size, unpack_on_host=device.type == "cpu")
+        """Fills the structured-output token mask while the forward runs."""
 
     def apply_plan(self, plan: KVPlan) -> None:
         if self.offload is not None and (
@@ -124,31 +142,43 @@ class ModelRunner:
         prepare = getattr(self.backend, "prepare", None)
         if prepare is not None:
             prepare(meta)
-        hidden = self.model(input_ids, positions, self.kv_cache, meta)  # [T, hidden]
+        plan = self._sampling_plan(sched.scheduled)
+        # The grammar masks fill on a worker thread while the model runs.
+        pending = self.masks.start(plan.matchers, plan.filters) if plan.rows else None
+        try:
+            hidden = self.model(input_ids, positions, self.kv_cache, meta)  # [T, hidden]
+            if not plan.rows:
+                return []
+            idx = torch.tensor(plan.row_index, dtype=torch.int64, device=hidden.device)
+            logits = self.model.compute_logits(hidden.index_select(0, idx))  # [rows, vocab] fp32
+            mask = pending.result() if pending is not None else None
+        except BaseException:
+            _settle(pending)
+            raise
+        out = self.sampler(logits, plan.rows, self.eos_token_ids, mask)
+        results = []
+        k = 0
+        for item, n in plan.owners:
+            results.append(StepSamples(item, out.token_ids[k : k + n], out.logprobs[k : k + n]))
+            k += n
+        return results
 
-        rows: list[SamplingRow] = []
-        matchers: list[Any] = []  # each row's grammar matcher (structured outputs) or None
-        filters: list[torch.Tensor | None] = []  # each row's static token filter or None
-        row_index: list[int] = []  # flat token index of each row's logits
-        owners: list[tuple[ScheduledSeq, int]] = []  # (item, number of rows)
+    def _sampling_plan(self, scheduled: list[ScheduledSeq]) -> _SamplingPlan:
+        plan = _SamplingPlan([], [], [], [], [])
         end = 0
-        for item in sched.scheduled:
+        for item in scheduled:
             end += item.num_new_tokens
             if not item.samples:
                 continue
             seq, req = item.seq, item.seq.request
-            if not req.forked and req.params.n > 1:
-                n = req.params.n
+            n = req.params.n if not req.forked and req.params.n > 1 else 1
+            if n > 1:  # the first token of n samples: they fork after it
                 prompt = req.prompt_token_ids
-                rows.extend(
+                plan.rows.extend(
                     SamplingRow(req.params, prompt, [], req.generators[i]) for i in range(n)
                 )
-                row_index.extend([end - 1] * n)
-                matchers.extend([seq.grammar] * n)  # the samples fork after this token
-                filters.extend([_token_filter(req)] * n)
-                owners.append((item, n))
             else:
-                rows.append(
+                plan.rows.append(
                     SamplingRow(
                         req.params,
                         req.prompt_token_ids,
@@ -156,20 +186,18 @@ class ModelRunner:
                         req.generators[seq.index],
                     )
                 )
-                row_index.append(end - 1)
-                matchers.append(seq.grammar)
-                filters.append(_token_filter(req))
-                owners.append((item, 1))
-        if not rows:
-            return []
-        # One token bitmask for the batch, filled on the host while the device runs the model.
-        bitmask = fill_bitmask(matchers, self.sampler.vocab_size, filters)
-        idx = torch.tensor(row_index, dtype=torch.int64, device=hidden.device)
-        logits = self.model.compute_logits(hidden.index_select(0, idx))  # [rows, vocab] fp32
-        out = self.sampler(logits, rows, self.eos_token_ids, bitmask)
-        results = []
-        k = 0
-        for item, n in owners:
-            results.append(StepSamples(item, out.token_ids[k : k + n], out.logprobs[k : k + n]))
-            k += n
-        return results
+            plan.row_index.extend([end - 1] * n)
+            plan.matchers.extend([seq.grammar] * n)
+            plan.filters.extend([_token_filter(req)] * n)
+            plan.owners.append((item, n))
+        return plan
+
+    def close(self) -> None:
+        """Stops the mask worker."""
+        self.masks.close()
+
+
+def _settle(pending: PendingMask | None) -> None:
+    """Lets a fill in flight finish before an error leaves the step (the buffer is reused)."""
+    if pending is not None:
+        pending.wait()

@@ -1,10 +1,12 @@
 """Vectorized sampling over a batch of logits rows (vLLM's semantics).
 
 Order of operations on the [B, V] logits:
-    0. Structured outputs: the batch's token bitmask (engine/structured/bitmask.py) sets the
-       tokens each constrained row's grammar forbids to -inf, in one op for the whole batch.
+    0. Structured outputs: the batch's token mask (engine/structured/bitmask.py) sets the tokens
+       each constrained row's grammar forbids to -inf, in one op over the constrained rows.
     1. min_tokens: while a row has fewer than `min_tokens` outputs, its stop_token_ids and (unless
-       ignore_eos) the EOS ids are set to -inf.
+       ignore_eos) the EOS ids are set to -inf. The grammar wins over min_tokens: a constrained
+       row left with no token (its output is complete and the grammar allows only its end) keeps
+       those tokens, so the sample ends there, valid, with fewer than min_tokens.
     2. Penalties: repetition (prompt + output tokens; positive logits divided, negative multiplied),
        then frequency and presence (output tokens only; subtracted).
     3. Logprobs are taken here: log_softmax of the logits after steps 0-2, before temperature,
@@ -29,7 +31,7 @@ import torch
 
 from engine.outputs import TokenLogprob
 from engine.sampling_params import SamplingParams
-from engine.structured.bitmask import apply_bitmask
+from engine.structured.bitmask import TokenMask, apply_token_mask
 
 _NEG_INF = float("-inf")
 
@@ -69,11 +71,11 @@ class Sampler:
         logits: torch.Tensor,
         rows: list[SamplingRow],
         eos_token_ids: Sequence[int],
-        bitmask: torch.Tensor | None = None,
+        mask: TokenMask | None = None,
     ) -> SamplerOutput:
         """logits: [B, V'] with V' >= vocab_size (padding columns are dropped); B == len(rows).
 
-        bitmask: [B, ceil(vocab_size / 32)] int32 (any device) of allowed tokens, or None.
+        mask: the tokens the constrained rows may take (structured outputs), or None.
         """
         num_rows = len(rows)
         if num_rows == 0:
@@ -82,8 +84,8 @@ class Sampler:
             raise ValueError(f"got {logits.shape[0]} logits rows for {num_rows} sampling rows")
         # logits: [B, V] float32, our own copy (modified in place below)
         logits = logits[:, : self.vocab_size].to(dtype=torch.float32, copy=True)
-        if bitmask is not None:
-            apply_bitmask(logits, bitmask.to(self.device, non_blocking=True))
+        if mask is not None:
+            apply_token_mask(logits, mask)
 
         self._apply_min_tokens(logits, rows, eos_token_ids)
         logits = self._apply_penalties(logits, rows)
@@ -142,9 +144,19 @@ class Sampler:
             banned = {t for t in banned if 0 <= t < self.vocab_size}
             row_idx.extend([i] * len(banned))
             tok_idx.extend(banned)
-        if row_idx:
-            index = torch.tensor([row_idx, tok_idx], device=self.device)  # [2, N]
+        if not row_idx:
+            return
+        index = torch.tensor([row_idx, tok_idx], device=self.device)  # [2, N]
+        constrained = sorted({i for i in row_idx if rows[i].params.response_format is not None})
+        if not constrained:
             logits[index[0], index[1]] = _NEG_INF
+            return
+        kept = logits[index[0], index[1]]  # [N]
+        logits[index[0], index[1]] = _NEG_INF
+        check = torch.tensor(constrained, device=self.device)
+        stuck = torch.zeros(len(rows), dtype=torch.bool, device=self.device)  # [B]
+        stuck[check] = torch.isneginf(logits.index_select(0, check)).all(dim=-1)
+        logits[index[0], index[1]] = torch.where(stuck[index[0]], kept, _NEG_INF)
 
     def _apply_penalties(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
         num_rows, vocab = logits.shape

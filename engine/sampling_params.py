@@ -28,7 +28,8 @@ class SamplingParams:
     max_tokens: int | None = 16
     """None: up to max_model_len."""
     min_tokens: int = 0
-    """EOS and stop token ids are suppressed until this many tokens exist."""
+    """EOS and stop token ids are suppressed until this many tokens exist. With a response_format
+    the grammar wins: a sample whose output is complete ends there (see response_format)."""
     stop: list[str] = field(default_factory=list)
     """Stop strings; matched across token boundaries and left out of the text."""
     stop_token_ids: list[int] = field(default_factory=list)
@@ -42,7 +43,9 @@ class SamplingParams:
     """Constrain the output to a JSON schema, JSON object, regex, grammar or choice. EOS is
     allowed exactly when the grammar accepts; an output cut by max_tokens ends with "length" and
     holds the partial (invalid) text; when the grammar ends, the sample stops (even with
-    ignore_eos)."""
+    ignore_eos). min_tokens applies while the grammar can go on: once the output is complete and
+    the grammar allows only its end, the sample stops ("stop") even below min_tokens. A choice
+    format rejects a min_tokens above its longest choice's UTF-8 bytes (it can never be met)."""
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -95,3 +98,13 @@ class SamplingParams:
             raise ValueError(
                 f"response_format must be a ResponseFormat, got {type(self.response_format)}"
             )
+        fmt = self.response_format
+        if fmt is not None and fmt.kind == "choice":
+            # A token holds at least one byte, so a choice output has at most as many tokens as
+            # its longest choice has bytes: a min_tokens above that can never be met.
+            longest = max(len(c.encode()) for c in fmt.choices)
+            if self.min_tokens > longest:
+                raise ValueError(
+                    f"min_tokens ({self.min_tokens}) cannot be met by a choice response_format: "
+                    f"the longest choice is {longest} bytes, so at most {longest} tokens"
+                )

@@ -1,83 +1,73 @@
-"""The batch's token bitmask: built once per step on the host, applied in one op on the device.
+"""The batch's token mask: packed bits from the grammar matchers, applied to the logits in one op.
 
-Layout (xgrammar's): int32 [B, ceil(V / 32)]; bit b of word w allows token 32 * w + b. A row of
-all ones (-1) leaves its logits untouched, so unconstrained rows share the batch's one op.
+Layout (xgrammar's): int32 [R, ceil(V / 32)]; bit b of word w allows token 32 * w + b. Only the
+R constrained rows of a batch get a row; `TokenMask.rows` says which logits rows they are.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
 
+import numpy as np
 import torch
-
-if TYPE_CHECKING:
-    import xgrammar as xgr
 
 _BITS = 32
 
 
-def pack_allowed(allowed: torch.Tensor) -> torch.Tensor:
-    """bool [V] -> int32 [ceil(V / 32)] in the layout above."""
-    words = -(-allowed.numel() // _BITS)
-    padded = torch.zeros(words * _BITS, dtype=torch.int64)
-    padded[: allowed.numel()] = allowed.to(torch.int64)
-    weights = torch.tensor([1 << b for b in range(_BITS)], dtype=torch.int64)
-    packed = (padded.view(words, _BITS) * weights).sum(-1)
-    return torch.where(packed >= 2**31, packed - 2**32, packed).to(torch.int32)
+def bitmask_words(vocab_size: int) -> int:
+    return -(-vocab_size // _BITS)
 
 
-def fill_bitmask(
-    matchers: list[xgr.GrammarMatcher | None],
-    vocab_size: int,
-    filters: list[torch.Tensor | None] | None = None,
-) -> torch.Tensor | None:
-    """[B, W] int32 on the host; None when no row is constrained.
+def pack_allowed(allowed: np.ndarray | torch.Tensor) -> np.ndarray:
+    """bool [V] -> int32 [ceil(V / 32)] in the layout above (padding bits clear)."""
+    flags = np.asarray(allowed, dtype=bool)
+    padded = np.zeros(bitmask_words(flags.size) * _BITS, dtype=bool)
+    padded[: flags.size] = flags
+    return np.packbits(padded, bitorder="little").view(np.int32)
 
-    The same matcher may appear in several rows (a request's n samples before they fork): it is
-    filled once and its row copied. `filters[i]`, when given, is a [W] mask ANDed into row i.
+
+def unpack_banned(packed: np.ndarray) -> np.ndarray:
+    """int32 [R, W] -> uint8 [R, 32 * W], 1 where a token is NOT allowed (numpy only: safe off
+    the step thread). Byte k of a little-endian word holds tokens 8k..8k+7, so unpacking the bytes
+    little-endian bit first gives token order."""
+    return np.unpackbits(np.invert(packed).view(np.uint8), axis=1, bitorder="little")
+
+
+@dataclass(frozen=True, slots=True)
+class TokenMask:
+    """The tokens each constrained row of a batch may take (one step)."""
+
+    rows: torch.Tensor | None
+    """int64 [R] logits rows to mask, ascending; None when every row of the batch is masked."""
+    packed: torch.Tensor
+    """int32 [R, W] allowed bits (host memory)."""
+    banned: torch.Tensor | None
+    """bool [R, >= V] True where a token is not allowed, unpacked on the host; None to unpack on
+    the logits' device instead (a GPU: it moves 32x fewer bytes)."""
+
+    @classmethod
+    def from_bitmask(cls, bitmask: torch.Tensor) -> TokenMask:
+        """A mask over every row of a batch from a packed int32 [B, W] bitmask."""
+        return cls(rows=None, packed=bitmask, banned=None)
+
+
+def apply_token_mask(logits: torch.Tensor, mask: TokenMask) -> None:
+    """Sets the logits of disallowed tokens to -inf, in place, in one op over the masked rows.
+
+    logits: [B, V] float with 32 * W >= V.
     """
-    first_row: dict[int, int] = {}
-    fill: list[xgr.GrammarMatcher] = []
-    fill_rows: list[int] = []
-    copies: list[tuple[int, int]] = []  # (dst row, src row)
-    for i, m in enumerate(matchers):
-        if m is None:
-            continue
-        src = first_row.get(id(m))
-        if src is None:
-            first_row[id(m)] = i
-            fill.append(m)
-            fill_rows.append(i)
-        else:
-            copies.append((i, src))
-    if not fill:
-        return None
-    import xgrammar as xgr
-
-    words = -(-vocab_size // _BITS)
-    bitmask = torch.full((len(matchers), words), -1, dtype=torch.int32)
-    if len(fill) == 1:
-        fill[0].fill_next_token_bitmask(bitmask, fill_rows[0])
+    vocab = logits.shape[1]
+    if mask.banned is not None and logits.device.type == "cpu":
+        banned = mask.banned[:, :vocab]
     else:
-        xgr.BatchGrammarMatcher(max_threads=1).batch_fill_next_token_bitmask(
-            fill, bitmask, indices=fill_rows
-        )
-    for dst, src in copies:
-        bitmask[dst] = bitmask[src]
-    for i, f in enumerate(filters or ()):
-        if f is not None:
-            bitmask[i] &= f[: bitmask.shape[1]]
-    return bitmask
-
-
-def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
-    """Sets the logits of disallowed tokens to -inf, in place, for the whole batch at once.
-
-    logits: [B, V] float; bitmask: [B, W] int32 on logits.device with 32 * W >= V.
-    """
-    num_rows, vocab = logits.shape
-    shifts = torch.arange(_BITS, dtype=torch.int32, device=logits.device)
-    # allowed: [B, W, 32] -> [B, 32 * W] -> [B, V]
-    allowed = (bitmask.unsqueeze(-1) >> shifts) & 1
-    allowed = allowed.view(num_rows, -1)[:, :vocab].bool()
-    logits.masked_fill_(~allowed, float("-inf"))
+        packed = mask.packed.to(logits.device, non_blocking=True)
+        shifts = torch.arange(_BITS, dtype=torch.int32, device=logits.device)
+        # allowed bits: [R, W, 32] -> [R, 32 * W] -> [R, V]
+        bits = (packed.unsqueeze(-1) >> shifts) & 1
+        banned = bits.view(packed.shape[0], -1)[:, :vocab] == 0
+    if mask.rows is None:
+        logits.masked_fill_(banned, float("-inf"))
+        return
+    rows = mask.rows.to(logits.device, non_blocking=True)
+    sub = logits.index_select(0, rows).masked_fill_(banned, float("-inf"))
+    logits.index_copy_(0, rows, sub)

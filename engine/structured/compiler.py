@@ -27,7 +27,7 @@ from engine.stats import GrammarCacheStats
 from engine.structured.spec import ResponseFormat
 
 if TYPE_CHECKING:
-    import torch
+    import numpy as np
     import xgrammar as xgr
 
 _JSON_OBJECT_SCHEMA = '{"type": "object"}'
@@ -64,7 +64,7 @@ class Grammar:
     """A compiled response format (engine side only)."""
 
     compiled: xgr.CompiledGrammar
-    token_filter: torch.Tensor | None
+    token_filter: np.ndarray | None
     """[W] int32 packed mask ANDed into each step's row, or None. JSON formats ban tokens holding
     raw control bytes (< 0x20): JSON forbids them in strings, but xgrammar's string rule lets
     them through (seen with byte-level BPE vocabularies, whose 256 byte tokens include them)."""
@@ -94,7 +94,7 @@ class GrammarCompilerPool:
         self._executor: ThreadPoolExecutor | None = None
         self._compiler: xgr.GrammarCompiler | None = None
         """Built on the worker thread only."""
-        self._json_filter: torch.Tensor | None = None
+        self._json_filter: np.ndarray | None = None
         self._stats = GrammarCacheStats()
 
     def submit(self, fmt: ResponseFormat) -> Future[Grammar]:
@@ -147,7 +147,7 @@ class GrammarCompilerPool:
 
     def _get_compiler(self) -> xgr.GrammarCompiler:
         if self._compiler is None:
-            import torch
+            import numpy as np
             import xgrammar as xgr
 
             from engine.structured.bitmask import pack_allowed
@@ -158,13 +158,9 @@ class GrammarCompilerPool:
                 stop_token_ids=list(self.stop_token_ids),
             )
             stops = set(self.stop_token_ids)
-            allowed = torch.tensor(
-                [
-                    i in stops or not any(b < 0x20 for b in bytes(t))
-                    for i, t in enumerate(info.decoded_vocab)
-                ],
-                dtype=torch.bool,
-            )
+            allowed = np.ones(self.vocab_size, dtype=bool)  # ids past the tokenizer's: True
+            for i, t in enumerate(info.decoded_vocab[: self.vocab_size]):
+                allowed[i] = i in stops or not any(b < 0x20 for b in bytes(t))
             self._json_filter = pack_allowed(allowed)
             # NOTE: xgrammar keeps its own cache too; ours decides lifetime and is the one counted.
             self._compiler = xgr.GrammarCompiler(

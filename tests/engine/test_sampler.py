@@ -6,11 +6,14 @@ from collections.abc import Iterator
 from dataclasses import replace
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 
 from engine.sampler import Sampler, SamplingRow
 from engine.sampling_params import SamplingParams
+from engine.structured import ResponseFormat
+from engine.structured.bitmask import TokenMask, pack_allowed
 
 V = 32
 EOS = 3
@@ -190,6 +193,43 @@ def test_min_tokens_masks_eos_and_stop_ids() -> None:
     assert lp.logprob == pytest.approx(float(torch.log_softmax(masked, -1)[8]))
 
 
+def _mask(allowed: dict[int, torch.Tensor], num_rows: int) -> TokenMask:
+    """A TokenMask over the given rows (bool [V] allowed each); the other rows are free."""
+    rows = sorted(allowed)
+    packed = torch.from_numpy(np.stack([pack_allowed(allowed[r].numpy()) for r in rows]))
+    index = None if len(rows) == num_rows else torch.tensor(rows)
+    return TokenMask(rows=index, packed=packed, banned=None)
+
+
+def test_min_tokens_gives_way_to_a_grammar_that_can_only_end() -> None:
+    """A constrained row whose grammar allows only EOS (or only banned stop ids) takes it below
+    min_tokens; a constrained row with another allowed token and free rows keep the ban."""
+    logits = torch.zeros(5, V)
+    logits[:, EOS] = 10.0
+    logits[:, 7] = 9.0
+    logits[:, 8] = 8.0
+    only = {t: torch.zeros(V, dtype=torch.bool) for t in (EOS, 7)}
+    for t, a in only.items():
+        a[t] = True
+    eos_or_4 = torch.zeros(V, dtype=torch.bool)
+    eos_or_4[[EOS, 4]] = True
+    fmt = ResponseFormat.regex("x")  # any format: the sampler only looks at whether one is set
+    grammar = SamplingParams(temperature=0.0, min_tokens=5, response_format=fmt, logprobs=0)
+    stop7 = replace(grammar, stop_token_ids=[7])
+    rows = [
+        _row(grammar),  # grammar allows only EOS: EOS despite min_tokens
+        _row(stop7),  # grammar allows only 7, a banned stop id: 7
+        _row(grammar),  # grammar allows EOS or 4: the ban holds, 4
+        _row(SamplingParams(temperature=0.0, min_tokens=5)),  # free: 7
+        _row(SamplingParams(temperature=0.0, min_tokens=5, response_format=fmt)),  # no mask row
+    ]
+    mask = _mask({0: only[EOS], 1: only[7], 2: eos_or_4}, 5)
+    out = Sampler(V, CPU, 0)(logits, rows, [EOS], mask=mask)
+    assert out.token_ids == [EOS, 7, 4, 7, 7]
+    lp = out.logprobs[0]
+    assert lp is not None and lp.logprob == pytest.approx(0.0)  # EOS is all that is left
+
+
 def _seeded_run(batches: Iterator[tuple[list[SamplingRow], int]]) -> list[int]:
     """Tokens of the row at the given position over several steps."""
     sampler = Sampler(V, CPU, 123)
@@ -259,14 +299,11 @@ def test_logprobs_are_log_softmax_and_sorted() -> None:
 
 def test_logprobs_skip_tokens_a_grammar_forbids() -> None:
     """Logprobs are taken after the grammar's mask: forbidden tokens are never top alternatives."""
-    from engine.structured.bitmask import pack_allowed
-
     logits = _logits(2, seed=9)
     allowed = torch.zeros(V, dtype=torch.bool)
     allowed[[2, 5, 11]] = True
-    bitmask = torch.stack([pack_allowed(allowed), pack_allowed(torch.ones(V, dtype=torch.bool))])
     rows = [_row(SamplingParams(logprobs=5)), _row(SamplingParams(logprobs=5))]
-    out = Sampler(V, CPU, 0)(logits, rows, [EOS], bitmask=bitmask)
+    out = Sampler(V, CPU, 0)(logits, rows, [EOS], mask=_mask({0: allowed}, 2))
     lp0, lp1 = out.logprobs
     assert lp0 is not None and lp1 is not None
     assert out.token_ids[0] in (2, 5, 11) and math.isfinite(lp0.logprob)

@@ -8,13 +8,14 @@ import re
 import threading
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
 from engine.llm import LLM
 from engine.sampling_params import SamplingParams
 from engine.structured import ResponseFormat
-from engine.structured.bitmask import apply_bitmask, fill_bitmask
+from engine.structured.bitmask import TokenMask, apply_token_mask, pack_allowed
 from engine.structured.compiler import validate_response_format
 from tests.engine.structured_cases import (
     CHOICES,
@@ -73,27 +74,81 @@ def test_bad_spec_raises_the_compilers_message(fmt: ResponseFormat, message: str
     assert ".cc:" not in str(info.value)  # xgrammar's source location is stripped
 
 
-# -- the bitmask op ------------------------------------------------------------------------------
-def test_apply_bitmask_matches_a_reference() -> None:
+# -- the mask op ---------------------------------------------------------------------------------
+def _reference_pack(allowed: torch.Tensor) -> torch.Tensor:
+    """bool [B, V] -> int32 [B, W] by arithmetic (independent of pack_allowed's numpy)."""
+    rows, vocab = allowed.shape
+    words = -(-vocab // 32)
+    padded = torch.zeros((rows, words * 32), dtype=torch.bool)
+    padded[:, :vocab] = allowed
+    weights = torch.tensor([1 << b for b in range(32)], dtype=torch.int64)
+    packed = (padded.view(rows, words, 32).to(torch.int64) * weights).sum(-1)
+    return torch.where(packed >= 2**31, packed - 2**32, packed).to(torch.int32)
+
+
+def test_pack_allowed_matches_a_reference() -> None:
+    allowed = torch.rand((4, 100), generator=torch.Generator().manual_seed(1)) < 0.5
+    packed = np.stack([pack_allowed(row.numpy()) for row in allowed])
+    assert torch.equal(torch.from_numpy(packed), _reference_pack(allowed))
+
+
+@pytest.mark.parametrize("host_unpacked", [False, True])
+@pytest.mark.parametrize("subset", [False, True])
+def test_apply_token_mask_matches_a_reference(host_unpacked: bool, subset: bool) -> None:
+    """Masked rows get -inf where not allowed; rows outside `rows` stay untouched."""
+    from engine.structured.bitmask import unpack_banned
+
     gen = torch.Generator().manual_seed(0)
     vocab = 100
-    allowed = torch.rand((3, vocab), generator=gen) < 0.3  # [B, V]
-    allowed[2] = True  # an unconstrained row
-    words = -(-vocab // 32)
-    padded = torch.zeros((3, words * 32), dtype=torch.bool)
-    padded[:, :vocab] = allowed
-    padded[2] = True
-    weights = torch.tensor([1 << b for b in range(32)], dtype=torch.int64)
-    packed = (padded.view(3, words, 32).to(torch.int64) * weights).sum(-1)
-    bitmask = torch.where(packed >= 2**31, packed - 2**32, packed).to(torch.int32)
-    logits = torch.randn((3, vocab), generator=gen)
-    expected = logits.masked_fill(~allowed, float("-inf"))
-    apply_bitmask(logits, bitmask)
+    allowed = torch.rand((4, vocab), generator=gen) < 0.3  # [B, V]
+    logits = torch.randn((4, vocab), generator=gen)
+    rows = [0, 2] if subset else [0, 1, 2, 3]
+    expected = logits.clone()
+    expected[rows] = logits[rows].masked_fill(~allowed[rows], float("-inf"))
+    packed = _reference_pack(allowed[rows])
+    banned = torch.from_numpy(unpack_banned(packed.numpy())).view(torch.bool)
+    mask = TokenMask(
+        rows=torch.tensor(rows) if subset else None,
+        packed=packed,
+        banned=banned if host_unpacked else None,
+    )
+    apply_token_mask(logits, mask)
     assert torch.equal(logits, expected)
 
 
-def test_fill_bitmask_none_without_constrained_rows() -> None:
-    assert fill_bitmask([None, None], 64) is None
+def test_mask_filler_fills_copies_filters_and_skips_free_rows() -> None:
+    """The worker's mask equals each matcher's own fill, ANDed with its filter; a matcher shared
+    by two rows is copied; free rows get no mask row."""
+    import xgrammar as xgr
+
+    from engine.structured.mask_filler import TokenMaskFiller
+
+    vocab = ["a", "b", "c", "</s>"] + [f"t{i}" for i in range(60)]  # 64 tokens, W = 2
+    info = xgr.TokenizerInfo(vocab, stop_token_ids=[3])
+    grammar = xgr.GrammarCompiler(info).compile_regex("ab*c")
+    m0, m1 = xgr.GrammarMatcher(grammar), xgr.GrammarMatcher(grammar)
+    assert m1.accept_token(0)  # "a": next is b, c
+    keep = np.ones(64, dtype=bool)
+    keep[2] = False  # the filter bans "c"
+    token_filter = pack_allowed(keep)
+    filler = TokenMaskFiller(64, unpack_on_host=True)
+    try:
+        assert filler.start([None, None], [None, None]) is None
+        pending = filler.start([m0, None, m1, m1], [None, None, token_filter, None])
+        assert pending is not None
+        mask = pending.result()
+    finally:
+        filler.close()
+    assert mask.rows is not None and mask.rows.tolist() == [0, 2, 3]
+    expected = np.full((3, 2), -1, dtype=np.int32)
+    m0.fill_next_token_bitmask(expected, 0)
+    m1.fill_next_token_bitmask(expected, 1)
+    m1.fill_next_token_bitmask(expected, 2)
+    expected[1] &= token_filter
+    assert np.array_equal(mask.packed.numpy(), expected)
+    assert mask.banned is not None
+    allowed = [set(np.flatnonzero(~mask.banned[r].numpy()).tolist()) for r in range(3)]
+    assert allowed == [{0}, {1}, {1, 2}]  # "a" / "b" ("c" filtered) / "b", "c"
 
 
 # -- generation on the tiny model (small BPE vocabulary) -----------------------------------------
@@ -171,14 +226,48 @@ def test_structured_with_logprobs_and_stop_string(llm: LLM) -> None:
         assert out[0].outputs[0].text.startswith(cut.text)
 
 
-def test_min_tokens_past_the_grammar_end_fails_the_request(llm: LLM) -> None:
-    """min_tokens still bans EOS: once the grammar can only end, no token is left (documented in
-    the proto's response_format comment)."""
+def test_min_tokens_past_a_choice_is_rejected_at_admission(llm: LLM) -> None:
+    """A choice output has at most its longest choice's bytes in tokens: known before queueing."""
     fmt = ResponseFormat.choice(["yes", "no"])
+    with pytest.raises(ValueError, match=r"min_tokens \(4\) cannot be met .* longest choice is 3"):
+        llm.generate("x", SamplingParams(min_tokens=4, max_tokens=8, response_format=fmt))
+    assert not llm.engine.has_unfinished_requests()
+    ok = SamplingParams(temperature=0.0, min_tokens=3, max_tokens=8, response_format=fmt)
+    assert llm.generate("x", ok)[0].outputs[0].text in ("yes", "no")
+
+
+def test_min_tokens_past_the_grammar_end_stops_cleanly(llm: LLM) -> None:
+    """Where admission cannot know (a regex), the grammar wins: the sample ends, valid, with
+    finish reason "stop" and fewer than min_tokens tokens (documented in the proto)."""
+    fmt = ResponseFormat.regex("(yes|no)")
     params = SamplingParams(temperature=0.0, min_tokens=10, max_tokens=16, response_format=fmt)
-    out = llm.generate("x", params)[0]
-    assert out.outputs[0].finish_reason == "error"
-    assert out.error is not None and "min_tokens or stop_token_ids conflict" in out.error
+    out = llm.generate(
+        ["x", "y"],
+        [
+            params,
+            SamplingParams(
+                temperature=1.0, seed=3, n=2, min_tokens=10, max_tokens=16, response_format=fmt
+            ),
+        ],
+    )
+    for o in out:
+        assert o.error is None
+        for c in o.outputs:
+            assert c.finish_reason == "stop" and c.text in ("yes", "no")
+            assert len(c.token_ids) < 10
+
+
+def test_min_tokens_still_holds_while_the_grammar_can_go_on(llm: LLM) -> None:
+    """EOS stays banned below min_tokens when the grammar allows more than its end."""
+    fmt = ResponseFormat.regex("(ab)+")
+    free = llm.generate("y", SamplingParams(temperature=0.0, max_tokens=40, response_format=fmt))
+    short = free[0].outputs[0]
+    assert short.finish_reason == "stop"  # the tiny model ends early here without min_tokens
+    need = len(short.token_ids) + 3
+    params = SamplingParams(temperature=0.0, min_tokens=need, max_tokens=40, response_format=fmt)
+    c = llm.generate("y", params)[0].outputs[0]
+    assert c.finish_reason in ("stop", "length") and re.fullmatch("(ab)+", c.text)
+    assert len(c.token_ids) >= need
 
 
 def test_length_ends_with_partial_text(llm: LLM) -> None:
@@ -293,16 +382,16 @@ def test_regex_and_choice_on_demo_model(demo_model_path: Path) -> None:
     test_regex_and_choice_on_tiny_model(llm)
 
 
-def test_engine_close_stops_the_grammar_worker(tiny_llama_path: Path) -> None:
+def test_engine_close_stops_the_grammar_and_mask_workers(tiny_llama_path: Path) -> None:
     llm = LLM(str(tiny_llama_path), num_device_blocks=64)
     fmt = ResponseFormat.choice(["yes", "no"])
     llm.generate("x", SamplingParams(temperature=0.0, max_tokens=4, response_format=fmt))
-    executor = llm.engine.grammars._executor
-    assert executor is not None
-    workers = list(executor._threads)
-    assert workers and all(t.is_alive() for t in workers)
+    executors = [llm.engine.grammars._executor, llm.engine.runner.masks._executor]
+    assert all(e is not None for e in executors)
+    workers = [t for e in executors for t in e._threads]  # type: ignore[union-attr]
+    assert len(workers) == 2 and all(t.is_alive() for t in workers)
     assert llm.engine.close() is True  # no disk tier: nothing to flush
     for t in workers:
         t.join(timeout=10)
         assert not t.is_alive()
-    assert llm.engine.grammars._executor is None
+    assert llm.engine.grammars._executor is None and llm.engine.runner.masks._executor is None

@@ -61,6 +61,10 @@ async def test_regex_choice_and_json_object(server: Harness) -> None:
         ({"regex": "a(b"}, "invalid regex: Regex parsing error"),
         ({"grammar": 'root ::= "a" |'}, "invalid grammar: EBNF parser error"),
         ({"choice": []}, "at least one choice"),
+        (
+            {"choice": ["yes", "no"], "min_tokens": 4},
+            "min_tokens (4) cannot be met by a choice response_format",
+        ),
     ],
 )
 async def test_bad_spec_is_invalid_argument(
