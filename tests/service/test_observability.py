@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import time
 import urllib.request
+from pathlib import Path
 
 import grpc
 import pytest
@@ -16,7 +17,7 @@ from opentelemetry.trace import SpanKind
 from prometheus_client.parser import text_string_to_metric_families
 
 from service.tracing import extract_context, make_tracer_provider
-from tests.service.conftest import Harness, StartServer
+from tests.service.conftest import Harness, StartServer, make_engine
 
 
 def _provider() -> tuple[TracerProvider, InMemorySpanExporter]:
@@ -142,3 +143,32 @@ async def test_metrics_endpoint(start_server: StartServer, server: Harness) -> N
     assert m["deja_prefix_cache_hits_total{}"] >= 16
     assert m["deja_cache_tier_blocks{state=total,tier=device}"] == 512
     assert m["deja_active_streams{}"] == 0
+
+
+async def test_host_buffers_in_cache_stats_and_metrics(
+    start_server: StartServer, tiny_llama_path: Path, tmp_path: Path
+) -> None:
+    """With the CPU and disk tiers on, GetCacheStats and /metrics list the engine's bounded host
+    buffers with their sizes and caps (issue 15)."""
+    engine = make_engine(tiny_llama_path, num_cpu_blocks=16, disk_dir=str(tmp_path / "disk"))
+    try:
+        h = await start_server(engine, metrics_port=0)
+        await h.client.complete(list(range(10, 110)), max_tokens=2)
+        stats = await h.client.cache_stats()
+        buffers = {b.name: b for b in stats.buffers}
+        assert set(buffers) == {"cpu_tier", "disk_read_cache", "disk_write_queue"}
+        cpu = buffers["cpu_tier"]
+        assert cpu.entries == cpu.max_entries == 16 and cpu.bytes == cpu.max_bytes > 0
+        for b in buffers.values():
+            assert b.max_entries >= 1
+            assert 0 <= b.bytes <= b.max_bytes and 0 <= b.entries <= b.max_entries
+        await asyncio.sleep(0.2)  # monitor ticks refresh the engine gauges
+        assert h.replica.metrics_port
+        m = await asyncio.to_thread(_scrape, h.replica.metrics_port)
+        assert m["deja_cache_buffer_bytes{buffer=cpu_tier,state=max}"] == cpu.max_bytes
+        assert m["deja_cache_buffer_blocks{buffer=disk_write_queue,state=max}"] == (
+            buffers["disk_write_queue"].max_entries
+        )
+        assert m["deja_cache_buffer_bytes{buffer=disk_read_cache,state=used}"] >= 0
+    finally:
+        engine.shutdown(0.0)
