@@ -88,6 +88,8 @@ def load_model(
         model = model_cls(hf_config, dtype, backend)
         model.load_weights(iter_weights(model_config.path))
         model = model.to(device)
+        if device.type == "cpu":
+            model.use_cpu_layout()
     model.eval()
     model.requires_grad_(False)
     return model, hf_config

@@ -31,6 +31,10 @@ class _SeqGroup:
     """[Sg, Q] int64: flat token of query j of each sequence (padding queries clamped)."""
     mask: torch.Tensor
     """[Sg, Q, L] bool: key p is visible to query j."""
+    all_visible: bool
+    """Every query sees every key (e.g. one decoding sequence): SDPA runs without a mask."""
+    query_identity: bool
+    """query_index is arange(T) (the group is the whole batch, Q queries each): no gather."""
     block_index_by_block_size: dict[int, torch.Tensor] = field(default_factory=dict)
     """block_size -> [Sg * C] int64: the first C = ceil(L / BS) block ids of each sequence."""
     masks_by_group: dict[int, torch.Tensor] = field(default_factory=dict)
@@ -47,12 +51,15 @@ class _SeqGroup:
             self.block_index_by_block_size[block_size] = idx
         return idx
 
-    def group_mask(self, group: int, dtype: torch.dtype) -> torch.Tensor:
-        """[Sg, 1, G * Q, L] additive mask (0 visible, -inf hidden) in the query dtype.
+    def group_mask(self, group: int, dtype: torch.dtype) -> torch.Tensor | None:
+        """[Sg, 1, G * Q, L] additive mask (0 visible, -inf hidden) in the query dtype; None when
+        every key is visible.
 
         NOTE: SDPA turns a boolean mask into an additive one on every call; building it once
         per step saves that conversion in every layer.
         """
+        if self.all_visible:
+            return None
         mask = self.masks_by_group.get(group)
         if mask is None or mask.dtype != dtype:
             visible = self.mask.repeat(1, group, 1).unsqueeze(1)
@@ -156,7 +163,10 @@ def _attend(
         .transpose(1, 2)  # [Sg, Hkv, L, D]
         for i in (0, 1)
     )
-    queries = q[group.query_index]  # [Sg, Q, Hq, D]
+    # [Sg, Q, Hq, D]
+    queries = (
+        q.view(num_seqs, max_q, *q.shape[1:]) if group.query_identity else q[group.query_index]
+    )
     # fold the G query heads of each KV head into the query axis: [Sg, Hkv, G * Q, D]
     queries = (
         queries.view(num_seqs, max_q, num_kv_heads, g, head_dim)
@@ -208,7 +218,14 @@ def _build_group(
     mask = (key_pos[None, None, :] <= query_abs[:, :, None]) & (
         key_pos[None, None, :] < lens[:, None, None]
     )  # [Sg, Q, L]
-    return _SeqGroup(block_tables, key_pos, query_index, mask)
+    # NOTE: the host already knows both facts; no device sync.
+    all_visible = all(q == 1 for q in query_lens) and min(seq_lens) == max_len
+    query_identity = (
+        seqs == list(range(len(seqs)))
+        and all(q == max_q for q in query_lens)
+        and len(seqs) * max_q == num_tokens
+    )
+    return _SeqGroup(block_tables, key_pos, query_index, mask, all_visible, query_identity)
 
 
 def _build_plan(meta: AttentionMetadata) -> _StepPlan:

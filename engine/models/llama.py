@@ -84,6 +84,10 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32 and self.weight.dtype == torch.float32:
+            # One fused op: the same x * rsqrt(mean(x^2) + eps) * weight, bit for bit (the
+            # parity tests hold it to transformers), without the eight small ops below.
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         # NOTE: like transformers: normalize in float32, cast back, then scale.
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -100,6 +104,29 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 def _linear(in_features: int, out_features: int, bias: bool, dtype: torch.dtype) -> nn.Linear:
     # Uninitialized: every weight comes from the checkpoint.
     return torch.nn.utils.skip_init(nn.Linear, in_features, out_features, bias=bias, dtype=dtype)
+
+
+class TransposedLinear(nn.Module):
+    """nn.Linear with its weight stored transposed and dense, [in, out], for CPU inference.
+
+    NOTE: on CPU, the one-row products of decoding (x: [1, in]) run ~20% faster as x @ W^T with
+    W^T dense than through F.linear on the [out, in] weight (measured over the demo model's
+    matmuls: 37 -> 29.5 ms of CPU time per token, one thread). From 17 rows up both are the same
+    GEMM, bit for bit; below, the sums are ordered differently (relative error ~1e-6, as between
+    any two batch sizes).
+    """
+
+    def __init__(self, linear: nn.Linear) -> None:
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        # weight_t: [in, out]
+        self.weight_t = nn.Parameter(linear.weight.detach().t().contiguous(), requires_grad=False)
+        self.bias = linear.bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.bias is None:
+            return x @ self.weight_t
+        return torch.addmm(self.bias, x, self.weight_t)
 
 
 class LlamaAttention(nn.Module):
@@ -132,12 +159,11 @@ class LlamaAttention(nn.Module):
     ) -> torch.Tensor:
         num_tokens = x.shape[0]
         qkv = self.qkv_proj(x)  # [T, (Hq + 2 * Hkv) * D]
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = apply_rope(q.view(num_tokens, self.num_heads, self.head_dim), cos, sin)  # [T, Hq, D]
-        k = apply_rope(
-            k.view(num_tokens, self.num_kv_heads, self.head_dim), cos, sin
-        )  # [T, Hkv, D]
-        v = v.reshape(num_tokens, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
+        qk, v = qkv.split([self.q_size + self.kv_size, self.kv_size], dim=-1)
+        # q and k heads side by side get one RoPE: [T, Hq + Hkv, D]
+        qk = apply_rope(qk.view(num_tokens, self.num_heads + self.num_kv_heads, -1), cos, sin)
+        q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)  # [T, Hq, D], [T, Hkv, D]
+        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
         out = self.backend.forward(q, k, v, kv_cache, meta, self.scale)  # [T, Hq, D]
         return self.o_proj(out.reshape(num_tokens, self.q_size))  # [T, hidden]
 
@@ -233,6 +259,15 @@ class LlamaForCausalLM(nn.Module):
         for i, layer in enumerate(self.model.layers):
             h = layer(h, cos, sin, kv_cache[i], meta)
         return self.model.norm(h)
+
+    def use_cpu_layout(self) -> None:
+        """Stores every projection transposed (TransposedLinear); call once, after loading, when
+        the model runs on the CPU. A tied lm_head gets its own transposed copy (the embedding keeps
+        its rows): vocab x hidden more memory, for the largest product of every step."""
+        for module in list(self.modules()):
+            for name, child in list(module.named_children()):
+                if isinstance(child, nn.Linear):
+                    setattr(module, name, TransposedLinear(child))
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [N, hidden] -> [N, vocab] float32."""
