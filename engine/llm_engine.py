@@ -13,7 +13,7 @@ import torch
 from engine.attention import get_attention_backend
 from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
-from engine.input_processor import InputProcessor, Prompt
+from engine.input_processor import InputProcessor
 from engine.kv.manager import KVCacheManager
 from engine.kv.tiers import TieredCache
 from engine.kv_store import KVStore, build_tiers
@@ -25,6 +25,7 @@ from engine.model_loader import (
     read_hf_config,
 )
 from engine.outputs import CompletionOutput, RequestOutput
+from engine.prompt import Prompt
 from engine.runner import ModelRunner, StepSamples
 from engine.sampler import Sampler
 from engine.sampling_params import SamplingParams

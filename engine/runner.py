@@ -121,9 +121,7 @@ class ModelRunner:
         if not sched.scheduled:
             return []
         input_ids, positions, meta = self._build_batch(sched.scheduled, tables)
-        prepare = getattr(self.backend, "prepare", None)
-        if prepare is not None:
-            prepare(meta)
+        self.backend.prepare(meta)
         hidden = self.model(input_ids, positions, self.kv_cache, meta)  # [T, hidden]
 
         rows: list[SamplingRow] = []

@@ -1,6 +1,6 @@
 """The replica: a grpc.aio server over the AsyncEngine.
 
-The servicer only translates between deja.v1 messages and engine types (service/convert.py) and
+The servicer only translates between deja.v1 messages and engine types (service/replica/convert.py) and
 maps failures to status codes:
 
     bad input (engine ValueError, undecodable message)   INVALID_ARGUMENT, the engine's message
@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
 import logging
 import time
 import uuid
@@ -40,15 +39,16 @@ from engine.errors import EngineDeadError, StreamOverflowError
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
 from engine.stats import EngineStats, ModelInfo
-from service import convert
-from service.config import ServiceConfig
-from service.metrics import ServiceMetrics
-from service.proto.deja.v1 import inference_pb2 as pb
-from service.tracing import end_request_span, extract_context, get_tracer, start_request_span
+from service.api.deja.v1 import inference_pb2 as pb
+from service.common.auth import Auth, Unauthenticated, derive_cache_salt
+from service.common.rpc import SERVICE_NAME, abort
+from service.common.tracing import end_request_span, extract_context, get_tracer, start_request_span
+from service.replica import convert
+from service.replica.config import ServiceConfig
+from service.replica.metrics import ServiceMetrics
 
 log = logging.getLogger(__name__)
 
-SERVICE_NAME = "deja.v1.Inference"
 _SERVING = health_pb2.HealthCheckResponse.SERVING
 _NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 
@@ -88,16 +88,6 @@ class Engine(Protocol):
     async def cached_block_hashes(self, limit: int) -> list[bytes]: ...
 
 
-def derive_cache_salt(tenant: str | None, client_salt: str, allow_client: bool) -> str | None:
-    """The salt the engine gets: the tenant's own with auth on, else the client's (if any)."""
-    if tenant is None:
-        return client_salt or None
-    salt = "tenant:" + tenant
-    if allow_client and client_salt:
-        salt += "\x00client:" + client_salt
-    return salt
-
-
 @dataclass(slots=True)
 class _Stream:
     """One open Generate call."""
@@ -132,7 +122,7 @@ class InferenceServicer:
     ) -> None:
         self._engine = engine
         self._config = config
-        self._tokens = [(t.encode(), tenant) for t, tenant in config.auth_tokens]
+        self._auth = Auth(config.auth_tokens)
         self.replica_id = replica_id
         self._health = health_servicer
         self._metrics = metrics
@@ -155,35 +145,14 @@ class InferenceServicer:
         self, context: grpc.aio.ServicerContext, code: grpc.StatusCode, msg: str, outcome: str
     ) -> NoReturn:
         self._metrics.requests.labels(outcome).inc()
-        await context.abort(code, msg)
-        raise AssertionError("unreachable")
+        await abort(context, code, msg)
 
     async def _authenticate(self, context: grpc.aio.ServicerContext) -> str | None:
         """The caller's tenant (None with auth off); aborts UNAUTHENTICATED otherwise."""
-        if not self._tokens:
-            return None
-        header = ""
-        for key, value in context.invocation_metadata() or ():
-            if key.lower() == "authorization" and isinstance(value, str):
-                header = value
-        code = grpc.StatusCode.UNAUTHENTICATED
-        if not header:
-            await self._abort(
-                context, code, "missing `authorization: Bearer <token>` metadata", "unauthenticated"
-            )
-        scheme, _, token = header.partition(" ")
-        if scheme.lower() != "bearer" or not token.strip():
-            await self._abort(
-                context, code, "authorization metadata must be `Bearer <token>`", "unauthenticated"
-            )
-        given = token.strip().encode()
-        tenant = None
-        for known, name in self._tokens:
-            if hmac.compare_digest(known, given):
-                tenant = name
-        if tenant is None:
-            await self._abort(context, code, "unknown bearer token", "unauthenticated")
-        return tenant
+        try:
+            return self._auth.tenant_for(context.invocation_metadata())
+        except Unauthenticated as e:
+            await self._abort(context, grpc.StatusCode.UNAUTHENTICATED, str(e), "unauthenticated")
 
     async def _check_request(
         self,

@@ -1,8 +1,8 @@
 """The router's servicer: the replicas' public deja.v1.Inference API, in front of them (the
-process around it, with health, reflection and metrics, is service/router_server.py).
+process around it, with health, reflection and metrics, is service/router/server.py).
 
-Generate: pick a replica (service/router_policy.py over the healthy replicas of
-service/router_pool.py, with the session and prefix records of the affinity store), proxy the
+Generate: pick a replica (service/router/policy.py over the healthy replicas of
+service/router/pool.py, with the session and prefix records of the affinity store), proxy the
 stream with the caller's deadline and metadata (bearer token; the W3C trace context becomes the
 router span's), and retry on the next replica when one answers UNAVAILABLE (or
 RESOURCE_EXHAUSTED: its queue is full) before the first message. The final message carries
@@ -23,7 +23,7 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
-from typing import Any, NoReturn, TypeVar
+from typing import Any, TypeVar
 
 import grpc
 from opentelemetry import trace
@@ -32,18 +32,18 @@ from opentelemetry.trace import SpanKind, Status, StatusCode
 
 from service.affinity.base import AffinityStore, AffinityStoreError
 from service.affinity.prefix import bounded_chain
-from service.proto.deja.v1 import inference_pb2 as pb
-from service.proto.deja.v1 import inference_pb2_grpc as pb_grpc
-from service.router_config import RouterConfig
-from service.router_metrics import RouterMetrics
-from service.router_policy import NoReplicaError, RouteDecision, RouteInputs, decide
-from service.router_pool import ReplicaHandle, ReplicaPool
-from service.router_prompt import PromptChains, PromptHasher
-from service.tracing import extract_context, get_tracer
+from service.api.deja.v1 import inference_pb2 as pb
+from service.api.deja.v1 import inference_pb2_grpc as pb_grpc
+from service.common.rpc import SERVICE_NAME, abort
+from service.common.tracing import extract_context, get_tracer
+from service.router.config import RouterConfig
+from service.router.metrics import RouterMetrics
+from service.router.policy import NoReplicaError, RouteDecision, RouteInputs, decide
+from service.router.pool import ReplicaHandle, ReplicaPool
+from service.router.prompt import PromptChains, PromptHasher
 
 log = logging.getLogger(__name__)
 
-SERVICE_NAME = "deja.v1.Inference"
 _RETRY_BEFORE_FIRST = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED)
 _DROP_METADATA = ("user-agent", "content-type", "te", "host", "traceparent", "tracestate")
 """Never forwarded (transport headers; trace context is re-injected when tracing is on)."""
@@ -60,7 +60,7 @@ def forward_metadata(
         if not k.startswith((":", "grpc-")) and k.lower() not in _DROP_METADATA
     ]
     if span is not None and span.get_span_context().is_valid:
-        from service.tracing import inject_context
+        from service.common.tracing import inject_context
 
         inject_context(span, out)
     else:  # tracing off here: pass the caller's context through unchanged
@@ -181,7 +181,7 @@ class RouterServicer(pb_grpc.InferenceServicer):
         self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.GenerateResponse]:
         if self.draining:
-            await _abort(context, grpc.StatusCode.UNAVAILABLE, "router is draining")
+            await abort(context, grpc.StatusCode.UNAVAILABLE, "router is draining")
         t0 = time.monotonic()
         metadata = list(context.invocation_metadata() or ())
         key = request.session_id or request.request_id or uuid.uuid4().hex
@@ -215,7 +215,7 @@ class RouterServicer(pb_grpc.InferenceServicer):
                     detail = "no healthy replica to route to"
                     if exclude:
                         detail += f" (tried {', '.join(sorted(exclude))})"
-                    await _abort(context, grpc.StatusCode.UNAVAILABLE, detail)
+                    await abort(context, grpc.StatusCode.UNAVAILABLE, detail)
                 span.add_event(
                     "routed",
                     {
@@ -252,7 +252,7 @@ class RouterServicer(pb_grpc.InferenceServicer):
                         )
                         continue
                     outcome = code.name
-                    await _abort(context, code, e.details() or code.name)
+                    await abort(context, code, e.details() or code.name)
                 finally:
                     handle.inflight -= 1
                     call.cancel()
@@ -296,12 +296,12 @@ class RouterServicer(pb_grpc.InferenceServicer):
                 return await call(h, context.time_remaining(), md)
             except grpc.aio.AioRpcError as e:
                 if e.code() != grpc.StatusCode.UNAVAILABLE:
-                    await _abort(context, e.code(), e.details() or e.code().name)
+                    await abort(context, e.code(), e.details() or e.code().name)
                 last = e
                 assert h.replica_id is not None
                 exclude.add(h.replica_id)
         detail = last.details() if last is not None else "no healthy replica"
-        await _abort(context, grpc.StatusCode.UNAVAILABLE, detail or "no healthy replica")
+        await abort(context, grpc.StatusCode.UNAVAILABLE, detail or "no healthy replica")
 
     async def _all(
         self,
@@ -387,8 +387,3 @@ class RouterServicer(pb_grpc.InferenceServicer):
         )
         aborted = {rid for r in results for rid in r.aborted}
         return pb.AbortResponse(aborted=[rid for rid in request.request_ids if rid in aborted])
-
-
-async def _abort(context: grpc.aio.ServicerContext, code: grpc.StatusCode, detail: str) -> NoReturn:
-    await context.abort(code, detail)
-    raise AssertionError("unreachable")
