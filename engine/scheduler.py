@@ -82,9 +82,6 @@ class Scheduler:
         if self.swap is not None:
             self.swap.drop_swap(seq.seq_id)
 
-    def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
-
     def _can_ever_fit(self, seq: Sequence) -> bool:
         return -(-len(seq.token_ids) // self.kv.block_size) <= self.kv.num_blocks
 
