@@ -21,6 +21,7 @@ from typing import Any
 from engine.config import EngineConfig
 from engine.errors import EngineDeadError, StreamOverflowError
 from engine.llm_engine import LLMEngine, Prompt
+from engine.output_stream import read_outputs
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
 from engine.sequence import Request
@@ -37,6 +38,11 @@ class _Stream:
     """Deltas sent by the step thread and not yet read (step thread increments, reader decrements)."""
     lock: threading.Lock = field(default_factory=threading.Lock)
     closed: bool = False
+
+    def took(self) -> None:
+        """The reader took one item off the queue."""
+        with self.lock:
+            self.pending -= 1
 
 
 class AsyncEngine:
@@ -126,24 +132,19 @@ class AsyncEngine:
             if rid in self._streams:
                 raise ValueError(f"request id {rid!r} is already in use")
             self._streams[rid] = stream
-        self._send(("add", req))
-        finished = False
-        try:
-            while True:
-                item = await stream.queue.get()
-                with stream.lock:
-                    stream.pending -= 1
-                if isinstance(item, BaseException):
-                    raise item
-                finished = item.finished
-                yield item
-                if finished:
-                    return
-        finally:
+
+        def leave(finished: bool) -> None:
             with self._streams_lock:
                 self._streams.pop(rid, None)
             if not finished:
                 self._send(("abort", rid))
+
+        outputs = read_outputs(
+            stream.queue, start=lambda: self._send(("add", req)), leave=leave, on_read=stream.took
+        )
+        async with contextlib.aclosing(outputs):
+            async for out in outputs:
+                yield out
 
     def abort(self, request_id: str) -> bool:
         """Aborts a request (any thread); its blocks are freed before the next step."""

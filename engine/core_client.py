@@ -32,8 +32,10 @@ from typing import Any
 from engine.config import EngineConfig
 from engine.core import PackedOutput, run_engine_core, unpack_output, widen_pipe
 from engine.errors import EngineDeadError, StreamOverflowError
-from engine.input_processor import InputProcessor, Prompt
+from engine.input_processor import InputProcessor
+from engine.output_stream import read_outputs
 from engine.outputs import RequestOutput
+from engine.prompt import Prompt
 from engine.sampling_params import SamplingParams
 from engine.stats import EngineStats, ModelInfo
 
@@ -164,21 +166,16 @@ class EngineCoreClient:
             raise ValueError(f"request id {rid!r} is already in use")
         stream = _Stream(req.prompt_token_ids, asyncio.Queue())
         self._streams[rid] = stream
-        finished = False
-        try:
-            self._send(("add", req))
-            while True:
-                item = await stream.queue.get()
-                if isinstance(item, BaseException):
-                    raise item
-                finished = item.finished
-                yield item
-                if finished:
-                    return
-        finally:
+
+        def leave(finished: bool) -> None:
             self._streams.pop(rid, None)
             if not finished and self._dead is None:
                 self._send_abort([rid])
+
+        outputs = read_outputs(stream.queue, start=lambda: self._send(("add", req)), leave=leave)
+        async with contextlib.aclosing(outputs):
+            async for out in outputs:
+                yield out
 
     def abort(self, request_id: str) -> bool:
         """Aborts a request; the core frees its blocks before its next step."""
