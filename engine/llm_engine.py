@@ -16,7 +16,7 @@ from engine.detokenizer import IncrementalDetokenizer
 from engine.input_processor import InputProcessor
 from engine.kv.manager import KVCacheManager
 from engine.kv.tiers import TieredCache
-from engine.kv_store import KVStore, build_tiers
+from engine.kv_io.offload import KVStore, build_tiers
 from engine.model_loader import (
     eos_token_ids,
     kv_dims,

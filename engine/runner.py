@@ -17,7 +17,7 @@ from engine.structured.bitmask import fill_bitmask
 
 
 class OffloadStore(Protocol):
-    """Carries out the CPU/disk parts of a plan (engine/kv_store.py)."""
+    """Carries out the CPU/disk parts of a plan (engine/kv_io/offload.py)."""
 
     def apply(self, plan: KVPlan, kv_cache: torch.Tensor) -> None: ...
 

@@ -1,6 +1,6 @@
 """The tiers below the device pool: a CPU tier of host blocks and the disk tier's index.
 
-Pure Python on integer block ids and hashes; no torch, no file I/O (engine/kv_store.py carries the
+Pure Python on integer block ids and hashes; no torch, no file I/O (engine/kv_io/offload.py carries the
 plans out and reads the files). `TieredCache` implements the `LowerTiers` protocol of
 `KVCacheManager`.
 
@@ -39,7 +39,7 @@ Rules:
   holds them then, and copied into staging memory at once (the writer thread does the I/O). A hash
   the disk index holds is never queued: each hash is written once across tiers.
 - A disk tier whose files failed (read-only or full directory) is off: `find` stops probing and
-  nothing more is queued (engine/kv_disk.py turns it off, with a warning and a counter).
+  nothing more is queued (engine/kv_io/disk.py turns it off, with a warning and a counter).
 """
 
 from __future__ import annotations
@@ -60,7 +60,7 @@ WRITE_POLICIES = ("write-through", "selective", "write-back")
 
 
 class DiskIO(Protocol):
-    """The file side of the disk tier (engine/kv_disk.py)."""
+    """The file side of the disk tier (engine/kv_io/disk.py)."""
 
     @property
     def enabled(self) -> bool:

@@ -2,7 +2,7 @@
 
 CPU tier: `cpu_cache` [num_layers, 2, num_cpu_blocks, block_size, num_kv_heads, head_dim], the
 same per-block layout as the device cache, in pinned memory when the device is CUDA. The disk
-tier's files live in engine/kv_disk.py.
+tier's files live in engine/kv_io/disk.py.
 
 Between steps (`after_step`) the store carries out the write policy's disk writes: each block is
 copied into its own staging payload (on CUDA: a device gather, then one non-blocking copy into
@@ -23,7 +23,7 @@ from engine.kv.disk_index import DiskIndex
 from engine.kv.hashing import BlockHash
 from engine.kv.plan import KVPlan
 from engine.kv.tiers import DiskWrites, TieredCache
-from engine.kv_disk import FORMAT, HEADER_BYTES, READ_CACHE_BYTES, DiskFiles, model_fingerprint
+from engine.kv_io.disk import FORMAT, HEADER_BYTES, READ_CACHE_BYTES, DiskFiles, model_fingerprint
 from engine.stats import ModelInfo
 
 
