@@ -25,8 +25,8 @@ import contextlib
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from dataclasses import dataclass, field
 from typing import NoReturn, Protocol
 
 import grpc
@@ -34,6 +34,7 @@ from google.protobuf.message import DecodeError, Message
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.trace import Span
 
 from engine.errors import EngineDeadError, StreamOverflowError
 from engine.outputs import RequestOutput
@@ -98,6 +99,41 @@ class _Stream:
     queued: bool = True
     """Admitted but no output yet (what admission control counts)."""
     done: bool = False
+
+
+@dataclass(slots=True)
+class _StreamRecord:
+    """One Generate call as it runs: what it streamed, how it ended, its span."""
+
+    request: pb.GenerateRequest
+    stream: _Stream
+    salt: str | None
+    """The cache salt the engine hashes with (also what the replica agent records)."""
+    span: Span
+    outputs: AsyncIterator[RequestOutput]
+    """The engine's deltas for this request."""
+    tally: convert.StreamTally = field(default_factory=convert.StreamTally)
+    last: RequestOutput | None = None
+    outcome: str = "cancelled"
+    """The `outcome` label of deja_requests_total (cancelled until the stream says otherwise)."""
+    error: str | None = None
+    """Set when the call must end with an error status (`_fail` maps outcome to the code)."""
+    last_token_t: float | None = None
+
+    def failed(self, e: Exception) -> None:
+        """Maps an exception from the engine's stream to the call's outcome and error."""
+        if isinstance(e, ValueError):
+            if self.last is not None:
+                self.outcome, self.error = "internal", f"engine failed mid-stream: {e}"
+            else:
+                self.outcome, self.error = "invalid_argument", str(e)
+        elif isinstance(e, StreamOverflowError):
+            self.outcome, self.error = "stream_overflow", str(e)
+        elif isinstance(e, EngineDeadError):
+            self.outcome, self.error = "internal", f"engine failed: {e}"
+        else:
+            log.exception("request %s failed", self.stream.client_id)
+            self.outcome, self.error = "internal", f"engine failed: {type(e).__name__}: {e}"
 
 
 class _BadMessage:
@@ -194,8 +230,29 @@ class InferenceServicer:
     async def Generate(
         self, request: pb.GenerateRequest | _BadMessage, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.GenerateResponse]:
-        tenant = await self._check_request(request, context)
+        tenant = await self._admit(request, context)
         assert isinstance(request, pb.GenerateRequest)
+        rec = await self._open(request, context, tenant)
+        try:
+            async with contextlib.aclosing(self._relay(rec)) as relay:
+                async for resp in relay:
+                    yield resp
+        except asyncio.CancelledError:
+            if context.time_remaining() is not None and context.time_remaining() <= 0:
+                rec.outcome = "deadline_exceeded"
+            raise
+        except Exception as e:
+            rec.failed(e)
+        finally:
+            self._close(rec)
+        if rec.error is not None:
+            await self._fail(context, rec.outcome, rec.error)
+
+    async def _admit(
+        self, request: pb.GenerateRequest | _BadMessage, context: grpc.aio.ServicerContext
+    ) -> str | None:
+        """Entry checks, engine health and admission control; returns the tenant."""
+        tenant = await self._check_request(request, context)
         try:
             self._engine.check_health()
         except Exception as e:
@@ -215,6 +272,13 @@ class InferenceServicer:
                 f"(limit {self._config.max_queued_requests}); retry later or on another replica",
                 "rejected_queue_full",
             )
+        return tenant
+
+    async def _open(
+        self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext, tenant: str | None
+    ) -> _StreamRecord:
+        """Maps the request to engine types, registers the stream and starts its span and its
+        engine request (which runs once the record's outputs are read)."""
         try:
             inp = convert.engine_input(request)
             params = convert.sampling_params(request)
@@ -244,75 +308,60 @@ class InferenceServicer:
         self.streams[engine_id] = stream
         context.add_done_callback(lambda _ctx: self._on_call_done(stream))
         self._metrics.active_streams.inc()
-        tally = convert.StreamTally()
-        last: RequestOutput | None = None
-        outcome, error = "cancelled", None
-        last_token_t: float | None = None
-        try:
-            gen = self._engine.generate(
-                inp.prompt,
-                params,
-                request_id=engine_id,
-                messages=inp.messages,
-                cache_salt=salt,
-            )
-            async with contextlib.aclosing(gen):  # type: ignore[type-var]
-                async for out in gen:
-                    stream.queued = False
-                    now = time.monotonic()
-                    new_tokens = tally.add(out)
-                    if new_tokens:
-                        if last_token_t is not None:
-                            gap = (now - last_token_t) / new_tokens
-                            for _ in range(new_tokens):
-                                self._metrics.itl.observe(gap)
-                        last_token_t = now
-                    resp = self._delta(request, client_id, out, first=last is None)
-                    last = out
-                    if out.finished:
-                        stream.done = True
-                        if out.error or "error" in tally.finish_reasons():
-                            outcome, error = "error", out.error or "engine error"
-                            break
-                        resp.final.CopyFrom(
-                            convert.final_message(out, tally, replica_id=self.replica_id)
-                        )
-                        outcome = tally.finish_reasons()[0] if tally.ends else "stop"
-                        if self.on_finished is not None:
-                            self.on_finished(request.session_id, out.prompt_token_ids, salt)
-                    yield resp
-        except ValueError as e:
-            if last is not None:
-                outcome, error = "internal", f"engine failed mid-stream: {e}"
-            else:
-                outcome, error = "invalid_argument", str(e)
-        except StreamOverflowError as e:
-            outcome, error = "stream_overflow", str(e)
-        except EngineDeadError as e:
-            outcome, error = "internal", f"engine failed: {e}"
-        except asyncio.CancelledError:
-            if context.time_remaining() is not None and context.time_remaining() <= 0:
-                outcome = "deadline_exceeded"
-            raise
-        except Exception as e:
-            log.exception("request %s failed", client_id)
-            outcome, error = "internal", f"engine failed: {type(e).__name__}: {e}"
-        finally:
-            stream.done = True
-            self.streams.pop(engine_id, None)
-            self._metrics.active_streams.dec()
-            if error is None:  # failures are counted by _fail with their status
-                self._metrics.requests.labels(outcome).inc()
-            self._record(last, tally)
-            end_request_span(
-                span,
-                last if last is not None and last.finished else None,
-                completion_tokens=tally.completion_tokens,
-                finish_reasons=tally.finish_reasons(),
-                error=error or (outcome if outcome in ("cancelled", "deadline_exceeded") else None),
-            )
-        if error is not None:
-            await self._fail(context, outcome, error)
+        outputs = self._engine.generate(
+            inp.prompt, params, request_id=engine_id, messages=inp.messages, cache_salt=salt
+        )
+        return _StreamRecord(request, stream, salt, span, outputs)
+
+    async def _relay(self, rec: _StreamRecord) -> AsyncGenerator[pb.GenerateResponse, None]:
+        """The engine's deltas as response messages, up to the final one (or an engine error)."""
+        async with contextlib.aclosing(rec.outputs):  # type: ignore[type-var]
+            async for out in rec.outputs:
+                rec.stream.queued = False
+                self._observe_itl(rec, rec.tally.add(out))
+                resp = self._delta(rec.request, rec.stream.client_id, out, first=rec.last is None)
+                rec.last = out
+                if out.finished:
+                    rec.stream.done = True
+                    if out.error or "error" in rec.tally.finish_reasons():
+                        rec.outcome, rec.error = "error", out.error or "engine error"
+                        return
+                    resp.final.CopyFrom(
+                        convert.final_message(out, rec.tally, replica_id=self.replica_id)
+                    )
+                    rec.outcome = rec.tally.finish_reasons()[0] if rec.tally.ends else "stop"
+                    if self.on_finished is not None:
+                        self.on_finished(rec.request.session_id, out.prompt_token_ids, rec.salt)
+                yield resp
+
+    def _observe_itl(self, rec: _StreamRecord, new_tokens: int) -> None:
+        """Inter-token latency: the gap since the last delta, spread over its new tokens."""
+        if not new_tokens:
+            return
+        now = time.monotonic()
+        if rec.last_token_t is not None:
+            gap = (now - rec.last_token_t) / new_tokens
+            for _ in range(new_tokens):
+                self._metrics.itl.observe(gap)
+        rec.last_token_t = now
+
+    def _close(self, rec: _StreamRecord) -> None:
+        """Unregisters the stream and records its outcome, usage and span."""
+        rec.stream.done = True
+        self.streams.pop(rec.stream.engine_id, None)
+        self._metrics.active_streams.dec()
+        if rec.error is None:  # failures are counted by _fail with their status
+            self._metrics.requests.labels(rec.outcome).inc()
+        self._record(rec.last, rec.tally)
+        last = rec.last
+        end_request_span(
+            rec.span,
+            last if last is not None and last.finished else None,
+            completion_tokens=rec.tally.completion_tokens,
+            finish_reasons=rec.tally.finish_reasons(),
+            error=rec.error
+            or (rec.outcome if rec.outcome in ("cancelled", "deadline_exceeded") else None),
+        )
 
     @staticmethod
     def _delta(

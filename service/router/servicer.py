@@ -18,11 +18,13 @@ up the healthy replicas; Abort goes to every healthy replica.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import grpc
@@ -66,6 +68,27 @@ def forward_metadata(
     else:  # tracing off here: pass the caller's context through unchanged
         out += [(k, v) for k, v in metadata if k.lower() in ("traceparent", "tracestate")]
     return out
+
+
+@dataclass(slots=True)
+class _Routed:
+    """One Generate call through the router: its routing state, outcome and span."""
+
+    request: pb.GenerateRequest
+    key: str
+    """Session id, else request id: the rendezvous and tie-break key."""
+    span: trace.Span
+    metadata: list[tuple[str, Any]]
+    """What is forwarded upstream (service/router/servicer.forward_metadata)."""
+    prompt: PromptChains
+    t0: float
+    exclude: set[str] = field(default_factory=set)
+    """Replicas that refused an earlier attempt."""
+    decision: RouteDecision | None = None
+    got_first: bool = False
+    """The current attempt relayed a message (no retry after that)."""
+    outcome: str = "CANCELLED"
+    """ok or a status name (the `outcome` label of deja_router_requests_total)."""
 
 
 class RouterServicer(pb_grpc.InferenceServicer):
@@ -182,9 +205,31 @@ class RouterServicer(pb_grpc.InferenceServicer):
     ) -> AsyncIterator[pb.GenerateResponse]:
         if self.draining:
             await abort(context, grpc.StatusCode.UNAVAILABLE, "router is draining")
+        rec = self._open(request, context)
+        self.inflight += 1
+        self._metrics.inflight.inc()
+        try:
+            for attempt in range(1, self._config.max_attempts + 1):
+                handle = await self._route_attempt(rec, context, attempt)
+                try:
+                    async with contextlib.aclosing(self._proxy(rec, handle, context)) as relay:
+                        async for resp in relay:
+                            yield resp
+                    rec.outcome = "ok"
+                    return
+                except grpc.aio.AioRpcError as e:
+                    if not self._retry(rec, handle, e, attempt):
+                        rec.outcome = e.code().name
+                        await abort(context, e.code(), e.details() or e.code().name)
+                finally:
+                    handle.inflight -= 1
+        finally:
+            self._close(rec)
+
+    def _open(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> _Routed:
+        """Starts the router span and the prompt's hashing (off the event loop)."""
         t0 = time.monotonic()
         metadata = list(context.invocation_metadata() or ())
-        key = request.session_id or request.request_id or uuid.uuid4().hex
         span = self._tracer.start_span(
             "route deja.v1.Inference/Generate",
             context=extract_context(metadata),
@@ -197,84 +242,89 @@ class RouterServicer(pb_grpc.InferenceServicer):
                 "deja.route.policy": self._config.policy,
             },
         )
-        out_md = forward_metadata(metadata, span)
         prompt = PromptChains(self._hasher, request, self._hasher.cache_salt(request, metadata))
         if self._config.policy != "round_robin":
             prompt.start()
-        exclude: set[str] = set()
-        outcome = "CANCELLED"
-        decision: RouteDecision | None = None
-        self.inflight += 1
-        self._metrics.inflight.inc()
+        key = request.session_id or request.request_id or uuid.uuid4().hex
+        return _Routed(request, key, span, forward_metadata(metadata, span), prompt, t0)
+
+    async def _route_attempt(
+        self, rec: _Routed, context: grpc.aio.ServicerContext, attempt: int
+    ) -> ReplicaHandle:
+        """Picks the replica for this attempt; aborts UNAVAILABLE when there is none."""
         try:
-            for attempt in range(1, self._config.max_attempts + 1):
-                try:
-                    decision, handle = await self.route(request, key, prompt, exclude)
-                except NoReplicaError:
-                    outcome = "UNAVAILABLE"
-                    detail = "no healthy replica to route to"
-                    if exclude:
-                        detail += f" (tried {', '.join(sorted(exclude))})"
-                    await abort(context, grpc.StatusCode.UNAVAILABLE, detail)
-                span.add_event(
-                    "routed",
-                    {
-                        "replica_id": decision.replica_id,
-                        "reason": decision.reason,
-                        "attempt": attempt,
-                    },
-                )
-                got_first = False
-                remaining = context.time_remaining()
-                call = handle.stub.Generate(request, timeout=remaining, metadata=out_md)
-                try:
-                    async for resp in call:
-                        if not got_first:
-                            got_first = True
-                            self._metrics.ttft.observe(time.monotonic() - t0)
-                        if resp.HasField("final"):
-                            resp.final.route.replica_id = decision.replica_id
-                            resp.final.route.reason = decision.reason
-                            await self._record(request, decision.replica_id, prompt)
-                        yield resp
-                    outcome = "ok"
-                    return
-                except grpc.aio.AioRpcError as e:
-                    code = e.code()
-                    retry = not got_first and code in _RETRY_BEFORE_FIRST
-                    if retry and attempt < self._config.max_attempts:
-                        if code == grpc.StatusCode.UNAVAILABLE:
-                            self._pool.mark_down(handle, f"Generate: {e.details()}")
-                        exclude.add(decision.replica_id)
-                        self._metrics.retries.inc()
-                        span.add_event(
-                            "retry", {"replica_id": decision.replica_id, "code": code.name}
-                        )
-                        continue
-                    outcome = code.name
-                    await abort(context, code, e.details() or code.name)
-                finally:
-                    handle.inflight -= 1
-                    call.cancel()
+            rec.decision, handle = await self.route(rec.request, rec.key, rec.prompt, rec.exclude)
+        except NoReplicaError:
+            rec.outcome = "UNAVAILABLE"
+            detail = "no healthy replica to route to"
+            if rec.exclude:
+                detail += f" (tried {', '.join(sorted(rec.exclude))})"
+            await abort(context, grpc.StatusCode.UNAVAILABLE, detail)
+        d = rec.decision
+        rec.span.add_event(
+            "routed", {"replica_id": d.replica_id, "reason": d.reason, "attempt": attempt}
+        )
+        return handle
+
+    async def _proxy(
+        self, rec: _Routed, handle: ReplicaHandle, context: grpc.aio.ServicerContext
+    ) -> AsyncGenerator[pb.GenerateResponse, None]:
+        """Relays the replica's stream; the final message gets the route, after the record."""
+        d = rec.decision
+        assert d is not None
+        rec.got_first = False
+        call = handle.stub.Generate(
+            rec.request, timeout=context.time_remaining(), metadata=rec.metadata
+        )
+        try:
+            async for resp in call:
+                if not rec.got_first:
+                    rec.got_first = True
+                    self._metrics.ttft.observe(time.monotonic() - rec.t0)
+                if resp.HasField("final"):
+                    resp.final.route.replica_id = d.replica_id
+                    resp.final.route.reason = d.reason
+                    await self._record(rec.request, d.replica_id, rec.prompt)
+                yield resp
         finally:
-            prompt.cancel()
-            self.inflight -= 1
-            self._metrics.inflight.dec()
-            reason = decision.reason if decision is not None else "none"
-            replica = decision.replica_id if decision is not None else "none"
-            self._metrics.requests.labels(replica, reason, outcome).inc()
-            if decision is not None:
-                span.set_attributes(
-                    {
-                        "deja.route.replica_id": decision.replica_id,
-                        "deja.route.reason": decision.reason,
-                        "deja.route.prefix_blocks": decision.prefix_blocks,
-                        "deja.route.attempts": len(exclude) + 1,
-                    }
-                )
-            if outcome != "ok":
-                span.set_status(Status(StatusCode.ERROR, outcome))
-            span.end()
+            call.cancel()
+
+    def _retry(
+        self, rec: _Routed, handle: ReplicaHandle, e: grpc.aio.AioRpcError, attempt: int
+    ) -> bool:
+        """Whether to try another replica: this one refused (UNAVAILABLE, or RESOURCE_EXHAUSTED:
+        its queue is full) before its first message, and attempts are left."""
+        code = e.code()
+        if rec.got_first or code not in _RETRY_BEFORE_FIRST or attempt >= self._config.max_attempts:
+            return False
+        assert rec.decision is not None
+        if code == grpc.StatusCode.UNAVAILABLE:
+            self._pool.mark_down(handle, f"Generate: {e.details()}")
+        rec.exclude.add(rec.decision.replica_id)
+        self._metrics.retries.inc()
+        rec.span.add_event("retry", {"replica_id": rec.decision.replica_id, "code": code.name})
+        return True
+
+    def _close(self, rec: _Routed) -> None:
+        """Counts the call by replica, reason and outcome, and ends its span."""
+        rec.prompt.cancel()
+        self.inflight -= 1
+        self._metrics.inflight.dec()
+        d = rec.decision
+        replica, reason = (d.replica_id, d.reason) if d is not None else ("none", "none")
+        self._metrics.requests.labels(replica, reason, rec.outcome).inc()
+        if d is not None:
+            rec.span.set_attributes(
+                {
+                    "deja.route.replica_id": d.replica_id,
+                    "deja.route.reason": d.reason,
+                    "deja.route.prefix_blocks": d.prefix_blocks,
+                    "deja.route.attempts": len(rec.exclude) + 1,
+                }
+            )
+        if rec.outcome != "ok":
+            rec.span.set_status(Status(StatusCode.ERROR, rec.outcome))
+        rec.span.end()
 
     # -- unary calls ---------------------------------------------------------------------------
 
