@@ -16,7 +16,7 @@ from engine.sequence import Request
 from engine.structured.bitmask import fill_bitmask
 
 
-class OffloadStore(Protocol):
+class Offload(Protocol):
     """Carries out the CPU/disk parts of a plan (engine/kv_io/offload.py)."""
 
     def apply(self, plan: KVPlan, kv_cache: torch.Tensor) -> None: ...
@@ -45,6 +45,8 @@ class ModelRunner:
         block_size: int,
         eos_token_ids: tuple[int, ...],
         device: torch.device,
+        *,
+        offload: Offload | None = None,
     ) -> None:
         self.model = model
         self.backend = backend
@@ -54,7 +56,8 @@ class ModelRunner:
         self.block_size = block_size
         self.eos_token_ids = eos_token_ids
         self.device = device
-        self.offload: OffloadStore | None = None
+        self.offload = offload
+        """Carries out a plan's CPU and disk copies (engine/kv_io/offload.py); None: no tiers."""
 
     def apply_plan(self, plan: KVPlan) -> None:
         if self.offload is not None and (

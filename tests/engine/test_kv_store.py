@@ -12,7 +12,7 @@ import torch
 from engine.kv.disk_index import DiskIndex
 from engine.kv.plan import KVPlan
 from engine.kv_io.disk import HEADER_BYTES, MANIFEST, DiskFiles
-from engine.kv_io.offload import KVStore
+from engine.kv_io.offload import KVOffload
 
 L, BS, H, D = 2, 4, 2, 8
 SHAPE = (L, 2, BS, H, D)
@@ -143,10 +143,10 @@ def test_replicas_share_a_directory(tmp_path: Path) -> None:
     b.close()
 
 
-def make_store(tmp_path: Path, num_cpu: int = 4) -> tuple[KVStore, torch.Tensor, DiskIndex]:
+def make_store(tmp_path: Path, num_cpu: int = 4) -> tuple[KVOffload, torch.Tensor, DiskIndex]:
     cpu = torch.zeros((L, 2, num_cpu, BS, H, D))
     index = DiskIndex(16)
-    return KVStore(cpu, open_files(tmp_path), index), cpu, index
+    return KVOffload(cpu, open_files(tmp_path), index), cpu, index
 
 
 def test_apply_runs_the_plan_in_order(tmp_path: Path) -> None:

@@ -180,8 +180,8 @@ def test_counters_and_reset() -> None:
     b = FakeSeq(1, list(range(9)))
     m = kv.match_prefix(b)
     kv.record_admission(9, m)
-    assert kv.counters["device"].queries == 18
-    assert kv.counters["device"].hits == 8
+    assert kv.counters.device_queries == 18
+    assert kv.counters.device_hits == 8
     assert not kv.reset()  # a holds blocks
     kv.free(a)
     assert kv.reset()
