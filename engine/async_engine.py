@@ -20,12 +20,11 @@ from typing import Any
 
 from engine.config import EngineConfig
 from engine.errors import EngineDeadError, StreamOverflowError
+from engine.frontend import EngineFrontend, read_outputs
 from engine.llm_engine import LLMEngine, Prompt
-from engine.output_stream import read_outputs
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
 from engine.sequence import Request
-from engine.stats import EngineStats, ModelInfo
 
 log = logging.getLogger(__name__)
 
@@ -45,7 +44,7 @@ class _Stream:
             self.pending -= 1
 
 
-class AsyncEngine:
+class AsyncEngine(EngineFrontend):
     def __init__(self, engine: LLMEngine, *, stream_buffer: int = 1024) -> None:
         self.engine = engine
         self.stream_buffer = stream_buffer
@@ -57,6 +56,8 @@ class AsyncEngine:
         self._thread: threading.Thread | None = None
         self._dead: BaseException | None = None
         self._stats = engine.get_stats()
+        self._model_info = engine.model_info
+        self._inputs = engine.inputs
         self._ids = 0
         self._flush_timeout_s: float | None = None
 
@@ -67,25 +68,12 @@ class AsyncEngine:
 
     # -- facts ---------------------------------------------------------------------------------
     @property
-    def model_info(self) -> ModelInfo:
-        return self.engine.model_info
-
-    @property
     def tokenizer(self) -> Any:
         return self.engine.tokenizer
 
     @property
     def errored(self) -> bool:
         return self._dead is not None
-
-    def get_stats(self) -> EngineStats:
-        """A snapshot taken by the step thread after its last step (never blocks)."""
-        return self._stats
-
-    def tokenize(
-        self, text: Prompt | None = None, messages: list[dict[str, str]] | None = None
-    ) -> list[int]:
-        return self.engine.tokenize(text, messages)
 
     def check_health(self) -> None:
         if self._dead is not None:

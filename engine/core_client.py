@@ -32,12 +32,11 @@ from typing import Any
 from engine.config import EngineConfig
 from engine.core import PackedOutput, run_engine_core, unpack_output, widen_pipe
 from engine.errors import EngineDeadError, StreamOverflowError
+from engine.frontend import EngineFrontend, read_outputs
 from engine.input_processor import InputProcessor
-from engine.output_stream import read_outputs
 from engine.outputs import RequestOutput
 from engine.prompt import Prompt
 from engine.sampling_params import SamplingParams
-from engine.stats import EngineStats, ModelInfo
 
 log = logging.getLogger(__name__)
 
@@ -49,7 +48,7 @@ class _Stream:
     closed: bool = False
 
 
-class EngineCoreClient:
+class EngineCoreClient(EngineFrontend):
     """Spawns the engine core, then serves `generate` / `abort` / stats like AsyncEngine."""
 
     def __init__(
@@ -102,10 +101,6 @@ class EngineCoreClient:
 
     # -- facts ---------------------------------------------------------------------------------
     @property
-    def model_info(self) -> ModelInfo:
-        return self._model_info
-
-    @property
     def pid(self) -> int | None:
         """The engine core's process id."""
         return self._proc.pid
@@ -115,15 +110,6 @@ class EngineCoreClient:
         if self._dead is None and not self._proc.is_alive():
             self._mark_dead(f"the engine core process exited with code {self._proc.exitcode}")
         return self._dead is not None
-
-    def get_stats(self) -> EngineStats:
-        """The core's last snapshot (sent with outputs, and whenever it goes idle)."""
-        return self._stats
-
-    def tokenize(
-        self, text: Prompt | None = None, messages: list[dict[str, str]] | None = None
-    ) -> list[int]:
-        return self._inputs.tokenize(text, messages)
 
     def check_health(self) -> None:
         if self.errored:

@@ -1,8 +1,10 @@
-"""Reading one request's outputs from its queue: the loop both engine front ends share.
+"""What the two engine front ends share: `EngineFrontend` and `read_outputs`.
 
 `engine/async_engine.py` (step loop in a thread) and `engine/core_client.py` (engine core in a
-process) each put a request's deltas, or an exception that ends it, on an asyncio queue; the
-request's `generate()` reads them with `read_outputs` until the finished delta.
+process) both serve the replica's `Engine` protocol: the model's facts, the latest stats snapshot,
+tokenization with the engine's own rule (`engine/input_processor.py`), and one asyncio queue per
+request onto which they put its deltas, or an exception that ends it; the request's `generate()`
+reads the queue with `read_outputs` until the finished delta.
 """
 
 from __future__ import annotations
@@ -10,7 +12,32 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncGenerator, Callable
 
+from engine.input_processor import InputProcessor
 from engine.outputs import RequestOutput
+from engine.prompt import Prompt
+from engine.stats import EngineStats, ModelInfo
+
+
+class EngineFrontend:
+    """The facts, stats and tokenization both front ends answer from the API server's side."""
+
+    _model_info: ModelInfo
+    _stats: EngineStats
+    """The engine's latest snapshot (refreshed by the step loop or the core's messages)."""
+    _inputs: InputProcessor
+
+    @property
+    def model_info(self) -> ModelInfo:
+        return self._model_info
+
+    def get_stats(self) -> EngineStats:
+        """The latest snapshot the engine sent (never blocks)."""
+        return self._stats
+
+    def tokenize(
+        self, text: Prompt | None = None, messages: list[dict[str, str]] | None = None
+    ) -> list[int]:
+        return self._inputs.tokenize(text, messages)
 
 
 async def read_outputs(
