@@ -96,17 +96,14 @@ class AsyncEngine(EngineFrontend):
             self._thread = None
 
     # -- requests ------------------------------------------------------------------------------
-    async def generate(
+    def _open(
         self,
         prompt: Prompt | None,
-        params: SamplingParams | None = None,
-        *,
-        request_id: str | None = None,
-        messages: list[dict[str, str]] | None = None,
-        cache_salt: str | None = None,
+        params: SamplingParams | None,
+        request_id: str | None,
+        messages: list[dict[str, str]] | None,
+        cache_salt: str | None,
     ) -> AsyncGenerator[RequestOutput, None]:
-        """Streams deltas of one request; leaving early aborts it and frees its blocks."""
-        self.check_health()
         req = self.engine.prepare_request(
             prompt,
             params,
@@ -127,12 +124,9 @@ class AsyncEngine(EngineFrontend):
             if not finished:
                 self._send(("abort", rid))
 
-        outputs = read_outputs(
+        return read_outputs(
             stream.queue, start=lambda: self._send(("add", req)), leave=leave, on_read=stream.took
         )
-        async with contextlib.aclosing(outputs):
-            async for out in outputs:
-                yield out
 
     def abort(self, request_id: str) -> bool:
         """Aborts a request (any thread); its blocks are freed before the next step."""

@@ -132,17 +132,14 @@ class EngineCoreClient(EngineFrontend):
         self._close_pipes()
 
     # -- requests ------------------------------------------------------------------------------
-    async def generate(
+    def _open(
         self,
         prompt: Prompt | None,
-        params: SamplingParams | None = None,
-        *,
-        request_id: str | None = None,
-        messages: list[dict[str, str]] | None = None,
-        cache_salt: str | None = None,
+        params: SamplingParams | None,
+        request_id: str | None,
+        messages: list[dict[str, str]] | None,
+        cache_salt: str | None,
     ) -> AsyncGenerator[RequestOutput, None]:
-        """Streams deltas of one request; leaving early aborts it and frees its blocks."""
-        self.check_health()
         self._attach()
         rid = request_id or f"creq-{next(self._ids)}"
         req = self._inputs.prepare(
@@ -158,10 +155,7 @@ class EngineCoreClient(EngineFrontend):
             if not finished and self._dead is None:
                 self._send_abort([rid])
 
-        outputs = read_outputs(stream.queue, start=lambda: self._send(("add", req)), leave=leave)
-        async with contextlib.aclosing(outputs):
-            async for out in outputs:
-                yield out
+        return read_outputs(stream.queue, start=lambda: self._send(("add", req)), leave=leave)
 
     def abort(self, request_id: str) -> bool:
         """Aborts a request; the core frees its blocks before its next step."""

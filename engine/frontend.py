@@ -10,11 +10,13 @@ reads the queue with `read_outputs` until the finished delta.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import AsyncGenerator, Callable
 
 from engine.input_processor import InputProcessor
 from engine.outputs import RequestOutput
 from engine.prompt import Prompt
+from engine.sampling_params import SamplingParams
 from engine.stats import EngineStats, ModelInfo
 
 
@@ -38,6 +40,40 @@ class EngineFrontend:
         self, text: Prompt | None = None, messages: list[dict[str, str]] | None = None
     ) -> list[int]:
         return self._inputs.tokenize(text, messages)
+
+    def check_health(self) -> None:
+        """Raises EngineDeadError when the engine has failed."""
+        raise NotImplementedError
+
+    async def generate(
+        self,
+        prompt: Prompt | None,
+        params: SamplingParams | None = None,
+        *,
+        request_id: str | None = None,
+        messages: list[dict[str, str]] | None = None,
+        cache_salt: str | None = None,
+    ) -> AsyncGenerator[RequestOutput, None]:
+        """Streams deltas of one request; leaving early aborts it and frees its blocks.
+
+        Raises ValueError (bad input, a request id in use) at the first iteration.
+        """
+        self.check_health()
+        outputs = self._open(prompt, params, request_id, messages, cache_salt)
+        async with contextlib.aclosing(outputs):
+            async for out in outputs:
+                yield out
+
+    def _open(
+        self,
+        prompt: Prompt | None,
+        params: SamplingParams | None,
+        request_id: str | None,
+        messages: list[dict[str, str]] | None,
+        cache_salt: str | None,
+    ) -> AsyncGenerator[RequestOutput, None]:
+        """Prepares and registers the request; its deltas, read with `read_outputs`."""
+        raise NotImplementedError
 
 
 async def read_outputs(
