@@ -21,9 +21,8 @@ from typing import Any
 from engine.config import EngineConfig
 from engine.errors import EngineDeadError, StreamOverflowError
 from engine.frontend import EngineFrontend, read_outputs
-from engine.llm_engine import LLMEngine, Prompt
+from engine.llm_engine import LLMEngine
 from engine.outputs import RequestOutput
-from engine.sampling_params import SamplingParams
 from engine.sequence import Request
 
 log = logging.getLogger(__name__)
@@ -97,20 +96,9 @@ class AsyncEngine(EngineFrontend):
 
     # -- requests ------------------------------------------------------------------------------
     def _open(
-        self,
-        prompt: Prompt | None,
-        params: SamplingParams | None,
-        request_id: str | None,
-        messages: list[dict[str, str]] | None,
-        cache_salt: str | None,
+        self, request_id: str | None, inputs: dict[str, Any]
     ) -> AsyncGenerator[RequestOutput, None]:
-        req = self.engine.prepare_request(
-            prompt,
-            params,
-            request_id=request_id or self._next_id(),
-            messages=messages,
-            cache_salt=cache_salt,
-        )
+        req = self.engine.prepare_request(request_id=request_id or self._next_id(), **inputs)
         rid = req.request_id
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
         with self._streams_lock:

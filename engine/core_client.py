@@ -35,8 +35,6 @@ from engine.errors import EngineDeadError, StreamOverflowError
 from engine.frontend import EngineFrontend, read_outputs
 from engine.input_processor import InputProcessor
 from engine.outputs import RequestOutput
-from engine.prompt import Prompt
-from engine.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
 
@@ -133,18 +131,11 @@ class EngineCoreClient(EngineFrontend):
 
     # -- requests ------------------------------------------------------------------------------
     def _open(
-        self,
-        prompt: Prompt | None,
-        params: SamplingParams | None,
-        request_id: str | None,
-        messages: list[dict[str, str]] | None,
-        cache_salt: str | None,
+        self, request_id: str | None, inputs: dict[str, Any]
     ) -> AsyncGenerator[RequestOutput, None]:
         self._attach()
         rid = request_id or f"creq-{next(self._ids)}"
-        req = self._inputs.prepare(
-            prompt, params, request_id=rid, messages=messages, cache_salt=cache_salt
-        )
+        req = self._inputs.prepare(request_id=rid, **inputs)
         if rid in self._streams:
             raise ValueError(f"request id {rid!r} is already in use")
         stream = _Stream(req.prompt_token_ids, asyncio.Queue())

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import AsyncGenerator, Callable
+from typing import Any
 
 from engine.input_processor import InputProcessor
 from engine.outputs import RequestOutput
@@ -59,20 +60,22 @@ class EngineFrontend:
         Raises ValueError (bad input, a request id in use) at the first iteration.
         """
         self.check_health()
-        outputs = self._open(prompt, params, request_id, messages, cache_salt)
+        inputs = {
+            "prompt": prompt,
+            "params": params,
+            "messages": messages,
+            "cache_salt": cache_salt,
+        }
+        outputs = self._open(request_id, inputs)
         async with contextlib.aclosing(outputs):
             async for out in outputs:
                 yield out
 
     def _open(
-        self,
-        prompt: Prompt | None,
-        params: SamplingParams | None,
-        request_id: str | None,
-        messages: list[dict[str, str]] | None,
-        cache_salt: str | None,
+        self, request_id: str | None, inputs: dict[str, Any]
     ) -> AsyncGenerator[RequestOutput, None]:
-        """Prepares and registers the request; its deltas, read with `read_outputs`."""
+        """Prepares (`inputs`: prompt, params, messages, cache_salt) and registers the request;
+        returns its deltas, read with `read_outputs`."""
         raise NotImplementedError
 
 
