@@ -141,7 +141,7 @@ class _TokenClock:
 # -- served ------------------------------------------------------------------------------------
 def _serve_supports(flag: str) -> bool:
     """Whether `deja serve` has `flag` (engine flags differ between versions)."""
-    from service import serve_cmd
+    from service.replica import command as serve_cmd
 
     parser = argparse.ArgumentParser()
     serve_cmd.add_arguments(parser)

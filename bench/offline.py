@@ -204,7 +204,7 @@ def run_ours(
     name = "deja (ours)"
     if disk_dir is not None:
         assert llm.engine.tiers is not None
-        counts = llm.engine.tiers.counts
+        counts = llm.engine.tiers.counters
         name = (
             f"deja (ours) + disk write-through ({counts.disk_writes} blocks queued, "
             f"{counts.dropped_writes} dropped)"

@@ -34,8 +34,8 @@ from bench.router_cluster import (
     wait_healthy,
     wait_router_replicas,
 )
-from service.flags import add_bool_flag, add_flag
-from service.router_policy import POLICIES
+from service.common.flags import add_bool_flag, add_flag
+from service.router.policy import POLICIES
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -40,7 +40,7 @@ from bench.soak_report import EndState, Sample, format_row, format_table, judge
 from clients.bench_workload import token_range
 from clients.client import AsyncDejaClient, add_connection_args, build_request
 from clients.loadgen import stop_server
-from service.flags import add_flag
+from service.common.flags import add_flag
 
 KINDS = ("random", "shared", "multi_turn", "n", "logprobs", "pin", "cancel", "deadline")
 DEFAULT_MIX = "random=3,shared=3,multi_turn=4,n=1,logprobs=1,pin=1,cancel=2,deadline=2"

@@ -1,10 +1,10 @@
-"""CPU tier on CUDA (GPU): swap-in and spill through KVStore against torch's pinned copy bandwidth.
+"""CPU tier on CUDA (GPU): swap-in and spill through KVOffload against torch's pinned copy bandwidth.
 
 In one run, on a Llama-3.2-1B-shaped cache (16 layers, block 16, 8 KV heads, head_dim 64, bf16:
 512 KiB per block over all layers):
 1. pinned H2D and D2H bandwidth: torch `copy_(non_blocking=True)` of one contiguous pinned tensor
    the size of the swap (events around the copies);
-2. swap-in of N blocks from the pinned CPU tier into the device cache through `KVStore.apply`
+2. swap-in of N blocks from the pinned CPU tier into the device cache through `KVOffload.apply`
    (host time from the call to the end of the copies: the plan's whole cost), with the pairs
    scattered at random and in runs of consecutive ids (blocks spilled together), for the direct
    path (cuda/tier_copy.py) and the staged path (gather, pin, copy, scatter);
@@ -47,7 +47,7 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from engine.kv.plan import KVPlan
-    from engine.kv_store import KVStore
+    from engine.kv_io.offload import KVOffload
 
     if not torch.cuda.is_available():
         print("bench tiers-gpu needs a CUDA GPU; none is available")
@@ -75,7 +75,7 @@ def run(args: argparse.Namespace) -> int:
     h2d = nbytes / (events_ms(lambda: dev_buf.copy_(host_src, non_blocking=True)) * 1e-3)
     d2h = nbytes / (events_ms(lambda: host_src.copy_(dev_buf, non_blocking=True)) * 1e-3)
 
-    store = KVStore(cpu)
+    store = KVOffload(cpu)
     rows: list[list[Any]] = []
     results: dict[str, Any] = {"h2d_bytes_per_s": h2d, "d2h_bytes_per_s": d2h, "bytes": nbytes}
     for direct in (True, False):
@@ -108,7 +108,7 @@ def run(args: argparse.Namespace) -> int:
         f"== CPU tier on {props.name}: {n} blocks of {nbytes // n} bytes = {nbytes / 2**20:.0f} MiB =="
     )
     print(f"torch pinned H2D: {h2d / 1e9:.1f} GB/s, D2H: {d2h / 1e9:.1f} GB/s")
-    print_table(["plan (KVStore.apply, host time)", "ms", "GB/s", "of pinned copy"], rows)
+    print_table(["plan (KVOffload.apply, host time)", "ms", "GB/s", "of pinned copy"], rows)
     ok = results["swap_in direct scattered"]["fraction"] >= 0.5
     print(
         "acceptance 4 (swap-in >= 50% of pinned H2D, scattered blocks):", "MET" if ok else "NOT MET"

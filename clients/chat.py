@@ -16,7 +16,7 @@ import grpc
 
 from clients.client import ChatSession, add_connection_args, client_from_args
 from clients.generate_cmd import add_sampling_args, sampling_from_args
-from service.flags import add_flag
+from service.common.flags import add_flag
 
 HELP = "commands: /reset, /usage, /quit"
 

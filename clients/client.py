@@ -27,9 +27,9 @@ from opentelemetry import trace
 from opentelemetry.trace import SpanKind, Status, StatusCode
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
-from service.flags import add_bool_flag, add_flag
-from service.proto.deja.v1 import inference_pb2 as pb
-from service.proto.deja.v1 import inference_pb2_grpc as pb_grpc
+from service.api.deja.v1 import inference_pb2 as pb
+from service.api.deja.v1 import inference_pb2_grpc as pb_grpc
+from service.common.flags import add_bool_flag, add_flag
 
 DEFAULT_TARGET = "localhost:50051"
 FINISH_REASONS = {

@@ -26,7 +26,7 @@ import time
 import grpc
 
 from clients.client import DejaClient, GenerateResult, add_connection_args, client_from_args
-from service.flags import add_bool_flag, add_flag
+from service.common.flags import add_bool_flag, add_flag
 
 
 def add_sampling_args(parser: argparse.ArgumentParser) -> None:

@@ -47,8 +47,8 @@ from clients.bench_workload import (
     summarize_by_turn,
 )
 from clients.client import AsyncDejaClient, add_connection_args
-from service.engine_args import add_engine_args
-from service.flags import add_bool_flag, add_flag, to_argv
+from service.common.engine_args import add_engine_args
+from service.common.flags import add_bool_flag, add_flag, to_argv
 
 if TYPE_CHECKING:
     from engine.async_engine import AsyncEngine
@@ -308,7 +308,7 @@ def _run_spawned(
 
 def _run_in_process(args: argparse.Namespace, workload: Workload | None) -> dict[str, Any]:
     from engine.async_engine import AsyncEngine
-    from service.engine_args import engine_config_from_args
+    from service.common.engine_args import engine_config_from_args
 
     engine = AsyncEngine.from_config(engine_config_from_args(args))
     engine.start()

@@ -104,7 +104,7 @@ def run_offline(
     args: argparse.Namespace, levels: list[int], workloads: dict[int, Workload]
 ) -> dict[int, dict[str, Any]]:
     from engine.llm_engine import LLMEngine
-    from service.engine_args import engine_config_from_args
+    from service.common.engine_args import engine_config_from_args
 
     engine = LLMEngine(engine_config_from_args(args))
     out: dict[int, dict[str, Any]] = {}

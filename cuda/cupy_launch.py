@@ -74,6 +74,64 @@ def check_aligned(name: str, t: torch.Tensor, row_stride: int, nbytes: int = 16)
     )
 
 
+def check_attention_args(
+    q: torch.Tensor,
+    out: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    *,
+    head_sizes: Sequence[int],
+    block_sizes: Sequence[int],
+) -> tuple[int, int, int, int]:
+    """The argument checks both attention loaders share (decode and prefill).
+
+    q, out: [T, Hq, D] of one dtype with the cache, dense but for the token stride;
+    kv_cache: [2, NB, BS, Hkv, D] (one layer, contiguous, 16-byte aligned rows); block_tables:
+    [num_seqs, max_blocks] int32; seq_lens: [num_seqs] int32. Returns
+    (num_heads, head_dim, block_size, num_kv_heads).
+    """
+    dtypes = tuple(DTYPE_NAMES)
+    check_tensor("q", q, 3, dtypes)
+    check_tensor("out", out, 3, dtypes)
+    check_tensor("kv_cache", kv_cache, 5, dtypes)
+    check_tensor("block_tables", block_tables, 2, (torch.int32,))
+    check_tensor("seq_lens", seq_lens, 1, (torch.int32,))
+    _, num_heads, head_dim = q.shape
+    _, _, block_size, num_kv_heads, cache_head_dim = kv_cache.shape
+    check(
+        kv_cache.shape[0] == 2, f"kv_cache must be [2, NB, BS, Hkv, D], got {tuple(kv_cache.shape)}"
+    )
+    check(head_dim in head_sizes, f"head_dim must be one of {tuple(head_sizes)}, got {head_dim}")
+    check(
+        block_size in block_sizes,
+        f"block_size must be one of {tuple(block_sizes)}, got {block_size}",
+    )
+    check(
+        cache_head_dim == head_dim, f"kv_cache head_dim {cache_head_dim} != q head_dim {head_dim}"
+    )
+    check(
+        num_heads % num_kv_heads == 0,
+        f"query heads ({num_heads}) must be a multiple of KV heads ({num_kv_heads})",
+    )
+    check(out.shape == q.shape, f"out shape {tuple(out.shape)} must equal q shape {tuple(q.shape)}")
+    check(
+        q.dtype == out.dtype == kv_cache.dtype,
+        f"q, out and kv_cache dtypes differ: {q.dtype}, {out.dtype}, {kv_cache.dtype}",
+    )
+    check(
+        seq_lens.shape[0] <= 65535, f"at most 65535 sequences per launch, got {seq_lens.shape[0]}"
+    )
+    check_dense_rows("q", q)
+    check_dense_rows("out", out)
+    check_aligned("q", q, q.stride(0))
+    check_contiguous("kv_cache", kv_cache)
+    check_aligned("kv_cache", kv_cache, head_dim)
+    check_contiguous("block_tables", block_tables)
+    check_contiguous("seq_lens", seq_lens)
+    return num_heads, head_dim, block_size, num_kv_heads
+
+
 def check_cuda(**tensors: torch.Tensor) -> torch.device:
     """All tensors on one CUDA device; returns it."""
     devices = {t.device for t in tensors.values()}

@@ -15,9 +15,9 @@ from cuda.cupy_launch import (
     DTYPE_NAMES,
     check,
     check_aligned,
+    check_attention_args,
     check_contiguous,
     check_cuda,
-    check_dense_rows,
     check_tensor,
     launch,
     ptr,
@@ -63,47 +63,18 @@ def paged_prefill_attention(
     tokens' K/V. block_tables: [num_seqs, max_blocks] int32; seq_lens: [num_seqs] int32;
     query_start_loc: [num_seqs + 1] int32. max_query_len: host-side upper bound of query lengths.
     """
-    check_tensor("q", q, 3, DTYPES)
-    check_tensor("out", out, 3, DTYPES)
-    check_tensor("kv_cache", kv_cache, 5, DTYPES)
-    check_tensor("block_tables", block_tables, 2, (torch.int32,))
-    check_tensor("seq_lens", seq_lens, 1, (torch.int32,))
+    num_heads, head_dim, block_size, num_kv_heads = check_attention_args(
+        q, out, kv_cache, block_tables, seq_lens, head_sizes=HEAD_SIZES, block_sizes=BLOCK_SIZES
+    )
     check_tensor("query_start_loc", query_start_loc, 1, (torch.int32,))
-    _, num_heads, head_dim = q.shape
-    _, _, block_size, num_kv_heads, cache_head_dim = kv_cache.shape
     num_seqs = seq_lens.shape[0]
-    check(
-        kv_cache.shape[0] == 2, f"kv_cache must be [2, NB, BS, Hkv, D], got {tuple(kv_cache.shape)}"
-    )
-    check(head_dim in HEAD_SIZES, f"head_dim must be one of {HEAD_SIZES}, got {head_dim}")
-    check(block_size in BLOCK_SIZES, f"block_size must be one of {BLOCK_SIZES}, got {block_size}")
-    check(
-        cache_head_dim == head_dim, f"kv_cache head_dim {cache_head_dim} != q head_dim {head_dim}"
-    )
-    check(
-        num_heads % num_kv_heads == 0,
-        f"query heads ({num_heads}) must be a multiple of KV heads ({num_kv_heads})",
-    )
-    check(out.shape == q.shape, f"out shape {tuple(out.shape)} must equal q shape {tuple(q.shape)}")
-    check(
-        q.dtype == out.dtype == kv_cache.dtype,
-        f"q, out and kv_cache dtypes differ: {q.dtype}, {out.dtype}, {kv_cache.dtype}",
-    )
     check(
         block_tables.shape[0] == num_seqs and query_start_loc.shape[0] == num_seqs + 1,
         f"block_tables {tuple(block_tables.shape)} and query_start_loc "
         f"{tuple(query_start_loc.shape)} must match {num_seqs} sequences",
     )
-    check(num_seqs <= 65535, f"at most 65535 sequences per launch, got {num_seqs}")
     check(max_query_len >= 0, f"max_query_len must be >= 0, got {max_query_len}")
-    check_dense_rows("q", q)
-    check_dense_rows("out", out)
-    check_aligned("q", q, q.stride(0))
     check_aligned("out", out, out.stride(0), nbytes=8 if q.dtype == torch.float32 else 4)
-    check_contiguous("kv_cache", kv_cache)
-    check_aligned("kv_cache", kv_cache, head_dim)
-    check_contiguous("block_tables", block_tables)
-    check_contiguous("seq_lens", seq_lens)
     check_contiguous("query_start_loc", query_start_loc)
     device = check_cuda(
         out=out,

@@ -20,11 +20,10 @@ from typing import Any
 
 from engine.config import EngineConfig
 from engine.errors import EngineDeadError, StreamOverflowError
-from engine.llm_engine import LLMEngine, Prompt
+from engine.frontend import EngineFrontend, read_outputs
+from engine.llm_engine import LLMEngine
 from engine.outputs import RequestOutput
-from engine.sampling_params import SamplingParams
 from engine.sequence import Request
-from engine.stats import EngineStats, ModelInfo
 
 log = logging.getLogger(__name__)
 
@@ -38,8 +37,13 @@ class _Stream:
     lock: threading.Lock = field(default_factory=threading.Lock)
     closed: bool = False
 
+    def took(self) -> None:
+        """The reader took one item off the queue."""
+        with self.lock:
+            self.pending -= 1
 
-class AsyncEngine:
+
+class AsyncEngine(EngineFrontend):
     def __init__(self, engine: LLMEngine, *, stream_buffer: int = 1024) -> None:
         self.engine = engine
         self.stream_buffer = stream_buffer
@@ -51,6 +55,8 @@ class AsyncEngine:
         self._thread: threading.Thread | None = None
         self._dead: BaseException | None = None
         self._stats = engine.get_stats()
+        self._model_info = engine.model_info
+        self._inputs = engine.inputs
         self._ids = 0
         self._flush_timeout_s: float | None = None
 
@@ -61,25 +67,12 @@ class AsyncEngine:
 
     # -- facts ---------------------------------------------------------------------------------
     @property
-    def model_info(self) -> ModelInfo:
-        return self.engine.model_info
-
-    @property
     def tokenizer(self) -> Any:
         return self.engine.tokenizer
 
     @property
     def errored(self) -> bool:
         return self._dead is not None
-
-    def get_stats(self) -> EngineStats:
-        """A snapshot taken by the step thread after its last step (never blocks)."""
-        return self._stats
-
-    def tokenize(
-        self, text: Prompt | None = None, messages: list[dict[str, str]] | None = None
-    ) -> list[int]:
-        return self.engine.tokenize(text, messages)
 
     def check_health(self) -> None:
         if self._dead is not None:
@@ -102,48 +95,26 @@ class AsyncEngine:
             self._thread = None
 
     # -- requests ------------------------------------------------------------------------------
-    async def generate(
-        self,
-        prompt: Prompt | None,
-        params: SamplingParams | None = None,
-        *,
-        request_id: str | None = None,
-        messages: list[dict[str, str]] | None = None,
-        cache_salt: str | None = None,
+    def _open(
+        self, request_id: str | None, inputs: dict[str, Any]
     ) -> AsyncGenerator[RequestOutput, None]:
-        """Streams deltas of one request; leaving early aborts it and frees its blocks."""
-        self.check_health()
-        req = self.engine.prepare_request(
-            prompt,
-            params,
-            request_id=request_id or self._next_id(),
-            messages=messages,
-            cache_salt=cache_salt,
-        )
+        req = self.engine.prepare_request(request_id=request_id or self._next_id(), **inputs)
         rid = req.request_id
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
         with self._streams_lock:
             if rid in self._streams:
                 raise ValueError(f"request id {rid!r} is already in use")
             self._streams[rid] = stream
-        self._send(("add", req))
-        finished = False
-        try:
-            while True:
-                item = await stream.queue.get()
-                with stream.lock:
-                    stream.pending -= 1
-                if isinstance(item, BaseException):
-                    raise item
-                finished = item.finished
-                yield item
-                if finished:
-                    return
-        finally:
+
+        def leave(finished: bool) -> None:
             with self._streams_lock:
                 self._streams.pop(rid, None)
             if not finished:
                 self._send(("abort", rid))
+
+        return read_outputs(
+            stream.queue, start=lambda: self._send(("add", req)), leave=leave, on_read=stream.took
+        )
 
     def abort(self, request_id: str) -> bool:
         """Aborts a request (any thread); its blocks are freed before the next step."""

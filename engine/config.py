@@ -6,7 +6,7 @@ Nothing inside `engine/` reads the environment.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 DTYPES = ("float32", "float16", "bfloat16")
@@ -175,6 +175,3 @@ class EngineConfig:
             scheduler=SchedulerConfig(**parts[SchedulerConfig]),
             **top,
         )
-
-    def with_model_len(self, max_model_len: int) -> EngineConfig:
-        return replace(self, model=replace(self.model, max_model_len=max_model_len))

@@ -32,10 +32,9 @@ from typing import Any
 from engine.config import EngineConfig
 from engine.core import PackedOutput, run_engine_core, unpack_output, widen_pipe
 from engine.errors import EngineDeadError, StreamOverflowError
-from engine.input_processor import InputProcessor, Prompt
+from engine.frontend import EngineFrontend, read_outputs
+from engine.input_processor import InputProcessor
 from engine.outputs import RequestOutput
-from engine.sampling_params import SamplingParams
-from engine.stats import EngineStats, ModelInfo
 
 log = logging.getLogger(__name__)
 
@@ -47,7 +46,7 @@ class _Stream:
     closed: bool = False
 
 
-class EngineCoreClient:
+class EngineCoreClient(EngineFrontend):
     """Spawns the engine core, then serves `generate` / `abort` / stats like AsyncEngine."""
 
     def __init__(
@@ -100,10 +99,6 @@ class EngineCoreClient:
 
     # -- facts ---------------------------------------------------------------------------------
     @property
-    def model_info(self) -> ModelInfo:
-        return self._model_info
-
-    @property
     def pid(self) -> int | None:
         """The engine core's process id."""
         return self._proc.pid
@@ -113,15 +108,6 @@ class EngineCoreClient:
         if self._dead is None and not self._proc.is_alive():
             self._mark_dead(f"the engine core process exited with code {self._proc.exitcode}")
         return self._dead is not None
-
-    def get_stats(self) -> EngineStats:
-        """The core's last snapshot (sent with outputs, and whenever it goes idle)."""
-        return self._stats
-
-    def tokenize(
-        self, text: Prompt | None = None, messages: list[dict[str, str]] | None = None
-    ) -> list[int]:
-        return self._inputs.tokenize(text, messages)
 
     def check_health(self) -> None:
         if self.errored:
@@ -144,41 +130,23 @@ class EngineCoreClient:
         self._close_pipes()
 
     # -- requests ------------------------------------------------------------------------------
-    async def generate(
-        self,
-        prompt: Prompt | None,
-        params: SamplingParams | None = None,
-        *,
-        request_id: str | None = None,
-        messages: list[dict[str, str]] | None = None,
-        cache_salt: str | None = None,
+    def _open(
+        self, request_id: str | None, inputs: dict[str, Any]
     ) -> AsyncGenerator[RequestOutput, None]:
-        """Streams deltas of one request; leaving early aborts it and frees its blocks."""
-        self.check_health()
         self._attach()
         rid = request_id or f"creq-{next(self._ids)}"
-        req = self._inputs.prepare(
-            prompt, params, request_id=rid, messages=messages, cache_salt=cache_salt
-        )
+        req = self._inputs.prepare(request_id=rid, **inputs)
         if rid in self._streams:
             raise ValueError(f"request id {rid!r} is already in use")
         stream = _Stream(req.prompt_token_ids, asyncio.Queue())
         self._streams[rid] = stream
-        finished = False
-        try:
-            self._send(("add", req))
-            while True:
-                item = await stream.queue.get()
-                if isinstance(item, BaseException):
-                    raise item
-                finished = item.finished
-                yield item
-                if finished:
-                    return
-        finally:
+
+        def leave(finished: bool) -> None:
             self._streams.pop(rid, None)
             if not finished and self._dead is None:
                 self._send_abort([rid])
+
+        return read_outputs(stream.queue, start=lambda: self._send(("add", req)), leave=leave)
 
     def abort(self, request_id: str) -> bool:
         """Aborts a request; the core frees its blocks before its next step."""

@@ -10,19 +10,15 @@ timestamps, never tensors (per-sample torch generators are made by `LLMEngine.en
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence as Seq
 from typing import Any
 
 from engine.config import SchedulerConfig
-from engine.kv.hashing import extra_keys
-from engine.model_loader import apply_chat_template
 from engine.outputs import RequestMetrics
+from engine.prompt import Prompt, prompt_hash_extra, tokenize_prompt
 from engine.sampling_params import SamplingParams
 from engine.sequence import Request
 from engine.stats import ModelInfo
 from engine.structured.compiler import validate_response_format
-
-Prompt = str | Seq[int]
 
 
 class InputProcessor:
@@ -35,17 +31,7 @@ class InputProcessor:
         self, prompt: Prompt | None = None, messages: list[dict[str, str]] | None = None
     ) -> list[int]:
         """Token ids of text, of chat messages (chat template applied), or ids as given."""
-        if messages is not None:
-            if prompt is not None:
-                raise ValueError("give either a prompt or chat messages, not both")
-            if not messages:
-                raise ValueError("chat messages are empty: give at least one message")
-            return apply_chat_template(self.tokenizer, messages)
-        if prompt is None:
-            raise ValueError("the prompt is empty: give text, token ids or chat messages")
-        if isinstance(prompt, str):
-            return list(self.tokenizer.encode(prompt, add_special_tokens=True))
-        return [int(t) for t in prompt]
+        return tokenize_prompt(self.tokenizer, prompt, messages)
 
     def validate_params(self, params: SamplingParams) -> None:
         lim = self.limits
@@ -86,7 +72,7 @@ class InputProcessor:
             request_id=request_id,
             prompt_token_ids=token_ids,
             params=params,
-            hash_extra=extra_keys(info.model_id, cache_salt),
+            hash_extra=prompt_hash_extra(info.model_id, cache_salt),
             # NOTE: time.monotonic() is CLOCK_MONOTONIC, shared by every process on the host, so
             # an arrival stamped in the API server is comparable with the engine core's clock.
             metrics=RequestMetrics(arrival=arrival if arrival is not None else time.monotonic()),

@@ -12,12 +12,11 @@ import torch
 
 from engine.attention import get_attention_backend
 from engine.config import EngineConfig
-from engine.detokenizer import IncrementalDetokenizer
 from engine.host_memory import HostMemoryTrimmer
-from engine.input_processor import InputProcessor, Prompt
+from engine.input_processor import InputProcessor
 from engine.kv.manager import KVCacheManager
 from engine.kv.tiers import TieredCache
-from engine.kv_store import KVStore, build_tiers
+from engine.kv_io.offload import KVOffload, build_tiers
 from engine.model_loader import (
     eos_token_ids,
     kv_dims,
@@ -25,7 +24,9 @@ from engine.model_loader import (
     load_tokenizer,
     read_hf_config,
 )
-from engine.outputs import CompletionOutput, RequestOutput
+from engine.output_processor import OutputProcessor
+from engine.outputs import RequestOutput
+from engine.prompt import Prompt
 from engine.runner import ModelRunner, StepSamples
 from engine.sampler import Sampler
 from engine.sampling_params import SamplingParams
@@ -92,31 +93,38 @@ class LLMEngine:
             has_chat_template=bool(getattr(self.tokenizer, "chat_template", None)),
         )
         self.config = config
+        self.tiers: TieredCache | None = None
+        self.offload: KVOffload | None = None
+        built = build_tiers(cc, self.model_info, mc.path, kv_cache, self.block_bytes)
+        if built is not None:
+            self.tiers, self.offload = built
         self.kv = KVCacheManager(
             num_blocks,
             cc.block_size,
             enable_caching=cc.enable_prefix_caching,
             max_pinned_fraction=cc.max_pinned_fraction,
+            tiers=self.tiers,
         )
-        self.scheduler = Scheduler(config.scheduler, self.kv)
+        swap = self.tiers if cc.preemption_mode == "swap" else None
+        self.scheduler = Scheduler(config.scheduler, self.kv, swap=swap)
         sampler = Sampler(self.vocab_size, self.device, config.seed)
         self.runner = ModelRunner(
-            self.model, self.backend, kv_cache, sampler, cc.block_size, eos, self.device
+            self.model,
+            self.backend,
+            kv_cache,
+            sampler,
+            cc.block_size,
+            eos,
+            self.device,
+            offload=self.offload,
         )
         self.grammars = GrammarCompilerPool(self.tokenizer, self.vocab_size, eos)
         """Structured outputs: compiles response formats off the step loop, cached per spec."""
         self._grammar_waits: dict[str, tuple[Request, Future[Any]]] = {}
         """Queued requests whose grammar is compiling."""
-        self.tiers: TieredCache | None = None
-        self.offload: KVStore | None = None
-        built = build_tiers(cc, self.model_info, mc.path, kv_cache, self.block_bytes)
-        if built is not None:
-            self.tiers, self.offload = built
-            self.kv.tiers = self.tiers
-            self.runner.offload = self.offload
-            if cc.preemption_mode == "swap":
-                self.scheduler.swap = self.tiers
         self.inputs = InputProcessor(self.tokenizer, self.model_info, config.scheduler)
+        self.outputs = OutputProcessor(self.tokenizer, eos, self.max_model_len)
+        """Stop checks, detokenization and stream deltas (engine/output_processor.py)."""
         self.requests: dict[str, Request] = {}
         self._seq_ids = itertools.count()
         self._request_ids = itertools.count()
@@ -206,11 +214,9 @@ class LLMEngine:
 
     def _new_seq(self, req: Request, index: int, token_ids: list[int]) -> Sequence:
         seq = Sequence(next(self._seq_ids), req, index, token_ids, self.kv.block_size)
-        seq.detokenizer = IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids, req.params)
         if req.compiled_grammar is not None:
             seq.grammar = self.grammars.new_matcher(req.compiled_grammar)
-        if req.params.logprobs is not None:
-            seq.logprobs = []
+        self.outputs.add_sample(seq)
         req.seqs.append(seq)
         return seq
 
@@ -384,95 +390,26 @@ class LLMEngine:
         self._append(seq, res.token_ids[0], res.logprobs[0])
 
     def _append(self, seq: Sequence, token_id: int, logprob: object) -> None:
-        params = seq.request.params
         seq.append_token(token_id)
-        if seq.logprobs is not None and logprob is not None:
-            seq.logprobs.append(logprob)  # type: ignore[arg-type]
-        n_out = seq.num_output_tokens
-        detok = seq.detokenizer
-        assert detok is not None
-        if seq.grammar is not None and not seq.grammar.accept_token(token_id):
-            # Not expected: the mask allows only what the grammar accepts, and the sampler lifts
-            # min_tokens' ban where it would leave a constrained row no token.
-            seq.request.error = f"token {token_id} does not fit the response_format"
-            self._finish(seq, "error", None)
-            return
-        if token_id in params.stop_token_ids and n_out >= params.min_tokens:
-            self._finish(seq, "stop", token_id)
-            return
-        if (
-            not params.ignore_eos
-            and token_id in self.model_info.eos_token_ids
-            and n_out >= params.min_tokens
-        ):
-            self._finish(seq, "stop", None)
-            return
-        if seq.grammar is not None and seq.grammar.is_terminated():
-            self._finish(seq, "stop", None)  # the grammar ended (with ignore_eos set)
-            return
-        seq.pending_text += detok.add(token_id)
-        if detok.stop_string is not None:
-            self._finish(seq, "stop", detok.stop_string, flush=False)
-            return
-        max_tokens = params.max_tokens if params.max_tokens is not None else self.max_model_len
-        if n_out >= max_tokens or len(seq.token_ids) >= self.max_model_len:
-            self._finish(seq, "length", None)
+        end = self.outputs.process_token(seq, token_id, logprob)
+        if end is not None:
+            self._finish(seq, end.reason, end.stop_reason, flush=end.flush)
 
     def _finish(
         self, seq: Sequence, reason: str, stop_reason: int | str | None, flush: bool = True
     ) -> None:
-        if flush and seq.detokenizer is not None:
-            seq.pending_text += seq.detokenizer.flush()
+        if flush:
+            self.outputs.flush(seq)
         self.scheduler.remove(seq)
         seq.finish(reason, stop_reason)
 
     def collect_outputs(self, now: float | None = None) -> list[RequestOutput]:
         """Deltas of every request with news since the last call (step() calls it)."""
         now = time.monotonic() if now is None else now
-        outs = []
-        for rid, req in self._touched.items():
-            deltas = []
-            for seq in req.seqs:
-                new_tokens = seq.token_ids[seq.num_prompt_tokens + seq.sent_tokens :]
-                if not new_tokens and not seq.pending_text and seq.finish_reason is None:
-                    continue
-                if seq.final_sent:
-                    continue
-                lps = None
-                if seq.logprobs is not None:
-                    lps = seq.logprobs[seq.sent_logprobs :]
-                    seq.sent_logprobs = len(seq.logprobs)
-                deltas.append(
-                    CompletionOutput(
-                        index=seq.index,
-                        text=seq.pending_text,
-                        token_ids=new_tokens,
-                        logprobs=lps,
-                        finish_reason=seq.finish_reason,
-                        stop_reason=seq.stop_reason,
-                    )
-                )
-                seq.text += seq.pending_text
-                seq.pending_text = ""
-                seq.sent_tokens += len(new_tokens)
-                seq.final_sent = seq.finish_reason is not None
-            finished = req.finished
-            if finished:
-                req.metrics.finished = now
-                del self.requests[rid]
-            outs.append(
-                RequestOutput(
-                    request_id=rid,
-                    prompt_token_ids=req.prompt_token_ids,
-                    outputs=deltas,
-                    finished=finished,
-                    num_cached_tokens=req.num_cached_tokens,
-                    cached_tokens=req.cached_tokens,
-                    metrics=req.metrics,
-                    error=req.error,
-                    pinned=req.pinned,
-                )
-            )
+        outs = self.outputs.make_outputs(self._touched)
+        for out in outs:
+            if out.finished:
+                self.requests.pop(out.request_id).metrics.finished = now
         self._touched = {}
         return outs
 
@@ -480,7 +417,7 @@ class LLMEngine:
     def get_stats(self) -> EngineStats:
         kv = self.kv
         in_use = kv.pool.num_used
-        dev = kv.counters["device"]
+        c = kv.counters
         tiers = [
             TierStats(
                 name="device",
@@ -488,21 +425,20 @@ class LLMEngine:
                 used_blocks=in_use,
                 cached_blocks=len(kv.pool.cached),
                 pinned_blocks=len(kv.pins),
-                queries=dev.queries,
-                hits=dev.hits,
+                queries=c.device_queries,
+                hits=c.device_hits,
                 evictions=kv.pool.num_evictions,
             )
         ]
         if self.tiers is not None:
-            self.tiers.add_stats(tiers, kv.counters, self.block_bytes)
-        hits = dev.hits + kv.counters["cpu"].hits + kv.counters["disk"].hits
+            self.tiers.add_stats(tiers, self.block_bytes)
         return EngineStats(
             num_running=len(self.scheduler.running),
             num_waiting=len(self.scheduler.waiting),
             num_preemptions=self.scheduler.num_preemptions,
             kv_usage=in_use / kv.num_blocks,
-            prefix_queries=dev.queries,
-            prefix_hits=hits,
+            prefix_queries=c.device_queries,
+            prefix_hits=c.prefix_hits,
             free_device_blocks=kv.num_free_blocks,
             tiers=tiers,
             grammar_cache=self.grammars.stats(),

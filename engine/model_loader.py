@@ -129,15 +129,3 @@ def load_tokenizer(path: str | Path) -> Any:
 
     folder = _check_folder(path)
     return AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
-
-
-def apply_chat_template(tokenizer: Any, messages: list[dict[str, Any]]) -> list[int]:
-    """Token ids of `messages` rendered with the tokenizer's chat template, ready for the reply."""
-    if not getattr(tokenizer, "chat_template", None):
-        raise ValueError("this model's tokenizer has no chat template; send a plain prompt instead")
-    ids = tokenizer.apply_chat_template(
-        messages, add_generation_prompt=True, tokenize=True, return_dict=False
-    )
-    if isinstance(ids, dict) or hasattr(ids, "input_ids"):
-        ids = ids["input_ids"]
-    return [int(t) for t in ids]

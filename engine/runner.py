@@ -17,8 +17,8 @@ from engine.sequence import Request
 from engine.structured.mask_filler import PendingMask, TokenMaskFiller
 
 
-class OffloadStore(Protocol):
-    """Carries out the CPU/disk parts of a plan (engine/kv_store.py)."""
+class Offload(Protocol):
+    """Carries out the CPU/disk parts of a plan (engine/kv_io/offload.py)."""
 
     def apply(self, plan: KVPlan, kv_cache: torch.Tensor) -> None: ...
 
@@ -61,6 +61,8 @@ class ModelRunner:
         block_size: int,
         eos_token_ids: tuple[int, ...],
         device: torch.device,
+        *,
+        offload: Offload | None = None,
     ) -> None:
         self.model = model
         self.backend = backend
@@ -70,7 +72,8 @@ class ModelRunner:
         self.block_size = block_size
         self.eos_token_ids = eos_token_ids
         self.device = device
-        self.offload: OffloadStore | None = None
+        self.offload = offload
+        """Carries out a plan's CPU and disk copies (engine/kv_io/offload.py); None: no tiers."""
         self.masks = TokenMaskFiller(sampler.vocab_size, unpack_on_host=device.type == "cpu")
         """Fills the structured-output token mask while the forward runs."""
 
@@ -139,9 +142,7 @@ class ModelRunner:
         if not sched.scheduled:
             return []
         input_ids, positions, meta = self._build_batch(sched.scheduled, tables)
-        prepare = getattr(self.backend, "prepare", None)
-        if prepare is not None:
-            prepare(meta)
+        self.backend.prepare(meta)
         plan = self._sampling_plan(sched.scheduled)
         # The grammar masks fill on a worker thread while the model runs.
         pending = self.masks.start(plan.matchers, plan.filters) if plan.rows else None

@@ -54,14 +54,16 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, kv: KVCacheManager) -> None:
+    def __init__(
+        self, config: SchedulerConfig, kv: KVCacheManager, *, swap: TieredCache | None = None
+    ) -> None:
         self.config = config
         self.kv = kv
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
-        self.swap: TieredCache | None = None
-        """Set in swap preemption mode: preempted sequences' KV goes to this CPU tier."""
+        self.swap = swap
+        """Given in swap preemption mode: preempted sequences' KV goes to this CPU tier."""
 
     def add(self, seq: Sequence) -> None:
         seq.status = SeqStatus.WAITING
@@ -82,17 +84,21 @@ class Scheduler:
         if self.swap is not None:
             self.swap.drop_swap(seq.seq_id)
 
-    def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
-
     def _can_ever_fit(self, seq: Sequence) -> bool:
         return -(-len(seq.token_ids) // self.kv.block_size) <= self.kv.num_blocks
 
     def schedule(self) -> SchedulerOutput:
+        """Running sequences first (a decode token or the next prefill chunk), then waiting ones
+        FCFS, within one token budget; a step that preempted admits nothing new."""
         out = SchedulerOutput()
-        budget = self.config.max_num_batched_tokens
-        scheduled_ids: set[int] = set()
+        budget = self._schedule_running(out, self.config.max_num_batched_tokens)
+        if not out.preempted:
+            self._admit_waiting(out, budget)
+        return self._finish(out)
 
+    def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
+        """Schedules running sequences, preempting the newest when blocks run out; returns the
+        budget left."""
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
@@ -104,7 +110,6 @@ class Scheduler:
                 self._preempt(victim, out)
             else:
                 out.scheduled.append(ScheduledSeq(seq, num_new, seq.num_computed_tokens))
-                scheduled_ids.add(seq.seq_id)
                 budget -= num_new
                 i += 1
                 continue
@@ -116,10 +121,10 @@ class Scheduler:
             else:
                 self._preempt(seq, out)
             break
+        return budget
 
-        if out.preempted:
-            return self._finish(out)
-
+    def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        """Admits waiting sequences in order, each with its longest cached prefix."""
         # Requests whose grammar is still compiling are set aside and put back in order.
         not_ready: list[Sequence] = []
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
@@ -154,7 +159,6 @@ class Scheduler:
             out.scheduled.append(ScheduledSeq(seq, num_new, seq.num_computed_tokens))
             budget -= num_new
         self.waiting.extendleft(reversed(not_ready))
-        return self._finish(out)
 
     def _record_hit(self, seq: Sequence, match: PrefixMatch | None) -> None:
         if match is None:

@@ -13,14 +13,13 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from engine.kv.hashing import BlockHash, hash_block
-from engine.outputs import CachedTokens, RequestMetrics, TokenLogprob
+from engine.outputs import CachedTokens, RequestMetrics
 from engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     import torch
     import xgrammar as xgr
 
-    from engine.detokenizer import IncrementalDetokenizer
     from engine.structured.compiler import Grammar
 
 
@@ -77,19 +76,9 @@ class Sequence:
     num_cached_blocks: int = 0
     """Leading blocks already registered in the prefix cache."""
     status: SeqStatus = SeqStatus.WAITING
-    detokenizer: IncrementalDetokenizer | None = None
-    logprobs: list[TokenLogprob] | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     num_preemptions: int = 0
-    # Streaming cursors: what the stream consumer has already been sent.
-    sent_tokens: int = 0
-    sent_logprobs: int = 0
-    final_sent: bool = False
-    """The delta carrying finish_reason has been handed out."""
-    text: str = ""
-    pending_text: str = ""
-    """Text produced since the last streamed delta."""
     grammar: xgr.GrammarMatcher | None = None
     """This sample's grammar matcher (structured outputs); it has accepted every output token.
     It outlives preemption: recompute and swap keep the tokens, so the state stays valid."""

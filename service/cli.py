@@ -13,11 +13,11 @@ import sys
 from collections.abc import Sequence
 from types import ModuleType
 
-from service.flags import EnvError
+from service.common.flags import EnvError
 
 COMMANDS: dict[str, str] = {
-    "serve": "service.serve_cmd",
-    "route": "service.router_cmd",
+    "serve": "service.replica.command",
+    "route": "service.router.command",
     "chat": "clients.chat",
     "generate": "clients.generate_cmd",
     "bench serve": "clients.loadgen",

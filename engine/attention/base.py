@@ -55,6 +55,13 @@ class AttentionBackend(ABC):
 
     name: str
 
+    def prepare(self, meta: AttentionMetadata) -> None:  # noqa: B027 (optional hook)
+        """Builds what every layer of this step shares from `meta` (index tensors, buffers).
+
+        The runner calls it once per step, after the metadata is final and before the forward
+        pass; a backend that needs nothing per step keeps this no-op.
+        """
+
     @abstractmethod
     def forward(
         self,

@@ -160,11 +160,6 @@ class BlockPool:
         self.cached[block_hash] = block
         return True
 
-    def evict_free_cached(self, block: Block) -> None:
-        """Drops the hash of a free block (e.g. a spill that was not possible)."""
-        if block.block_hash is not None and block.ref_cnt == 0:
-            self._evict(block)
-
     def reset(self) -> bool:
         """Forgets every hash; only possible when no block is in use. Returns success."""
         if self.num_used:

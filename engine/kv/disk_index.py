@@ -1,6 +1,6 @@
 """The disk tier's index: which block hashes have a file, least recently accessed first.
 
-Pure Python; the files themselves are engine/kv_disk.py's. The index has a budget in blocks; adding
+Pure Python; the files themselves are engine/kv_io/disk.py's. The index has a budget in blocks; adding
 past it evicts the least recently accessed entries, whose files the store deletes.
 """
 

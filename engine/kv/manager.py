@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from engine.kv.block_pool import Block, BlockPool
+from engine.kv.counters import TierCounters
 from engine.kv.hashing import BlockHash
 from engine.kv.plan import KVPlan
 
@@ -59,6 +60,11 @@ class LowerTiers(Protocol):
         """A newly computed full device block was registered under this hash (write policies)."""
         ...
 
+    @property
+    def counters(self) -> TierCounters:
+        """The tiers' counters; the manager adds its lookups to them."""
+        ...
+
     def note_hits(self, hashes: list[BlockHash]) -> None:
         """An admitted prompt hit these cached hashes, in any tier (write policies)."""
         ...
@@ -87,13 +93,6 @@ class PrefixMatch:
         return out
 
 
-@dataclass(slots=True)
-class TierCounters:
-    queries: int = 0
-    """Prompt tokens looked up (device: every admitted prompt token; lower tiers: past the device hit)."""
-    hits: int = 0
-
-
 class KVCacheManager:
     def __init__(
         self,
@@ -102,16 +101,18 @@ class KVCacheManager:
         *,
         enable_caching: bool = True,
         max_pinned_fraction: float = 0.5,
+        tiers: LowerTiers | None = None,
     ) -> None:
         self.block_size = block_size
         self.enable_caching = enable_caching
         self.pool = BlockPool(num_blocks, on_evict=self._on_evict)
-        self.tiers: LowerTiers | None = None
+        self.tiers = tiers
         self.tables: dict[int, list[Block]] = {}
         """seq_id -> its blocks in order."""
         self.plan = KVPlan()
         """Copies accumulated since the last `take_plan`."""
-        self.counters = {"device": TierCounters(), "cpu": TierCounters(), "disk": TierCounters()}
+        self.counters = tiers.counters if tiers is not None else TierCounters()
+        """One set for the whole cache: lookups counted here, copies by the lower tiers."""
         self.max_pinned = int(max_pinned_fraction * num_blocks)
         self.pins: dict[int, float] = {}
         """block_id -> expiry time of its pin (a pin holds one reference)."""
@@ -157,17 +158,14 @@ class KVCacheManager:
         if self.tiers is not None and match.num_blocks:
             hit = [b.block_hash for b in match.device_blocks if b.block_hash is not None]
             self.tiers.note_hits(hit + [h for _, h in match.lower_hits])
-        dev = self.counters["device"]
-        dev.queries += num_prompt_tokens
-        dev.hits += by_tier["device"]
-        remaining = num_prompt_tokens - by_tier["device"]
-        for tier in ("cpu", "disk"):
-            if self.tiers is None:
-                break
-            c = self.counters[tier]
-            c.queries += remaining
-            c.hits += by_tier[tier]
-            remaining -= by_tier[tier]
+        c = self.counters
+        c.device_queries += num_prompt_tokens
+        c.device_hits += by_tier["device"]
+        if self.tiers is not None:
+            c.cpu_queries += num_prompt_tokens - by_tier["device"]
+            c.cpu_hits += by_tier["cpu"]
+            c.disk_queries += num_prompt_tokens - by_tier["device"] - by_tier["cpu"]
+            c.disk_hits += by_tier["disk"]
 
     # -- allocation ----------------------------------------------------------------------------
     def blocks_needed(self, seq: SeqLike, num_new_tokens: int, match: PrefixMatch | None) -> int:

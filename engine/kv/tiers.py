@@ -1,6 +1,6 @@
 """The tiers below the device pool: a CPU tier of host blocks and the disk tier's index.
 
-Pure Python on integer block ids and hashes; no torch, no file I/O (engine/kv_store.py carries the
+Pure Python on integer block ids and hashes; no torch, no file I/O (engine/kv_io/offload.py carries the
 plans out and reads the files). `TieredCache` implements the `LowerTiers` protocol of
 `KVCacheManager`.
 
@@ -39,7 +39,7 @@ Rules:
   holds them then, and copied into staging memory at once (the writer thread does the I/O). A hash
   the disk index holds is never queued: each hash is written once across tiers.
 - A disk tier whose files failed (read-only or full directory) is off: `find` stops probing and
-  nothing more is queued (engine/kv_disk.py turns it off, with a warning and a counter).
+  nothing more is queued (engine/kv_io/disk.py turns it off, with a warning and a counter).
 """
 
 from __future__ import annotations
@@ -50,9 +50,9 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from engine.kv.block_pool import Block, BlockPool
+from engine.kv.counters import TierCounters
 from engine.kv.disk_index import DiskIndex
 from engine.kv.hashing import BlockHash
-from engine.kv.manager import TierCounters
 from engine.kv.plan import KVPlan
 from engine.stats import TierStats
 
@@ -60,7 +60,7 @@ WRITE_POLICIES = ("write-through", "selective", "write-back")
 
 
 class DiskIO(Protocol):
-    """The file side of the disk tier (engine/kv_disk.py)."""
+    """The file side of the disk tier (engine/kv_io/disk.py)."""
 
     @property
     def enabled(self) -> bool:
@@ -106,31 +106,6 @@ class SwapRecord:
     num_full: int
     tail_tokens: int
     """Computed tokens in the partial tail block (0: no tail block)."""
-
-
-@dataclass(slots=True)
-class TierCounts:
-    device_spills: int = 0
-    """Device blocks copied to the CPU tier before reuse (including swap-outs)."""
-    cpu_swap_ins: int = 0
-    """CPU blocks copied to the device (prefix hits and swapped-out sequences)."""
-    disk_stores: int = 0
-    """CPU blocks written to the disk tier before reuse."""
-    disk_loads: int = 0
-    """Disk blocks read into the device."""
-    dropped_spills: int = 0
-    """Cached device blocks reused without a spill because every CPU block was held."""
-    swap_outs: int = 0
-    """Sequences preempted by swap."""
-    swapped_tail_tokens: int = 0
-    """Tokens of partial tail blocks brought back by swap (not recomputed)."""
-    disk_writes: int = 0
-    """Blocks queued for disk by the write policy (write-through or selective), not write-back."""
-    dropped_writes: int = 0
-    """Blocks the policy wanted on disk but the writer's queue was full (or the block was gone);
-    stores the writer itself refused are its `num_refused`."""
-    warm_blocks: int = 0
-    """Disk blocks read into the CPU tier by warm start."""
 
 
 @dataclass(slots=True)
@@ -189,7 +164,8 @@ class TieredCache:
         self.cpu = BlockPool(num_cpu_blocks, on_evict=self._on_cpu_evict)
         self.disk = disk
         self.disk_io = disk_io
-        self.counts = TierCounts()
+        self.counters = TierCounters()
+        """Shared with the KVCacheManager this cache sits below (it counts the lookups)."""
         self.swapped: dict[int, SwapRecord] = {}
         """seq_id -> the CPU blocks of a sequence preempted by swap."""
         self.max_pinned = int(max_pinned_fraction * num_cpu_blocks)
@@ -239,13 +215,13 @@ class TieredCache:
         if b is not None and b.block_id not in step.spill_dst:
             self._hold_for_step(b)
             plan.swap_in.append((b.block_id, dst_block_id))
-            self.counts.cpu_swap_ins += 1
+            self.counters.cpu_swap_ins += 1
         elif self.disk is not None and (
             block_hash in step.disk_found or block_hash in step.disk_stores
         ):
             self.disk.touch(block_hash)
             plan.disk_load.append((block_hash, dst_block_id))
-            self.counts.disk_loads += 1
+            self.counters.disk_loads += 1
         else:
             raise AssertionError(
                 f"fetch of {block_hash.hex()[:16]}, which find did not return this step"
@@ -264,13 +240,13 @@ class TieredCache:
             return
         c = self._alloc_cpu(plan)
         if c is None:
-            self.counts.dropped_spills += 1
+            self.counters.dropped_spills += 1
             return
         self.cpu.cache(c, block_hash)
         self._hold_new_for_step(c)
         plan.spill.append((block_id, c.block_id))
         self._step.spill_dst.add(c.block_id)
-        self.counts.device_spills += 1
+        self.counters.device_spills += 1
         if block_hash in self.pins:
             self._pin_hold(block_hash)
 
@@ -322,7 +298,7 @@ class TieredCache:
             if h in self.disk:
                 continue
             if room <= 0:
-                self.counts.dropped_writes += 1
+                self.counters.dropped_writes += 1
                 continue
             dev = device_lookup(h)
             if dev is not None:
@@ -330,11 +306,11 @@ class TieredCache:
             else:
                 b = self.cpu.lookup(h)
                 if b is None:  # evicted from both before the step ended: nothing to write
-                    self.counts.dropped_writes += 1
+                    self.counters.dropped_writes += 1
                     continue
                 out.from_cpu.append((b.block_id, h))
             self.disk.add(h)
-            self.counts.disk_writes += 1
+            self.counters.disk_writes += 1
             room -= 1
         return out
 
@@ -361,7 +337,7 @@ class TieredCache:
         (b,) = self.cpu.allocate(1)
         self.cpu.cache(b, block_hash)
         self.cpu.free([b])
-        self.counts.warm_blocks += 1
+        self.counters.warm_blocks += 1
         return b.block_id
 
     def cached_hashes(self, limit: int) -> list[BlockHash]:
@@ -408,7 +384,7 @@ class TieredCache:
                 self.cpu.cache(b, h)
                 plan.spill.append((device_block_ids[i], b.block_id))
                 self._step.spill_dst.add(b.block_id)
-                self.counts.device_spills += 1
+                self.counters.device_spills += 1
                 if h in self.pins:
                     self._pin_hold(h)
             blocks.append(b)
@@ -417,10 +393,10 @@ class TieredCache:
             assert t is not None
             plan.spill.append((device_block_ids[num_full], t.block_id))
             self._step.spill_dst.add(t.block_id)
-            self.counts.device_spills += 1
+            self.counters.device_spills += 1
             blocks.append(t)
         self.swapped[seq.seq_id] = SwapRecord(blocks, num_full, tail)
-        self.counts.swap_outs += 1
+        self.counters.swap_outs += 1
         return True
 
     def resume(
@@ -457,8 +433,8 @@ class TieredCache:
         self._supersede(dst, plan)
         plan.swap_in.append((rec.blocks[-1].block_id, dst))
         self._step.fetch_dst.add(dst)
-        self.counts.cpu_swap_ins += 1
-        self.counts.swapped_tail_tokens += rec.tail_tokens
+        self.counters.cpu_swap_ins += 1
+        self.counters.swapped_tail_tokens += rec.tail_tokens
         seq.num_computed_tokens += rec.tail_tokens
         return rec.tail_tokens
 
@@ -494,14 +470,9 @@ class TieredCache:
                 self.cpu.free([b])
 
     # -- stats and checks ----------------------------------------------------------------------
-    def add_stats(
-        self, tiers: list[TierStats], counters: dict[str, TierCounters], block_bytes: int
-    ) -> None:
-        """Fills the device tier's spill figures and appends the cpu and disk tiers' stats.
-
-        `counters` is the manager's per-tier TierCounters (queries and hits in tokens).
-        """
-        c = self.counts
+    def add_stats(self, tiers: list[TierStats], block_bytes: int) -> None:
+        """Fills the device tier's spill figures and appends the cpu and disk tiers' stats."""
+        c = self.counters
         for t in tiers:
             if t.name == "device":
                 t.spills = c.device_spills
@@ -516,8 +487,8 @@ class TieredCache:
                 + sum(1 for r in self.swapped.values() if r.tail_tokens),
                 cached_blocks=len(cpu.cached),
                 pinned_blocks=len(self._pinned_blocks),
-                queries=counters["cpu"].queries,
-                hits=counters["cpu"].hits,
+                queries=c.cpu_queries,
+                hits=c.cpu_hits,
                 spills=c.disk_stores,
                 swap_ins=c.cpu_swap_ins,
                 evictions=cpu.num_evictions,
@@ -531,8 +502,8 @@ class TieredCache:
                     num_blocks=self.disk.capacity,
                     used_blocks=len(self.disk),
                     cached_blocks=len(self.disk),
-                    queries=counters["disk"].queries,
-                    hits=counters["disk"].hits,
+                    queries=c.disk_queries,
+                    hits=c.disk_hits,
                     swap_ins=c.disk_loads,
                     evictions=self.disk.num_evictions + self.disk.num_discarded,
                     bytes_moved=(c.disk_stores + c.disk_writes + c.disk_loads) * block_bytes,
@@ -604,7 +575,7 @@ class TieredCache:
         self.disk.add(block_hash)
         self._step.disk_stores.add(block_hash)
         self._plan.disk_store.append((block.block_id, block_hash))
-        self.counts.disk_stores += 1
+        self.counters.disk_stores += 1
 
     def _disk_on(self) -> bool:
         return self.disk is not None and self.disk_io is not None and self.disk_io.enabled

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 
 from service.affinity.config import AffinityConfig
-from service.flags import add_flag
+from service.common.flags import add_flag
 
 
 def add_affinity_args(parser: argparse.ArgumentParser, *, with_url: bool) -> None:

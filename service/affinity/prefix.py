@@ -1,18 +1,10 @@
-"""A prompt's block-hash chain as the engine computes it, and the bounded subset to record."""
+"""The bounded subset of a prompt's block-hash chain that the affinity store records."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
-from engine.kv.hashing import BlockHash, extra_keys, hash_blocks
-
-
-def prompt_block_hashes(
-    token_ids: Sequence[int], block_size: int, model_id: str, cache_salt: str | None
-) -> list[BlockHash]:
-    """Hashes of the prompt's full blocks, exactly the engine's (`engine.kv.hashing`)."""
-    salt = cache_salt or None
-    return hash_blocks(token_ids, block_size, extra_keys(model_id, salt))
+from engine.kv.hashing import BlockHash
 
 
 def bounded_chain(block_hashes: Sequence[BlockHash], limit: int) -> list[BlockHash]:

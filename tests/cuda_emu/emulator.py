@@ -44,7 +44,9 @@ class Emulator:
     def __init__(self, names: Sequence[str], build_dir: Path | None = None) -> None:
         compiler = find_compiler()
         if compiler is None:
-            raise RuntimeError("g++ is needed to emulate the CUDA kernels")
+            raise RuntimeError(
+                "g++ is needed to emulate the CUDA kernels (scripts/install.sh --dev)"
+            )
         self.names = sorted(set(names))
         self.symbols = {name: f"emu_{i}" for i, name in enumerate(self.names)}
         lines = ['#include "host_shim.h"']

@@ -1,7 +1,7 @@
 """The CUDA kernels, run on the CPU through the real loaders, against float64 references.
 
 No GPU needed: tests/cuda_emu/host_shim.h runs every CUDA thread as a std::thread (see there for
-what this does and does not prove). Skips without g++.
+what this does and does not prove). Needs g++ (see conftest.py).
 """
 
 from __future__ import annotations
@@ -12,10 +12,8 @@ import pytest
 import torch
 
 from cuda import block_copy, paged_attention, prefill_attention, reshape_and_cache
-from tests.cuda_emu.emulator import Emulator, find_compiler
+from tests.cuda_emu.emulator import Emulator
 from tests.kernel_reference import attention_reference, make_case, tolerance, write_reference
-
-pytestmark = pytest.mark.skipif(find_compiler() is None, reason="g++ is not installed")
 
 BF16, F16, F32 = torch.bfloat16, torch.float16, torch.float32
 

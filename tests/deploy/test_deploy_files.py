@@ -168,10 +168,10 @@ def test_command_is_accepted_by_deja(command: Command, monkeypatch: pytest.Monke
 
     # The config objects check combinations a parser cannot (e.g. the router needs replicas).
     if command.argv[1] == "route":
-        from service.router_config import router_config_from_args
+        from service.router.config import router_config_from_args
 
         router_config_from_args(args)
     elif command.argv[1] == "serve":
-        from service.config import service_config_from_args
+        from service.replica.config import service_config_from_args
 
         service_config_from_args(args)

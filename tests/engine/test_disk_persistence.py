@@ -24,7 +24,7 @@ import pytest
 
 from engine import LLM, SamplingParams
 from engine.kv.hashing import extra_keys, hash_blocks
-from engine.kv_disk import HEADER_BYTES
+from engine.kv_io.disk import HEADER_BYTES
 
 BS = 16
 GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
@@ -74,7 +74,7 @@ def test_restart_after_graceful_close_serves_the_hot_prefix(
         llm.generate([first], GREEDY)[0].token_ids
         == reference.generate([first], GREEDY)[0].token_ids
     )
-    assert llm.engine.tiers is not None and llm.engine.tiers.counts.disk_stores == 0
+    assert llm.engine.tiers is not None and llm.engine.tiers.counters.disk_stores == 0
     assert llm.engine.close(timeout_s=30.0)
     assert len(block_files(tmp_path)) == (1024 + 20) // BS
 
@@ -97,7 +97,7 @@ def test_restart_after_graceful_close_serves_the_hot_prefix(
         warm_start_blocks=80,
     )
     llm3.engine.load_warm_start(timeout_s=30.0)
-    assert llm3.engine.tiers is not None and llm3.engine.tiers.counts.warm_blocks >= 64
+    assert llm3.engine.tiers is not None and llm3.engine.tiers.counters.warm_blocks >= 64
     out = llm3.generate([second], GREEDY)[0]
     assert out.token_ids == expected
     assert out.cached_tokens.cpu >= 0.98 * 1024 and out.cached_tokens.disk == 0

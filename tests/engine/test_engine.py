@@ -13,6 +13,7 @@ from engine.async_engine import AsyncEngine
 from engine.config import EngineConfig
 from engine.errors import StreamOverflowError
 from engine.llm_engine import LLMEngine
+from tests.waiting import wait_until
 
 
 def all_free(llm_engine: LLMEngine) -> None:
@@ -227,12 +228,11 @@ def aengine(tiny_llama_path: Path) -> object:
 
 
 async def _wait_free(eng: AsyncEngine) -> None:
-    for _ in range(100):
+    def free() -> bool:
         s = eng.get_stats()
-        if s.free_device_blocks == eng.model_info.num_device_blocks and s.num_running == 0:
-            return
-        await asyncio.sleep(0.02)
-    raise AssertionError(f"blocks not freed: {eng.get_stats()}")
+        return s.free_device_blocks == eng.model_info.num_device_blocks and s.num_running == 0
+
+    await wait_until(free, 5, what="every block freed")
 
 
 async def test_async_stream_matches_offline(aengine: AsyncEngine, llm: LLM) -> None:
@@ -296,7 +296,8 @@ async def test_async_slow_reader_overflows(aengine: AsyncEngine) -> None:
     params = SamplingParams(temperature=0, max_tokens=300, ignore_eos=True)
     agen = aengine.generate(rand_tokens(10, 3), params)
     await agen.__anext__()
-    await asyncio.sleep(1.0)  # the buffer of 4 deltas fills while we sleep
+    # The buffer of 4 deltas fills while nobody reads: the engine closes the stream.
+    await wait_until(lambda: any(s.closed for s in aengine._streams.values()), what="overflow")
     with pytest.raises(StreamOverflowError):
         async for _ in agen:
             pass

@@ -10,9 +10,9 @@ import torch
 
 from engine import LLM, SamplingParams
 from engine.host_memory import HostMemoryTrimmer
-from engine.kv_disk import DiskFiles
+from engine.kv_io.disk import DiskFiles
 from engine.stats import BufferStats
-from service.convert import cache_stats_message
+from service.replica.convert import cache_stats_message
 
 PAYLOAD = 4096
 MANIFEST = {"format": "test", "model_id": "m", "dtype": "float32", "block_size": 4}

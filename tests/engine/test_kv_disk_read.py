@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from engine.kv_disk import HEADER_BYTES, DiskFiles
+from engine.kv_io.disk import HEADER_BYTES, DiskFiles
 
 PAYLOAD = 4096
 MANIFEST = {"format": "test"}

@@ -11,8 +11,8 @@ import torch
 
 from engine.kv.disk_index import DiskIndex
 from engine.kv.plan import KVPlan
-from engine.kv_disk import HEADER_BYTES, MANIFEST, DiskFiles
-from engine.kv_store import KVStore
+from engine.kv_io.disk import HEADER_BYTES, MANIFEST, DiskFiles
+from engine.kv_io.offload import KVOffload
 
 L, BS, H, D = 2, 4, 2, 8
 SHAPE = (L, 2, BS, H, D)
@@ -76,7 +76,7 @@ def test_bad_file_is_deleted_and_a_miss(
     else:
         data += b"\0"
     path.write_bytes(bytes(data))
-    with caplog.at_level(logging.WARNING, logger="engine.kv_store"):
+    with caplog.at_level(logging.WARNING, logger="engine.kv_io.offload"):
         assert not files.probe(h(1))
     assert "bad block file" in caplog.text
     assert not path.exists() and files.num_bad == 1
@@ -89,7 +89,7 @@ def test_manifest_mismatch_refuses_the_directory(
 ) -> None:
     open_files(tmp_path).close()
     other = {**MANIFEST_A, "dtype": "bfloat16"}
-    with caplog.at_level(logging.WARNING, logger="engine.kv_store"):
+    with caplog.at_level(logging.WARNING, logger="engine.kv_io.offload"):
         assert DiskFiles.open(tmp_path, other, PAYLOAD) is None
     assert "differs in dtype" in caplog.text
     (tmp_path / MANIFEST).write_text("{not json")
@@ -143,10 +143,10 @@ def test_replicas_share_a_directory(tmp_path: Path) -> None:
     b.close()
 
 
-def make_store(tmp_path: Path, num_cpu: int = 4) -> tuple[KVStore, torch.Tensor, DiskIndex]:
+def make_store(tmp_path: Path, num_cpu: int = 4) -> tuple[KVOffload, torch.Tensor, DiskIndex]:
     cpu = torch.zeros((L, 2, num_cpu, BS, H, D))
     index = DiskIndex(16)
-    return KVStore(cpu, open_files(tmp_path), index), cpu, index
+    return KVOffload(cpu, open_files(tmp_path), index), cpu, index
 
 
 def test_apply_runs_the_plan_in_order(tmp_path: Path) -> None:

@@ -16,7 +16,6 @@ import torch
 from engine.attention import TorchAttentionBackend
 from engine.config import ModelConfig
 from engine.model_loader import (
-    apply_chat_template,
     eos_token_ids,
     kv_dims,
     load_model,
@@ -25,6 +24,7 @@ from engine.model_loader import (
 )
 from engine.models import get_model_class, model_family
 from engine.models.llama import LlamaForCausalLM, rope_inv_freq
+from engine.prompt import apply_chat_template
 from tests.tiny_models import build_tiny_llama, make_attention_metadata
 
 torch.set_num_threads(2)

@@ -120,7 +120,7 @@ def test_outputs_identical_with_a_quarter_pool_through_cpu_and_disk(
         all_free(llm.engine)
     eng = llm.engine
     assert eng.tiers is not None
-    c = eng.tiers.counts
+    c = eng.tiers.counters
     assert c.device_spills > 0 and c.cpu_swap_ins > 0
     if policy == "write-through":  # every block went to disk once, when computed
         assert c.disk_writes > 0 and c.disk_stores == 0 and c.disk_loads > 0
@@ -326,9 +326,9 @@ def test_swap_preemption_matches_recompute(
     eng = swap.engine
     assert eng.scheduler.num_preemptions > 0 and eng.tiers is not None
     if cpu_blocks == 512:
-        assert eng.tiers.counts.swap_outs > 0 and eng.tiers.counts.swapped_tail_tokens > 0
+        assert eng.tiers.counters.swap_outs > 0 and eng.tiers.counters.swapped_tail_tokens > 0
     else:  # too small to take most sequences: falls back to recompute
-        assert eng.tiers.counts.swap_outs < eng.scheduler.num_preemptions
+        assert eng.tiers.counters.swap_outs < eng.scheduler.num_preemptions
     close(swap)
 
 

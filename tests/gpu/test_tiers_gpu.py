@@ -1,4 +1,4 @@
-"""The CPU tier's CUDA path: KVStore plans on a device cache with a pinned CPU tier, direct
+"""The CPU tier's CUDA path: KVOffload plans on a device cache with a pinned CPU tier, direct
 (cuda/tier_copy.py) and staged, give what the CPU path gives."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import torch
 
 from cuda.tier_copy import runs
 from engine.kv.plan import KVPlan
-from engine.kv_store import KVStore
+from engine.kv_io.offload import KVOffload
 
 L, BS, H, D = 3, 16, 2, 64
 
@@ -19,7 +19,7 @@ def test_runs_merge_consecutive_pairs() -> None:
 
 
 def _apply(plan: KVPlan, dev: torch.Tensor, cpu: torch.Tensor, direct: bool | None) -> None:
-    store = KVStore(cpu)
+    store = KVOffload(cpu)
     if direct is not None:
         store.direct_copies = direct
     store.apply(plan, dev)
@@ -39,7 +39,7 @@ def test_spill_then_swap_in_matches_cpu(direct: bool, dtype: torch.dtype) -> Non
     plan = KVPlan(spill=[(2, 0), (3, 1), (9, 5)], swap_in=[(6, 4), (7, 5 + 6), (2, 0)])
     # CPU reference: spills first, then swap-ins (source blocks never spilled in the same step)
     ref_dev, ref_tier = dev_cpu.clone(), tier_cpu.clone()
-    KVStore(ref_tier).apply(plan, ref_dev)
+    KVOffload(ref_tier).apply(plan, ref_dev)
 
     dev = dev_cpu.cuda()
     tier = tier_cpu.pin_memory()

@@ -40,7 +40,6 @@ class FakeDisk:
 def make(
     num_device: int, num_cpu: int, disk_blocks: int | None = None, pinned: float = 0.5
 ) -> tuple[KVCacheManager, TieredCache, FakeDisk]:
-    kv = KVCacheManager(num_device, BS)
     disk = FakeDisk()
     index = DiskIndex(disk_blocks) if disk_blocks else None
     tiers = TieredCache(
@@ -50,7 +49,7 @@ def make(
         disk_io=disk if index is not None else None,
         max_pinned_fraction=pinned,
     )
-    kv.tiers = tiers
+    kv = KVCacheManager(num_device, BS, tiers=tiers)
     return kv, tiers, disk
 
 
@@ -97,7 +96,7 @@ def test_write_back_spill_and_swap_in_exact_ids() -> None:
     # second block comes back from CPU block 0 into device block 1.
     assert plan.spill == [(1, 1), (2, 2)]
     assert plan.swap_in == [(0, 1)]
-    assert tiers.counts.device_spills == 3 and tiers.counts.cpu_swap_ins == 1
+    assert tiers.counters.device_spills == 3 and tiers.counters.cpu_swap_ins == 1
     check(kv, tiers)
     kv.free(d)
     assert kv.num_free_blocks == 4
@@ -122,7 +121,7 @@ def test_no_spill_when_cpu_already_holds_the_hash() -> None:
     # held in this step, so its spill is dropped.
     assert plan.swap_in == [(1, 0), (0, 1)]
     assert plan.spill == [(0, 2), (1, 3)]
-    assert tiers.counts.dropped_spills == 1
+    assert tiers.counters.dropped_spills == 1
     kv.free(again)  # queue: 2, 1, 0
     b2 = FakeSeq(3, list(range(100, 112)))
     assert run_prefill(kv, b2)
@@ -157,7 +156,7 @@ def test_cpu_eviction_plans_disk_store_then_disk_hit_loads() -> None:
     assert kv.allocate(d, 2, m)
     plan = step(kv, tiers, disk)
     assert plan.disk_load == [(a.block_hashes[0], kv.block_ids(3)[0])]
-    assert tiers.counts.disk_loads == 1 and tiers.counts.disk_stores >= 1
+    assert tiers.counters.disk_loads == 1 and tiers.counters.disk_stores >= 1
     kv.free(d)
     check(kv, tiers)
 
@@ -214,7 +213,7 @@ def test_found_cpu_hit_is_held_through_the_step() -> None:
     assert kv.block_ids(2) == [0, 1]
     assert plan.swap_in == [(0, 0)]
     assert plan.spill == []
-    assert tiers.counts.dropped_spills == 2
+    assert tiers.counters.dropped_spills == 2
     kv.free(d)
     check(kv, tiers)
 

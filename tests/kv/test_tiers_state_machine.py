@@ -68,7 +68,6 @@ class TiersMachine(RuleBasedStateMachine):
 
     def __init__(self) -> None:
         super().__init__()
-        self.kv = KVCacheManager(NUM_DEVICE, BS, max_pinned_fraction=0.3)
         self.disk = ShadowDisk()
         self.tiers = TieredCache(
             NUM_CPU,
@@ -77,7 +76,7 @@ class TiersMachine(RuleBasedStateMachine):
             disk_io=self.disk if self.with_disk else None,
             max_pinned_fraction=0.4,
         )
-        self.kv.tiers = self.tiers
+        self.kv = KVCacheManager(NUM_DEVICE, BS, max_pinned_fraction=0.3, tiers=self.tiers)
         self.dev: dict[int, Label] = {}
         self.cpu: dict[int, Label] = {}
         self.live: dict[int, FakeSeq] = {}

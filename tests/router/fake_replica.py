@@ -8,8 +8,8 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from service.proto.deja.v1 import inference_pb2 as pb
-from service.proto.deja.v1 import inference_pb2_grpc as pb_grpc
+from service.api.deja.v1 import inference_pb2 as pb
+from service.api.deja.v1 import inference_pb2_grpc as pb_grpc
 
 MODEL_ID = "fake-model"
 BLOCK_SIZE = 4

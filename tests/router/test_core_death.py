@@ -30,9 +30,9 @@ from bench.router_cluster import (
     wait_router_replicas,
 )
 from clients.client import build_request
-from service.proto.deja.v1 import inference_pb2 as pb
-from service.proto.deja.v1 import inference_pb2_grpc as pb_grpc
-from tests.service.test_engine_core import _core_of, _wait_gone
+from service.api.deja.v1 import inference_pb2 as pb
+from service.api.deja.v1 import inference_pb2_grpc as pb_grpc
+from tests.service.serving import alive, core_of
 
 REPLICAS = ("r0", "r1")
 
@@ -47,7 +47,7 @@ class Cluster:
         return f"127.0.0.1:{self.ports[name]}"
 
     def core(self, name: str) -> int:
-        return _core_of(self.group.procs[name].pid)
+        return core_of(self.group.procs[name].pid)
 
     def retries(self) -> float:
         return metric_value(scrape(self.metrics_port), "deja_router_retries_total")
@@ -135,7 +135,7 @@ async def test_stream_with_no_token_yet_is_retried_on_the_other_replica(
             os.kill(frozen, signal.SIGKILL)
             msgs = await task
     finally:
-        if not _wait_gone(frozen, 0.0):
+        if alive(frozen):
             os.kill(frozen, signal.SIGKILL)
     final = msgs[-1].final
     assert final.route.replica_id == "r1"

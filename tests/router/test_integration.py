@@ -34,8 +34,8 @@ from bench.router_cluster import (
     wait_healthy,
     wait_router_replicas,
 )
-from service.proto.deja.v1 import inference_pb2 as pb
-from service.proto.deja.v1 import inference_pb2_grpc as pb_grpc
+from service.api.deja.v1 import inference_pb2 as pb
+from service.api.deja.v1 import inference_pb2_grpc as pb_grpc
 
 from .redis_proc import RedisProcess
 

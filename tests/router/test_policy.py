@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
+import itertools
 from collections import Counter
 
 import pytest
 
-from engine.kv.hashing import extra_keys, hash_blocks
-from service.affinity.prefix import bounded_chain, prompt_block_hashes
+from service.affinity.prefix import bounded_chain
 from service.affinity.rendezvous import rendezvous_order, rendezvous_pick
-from service.router_policy import (
+from service.router.policy import (
     Candidate,
     NoReplicaError,
     OverloadGuard,
@@ -34,17 +34,6 @@ def test_rendezvous_is_stable_and_minimal_on_removal() -> None:
     assert rendezvous_order("k", []) == [] and rendezvous_pick("k", []) is None
 
 
-def test_prompt_hashes_are_the_engines() -> None:
-    ids = list(range(70))
-    assert prompt_block_hashes(ids, 16, "m", "salt") == hash_blocks(
-        ids, 16, extra_keys("m", "salt")
-    )
-    assert len(prompt_block_hashes(ids, 16, "m", None)) == 4
-    # An empty salt is no salt (proto3 strings default to "").
-    assert prompt_block_hashes(ids, 16, "m", "") == prompt_block_hashes(ids, 16, "m", None)
-    assert prompt_block_hashes(ids, 16, "m", "x") != prompt_block_hashes(ids, 16, "m", None)
-
-
 def test_bounded_chain() -> None:
     chain = [bytes([i]) * 32 for i in range(10)]
     assert bounded_chain(chain, 10) == chain
@@ -52,9 +41,25 @@ def test_bounded_chain() -> None:
     assert bounded_chain(chain, 1) == [chain[9]]
 
 
+@pytest.mark.parametrize(
+    "inputs",
+    [
+        RouteInputs("s", session_replica="b", prefix_blocks={"a": 9}),
+        RouteInputs("new", prefix_blocks={"a": 3, "c": 3}),
+        RouteInputs("k"),
+        RouteInputs("k", store_ok=False),
+    ],
+)
+def test_decision_does_not_depend_on_the_candidates_order(inputs: RouteInputs) -> None:
+    """Every router process (and every poll order) makes the same choice for the same state."""
+    cands = [Candidate("a", running=1), Candidate("b"), Candidate("c", waiting=1), Candidate("d")]
+    want = decide("affinity", cands, inputs, GUARD)
+    for perm in itertools.permutations(cands):
+        assert decide("affinity", list(perm), inputs, GUARD) == want
+
+
 def test_session_wins_when_healthy_and_not_overloaded() -> None:
     inputs = RouteInputs("s", session_replica="b", prefix_blocks={"a": 9})
-    assert decide("affinity", ABC, inputs, GUARD) == decide("affinity", ABC, inputs, GUARD)
     d = decide("affinity", ABC, inputs, GUARD)
     assert (d.replica_id, d.reason) == ("b", "session")
     # The session's replica is busier than the others but not overloaded: stay.

@@ -1,15 +1,13 @@
-"""The router hashes a prompt exactly as the replica's engine does (tokens, template, salt)."""
+"""The router's view of a request: engine/prompt.py on the proto's input, the replica's salt."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from engine.config import EngineConfig
-from engine.kv.hashing import extra_keys, hash_blocks
-from engine.llm_engine import LLMEngine
-from service.proto.deja.v1 import inference_pb2 as pb
-from service.router_prompt import PromptHasher, load_router_tokenizer
-from service.server import derive_cache_salt
+from engine.prompt import prompt_block_hashes, tokenize_prompt
+from service.api.deja.v1 import inference_pb2 as pb
+from service.common.auth import derive_cache_salt
+from service.router.prompt import PromptHasher, load_router_tokenizer
 
 MESSAGES = [
     {"role": "system", "content": "You are a helpful assistant."},
@@ -19,23 +17,19 @@ MESSAGES = [
 ]
 
 
-def test_token_ids_and_chain_match_the_engine(tiny_llama_path: Path) -> None:
-    engine = LLMEngine(EngineConfig.from_kwargs(str(tiny_llama_path), num_device_blocks=64))
-    hasher = PromptHasher(load_router_tokenizer(str(tiny_llama_path), "/nonexistent"))
+def test_each_input_kind_goes_through_the_engine_rule(tiny_llama_path: Path) -> None:
+    tok = load_router_tokenizer(str(tiny_llama_path), "/nonexistent")
+    hasher = PromptHasher(tok)
     text = "The quick brown fox jumps over the lazy dog. " * 8
 
-    req = pb.GenerateRequest(text=text)
-    assert hasher.token_ids(req) == engine.tokenize(text)
+    assert hasher.token_ids(pb.GenerateRequest(text=text)) == tokenize_prompt(tok, text)
     chat = pb.GenerateRequest()
     chat.chat.messages.extend(pb.ChatMessage(**m) for m in MESSAGES)
     ids = hasher.token_ids(chat)
-    assert ids is not None and ids == engine.tokenize(messages=MESSAGES)
+    assert ids is not None and ids == tokenize_prompt(tok, messages=MESSAGES)
     assert hasher.token_ids(pb.GenerateRequest(token_ids=pb.TokenIds(ids=[5, 6]))) == [5, 6]
-
-    info = engine.model_info
-    chain = hasher.chain(ids, info.model_id, info.block_size, "salt")
-    assert chain == hash_blocks(ids, info.block_size, extra_keys(info.model_id, "salt"))
-    assert len(chain) == len(ids) // info.block_size
+    assert hasher.token_ids(pb.GenerateRequest(chat=pb.ChatMessages())) is None  # bad input
+    assert hasher.chain(ids, "m", 4, "salt") == prompt_block_hashes(ids, 4, "m", "salt")
 
 
 def test_without_tokenizer_only_token_ids_are_known() -> None:

@@ -2,17 +2,17 @@
 
 from __future__ import annotations
 
-import asyncio
 from pathlib import Path
 
 from prometheus_client import CollectorRegistry
 
+from engine.prompt import prompt_block_hashes
 from engine.stats import EngineStats
 from service.affinity import AffinityConfig, ReplicaInfo
 from service.affinity.memory import MemoryAffinityStore
-from service.affinity.prefix import prompt_block_hashes
 from service.affinity.redis_store import RedisAffinityStore
-from service.replica_agent import ReplicaAgent
+from service.replica.agent import ReplicaAgent
+from tests.waiting import wait_until
 
 from .redis_proc import RedisProcess
 
@@ -51,12 +51,17 @@ async def test_stops_heartbeating_drops_out() -> None:
     store = MemoryAffinityStore()
     agent = ReplicaAgent(store, INFO, stats, CONFIG, capacity_blocks=100)
     await agent.start()
-    await asyncio.sleep(0.2)
-    assert len(await store.list_replicas()) == 1
+
+    async def registered() -> bool:
+        return len(await store.list_replicas()) == 1
+
+    async def gone() -> bool:
+        return await store.list_replicas() == []
+
+    await wait_until(registered, what="the replica registers")
     assert agent._heartbeat is not None
     agent._heartbeat.cancel()  # a replica that hangs: no heartbeat, no deregistration
-    await asyncio.sleep(0.7)
-    assert await store.list_replicas() == []
+    await wait_until(gone, what="its record expires")
 
 
 async def test_local_lru_removes_records_it_knows_are_evicted() -> None:
@@ -85,10 +90,11 @@ async def test_redis_down_never_raises_and_counts(redis_proc: RedisProcess) -> N
     assert registry.get_sample_value("deja_affinity_records_total", {"result": "failed"}) == 2
 
     redis_proc.start()
-    for _ in range(60):  # reconnect, then the heartbeat re-registers on the fresh server
-        if store.available and await store.list_replicas():
-            break
-        await asyncio.sleep(0.05)
+
+    async def reregistered() -> bool:  # reconnect, then the heartbeat re-registers
+        return store.available and bool(await store.list_replicas())
+
+    await wait_until(reregistered, what="the agent re-registers on the fresh server")
     assert [s.info.replica_id for s in await store.list_replicas()] == ["r1"]
     await agent.stop()
 

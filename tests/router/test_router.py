@@ -16,11 +16,12 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from service.affinity import AffinityConfig, AffinityStore
 from service.affinity.memory import MemoryAffinityStore
 from service.affinity.redis_store import RedisAffinityStore
-from service.proto.deja.v1 import inference_pb2 as pb
-from service.proto.deja.v1 import inference_pb2_grpc as pb_grpc
-from service.router_config import RouterConfig
-from service.router_policy import OverloadGuard
-from service.router_server import Router, serve_router
+from service.api.deja.v1 import inference_pb2 as pb
+from service.api.deja.v1 import inference_pb2_grpc as pb_grpc
+from service.router.config import RouterConfig
+from service.router.policy import OverloadGuard
+from service.router.server import Router, serve_router
+from tests.waiting import wait_until
 
 from .fake_replica import FakeReplica
 from .redis_proc import RedisProcess
@@ -119,7 +120,9 @@ async def test_overloaded_session_replica_moves(setup: Setup) -> None:
     home = (await generate(setup.stub, prompt(1, 0), "hot")).replica_id
     fake = next(r for r in setup.replicas if r.replica_id == home)
     fake.waiting = 100
-    await asyncio.sleep(0.3)  # a poll sees the queue
+    handle = setup.router.pool.by_id(home)
+    assert handle is not None
+    await wait_until(lambda: handle.candidate().waiting == 100, what="a poll sees the queue")
     f = await generate(setup.stub, prompt(1, 1), "hot")
     assert f.replica_id != home and f.route.reason in ("load", "prefix")
     fake.waiting = 0
@@ -173,11 +176,7 @@ async def test_cancel_reaches_the_replica(setup: Setup) -> None:
     async for _ in call:
         break
     call.cancel()
-    for _ in range(50):
-        if any("c1" in r.cancelled for r in setup.replicas):
-            break
-        await asyncio.sleep(0.02)
-    assert any("c1" in r.cancelled for r in setup.replicas)
+    await wait_until(lambda: any("c1" in r.cancelled for r in setup.replicas))
     assert setup.router.servicer.inflight == 0
 
 
@@ -193,7 +192,7 @@ async def test_replica_down_moves_its_sessions(setup: Setup) -> None:
 
 
 async def test_unary_calls(setup: Setup) -> None:
-    await asyncio.sleep(0.2)
+    await wait_until(lambda: len(setup.router.pool.healthy()) == 3, what="every replica polled")
     load = await setup.stub.GetLoad(pb.GetLoadRequest())
     assert load.replica_id == "router"
     stats = await setup.stub.GetCacheStats(pb.GetCacheStatsRequest())
@@ -238,11 +237,7 @@ async def test_redis_down_falls_back_and_recovers(redis_proc: RedisProcess) -> N
         assert fallback is not None and fallback >= 11
 
         redis_proc.start()
-        for _ in range(50):
-            if store.available:
-                break
-            await asyncio.sleep(0.05)
-        assert store.available
+        await wait_until(lambda: store.available, what="the store reconnects")
         # The fresh Redis is empty: one turn re-records (by load), then affinity is back.
         after = {i: await generate(s.stub, prompt(i, 3), f"f{i}") for i in range(6)}
         again = {i: await generate(s.stub, prompt(i, 4), f"f{i}") for i in range(6)}

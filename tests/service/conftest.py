@@ -18,8 +18,8 @@ from clients.client import AsyncDejaClient
 from engine.async_engine import AsyncEngine
 from engine.config import EngineConfig
 from engine.core_client import EngineCoreClient
-from service.config import ServiceConfig
-from service.server import Replica, serve
+from service.replica.config import ServiceConfig
+from service.replica.server import Replica, serve
 
 ENGINE_KWARGS: dict[str, Any] = {
     "num_device_blocks": 512,

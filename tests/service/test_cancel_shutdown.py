@@ -3,20 +3,18 @@
 from __future__ import annotations
 
 import asyncio
-import os
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import grpc
 import pytest
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from clients.client import DejaClient
-from service.proto.deja.v1 import inference_pb2 as pb
-from tests.service.conftest import Harness, StartServer, free_port
+from service.api.deja.v1 import inference_pb2 as pb
+from tests.service.conftest import Harness, StartServer
+from tests.service.serving import NOT_SERVING, health, serving
+from tests.waiting import wait_until_sync
 
 LONG = {"max_tokens": 900, "ignore_eos": True, "temperature": 0.0}
 """Several seconds of generation on the tiny model."""
@@ -68,52 +66,15 @@ async def test_deadline_frees_blocks(server: Harness) -> None:
 # -- SIGTERM on a real `deja serve` process ----------------------------------------------------
 
 
-def _start_serve(model: Path, port: int, grace: float, log: Path) -> subprocess.Popen[bytes]:
-    cmd = [
-        sys.executable, "-m", "service.cli", "serve",
-        "--model", str(model), "--port", str(port), "--grace-period", str(grace),
-        "--num-device-blocks", "256", "--max-model-len", "1024", "--cpu-swap-gib", "0",
-    ]  # fmt: skip
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
-    root = Path(__file__).resolve().parents[2]
-    with open(log, "wb") as f:
-        return subprocess.Popen(cmd, cwd=root, env=env, stdout=f, stderr=subprocess.STDOUT)
-
-
-def _health(target: str, timeout: float = 1.0) -> int | None:
-    try:
-        with grpc.insecure_channel(target) as ch:
-            resp = health_pb2_grpc.HealthStub(ch).Check(
-                health_pb2.HealthCheckRequest(service="deja.v1.Inference"), timeout=timeout
-            )
-            return int(resp.status)
-    except grpc.RpcError:
-        return None
-
-
-def _wait_serving(proc: subprocess.Popen[bytes], target: str, log: Path) -> None:
-    deadline = time.monotonic() + 180
-    while _health(target) != health_pb2.HealthCheckResponse.SERVING:
-        assert proc.poll() is None, f"deja serve exited:\n{log.read_text()}"
-        assert time.monotonic() < deadline, f"deja serve did not start:\n{log.read_text()}"
-        time.sleep(0.2)
-
-
 def test_sigterm_lets_running_stream_finish(tiny_llama_path: Path, tmp_path: Path) -> None:
-    port = free_port()
-    target = f"127.0.0.1:{port}"
-    log = tmp_path / "serve.log"
-    proc = _start_serve(tiny_llama_path, port, 30.0, log)
-    try:
-        _wait_serving(proc, target, log)
-        with DejaClient(target, retries=0, timeout=60) as client:
+    with serving(tiny_llama_path, tmp_path, 30.0) as s:
+        with DejaClient(s.target, retries=0, timeout=60) as client:
             stream = client.generate("Once upon a time", max_tokens=300, ignore_eos=True)
             first = next(stream)
             assert not first.HasField("final")
-            proc.send_signal(signal.SIGTERM)
-            time.sleep(0.2)
+            s.proc.send_signal(signal.SIGTERM)
             # Draining: health NOT_SERVING, new calls refused, the running stream goes on.
-            assert _health(target) == health_pb2.HealthCheckResponse.NOT_SERVING
+            assert wait_until_sync(lambda: health(s.target) == NOT_SERVING, 10.0)
             with pytest.raises(grpc.RpcError) as info:
                 client.complete("Hello", max_tokens=2)
             assert info.value.code() == grpc.StatusCode.UNAVAILABLE  # type: ignore[attr-defined]
@@ -121,12 +82,8 @@ def test_sigterm_lets_running_stream_finish(tiny_llama_path: Path, tmp_path: Pat
             rest = list(stream)
             assert rest[-1].final.choices[0].finish_reason == pb.FINISH_REASON_LENGTH
             assert rest[-1].final.usage.completion_tokens == 300
-        assert proc.wait(timeout=30) == 0, log.read_text()
-        assert "draining" in log.read_text()
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+        assert s.proc.wait(timeout=30) == 0, s.log.read_text()
+        assert "draining" in s.log.read_text()
 
 
 async def test_shutdown_aborts_streams_left_after_grace(start_server: StartServer) -> None:

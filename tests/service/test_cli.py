@@ -17,9 +17,10 @@ from clients.chat import chat_loop
 from clients.client import DejaClient
 from clients.session import ChatSession
 from service import cli
-from service.config import ServiceConfig, parse_auth_token, service_config_from_args
-from service.engine_args import add_engine_args, engine_config_from_args
-from service.flags import EnvError, add_bool_flag, add_flag, add_list_flag, env_name, to_argv
+from service.common.auth import parse_auth_token
+from service.common.engine_args import add_engine_args, engine_config_from_args
+from service.common.flags import EnvError, add_bool_flag, add_flag, add_list_flag, env_name, to_argv
+from service.replica.config import ServiceConfig, service_config_from_args
 from tests.engine.structured_cases import CHOICES, SCHEMAS, check_json
 from tests.service.conftest import Harness
 
@@ -79,7 +80,7 @@ def test_service_config() -> None:
     token, tenant = parse_auth_token("tok")
     assert token == "tok" and tenant.startswith("tenant-")
     p = argparse.ArgumentParser()
-    from service.config import add_service_args
+    from service.replica.config import add_service_args
 
     add_service_args(p)
     cfg = service_config_from_args(p.parse_args(["--auth-token", "t1:a", "--port", "0"]))

@@ -3,13 +3,9 @@ orphan processes (issue 9, acceptance 3)."""
 
 from __future__ import annotations
 
-import contextlib
 import os
 import signal
-import subprocess
 import time
-from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
@@ -19,42 +15,10 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from clients.client import DejaClient
 from engine import LLM, SamplingParams
 from engine.core_client import EngineCoreClient
-from service.failover import ENGINE_DEAD_KEY, engine_dead_before_output
-from tests.service.conftest import ENGINE_KWARGS, StartServer, free_port, make_engine
-from tests.service.test_cancel_shutdown import _health, _start_serve, _wait_serving
-
-NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
-
-
-def _core_of(pid: int) -> int:
-    """The engine-core child of a `deja serve` process (not multiprocessing's resource tracker)."""
-    with open(f"/proc/{pid}/task/{pid}/children") as f:
-        children = [int(p) for p in f.read().split()]
-    cores = []
-    for child in children:
-        with open(f"/proc/{child}/cmdline", "rb") as f:
-            if b"spawn_main" in f.read():
-                cores.append(child)
-    assert len(cores) == 1, f"expected one engine core among {children}"
-    return cores[0]
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            state = f.read().rsplit(")", 1)[1].split()[0]
-    except FileNotFoundError:
-        return False
-    return state != "Z"
-
-
-def _wait_gone(pid: int, timeout: float) -> bool:
-    deadline = time.monotonic() + timeout
-    while _alive(pid):
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.05)
-    return True
+from service.common.failover import ENGINE_DEAD_KEY, engine_dead_before_output
+from tests.service.conftest import ENGINE_KWARGS, StartServer, make_engine
+from tests.service.serving import NOT_SERVING, alive, health, serving
+from tests.waiting import wait_until_sync
 
 
 async def test_core_process_matches_offline_greedy(
@@ -111,36 +75,8 @@ async def test_killed_core_fails_streams_and_turns_not_serving(
         engine.shutdown(0.0)
 
 
-@dataclass
-class Served:
-    proc: subprocess.Popen[bytes]
-    target: str
-    log: Path
-    core: int
-
-
-@contextlib.contextmanager
-def _serving(model: Path, tmp_path: Path, grace: float) -> Iterator[Served]:
-    """A healthy `deja serve` subprocess and its engine core; both are killed on the way out."""
-    port = free_port()
-    target = f"127.0.0.1:{port}"
-    log = tmp_path / "serve.log"
-    proc = _start_serve(model, port, grace, log)
-    core = None
-    try:
-        _wait_serving(proc, target, log)
-        core = _core_of(proc.pid)
-        yield Served(proc, target, log, core)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-        if core is not None and _alive(core):
-            os.kill(core, signal.SIGKILL)
-
-
 def test_deja_serve_exits_nonzero_when_its_core_dies(tiny_llama_path: Path, tmp_path: Path) -> None:
-    with _serving(tiny_llama_path, tmp_path, 30.0) as s:
+    with serving(tiny_llama_path, tmp_path, 30.0) as s:
         with DejaClient(s.target, retries=0, timeout=60) as client:
             stream = client.generate("Once upon a time", max_tokens=900, ignore_eos=True)
             next(stream)
@@ -153,21 +89,23 @@ def test_deja_serve_exits_nonzero_when_its_core_dies(tiny_llama_path: Path, tmp_
 
 
 def test_core_exits_when_deja_serve_is_killed(tiny_llama_path: Path, tmp_path: Path) -> None:
-    with _serving(tiny_llama_path, tmp_path, 30.0) as s:
+    with serving(tiny_llama_path, tmp_path, 30.0) as s:
         s.proc.kill()
         s.proc.wait()
-        assert _health(s.target, timeout=0.5) is None
-        assert _wait_gone(s.core, 10.0), "the engine core outlived its API server"
+        assert health(s.target, timeout=0.5) is None
+        assert wait_until_sync(lambda: not alive(s.core), 10.0), (
+            "the engine core outlived its API server"
+        )
 
 
 def test_sigterm_stops_core_cleanly(tiny_llama_path: Path, tmp_path: Path) -> None:
-    with _serving(tiny_llama_path, tmp_path, 5.0) as s:
+    with serving(tiny_llama_path, tmp_path, 5.0) as s:
         with DejaClient(s.target, retries=0, timeout=60) as client:
             out = client.complete("Hello", max_tokens=4, ignore_eos=True)
             assert out.final is not None and out.final.usage.completion_tokens == 4
         s.proc.send_signal(signal.SIGTERM)
         assert s.proc.wait(timeout=30) == 0, s.log.read_text()
-        assert _wait_gone(s.core, 5.0)
+        assert wait_until_sync(lambda: not alive(s.core), 5.0)
 
 
 def test_start_failure_is_reported(tmp_path: Path) -> None:

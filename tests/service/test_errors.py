@@ -15,9 +15,9 @@ import pytest
 
 from clients.client import AsyncDejaClient, build_request
 from engine.async_engine import AsyncEngine
-from service import convert
-from service.proto.deja.v1 import inference_pb2 as pb
-from service.proto.deja.v1 import inference_pb2_grpc as pb_grpc
+from service.api.deja.v1 import inference_pb2 as pb
+from service.api.deja.v1 import inference_pb2_grpc as pb_grpc
+from service.replica import convert
 from tests.service.conftest import Harness, StartServer, make_engine
 
 INVALID = grpc.StatusCode.INVALID_ARGUMENT

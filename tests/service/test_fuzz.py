@@ -18,10 +18,10 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from service.config import ServiceConfig
-from service.proto.deja.v1 import inference_pb2 as pb
-from service.proto.deja.v1 import inference_pb2_grpc as pb_grpc
-from service.server import Replica, serve
+from service.api.deja.v1 import inference_pb2 as pb
+from service.api.deja.v1 import inference_pb2_grpc as pb_grpc
+from service.replica.config import ServiceConfig
+from service.replica.server import Replica, serve
 from tests.service.conftest import Engine
 
 ALLOWED = {grpc.StatusCode.OK, grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED}

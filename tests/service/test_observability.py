@@ -4,7 +4,6 @@ attributes and events; the Prometheus endpoint is scraped over HTTP."""
 from __future__ import annotations
 
 import asyncio
-import time
 import urllib.request
 from pathlib import Path
 
@@ -16,8 +15,9 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from opentelemetry.trace import SpanKind
 from prometheus_client.parser import text_string_to_metric_families
 
-from service.tracing import extract_context, make_tracer_provider
+from service.common.tracing import extract_context, make_tracer_provider
 from tests.service.conftest import Harness, StartServer, make_engine
+from tests.waiting import wait_until
 
 
 def _provider() -> tuple[TracerProvider, InMemorySpanExporter]:
@@ -28,10 +28,7 @@ def _provider() -> tuple[TracerProvider, InMemorySpanExporter]:
 
 
 async def _spans(exporter: InMemorySpanExporter, n: int = 1) -> tuple[ReadableSpan, ...]:
-    t0 = time.monotonic()
-    while len(exporter.get_finished_spans()) < n:
-        assert time.monotonic() - t0 < 5, "span not finished"
-        await asyncio.sleep(0.01)
+    await wait_until(lambda: len(exporter.get_finished_spans()) >= n, 5, what="finished spans")
     return exporter.get_finished_spans()
 
 
@@ -121,8 +118,16 @@ async def test_metrics_endpoint(start_server: StartServer, server: Harness) -> N
         await h.client.complete(prompt, max_tokens=4, temperature=0)
     with pytest.raises(grpc.aio.AioRpcError):
         await h.client.complete("", max_tokens=4)
-    await asyncio.sleep(0.2)  # two monitor ticks refresh the engine gauges
-    m = await asyncio.to_thread(_scrape, h.replica.metrics_port)
+    port = h.replica.metrics_port
+    assert port is not None
+    m: dict[str, float] = {}
+
+    async def refreshed() -> bool:  # a monitor tick after the last request refreshed them
+        m.update(await asyncio.to_thread(_scrape, port))
+        hits = m.get("deja_prefix_cache_hits_total{}", 0)
+        return hits >= 16 and m.get("deja_num_requests_running{}") == 0
+
+    await wait_until(refreshed, what="the engine gauges")
 
     assert m["deja_requests_total{outcome=length}"] >= 2
     assert m["deja_requests_total{outcome=invalid_argument}"] >= 1
@@ -162,9 +167,17 @@ async def test_host_buffers_in_cache_stats_and_metrics(
         for b in buffers.values():
             assert b.max_entries >= 1
             assert 0 <= b.bytes <= b.max_bytes and 0 <= b.entries <= b.max_entries
-        await asyncio.sleep(0.2)  # monitor ticks refresh the engine gauges
         assert h.replica.metrics_port
-        m = await asyncio.to_thread(_scrape, h.replica.metrics_port)
+        port = h.replica.metrics_port
+
+        async def gauges_set() -> bool:  # monitor ticks refresh the engine gauges
+            scraped = await asyncio.to_thread(_scrape, port)
+            return (
+                scraped.get("deja_cache_buffer_bytes{buffer=cpu_tier,state=max}") == cpu.max_bytes
+            )
+
+        await wait_until(gauges_set, what="the buffer gauges")
+        m = await asyncio.to_thread(_scrape, port)
         assert m["deja_cache_buffer_bytes{buffer=cpu_tier,state=max}"] == cpu.max_bytes
         assert m["deja_cache_buffer_blocks{buffer=disk_write_queue,state=max}"] == (
             buffers["disk_write_queue"].max_entries

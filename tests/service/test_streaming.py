@@ -10,7 +10,7 @@ import pytest
 
 from clients.client import AsyncChatSession, AsyncDejaClient, DejaClient, GenerateResult
 from engine import LLM, SamplingParams
-from service.proto.deja.v1 import inference_pb2 as pb
+from service.api.deja.v1 import inference_pb2 as pb
 from tests.service.conftest import ENGINE_KWARGS, Harness, StartServer
 
 PROMPTS = [

@@ -1,6 +1,6 @@
 """The replica: a grpc.aio server over the AsyncEngine.
 
-The servicer only translates between deja.v1 messages and engine types (service/convert.py) and
+The servicer only translates between deja.v1 messages and engine types (service/replica/convert.py) and
 maps failures to status codes:
 
     bad input (engine ValueError, undecodable message)   INVALID_ARGUMENT, the engine's message
@@ -9,7 +9,7 @@ maps failures to status codes:
     per-stream buffer overflow (slow reader)             RESOURCE_EXHAUSTED (request aborted)
     draining                                             UNAVAILABLE
     engine failure                                       INTERNAL, health turns NOT_SERVING
-    engine core died under an open stream                INTERNAL + trailer (service/failover.py)
+    engine core died under an open stream                INTERNAL + trailer (common/failover.py)
 
 A cancelled call or a passed deadline aborts the engine request (and frees its blocks) within one
 engine step: leaving the engine's output generator aborts it, and a done-callback on the call
@@ -23,12 +23,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from dataclasses import dataclass, field
 from typing import NoReturn, Protocol
 
 import grpc
@@ -36,21 +35,23 @@ from google.protobuf.message import DecodeError, Message
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.trace import Span
 
 from engine.errors import EngineDeadError, StreamOverflowError
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
 from engine.stats import EngineStats, ModelInfo
-from service import convert
-from service.config import ServiceConfig
-from service.failover import engine_dead_trailer
-from service.metrics import ServiceMetrics
-from service.proto.deja.v1 import inference_pb2 as pb
-from service.tracing import end_request_span, extract_context, get_tracer, start_request_span
+from service.api.deja.v1 import inference_pb2 as pb
+from service.common.auth import Auth, Unauthenticated, derive_cache_salt
+from service.common.failover import engine_dead_trailer
+from service.common.rpc import SERVICE_NAME, abort
+from service.common.tracing import end_request_span, extract_context, get_tracer, start_request_span
+from service.replica import convert
+from service.replica.config import ServiceConfig
+from service.replica.metrics import ServiceMetrics
 
 log = logging.getLogger(__name__)
 
-SERVICE_NAME = "deja.v1.Inference"
 _SERVING = health_pb2.HealthCheckResponse.SERVING
 _NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 
@@ -90,16 +91,6 @@ class Engine(Protocol):
     async def cached_block_hashes(self, limit: int) -> list[bytes]: ...
 
 
-def derive_cache_salt(tenant: str | None, client_salt: str, allow_client: bool) -> str | None:
-    """The salt the engine gets: the tenant's own with auth on, else the client's (if any)."""
-    if tenant is None:
-        return client_salt or None
-    salt = "tenant:" + tenant
-    if allow_client and client_salt:
-        salt += "\x00client:" + client_salt
-    return salt
-
-
 @dataclass(slots=True)
 class _Stream:
     """One open Generate call."""
@@ -110,6 +101,46 @@ class _Stream:
     queued: bool = True
     """Admitted but no output yet (what admission control counts)."""
     done: bool = False
+
+
+@dataclass(slots=True)
+class _StreamRecord:
+    """One Generate call as it runs: what it streamed, how it ended, its span."""
+
+    request: pb.GenerateRequest
+    stream: _Stream
+    salt: str | None
+    """The cache salt the engine hashes with (also what the replica agent records)."""
+    span: Span
+    outputs: AsyncIterator[RequestOutput]
+    """The engine's deltas for this request."""
+    tally: convert.StreamTally = field(default_factory=convert.StreamTally)
+    last: RequestOutput | None = None
+    outcome: str = "cancelled"
+    """The `outcome` label of deja_requests_total (cancelled until the stream says otherwise)."""
+    error: str | None = None
+    """Set when the call must end with an error status (`_fail` maps outcome to the code)."""
+    last_token_t: float | None = None
+    sent: int = 0
+    """Response messages yielded so far."""
+    trailer: tuple[tuple[str, str], ...] = ()
+    """Trailing metadata of the error status (the engine-dead marker for the router)."""
+
+    def failed(self, e: Exception) -> None:
+        """Maps an exception from the engine's stream to the call's outcome and error."""
+        if isinstance(e, ValueError):
+            if self.last is not None:
+                self.outcome, self.error = "internal", f"engine failed mid-stream: {e}"
+            else:
+                self.outcome, self.error = "invalid_argument", str(e)
+        elif isinstance(e, StreamOverflowError):
+            self.outcome, self.error = "stream_overflow", str(e)
+        elif isinstance(e, EngineDeadError):
+            self.outcome, self.error = "internal", f"engine failed: {e}"
+            self.trailer = engine_dead_trailer(self.sent)
+        else:
+            log.exception("request %s failed", self.stream.client_id)
+            self.outcome, self.error = "internal", f"engine failed: {type(e).__name__}: {e}"
 
 
 class _BadMessage:
@@ -134,7 +165,7 @@ class InferenceServicer:
     ) -> None:
         self._engine = engine
         self._config = config
-        self._tokens = [(t.encode(), tenant) for t, tenant in config.auth_tokens]
+        self._auth = Auth(config.auth_tokens)
         self.replica_id = replica_id
         self._health = health_servicer
         self._metrics = metrics
@@ -162,35 +193,14 @@ class InferenceServicer:
         trailer: tuple[tuple[str, str], ...] = (),
     ) -> NoReturn:
         self._metrics.requests.labels(outcome).inc()
-        await context.abort(code, msg, trailer)
-        raise AssertionError("unreachable")
+        await abort(context, code, msg, trailer)
 
     async def _authenticate(self, context: grpc.aio.ServicerContext) -> str | None:
         """The caller's tenant (None with auth off); aborts UNAUTHENTICATED otherwise."""
-        if not self._tokens:
-            return None
-        header = ""
-        for key, value in context.invocation_metadata() or ():
-            if key.lower() == "authorization" and isinstance(value, str):
-                header = value
-        code = grpc.StatusCode.UNAUTHENTICATED
-        if not header:
-            await self._abort(
-                context, code, "missing `authorization: Bearer <token>` metadata", "unauthenticated"
-            )
-        scheme, _, token = header.partition(" ")
-        if scheme.lower() != "bearer" or not token.strip():
-            await self._abort(
-                context, code, "authorization metadata must be `Bearer <token>`", "unauthenticated"
-            )
-        given = token.strip().encode()
-        tenant = None
-        for known, name in self._tokens:
-            if hmac.compare_digest(known, given):
-                tenant = name
-        if tenant is None:
-            await self._abort(context, code, "unknown bearer token", "unauthenticated")
-        return tenant
+        try:
+            return self._auth.tenant_for(context.invocation_metadata())
+        except Unauthenticated as e:
+            await self._abort(context, grpc.StatusCode.UNAUTHENTICATED, str(e), "unauthenticated")
 
     async def _check_request(
         self,
@@ -232,8 +242,30 @@ class InferenceServicer:
     async def Generate(
         self, request: pb.GenerateRequest | _BadMessage, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.GenerateResponse]:
-        tenant = await self._check_request(request, context)
+        tenant = await self._admit(request, context)
         assert isinstance(request, pb.GenerateRequest)
+        rec = await self._open(request, context, tenant)
+        try:
+            async with contextlib.aclosing(self._relay(rec)) as relay:
+                async for resp in relay:
+                    yield resp
+                    rec.sent += 1
+        except asyncio.CancelledError:
+            if context.time_remaining() is not None and context.time_remaining() <= 0:
+                rec.outcome = "deadline_exceeded"
+            raise
+        except Exception as e:
+            rec.failed(e)
+        finally:
+            self._close(rec)
+        if rec.error is not None:
+            await self._fail(context, rec.outcome, rec.error, rec.trailer)
+
+    async def _admit(
+        self, request: pb.GenerateRequest | _BadMessage, context: grpc.aio.ServicerContext
+    ) -> str | None:
+        """Entry checks, engine health and admission control; returns the tenant."""
+        tenant = await self._check_request(request, context)
         try:
             self._engine.check_health()
         except Exception as e:
@@ -253,6 +285,13 @@ class InferenceServicer:
                 f"(limit {self._config.max_queued_requests}); retry later or on another replica",
                 "rejected_queue_full",
             )
+        return tenant
+
+    async def _open(
+        self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext, tenant: str | None
+    ) -> _StreamRecord:
+        """Maps the request to engine types, registers the stream and starts its span and its
+        engine request (which runs once the record's outputs are read)."""
         try:
             inp = convert.engine_input(request)
             params = convert.sampling_params(request)
@@ -282,79 +321,60 @@ class InferenceServicer:
         self.streams[engine_id] = stream
         context.add_done_callback(lambda _ctx: self._on_call_done(stream))
         self._metrics.active_streams.inc()
-        tally = convert.StreamTally()
-        last: RequestOutput | None = None
-        outcome, error = "cancelled", None
-        last_token_t: float | None = None
-        sent = 0
-        trailer: tuple[tuple[str, str], ...] = ()
-        try:
-            gen = self._engine.generate(
-                inp.prompt,
-                params,
-                request_id=engine_id,
-                messages=inp.messages,
-                cache_salt=salt,
-            )
-            async with contextlib.aclosing(gen):  # type: ignore[type-var]
-                async for out in gen:
-                    stream.queued = False
-                    now = time.monotonic()
-                    new_tokens = tally.add(out)
-                    if new_tokens:
-                        if last_token_t is not None:
-                            gap = (now - last_token_t) / new_tokens
-                            for _ in range(new_tokens):
-                                self._metrics.itl.observe(gap)
-                        last_token_t = now
-                    resp = self._delta(request, client_id, out, first=last is None)
-                    last = out
-                    if out.finished:
-                        stream.done = True
-                        if out.error or "error" in tally.finish_reasons():
-                            outcome, error = "error", out.error or "engine error"
-                            break
-                        resp.final.CopyFrom(
-                            convert.final_message(out, tally, replica_id=self.replica_id)
-                        )
-                        outcome = tally.finish_reasons()[0] if tally.ends else "stop"
-                        if self.on_finished is not None:
-                            self.on_finished(request.session_id, out.prompt_token_ids, salt)
-                    yield resp
-                    sent += 1
-        except ValueError as e:
-            if last is not None:
-                outcome, error = "internal", f"engine failed mid-stream: {e}"
-            else:
-                outcome, error = "invalid_argument", str(e)
-        except StreamOverflowError as e:
-            outcome, error = "stream_overflow", str(e)
-        except EngineDeadError as e:
-            outcome, error = "internal", f"engine failed: {e}"
-            trailer = engine_dead_trailer(sent)
-        except asyncio.CancelledError:
-            if context.time_remaining() is not None and context.time_remaining() <= 0:
-                outcome = "deadline_exceeded"
-            raise
-        except Exception as e:
-            log.exception("request %s failed", client_id)
-            outcome, error = "internal", f"engine failed: {type(e).__name__}: {e}"
-        finally:
-            stream.done = True
-            self.streams.pop(engine_id, None)
-            self._metrics.active_streams.dec()
-            if error is None:  # failures are counted by _fail with their status
-                self._metrics.requests.labels(outcome).inc()
-            self._record(last, tally)
-            end_request_span(
-                span,
-                last if last is not None and last.finished else None,
-                completion_tokens=tally.completion_tokens,
-                finish_reasons=tally.finish_reasons(),
-                error=error or (outcome if outcome in ("cancelled", "deadline_exceeded") else None),
-            )
-        if error is not None:
-            await self._fail(context, outcome, error, trailer)
+        outputs = self._engine.generate(
+            inp.prompt, params, request_id=engine_id, messages=inp.messages, cache_salt=salt
+        )
+        return _StreamRecord(request, stream, salt, span, outputs)
+
+    async def _relay(self, rec: _StreamRecord) -> AsyncGenerator[pb.GenerateResponse, None]:
+        """The engine's deltas as response messages, up to the final one (or an engine error)."""
+        async with contextlib.aclosing(rec.outputs):  # type: ignore[type-var]
+            async for out in rec.outputs:
+                rec.stream.queued = False
+                self._observe_itl(rec, rec.tally.add(out))
+                resp = self._delta(rec.request, rec.stream.client_id, out, first=rec.last is None)
+                rec.last = out
+                if out.finished:
+                    rec.stream.done = True
+                    if out.error or "error" in rec.tally.finish_reasons():
+                        rec.outcome, rec.error = "error", out.error or "engine error"
+                        return
+                    resp.final.CopyFrom(
+                        convert.final_message(out, rec.tally, replica_id=self.replica_id)
+                    )
+                    rec.outcome = rec.tally.finish_reasons()[0] if rec.tally.ends else "stop"
+                    if self.on_finished is not None:
+                        self.on_finished(rec.request.session_id, out.prompt_token_ids, rec.salt)
+                yield resp
+
+    def _observe_itl(self, rec: _StreamRecord, new_tokens: int) -> None:
+        """Inter-token latency: the gap since the last delta, spread over its new tokens."""
+        if not new_tokens:
+            return
+        now = time.monotonic()
+        if rec.last_token_t is not None:
+            gap = (now - rec.last_token_t) / new_tokens
+            for _ in range(new_tokens):
+                self._metrics.itl.observe(gap)
+        rec.last_token_t = now
+
+    def _close(self, rec: _StreamRecord) -> None:
+        """Unregisters the stream and records its outcome, usage and span."""
+        rec.stream.done = True
+        self.streams.pop(rec.stream.engine_id, None)
+        self._metrics.active_streams.dec()
+        if rec.error is None:  # failures are counted by _fail with their status
+            self._metrics.requests.labels(rec.outcome).inc()
+        self._record(rec.last, rec.tally)
+        last = rec.last
+        end_request_span(
+            rec.span,
+            last if last is not None and last.finished else None,
+            completion_tokens=rec.tally.completion_tokens,
+            finish_reasons=rec.tally.finish_reasons(),
+            error=rec.error
+            or (rec.outcome if rec.outcome in ("cancelled", "deadline_exceeded") else None),
+        )
 
     @staticmethod
     def _delta(

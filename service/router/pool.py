@@ -21,11 +21,11 @@ from dataclasses import dataclass, field
 import grpc
 
 from service.affinity.base import AffinityStore, AffinityStoreError
-from service.proto.deja.v1 import inference_pb2 as pb
-from service.proto.deja.v1 import inference_pb2_grpc as pb_grpc
-from service.router_config import RouterConfig
-from service.router_metrics import RouterMetrics
-from service.router_policy import Candidate
+from service.api.deja.v1 import inference_pb2 as pb
+from service.api.deja.v1 import inference_pb2_grpc as pb_grpc
+from service.router.config import RouterConfig
+from service.router.metrics import RouterMetrics
+from service.router.policy import Candidate
 
 log = logging.getLogger(__name__)
 

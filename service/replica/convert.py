@@ -9,7 +9,7 @@ from engine.outputs import CompletionOutput, RequestOutput
 from engine.sampling_params import SamplingParams
 from engine.stats import EngineStats, ModelInfo
 from engine.structured.spec import ResponseFormat
-from service.proto.deja.v1 import inference_pb2 as pb
+from service.api.deja.v1 import inference_pb2 as pb
 
 FINISH_REASONS: dict[str | None, pb.FinishReason] = {
     None: pb.FINISH_REASON_UNSPECIFIED,

@@ -18,12 +18,13 @@ from grpc_reflection.v1alpha import reflection
 from opentelemetry.sdk.trace import TracerProvider
 
 from service.affinity.base import AffinityStore
-from service.proto.deja.v1 import inference_pb2_grpc as pb_grpc
-from service.router import SERVICE_NAME, RouterServicer
-from service.router_config import RouterConfig
-from service.router_metrics import RouterMetrics
-from service.router_pool import ReplicaPool
-from service.router_prompt import PromptHasher
+from service.api.deja.v1 import inference_pb2_grpc as pb_grpc
+from service.common.rpc import SERVICE_NAME
+from service.router.config import RouterConfig
+from service.router.metrics import RouterMetrics
+from service.router.pool import ReplicaPool
+from service.router.prompt import PromptHasher
+from service.router.servicer import RouterServicer
 
 _SERVING = health_pb2.HealthCheckResponse.SERVING
 _NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING

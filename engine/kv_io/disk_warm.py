@@ -3,7 +3,7 @@
 With `warm_start_blocks` N, the engine's start hands the N most recently accessed hashes of the
 rebuilt disk index (most recent first) to a `WarmStart`; its thread reads and verifies their files
 in that order, and the step thread takes what has arrived between steps and copies it into never
-used CPU blocks (engine/kv_store.py, `TieredCache.warm_target`), so the first requests after a
+used CPU blocks (engine/kv_io/offload.py, `TieredCache.warm_target`), so the first requests after a
 restart hit the CPU tier. Warm start never evicts; a block that does not fit is left on disk.
 """
 

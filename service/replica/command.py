@@ -23,14 +23,14 @@ import sys
 import time
 from typing import TYPE_CHECKING
 
-from service.config import ServiceConfig, add_service_args, service_config_from_args
-from service.engine_args import add_engine_args, engine_config_from_args
-from service.flags import add_flag
-from service.replica_agent import AgentSettings, add_replica_agent_args, agent_settings_from_args
+from service.common.engine_args import add_engine_args, engine_config_from_args
+from service.common.flags import add_flag
+from service.replica.agent import AgentSettings, add_replica_agent_args, agent_settings_from_args
+from service.replica.config import ServiceConfig, add_service_args, service_config_from_args
 
 if TYPE_CHECKING:
     from engine.config import EngineConfig
-    from service.server import Engine
+    from service.replica.server import Engine
 
 log = logging.getLogger("deja.serve")
 LOG_LEVELS = ("debug", "info", "warning", "error")
@@ -124,8 +124,8 @@ async def serve_until_signal(
     config: ServiceConfig, engine: Engine, agent_settings: AgentSettings | None = None
 ) -> int:
     """Serves until SIGTERM/SIGINT (drain, exit 0) or the engine's death (exit 1)."""
-    from service.server import serve
-    from service.tracing import make_tracer_provider
+    from service.common.tracing import make_tracer_provider
+    from service.replica.server import serve
 
     provider = make_tracer_provider(
         replica_id=config.replica_id,
@@ -147,7 +147,7 @@ async def serve_until_signal(
         log.info("metrics on http://%s:%d/metrics", config.metrics_host, replica.metrics_port)
     agent = None
     if config.redis_url and agent_settings is not None:
-        from service.replica_agent import start_replica_agent
+        from service.replica.agent import start_replica_agent
 
         agent = await start_replica_agent(
             agent_settings,

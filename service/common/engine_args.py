@@ -1,6 +1,6 @@
 """Engine flags shared by `deja serve`, `deja bench` and anything else that builds an engine.
 
-Every flag reads a DEJA_* variable too (see service/flags.py). `engine_config_from_args` turns the
+Every flag reads a DEJA_* variable too (see service/common/flags.py). `engine_config_from_args` turns the
 parsed flags into the frozen EngineConfig tree; only it resolves the model name ("demo" is
 converted once into the cache folder).
 """
@@ -21,7 +21,7 @@ from engine.config import (
     ModelConfig,
     SchedulerConfig,
 )
-from service.flags import add_bool_flag, add_flag
+from service.common.flags import add_bool_flag, add_flag
 
 DEFAULT_MODEL = "demo"
 DEFAULT_CACHE_DIR = "~/.cache/deja"

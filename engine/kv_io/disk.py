@@ -12,8 +12,8 @@ A file that is missing, truncated, corrupt (checksum) or for another block is de
 miss: it is detected when `find` probes it, before the manager plans a load (see engine/kv/tiers).
 On startup the index is rebuilt from the directory, least recently accessed (mtime) first; reads
 refresh a file's mtime, coarsely and off the read path (see `TOUCH_EVERY_S`). The directory's layout,
-the scan and the budget shared by replicas are engine/kv_disk_dir.py's; warm start (reading the
-most recent files back into the CPU tier) is engine/kv_disk_warm.py's.
+the scan and the budget shared by replicas are engine/kv_io/disk_dir.py's; warm start (reading the
+most recent files back into the CPU tier) is engine/kv_io/disk_warm.py's.
 
 The writer never holds up the step loop: `store` takes a payload already copied off the KV cache
 (the step thread's staging copy) and returns at once; at most `max_queued` stores wait, and a store
@@ -42,8 +42,8 @@ import torch
 import xxhash
 
 from engine.kv.hashing import BlockHash
-from engine.kv_disk_dir import block_path, enforce_budget, scan, unlink
-from engine.kv_disk_warm import WarmStart
+from engine.kv_io.disk_dir import block_path, enforce_budget, scan, unlink
+from engine.kv_io.disk_warm import WarmStart
 from engine.model_loader import safetensors_files
 from engine.stats import BufferStats
 
@@ -372,7 +372,7 @@ class DiskFiles:
             self._thread.join(timeout=None if done else 0.1)
         return done
 
-    # -- warm start (engine/kv_disk_warm.py) ---------------------------------------------------
+    # -- warm start (engine/kv_io/disk_warm.py) ---------------------------------------------------
     def start_warm(self, hashes: list[BlockHash]) -> None:
         """Reads and verifies these blocks' files in a background thread, in order; `take_warm`
         hands over the payloads read so far."""

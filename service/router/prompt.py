@@ -1,24 +1,22 @@
 """The router's view of a prompt: its token ids and block-hash chain, exactly as a replica's.
 
-Text is tokenized with `encode(text, add_special_tokens=True)` and chat messages are rendered
-with the chat template and the generation prompt, as `LLMEngine.tokenize` does; the chain is
-`engine.kv.hashing.hash_blocks` with the replica's model id, block size and the cache salt the
-replica will use (`service.server.derive_cache_salt`). Without a tokenizer only token-id
-prompts get a chain.
+Both come from `engine/prompt.py`, the one rule the engine uses too, with the replica's model
+id, block size and the cache salt the replica will use (`service.common.auth.derive_cache_salt`).
+Without a tokenizer only token-id prompts get a chain.
 """
 
 from __future__ import annotations
 
 import asyncio
-import hmac
 import logging
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from engine.kv.hashing import BlockHash
-from service.affinity.prefix import prompt_block_hashes
-from service.proto.deja.v1 import inference_pb2 as pb
+from engine.prompt import prompt_block_hashes, tokenize_prompt
+from service.api.deja.v1 import inference_pb2 as pb
+from service.common.auth import Auth, Unauthenticated, derive_cache_salt
 
 log = logging.getLogger(__name__)
 
@@ -41,24 +39,22 @@ class PromptHasher:
         allow_client_cache_salt: bool = False,
     ) -> None:
         self.tokenizer = tokenizer
-        self._tokens = [(t.encode(), tenant) for t, tenant in auth_tokens]
+        self._auth = Auth(auth_tokens)
         self._allow_client_salt = allow_client_cache_salt
 
     def token_ids(self, request: pb.GenerateRequest) -> list[int] | None:
         """The prompt's token ids, or None when the router cannot tell (no tokenizer, bad input)."""
         which = request.WhichOneof("input")
+        if which != "token_ids" and self.tokenizer is None:
+            return None
         try:
-            if which == "token_ids":
-                return [int(t) for t in request.token_ids.ids]
-            if self.tokenizer is None:
-                return None
-            if which == "text":
-                return list(self.tokenizer.encode(request.text, add_special_tokens=True))
-            if which == "chat" and request.chat.messages:
-                from engine.model_loader import apply_chat_template
-
+            if which == "chat":
                 messages = [{"role": m.role, "content": m.content} for m in request.chat.messages]
-                return apply_chat_template(self.tokenizer, messages)
+                return tokenize_prompt(self.tokenizer, messages=messages)
+            if which == "text":
+                return tokenize_prompt(self.tokenizer, request.text)
+            if which == "token_ids":
+                return tokenize_prompt(None, list(request.token_ids.ids))
         except Exception as e:  # the replica reports bad input; routing just goes without
             log.debug("cannot tokenize request %s: %s", request.request_id, e)
         return None
@@ -67,23 +63,11 @@ class PromptHasher:
         self, request: pb.GenerateRequest, metadata: Sequence[tuple[str, Any]]
     ) -> str | None:
         """The salt the replica will hash with (the tenant's when the replicas run with auth)."""
-        from service.server import derive_cache_salt
-
-        tenant = self._tenant(metadata) if self._tokens else None
-        if self._tokens and tenant is None:
+        try:
+            tenant = self._auth.tenant_for(metadata)
+        except Unauthenticated:
             return None  # the replica will refuse the call anyway
         return derive_cache_salt(tenant, request.cache_salt, self._allow_client_salt)
-
-    def _tenant(self, metadata: Sequence[tuple[str, Any]]) -> str | None:
-        for key, value in metadata:
-            if key.lower() == "authorization" and isinstance(value, str):
-                scheme, _, token = value.partition(" ")
-                if scheme.lower() == "bearer":
-                    given = token.strip().encode()
-                    for known, tenant in self._tokens:
-                        if hmac.compare_digest(known, given):
-                            return tenant
-        return None
 
     def chain(
         self,

@@ -10,14 +10,14 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Iterator
-from wsgiref.simple_server import WSGIServer
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client import Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from engine.stats import EngineStats
-from service.process_metrics import register_process_metrics
+from service.common.metrics_http import MetricsEndpoint
+from service.common.process_metrics import register_process_metrics
 
 OUTCOMES = (
     "stop",
@@ -129,11 +129,11 @@ class _EngineStatsCollector(Collector):
         yield buffer_entries
 
 
-class ServiceMetrics:
+class ServiceMetrics(MetricsEndpoint):
     """The replica's metrics; `start_http` serves them in the Prometheus text format."""
 
     def __init__(self, model: str) -> None:
-        self.registry = CollectorRegistry()
+        super().__init__()
         r = self.registry
         self.requests = Counter(
             "deja_requests", "Generate calls by outcome.", ["outcome"], registry=r
@@ -177,19 +177,6 @@ class ServiceMetrics:
         self._engine = _EngineStatsCollector(model)
         r.register(self._engine)
         register_process_metrics(r)
-        self._http: WSGIServer | None = None
-        self._thread: threading.Thread | None = None
 
     def update_engine_stats(self, stats: EngineStats) -> None:
         self._engine.set(stats)
-
-    def start_http(self, host: str, port: int) -> int:
-        """Serves /metrics on a daemon thread; returns the bound port."""
-        self._http, self._thread = start_http_server(port, addr=host, registry=self.registry)
-        return int(self._http.server_port)
-
-    def stop_http(self) -> None:
-        if self._http is not None:
-            self._http.shutdown()
-            self._http.server_close()
-            self._http = None

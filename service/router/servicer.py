@@ -1,15 +1,14 @@
 """The router's servicer: the replicas' public deja.v1.Inference API, in front of them (the
-process around it, with health, reflection and metrics, is service/router_server.py).
+process around it, with health, reflection and metrics, is service/router/server.py).
 
-Generate: pick a replica (service/router_policy.py over the healthy replicas of
-service/router_pool.py, with the session and prefix records of the affinity store), proxy the
+Generate: pick a replica (service/router/policy.py over the healthy replicas of
+service/router/pool.py, with the session and prefix records of the affinity store), proxy the
 stream with the caller's deadline and metadata (bearer token; the W3C trace context becomes the
 router span's), and retry on the next replica when one answers UNAVAILABLE (or
 RESOURCE_EXHAUSTED: its queue is full, or INTERNAL with the trailer saying its engine core died
-before the stream sent anything: service/failover.py) before the first message; never after it.
-The final message carries
-`route {replica_id, reason}`; before it is relayed the router records `session -> replica` and
-the prompt's block hashes, so the next turn finds them. Cancelling the call cancels the upstream
+before the stream sent anything: service/common/failover.py) before the first message; never
+after it. The final message carries `route {replica_id, reason}`; before it is relayed the router
+records `session -> replica` and the prompt's block hashes, so the next turn finds them. Cancelling the call cancels the upstream
 call. The store is an optimisation: when it fails, routing falls back to rendezvous hashing
 (reason "fallback", counted in deja_router_fallback_total) and no request fails because of it.
 
@@ -20,12 +19,14 @@ up the healthy replicas; Abort goes to every healthy replica.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
-from typing import Any, NoReturn, TypeVar
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
 
 import grpc
 from opentelemetry import trace
@@ -34,19 +35,19 @@ from opentelemetry.trace import SpanKind, Status, StatusCode
 
 from service.affinity.base import AffinityStore, AffinityStoreError
 from service.affinity.prefix import bounded_chain
-from service.failover import engine_dead_before_output
-from service.proto.deja.v1 import inference_pb2 as pb
-from service.proto.deja.v1 import inference_pb2_grpc as pb_grpc
-from service.router_config import RouterConfig
-from service.router_metrics import RouterMetrics
-from service.router_policy import NoReplicaError, RouteDecision, RouteInputs, decide
-from service.router_pool import ReplicaHandle, ReplicaPool
-from service.router_prompt import PromptChains, PromptHasher
-from service.tracing import extract_context, get_tracer
+from service.api.deja.v1 import inference_pb2 as pb
+from service.api.deja.v1 import inference_pb2_grpc as pb_grpc
+from service.common.failover import engine_dead_before_output
+from service.common.rpc import SERVICE_NAME, abort
+from service.common.tracing import extract_context, get_tracer
+from service.router.config import RouterConfig
+from service.router.metrics import RouterMetrics
+from service.router.policy import NoReplicaError, RouteDecision, RouteInputs, decide
+from service.router.pool import ReplicaHandle, ReplicaPool
+from service.router.prompt import PromptChains, PromptHasher
 
 log = logging.getLogger(__name__)
 
-SERVICE_NAME = "deja.v1.Inference"
 _RETRY_BEFORE_FIRST = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED)
 _DROP_METADATA = ("user-agent", "content-type", "te", "host", "traceparent", "tracestate")
 """Never forwarded (transport headers; trace context is re-injected when tracing is on)."""
@@ -63,12 +64,33 @@ def forward_metadata(
         if not k.startswith((":", "grpc-")) and k.lower() not in _DROP_METADATA
     ]
     if span is not None and span.get_span_context().is_valid:
-        from service.tracing import inject_context
+        from service.common.tracing import inject_context
 
         inject_context(span, out)
     else:  # tracing off here: pass the caller's context through unchanged
         out += [(k, v) for k, v in metadata if k.lower() in ("traceparent", "tracestate")]
     return out
+
+
+@dataclass(slots=True)
+class _Routed:
+    """One Generate call through the router: its routing state, outcome and span."""
+
+    request: pb.GenerateRequest
+    key: str
+    """Session id, else request id: the rendezvous and tie-break key."""
+    span: trace.Span
+    metadata: list[tuple[str, Any]]
+    """What is forwarded upstream (service/router/servicer.forward_metadata)."""
+    prompt: PromptChains
+    t0: float
+    exclude: set[str] = field(default_factory=set)
+    """Replicas that refused an earlier attempt."""
+    decision: RouteDecision | None = None
+    got_first: bool = False
+    """The current attempt relayed a message (no retry after that)."""
+    outcome: str = "CANCELLED"
+    """ok or a status name (the `outcome` label of deja_router_requests_total)."""
 
 
 class RouterServicer(pb_grpc.InferenceServicer):
@@ -184,10 +206,32 @@ class RouterServicer(pb_grpc.InferenceServicer):
         self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.GenerateResponse]:
         if self.draining:
-            await _abort(context, grpc.StatusCode.UNAVAILABLE, "router is draining")
+            await abort(context, grpc.StatusCode.UNAVAILABLE, "router is draining")
+        rec = self._open(request, context)
+        self.inflight += 1
+        self._metrics.inflight.inc()
+        try:
+            for attempt in range(1, self._config.max_attempts + 1):
+                handle = await self._route_attempt(rec, context, attempt)
+                try:
+                    async with contextlib.aclosing(self._proxy(rec, handle, context)) as relay:
+                        async for resp in relay:
+                            yield resp
+                    rec.outcome = "ok"
+                    return
+                except grpc.aio.AioRpcError as e:
+                    if not self._retry(rec, handle, e, attempt):
+                        rec.outcome = e.code().name
+                        await abort(context, e.code(), e.details() or e.code().name)
+                finally:
+                    handle.inflight -= 1
+        finally:
+            self._close(rec)
+
+    def _open(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> _Routed:
+        """Starts the router span and the prompt's hashing (off the event loop)."""
         t0 = time.monotonic()
         metadata = list(context.invocation_metadata() or ())
-        key = request.session_id or request.request_id or uuid.uuid4().hex
         span = self._tracer.start_span(
             "route deja.v1.Inference/Generate",
             context=extract_context(metadata),
@@ -200,87 +244,94 @@ class RouterServicer(pb_grpc.InferenceServicer):
                 "deja.route.policy": self._config.policy,
             },
         )
-        out_md = forward_metadata(metadata, span)
         prompt = PromptChains(self._hasher, request, self._hasher.cache_salt(request, metadata))
         if self._config.policy != "round_robin":
             prompt.start()
-        exclude: set[str] = set()
-        outcome = "CANCELLED"
-        decision: RouteDecision | None = None
-        self.inflight += 1
-        self._metrics.inflight.inc()
+        key = request.session_id or request.request_id or uuid.uuid4().hex
+        return _Routed(request, key, span, forward_metadata(metadata, span), prompt, t0)
+
+    async def _route_attempt(
+        self, rec: _Routed, context: grpc.aio.ServicerContext, attempt: int
+    ) -> ReplicaHandle:
+        """Picks the replica for this attempt; aborts UNAVAILABLE when there is none."""
         try:
-            for attempt in range(1, self._config.max_attempts + 1):
-                try:
-                    decision, handle = await self.route(request, key, prompt, exclude)
-                except NoReplicaError:
-                    outcome = "UNAVAILABLE"
-                    detail = "no healthy replica to route to"
-                    if exclude:
-                        detail += f" (tried {', '.join(sorted(exclude))})"
-                    await _abort(context, grpc.StatusCode.UNAVAILABLE, detail)
-                span.add_event(
-                    "routed",
-                    {
-                        "replica_id": decision.replica_id,
-                        "reason": decision.reason,
-                        "attempt": attempt,
-                    },
-                )
-                got_first = False
-                remaining = context.time_remaining()
-                call = handle.stub.Generate(request, timeout=remaining, metadata=out_md)
-                try:
-                    async for resp in call:
-                        if not got_first:
-                            got_first = True
-                            self._metrics.ttft.observe(time.monotonic() - t0)
-                        if resp.HasField("final"):
-                            resp.final.route.replica_id = decision.replica_id
-                            resp.final.route.reason = decision.reason
-                            await self._record(request, decision.replica_id, prompt)
-                        yield resp
-                    outcome = "ok"
-                    return
-                except grpc.aio.AioRpcError as e:
-                    code = e.code()
-                    core_died = code == grpc.StatusCode.INTERNAL and engine_dead_before_output(
-                        e.trailing_metadata()
-                    )
-                    retry = not got_first and (code in _RETRY_BEFORE_FIRST or core_died)
-                    if retry and attempt < self._config.max_attempts:
-                        if code == grpc.StatusCode.UNAVAILABLE or core_died:
-                            self._pool.mark_down(handle, f"Generate: {e.details()}")
-                        exclude.add(decision.replica_id)
-                        self._metrics.retries.inc()
-                        span.add_event(
-                            "retry", {"replica_id": decision.replica_id, "code": code.name}
-                        )
-                        continue
-                    outcome = code.name
-                    await _abort(context, code, e.details() or code.name)
-                finally:
-                    handle.inflight -= 1
-                    call.cancel()
+            rec.decision, handle = await self.route(rec.request, rec.key, rec.prompt, rec.exclude)
+        except NoReplicaError:
+            rec.outcome = "UNAVAILABLE"
+            detail = "no healthy replica to route to"
+            if rec.exclude:
+                detail += f" (tried {', '.join(sorted(rec.exclude))})"
+            await abort(context, grpc.StatusCode.UNAVAILABLE, detail)
+        d = rec.decision
+        rec.span.add_event(
+            "routed", {"replica_id": d.replica_id, "reason": d.reason, "attempt": attempt}
+        )
+        return handle
+
+    async def _proxy(
+        self, rec: _Routed, handle: ReplicaHandle, context: grpc.aio.ServicerContext
+    ) -> AsyncGenerator[pb.GenerateResponse, None]:
+        """Relays the replica's stream; the final message gets the route, after the record."""
+        d = rec.decision
+        assert d is not None
+        rec.got_first = False
+        call = handle.stub.Generate(
+            rec.request, timeout=context.time_remaining(), metadata=rec.metadata
+        )
+        try:
+            async for resp in call:
+                if not rec.got_first:
+                    rec.got_first = True
+                    self._metrics.ttft.observe(time.monotonic() - rec.t0)
+                if resp.HasField("final"):
+                    resp.final.route.replica_id = d.replica_id
+                    resp.final.route.reason = d.reason
+                    await self._record(rec.request, d.replica_id, rec.prompt)
+                yield resp
         finally:
-            prompt.cancel()
-            self.inflight -= 1
-            self._metrics.inflight.dec()
-            reason = decision.reason if decision is not None else "none"
-            replica = decision.replica_id if decision is not None else "none"
-            self._metrics.requests.labels(replica, reason, outcome).inc()
-            if decision is not None:
-                span.set_attributes(
-                    {
-                        "deja.route.replica_id": decision.replica_id,
-                        "deja.route.reason": decision.reason,
-                        "deja.route.prefix_blocks": decision.prefix_blocks,
-                        "deja.route.attempts": len(exclude) + 1,
-                    }
-                )
-            if outcome != "ok":
-                span.set_status(Status(StatusCode.ERROR, outcome))
-            span.end()
+            call.cancel()
+
+    def _retry(
+        self, rec: _Routed, handle: ReplicaHandle, e: grpc.aio.AioRpcError, attempt: int
+    ) -> bool:
+        """Whether to try another replica: this one refused (UNAVAILABLE, or RESOURCE_EXHAUSTED:
+        its queue is full, or INTERNAL saying its engine core died before the stream sent
+        anything: service/common/failover.py) before its first message, and attempts are left."""
+        code = e.code()
+        core_died = code == grpc.StatusCode.INTERNAL and engine_dead_before_output(
+            e.trailing_metadata()
+        )
+        retryable = code in _RETRY_BEFORE_FIRST or core_died
+        if rec.got_first or not retryable or attempt >= self._config.max_attempts:
+            return False
+        assert rec.decision is not None
+        if code == grpc.StatusCode.UNAVAILABLE or core_died:
+            self._pool.mark_down(handle, f"Generate: {e.details()}")
+        rec.exclude.add(rec.decision.replica_id)
+        self._metrics.retries.inc()
+        rec.span.add_event("retry", {"replica_id": rec.decision.replica_id, "code": code.name})
+        return True
+
+    def _close(self, rec: _Routed) -> None:
+        """Counts the call by replica, reason and outcome, and ends its span."""
+        rec.prompt.cancel()
+        self.inflight -= 1
+        self._metrics.inflight.dec()
+        d = rec.decision
+        replica, reason = (d.replica_id, d.reason) if d is not None else ("none", "none")
+        self._metrics.requests.labels(replica, reason, rec.outcome).inc()
+        if d is not None:
+            rec.span.set_attributes(
+                {
+                    "deja.route.replica_id": d.replica_id,
+                    "deja.route.reason": d.reason,
+                    "deja.route.prefix_blocks": d.prefix_blocks,
+                    "deja.route.attempts": len(rec.exclude) + 1,
+                }
+            )
+        if rec.outcome != "ok":
+            rec.span.set_status(Status(StatusCode.ERROR, rec.outcome))
+        rec.span.end()
 
     # -- unary calls ---------------------------------------------------------------------------
 
@@ -302,12 +353,12 @@ class RouterServicer(pb_grpc.InferenceServicer):
                 return await call(h, context.time_remaining(), md)
             except grpc.aio.AioRpcError as e:
                 if e.code() != grpc.StatusCode.UNAVAILABLE:
-                    await _abort(context, e.code(), e.details() or e.code().name)
+                    await abort(context, e.code(), e.details() or e.code().name)
                 last = e
                 assert h.replica_id is not None
                 exclude.add(h.replica_id)
         detail = last.details() if last is not None else "no healthy replica"
-        await _abort(context, grpc.StatusCode.UNAVAILABLE, detail or "no healthy replica")
+        await abort(context, grpc.StatusCode.UNAVAILABLE, detail or "no healthy replica")
 
     async def _all(
         self,
@@ -400,8 +451,3 @@ class RouterServicer(pb_grpc.InferenceServicer):
         )
         aborted = {rid for r in results for rid in r.aborted}
         return pb.AbortResponse(aborted=[rid for rid in request.request_ids if rid in aborted])
-
-
-async def _abort(context: grpc.aio.ServicerContext, code: grpc.StatusCode, detail: str) -> NoReturn:
-    await context.abort(code, detail)
-    raise AssertionError("unreachable")

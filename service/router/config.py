@@ -7,9 +7,9 @@ from dataclasses import dataclass, field
 
 from service.affinity.config import AffinityConfig
 from service.affinity.flags import add_affinity_args, affinity_config_from_args
-from service.config import parse_auth_token
-from service.flags import add_bool_flag, add_flag, add_list_flag
-from service.router_policy import POLICIES, OverloadGuard
+from service.common.auth import parse_auth_token
+from service.common.flags import add_bool_flag, add_flag, add_list_flag
+from service.router.policy import POLICIES, OverloadGuard
 
 
 def _check(cond: bool, msg: str) -> None:

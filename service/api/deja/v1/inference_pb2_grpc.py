@@ -3,7 +3,7 @@
 import grpc
 import warnings
 
-from service.proto.deja.v1 import inference_pb2 as deja_dot_v1_dot_inference__pb2
+from service.api.deja.v1 import inference_pb2 as deja_dot_v1_dot_inference__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__

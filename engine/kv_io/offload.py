@@ -2,9 +2,9 @@
 
 CPU tier: `cpu_cache` [num_layers, 2, num_cpu_blocks, block_size, num_kv_heads, head_dim], the
 same per-block layout as the device cache, in pinned memory when the device is CUDA. The disk
-tier's files live in engine/kv_disk.py.
+tier's files live in engine/kv_io/disk.py.
 
-Between steps (`after_step`) the store carries out the write policy's disk writes: each block is
+Between steps (`after_step`) the offload carries out the write policy's disk writes: each block is
 copied into its own staging payload (on CUDA: a device gather, then one non-blocking copy into
 pinned host memory whose event the writer thread waits on), queued for the writer thread, and the
 step goes on; it also hands the disk index the files a shared-budget scan deleted, and moves the
@@ -25,7 +25,7 @@ from engine.kv.disk_index import DiskIndex
 from engine.kv.hashing import BlockHash
 from engine.kv.plan import KVPlan
 from engine.kv.tiers import DiskWrites, TieredCache
-from engine.kv_disk import FORMAT, HEADER_BYTES, DiskFiles, model_fingerprint
+from engine.kv_io.disk import FORMAT, HEADER_BYTES, DiskFiles, model_fingerprint
 from engine.stats import BufferStats, ModelInfo
 
 
@@ -40,7 +40,7 @@ def _pairs(pairs: list[tuple[int, int]], device: torch.device) -> tuple[torch.Te
     return a, b
 
 
-class KVStore:
+class KVOffload:
     """Carries out the CPU and disk parts of a KVPlan, in the plan's order (the runner's offload).
 
     On CUDA the copies run on a side stream: the stream first waits for the compute stream (the
@@ -242,7 +242,7 @@ def build_tiers(
     model_path: str,
     kv_cache: torch.Tensor,
     block_bytes: int,
-) -> tuple[TieredCache, KVStore] | None:
+) -> tuple[TieredCache, KVOffload] | None:
     """The CPU tier (and the disk tier when `disk_dir` is set) of one engine, or None when off.
 
     The tiers are off with prefix caching off (nothing would find their blocks) or a CPU tier of
@@ -315,4 +315,4 @@ def build_tiers(
         write_policy=cache.disk_write_policy,
         min_hits=cache.disk_write_min_hits,
     )
-    return tiers, KVStore(cpu_cache, files, index)
+    return tiers, KVOffload(cpu_cache, files, index)

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import argparse
-import hashlib
 import socket
 from dataclasses import dataclass
 
-from service.flags import add_bool_flag, add_flag, add_list_flag
+from service.common.auth import parse_auth_token
+from service.common.flags import add_bool_flag, add_flag, add_list_flag
 
 
 def _check(cond: bool, msg: str) -> None:
@@ -76,16 +76,6 @@ class ServiceConfig:
 
     def effective_replica_id(self, bound_port: int) -> str:
         return self.replica_id or f"{socket.gethostname()}:{bound_port}"
-
-
-def parse_auth_token(spec: str) -> tuple[str, str]:
-    """`TOKEN:TENANT` -> (token, tenant); a bare `TOKEN` gets a tenant named after its hash."""
-    token, sep, tenant = spec.partition(":")
-    if not sep:
-        tenant = "tenant-" + hashlib.sha256(token.encode()).hexdigest()[:12]
-    if not token or not tenant:
-        raise ValueError(f"auth token must be TOKEN or TOKEN:TENANT, got {spec!r}")
-    return token, tenant
 
 
 def add_service_args(parser: argparse.ArgumentParser) -> list[argparse.Action]:

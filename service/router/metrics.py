@@ -2,17 +2,17 @@
 
 from __future__ import annotations
 
-import threading
-from wsgiref.simple_server import WSGIServer
+from prometheus_client import Counter, Gauge, Histogram
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from service.common.metrics_http import MetricsEndpoint
 
 _TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 
 
-class RouterMetrics:
+class RouterMetrics(MetricsEndpoint):
     def __init__(self) -> None:
-        self.registry = r = CollectorRegistry()
+        super().__init__()
+        r = self.registry
         self.requests = Counter(
             "deja_router_requests",
             "Generate calls by chosen replica, routing reason and outcome (ok or a status name).",
@@ -45,16 +45,3 @@ class RouterMetrics:
             buckets=_TTFT_BUCKETS,
             registry=r,
         )
-        self._http: WSGIServer | None = None
-        self._thread: threading.Thread | None = None
-
-    def start_http(self, host: str, port: int) -> int:
-        """Serves /metrics on a daemon thread; returns the bound port."""
-        self._http, self._thread = start_http_server(port, addr=host, registry=self.registry)
-        return int(self._http.server_port)
-
-    def stop_http(self) -> None:
-        if self._http is not None:
-            self._http.shutdown()
-            self._http.server_close()
-            self._http = None

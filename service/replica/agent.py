@@ -30,12 +30,13 @@ from dataclasses import dataclass
 from prometheus_client import CollectorRegistry, Counter
 
 from engine.kv.hashing import BlockHash
+from engine.prompt import prompt_block_hashes
 from engine.stats import EngineStats, ModelInfo
 from service.affinity.base import AffinityStore, AffinityStoreError, ReplicaInfo, ReplicaLoad
 from service.affinity.config import AffinityConfig
 from service.affinity.flags import add_affinity_args, affinity_config_from_args
-from service.affinity.prefix import bounded_chain, prompt_block_hashes
-from service.flags import add_flag
+from service.affinity.prefix import bounded_chain
+from service.common.flags import add_flag
 
 log = logging.getLogger(__name__)
 

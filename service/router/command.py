@@ -19,8 +19,8 @@ import logging
 import signal
 import sys
 
-from service.flags import add_flag
-from service.router_config import RouterConfig, add_router_args, router_config_from_args
+from service.common.flags import add_flag
+from service.router.config import RouterConfig, add_router_args, router_config_from_args
 
 log = logging.getLogger("deja.route")
 LOG_LEVELS = ("debug", "info", "warning", "error")
@@ -44,7 +44,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
     tokenizer = None
     if config.model:
-        from service.router_prompt import load_router_tokenizer
+        from service.router.prompt import load_router_tokenizer
 
         try:
             tokenizer = load_router_tokenizer(config.model, config.cache_dir)
@@ -61,8 +61,8 @@ def run(args: argparse.Namespace) -> int:
 
 async def route_until_signal(config: RouterConfig, tokenizer: object | None) -> int:
     from service.affinity.factory import create_store
-    from service.router_server import serve_router
-    from service.tracing import make_tracer_provider
+    from service.common.tracing import make_tracer_provider
+    from service.router.server import serve_router
 
     provider = make_tracer_provider(
         service_name="deja-router",

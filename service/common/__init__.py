@@ -1,0 +1,1 @@
+"""What replica and router share: auth, gRPC helpers, flags, tracing, metrics endpoint."""
