@@ -106,14 +106,17 @@ class RouterServicer(pb_grpc.InferenceServicer):
         healthy = self._pool.healthy(exclude)
         if not healthy:
             raise NoReplicaError("no healthy replica")
-        store_ok, session_replica, prefix = True, None, None
+        store_ok, session_replica, prefix, prompt_tokens = True, None, None, 0
         if cfg.policy != "round_robin":
-            if cfg.policy == "affinity" and request.session_id:
+            if cfg.policy in ("affinity", "cost") and request.session_id:
                 store_ok, session_replica = await self._store_call(
                     "get_session", self._store.get_session(request.session_id)
                 )
             own = self._pool.by_id(session_replica) if session_replica else None
             sticky = own is not None and own.healthy and not cfg.guard.overloaded(own.candidate())
+            if cfg.policy == "cost":
+                sticky = False  # the session counts only through what its replica holds
+                prompt_tokens = await prompt.num_tokens()
             if store_ok and not sticky:
                 prefix = {}
                 groups: dict[tuple[str, int], list[str]] = {}
@@ -134,7 +137,7 @@ class RouterServicer(pb_grpc.InferenceServicer):
         healthy = self._pool.healthy(exclude)
         if not healthy:
             raise NoReplicaError("no healthy replica")
-        inputs = RouteInputs(key, session_replica, prefix, store_ok)
+        inputs = RouteInputs(key, session_replica, prefix, store_ok, prompt_tokens)
         decision = decide(
             cfg.policy, [h.candidate() for h in healthy], inputs, cfg.guard, next(self._rr)
         )
@@ -143,6 +146,7 @@ class RouterServicer(pb_grpc.InferenceServicer):
         handle = self._pool.by_id(decision.replica_id)
         assert handle is not None
         handle.inflight += 1
+        handle.pending_prefill_tokens += decision.uncached_tokens
         return decision, handle
 
     async def _record(
@@ -225,12 +229,15 @@ class RouterServicer(pb_grpc.InferenceServicer):
                     },
                 )
                 got_first = False
+                pending = decision.uncached_tokens
                 remaining = context.time_remaining()
                 call = handle.stub.Generate(request, timeout=remaining, metadata=out_md)
                 try:
                     async for resp in call:
                         if not got_first:
                             got_first = True
+                            handle.pending_prefill_tokens -= pending
+                            pending = 0
                             self._metrics.ttft.observe(time.monotonic() - t0)
                         if resp.HasField("final"):
                             resp.final.route.replica_id = decision.replica_id
@@ -255,6 +262,7 @@ class RouterServicer(pb_grpc.InferenceServicer):
                     await _abort(context, code, e.details() or code.name)
                 finally:
                     handle.inflight -= 1
+                    handle.pending_prefill_tokens -= pending
                     call.cancel()
         finally:
             prompt.cancel()

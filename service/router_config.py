@@ -44,8 +44,9 @@ class RouterConfig:
     """Static replica addresses (host:port), polled like discovered ones."""
     discover: bool = True
     """Also take replicas from the store's registry (needs a shared store, i.e. Redis)."""
-    policy: str = "affinity"
-    """affinity (session, then prefix, then load), round_robin or prefix_only."""
+    policy: str = "cost"
+    """cost (least estimated time to first token), affinity (session, then prefix, then load),
+    round_robin or prefix_only."""
     guard: OverloadGuard = field(default_factory=OverloadGuard)
     model: str | None = None
     """Model folder (or "demo") whose tokenizer the router hashes prompts with; None: no prefix

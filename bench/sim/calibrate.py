@@ -1,0 +1,89 @@
+"""Measures a replica's step times to calibrate the simulator's cost model (`deja bench sim
+--calibrate`): prefill steps of P new tokens and decode steps of B sequences, on the engine
+directly (no server), then a least-squares fit of
+
+    step_s = step_overhead_s + prefill_token_s * P + decode_seq_s * B + context_token_s * C
+
+where C is the sum of the decoding sequences' context lengths. Prints the fitted parameters as
+`--profile` would take them.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from typing import Any
+
+
+def _prompt(rng: random.Random, n: int) -> list[int]:
+    return [rng.randrange(1000, 40000) for _ in range(n)]
+
+
+def measure(model_path: str, *, num_threads: int | None = None) -> dict[str, Any]:
+    """Rows of (prefill tokens, decode seqs, decode context tokens, seconds) and the fit."""
+    import numpy as np
+
+    from engine.config import EngineConfig
+    from engine.llm_engine import LLMEngine
+    from engine.sampling_params import SamplingParams
+
+    eng = LLMEngine(
+        EngineConfig.from_kwargs(
+            model_path,
+            max_num_batched_tokens=4096,
+            num_device_blocks=4096,
+            num_threads=num_threads,
+            enable_prefix_caching=False,
+        )
+    )
+    rng = random.Random(0)
+    rows: list[tuple[int, int, int, float]] = []
+
+    def timed_step() -> float:
+        t = time.perf_counter()
+        eng.step()
+        return time.perf_counter() - t
+
+    # warm-up
+    eng.add_request(_prompt(rng, 64), SamplingParams(max_tokens=2))
+    while eng.has_unfinished_requests():
+        eng.step()
+    for p in (32, 128, 256, 512, 1024, 2048):
+        for _ in range(2):
+            eng.add_request(_prompt(rng, p), SamplingParams(max_tokens=1))
+            rows.append((p, 0, 0, timed_step()))
+            while eng.has_unfinished_requests():
+                eng.step()
+    for b, ctx in ((1, 64), (4, 64), (8, 64), (16, 64), (32, 64), (8, 512), (8, 1024)):
+        for _ in range(b):
+            eng.add_request(_prompt(rng, ctx), SamplingParams(max_tokens=8, ignore_eos=True))
+        eng.step()  # all prefills in one step
+        for _ in range(4):
+            rows.append((0, b, b * ctx, timed_step()))
+        while eng.has_unfinished_requests():
+            eng.step()
+    x = np.array([[1.0, r[0], r[1], r[2]] for r in rows])
+    y = np.array([r[3] for r in rows])
+    coef, *_ = np.linalg.lstsq(x, y, rcond=None)
+    fit = dict(
+        zip(
+            ("step_overhead_s", "prefill_token_s", "decode_seq_s", "context_token_s"),
+            (max(0.0, float(c)) for c in coef),
+            strict=True,
+        )
+    )
+    return {"rows": rows, "fit": fit}
+
+
+if __name__ == "__main__":
+    import json
+    import sys
+    from pathlib import Path
+
+    from engine.demo import resolve_model_path
+
+    path = resolve_model_path(
+        sys.argv[1] if len(sys.argv) > 1 else "demo", Path("~/.cache/deja").expanduser()
+    )
+    out = measure(path)
+    print(json.dumps(out, indent=1))
