@@ -17,7 +17,8 @@ For every healthy, not overloaded replica the router estimates
 - `active_tokens`: KV tokens of the replica's running sequences, a balance term (see
   `CostWeights.active_weight`).
 
-The replica with the least estimate wins. Session affinity and prefix overlap act only through
+Among the replicas under the load bound (`CostWeights.load_bound`: outstanding requests at most
+1.25x the mean, as in consistent hashing with bounded loads), the least estimate wins. Session affinity and prefix overlap act only through
 `uncached`: a session's replica wins because it holds the history, not by rule, so a hot
 replica loses its sessions as soon as its queue costs more than recomputing them elsewhere. The
 session's last replica gets a bounded bonus (`stickiness_frac` of its estimate, at most
@@ -50,7 +51,11 @@ class CostWeights:
     """For a replica that has not published a prefill rate yet."""
     default_step_tokens: int = 2048
     """For a replica that has not published its step token budget."""
-    active_weight: float = 0.1
+    load_bound: float = 1.25
+    """Bounded loads: only replicas whose outstanding requests, with this one, stay within
+    `load_bound` x the mean (rounded up) are candidates; 0 turns the bound off. This, not the
+    estimate, is what keeps a cached prefix from pulling every new session onto its holder."""
+    active_weight: float = 0.0
     """Seconds of estimate per second it would take to prefill the KV tokens of the replica's
     running sequences (Dynamo counts active decode blocks like prefill blocks, weight 1): the
     load a request does not wait for but will share its steps with, and which future turns of
@@ -62,6 +67,8 @@ class CostWeights:
             v = getattr(self, name)
             if not 0.0 <= v <= 1.0:
                 raise ValueError(f"{name} must be in [0, 1], got {v}")
+        if self.load_bound != 0 and self.load_bound < 1:
+            raise ValueError(f"load_bound must be 0 (off) or >= 1, got {self.load_bound}")
         if self.active_weight < 0:
             raise ValueError(f"active_weight must be >= 0, got {self.active_weight}")
         if self.stickiness_s < 0 or self.default_prefill_tokens_per_s <= 0:
@@ -128,6 +135,16 @@ def held_blocks(
     if prefix_tiers is not None and replica_id in prefix_tiers:
         return prefix_tiers[replica_id]
     return ((prefix_blocks or {}).get(replica_id, 0), 0, 0)
+
+
+def within_bound(loads: Mapping[str, int], bound: float) -> set[str]:
+    """Replicas that may take one more request under bounded loads (all when `bound` is 0).
+
+    The cap is `ceil(bound * (total + 1) / n)`: at least one replica is always under it."""
+    if bound <= 0 or not loads:
+        return set(loads)
+    cap = math.ceil(bound * (sum(loads.values()) + 1) / len(loads))
+    return {rid for rid, load in loads.items() if load + 1 <= cap}
 
 
 def cheapest(costs: Sequence[ReplicaCost], rank: Mapping[str, int]) -> ReplicaCost:

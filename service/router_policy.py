@@ -23,7 +23,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from service.affinity.rendezvous import rendezvous_order
-from service.router_cost import CostWeights, cheapest, estimate, held_blocks
+from service.router_cost import CostWeights, cheapest, estimate, held_blocks, within_bound
 
 POLICIES = ("cost", "affinity", "round_robin", "prefix_only")
 REASONS = ("session", "prefix", "load", "fallback", "round_robin", "cost")
@@ -154,6 +154,7 @@ def decide(
 
     if policy == "cost":
         w = weights or CostWeights()
+        allowed = within_bound({c.replica_id: c.load for c in pool}, w.load_bound)
         costs = [
             estimate(
                 replica_id=c.replica_id,
@@ -170,6 +171,7 @@ def decide(
                 weights=w,
             )
             for c in pool
+            if c.replica_id in allowed
         ]
         best_cost = cheapest(costs, rank)
         return RouteDecision(

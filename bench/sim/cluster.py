@@ -70,6 +70,8 @@ class SimResult:
     records: list[RequestRecord]
     queued_samples: dict[str, list[int]]
     """Replica id -> queued prefill tokens at every poll."""
+    outstanding_samples: dict[str, list[int]]
+    """Replica id -> running + waiting requests at every poll."""
     busy_s: dict[str, float]
     end_s: float
 
@@ -113,10 +115,13 @@ class Cluster:
         self.oracle: set[BlockHash] = set()
         self.records: list[RequestRecord] = []
         self.queued_samples: dict[str, list[int]] = {rid: [] for rid in self.replicas}
+        self.outstanding_samples: dict[str, list[int]] = {rid: [] for rid in self.replicas}
         self._events: list[tuple[float, int, Callable[[], None]]] = []
         self._seq = itertools.count()
         self._by_id: dict[int, tuple[RequestRecord, Session, int, SimSeq, _Router]] = {}
         self._outstanding = 0
+        self._chains: dict[tuple[str, int], tuple[list[BlockHash], list[BlockHash]]] = {}
+        """(session, turn) -> (prompt chain, prompt + output chain)."""
         self._uncached: dict[int, int] = {}
         """Request -> the uncached tokens its router counted as pending on its replica."""
 
@@ -139,6 +144,7 @@ class Cluster:
         return SimResult(
             self.records,
             self.queued_samples,
+            self.outstanding_samples,
             {rid: r.busy_s for rid, r in self.replicas.items()},
             self.clock,
         )
@@ -147,6 +153,7 @@ class Cluster:
         for rid, r in self.replicas.items():
             q = r.queued_prefill_tokens()
             self.queued_samples[rid].append(q)
+            self.outstanding_samples[rid].append(len(r.running) + len(r.waiting))
             self.snapshots[rid] = Candidate(
                 rid,
                 running=len(r.running),
@@ -165,11 +172,27 @@ class Cluster:
 
     # Requests.
 
+    def _hashes(self, session: Session, index: int) -> tuple[list[BlockHash], list[BlockHash]]:
+        key = (session.session_id, index)
+        if key not in self._chains:
+            bs = self.m.block_size
+            turns = session.turns if session.growing else [session.turns[index]]
+            last = turns[-1]
+            chain = prompt_block_hashes(last.prompt + last.output, bs, MODEL_ID, None)
+            for i, t in enumerate(turns):
+                j = i if session.growing else index
+                n = len(t.prompt)
+                self._chains[(session.session_id, j)] = (
+                    chain[: n // bs],
+                    chain[: (n + len(t.output)) // bs],
+                )
+        return self._chains.pop(key)
+
     def _arrive(self, session: Session, index: int) -> None:
         turn: Turn = session.turns[index]
         router_i = self.rng.randrange(len(self.routers))
         router = self.routers[router_i]
-        chain = prompt_block_hashes(turn.prompt, self.m.block_size, MODEL_ID, None)
+        chain, full = self._hashes(session, index)
         oracle = 0
         for h in chain:
             if h not in self.oracle:
@@ -207,7 +230,6 @@ class Cluster:
         )
         d = decide(router.policy, candidates, inputs, self.guard, next(router.rr), self.weights)
         rec.replica_id = d.replica_id
-        full = prompt_block_hashes(turn.prompt + turn.output, self.m.block_size, MODEL_ID, None)
         seq = SimSeq(len(self.records), len(turn.prompt), len(turn.output), chain, full, self.clock)
         self.records.append(rec)
         uncached = d.uncached_tokens or len(turn.prompt)

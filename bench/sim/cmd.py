@@ -40,6 +40,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_flag(
         c, "--active-weight", type=float, default=d.active_weight, help="Cost policy balance term."
     )
+    add_flag(c, "--load-bound", type=float, default=d.load_bound, help="Cost policy bound.")
     add_flag(
         c, "--stickiness", type=float, default=d.stickiness_s, help="Cost policy bonus cap (s)."
     )
@@ -126,7 +127,11 @@ def run(args: argparse.Namespace) -> int:
                 policy,
                 num_routers=args.num_routers,
                 poll_interval_s=args.poll_interval,
-                weights=CostWeights(active_weight=args.active_weight, stickiness_s=args.stickiness),
+                weights=CostWeights(
+                    active_weight=args.active_weight,
+                    stickiness_s=args.stickiness,
+                    load_bound=args.load_bound,
+                ),
                 seed=args.seed,
             )
             s = summarise(policy, cluster.run(wl))

@@ -31,6 +31,8 @@ class Summary:
     """The same with one unlimited cache shared by all replicas."""
     max_mean_queued: float
     """Busiest replica's mean queued prefill tokens / the replicas' mean."""
+    max_mean_outstanding: float
+    """The same for running + waiting requests."""
     max_mean_busy: float
     """Busiest replica's busy time / the replicas' mean."""
 
@@ -43,8 +45,12 @@ def summarise(policy: str, r: SimResult) -> Summary:
     ttft = [x.ttft_s for x in r.records]
     later = [x.ttft_s for x in r.records if x.turn > 0]
     prompt = sum(x.prompt_tokens for x in r.records) or 1
-    means = [sum(v) / len(v) if v else 0.0 for v in r.queued_samples.values()]
-    mean_q = sum(means) / len(means) if means else 0.0
+
+    def ratio(samples: dict[str, list[int]]) -> float:
+        means = [sum(v) / len(v) if v else 0.0 for v in samples.values()]
+        mean = sum(means) / len(means) if means else 0.0
+        return max(means) / mean if mean else 1.0
+
     busy = list(r.busy_s.values())
     mean_b = sum(busy) / len(busy) if busy else 0.0
     return Summary(
@@ -55,14 +61,15 @@ def summarise(policy: str, r: SimResult) -> Summary:
         percentile(later, 0.5),
         sum(x.cached_tokens for x in r.records) / prompt,
         sum(x.oracle_tokens for x in r.records) / prompt,
-        max(means) / mean_q if mean_q else 1.0,
+        ratio(r.queued_samples),
+        ratio(r.outstanding_samples),
         max(busy) / mean_b if mean_b else 1.0,
     )
 
 
 HEADER = (
     "| workload | policy | TTFT p50 (s) | TTFT p99 (s) | turn 2+ p50 (s) | p50 / rr | p99 / rr | "
-    "hit rate | oracle | hit / oracle | max/mean queued | max/mean busy |"
+    "hit rate | oracle | hit / oracle | max/mean queued | max/mean requests | max/mean busy |"
 )
 
 
@@ -76,6 +83,7 @@ def table_rows(workload: str, summaries: list[Summary]) -> list[str]:
             f"| {workload} | {s.policy} | {s.ttft_p50_s:.3f} | {s.ttft_p99_s:.3f} | "
             f"{s.later_turn_p50_s:.3f} | {r50} | {r99} | {s.hit_rate:.1%} | "
             f"{s.oracle_hit_rate:.1%} | {s.hit_vs_oracle:.1%} | {s.max_mean_queued:.2f} | "
+            f"{s.max_mean_outstanding:.2f} | "
             f"{s.max_mean_busy:.2f} |"
         )
     return rows

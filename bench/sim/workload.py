@@ -28,6 +28,9 @@ class Turn:
 class Session:
     session_id: str
     turns: list[Turn] = field(default_factory=list)
+    growing: bool = False
+    """Every turn's prompt + output is a prefix of the last one's (a conversation): one hash
+    chain serves all turns."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,8 +42,11 @@ class Workload:
     description: str
 
 
+_VOCAB = range(1000, 40000)
+
+
 def _tokens(rng: random.Random, n: int) -> list[int]:
-    return [rng.randrange(1000, 40000) for _ in range(n)]
+    return rng.choices(_VOCAB, k=n)
 
 
 def request_work_s(prompt_len: int, output_len: int, m: CostModel, ref_batch: int = 8) -> float:
@@ -92,7 +98,7 @@ def chat(
     for i in range(num_sessions):
         v = _zipf_index(rng, num_variants, skew) if skew > 0 else rng.randrange(num_variants)
         history = list(variants[v])
-        s = Session(f"s{i}")
+        s = Session(f"s{i}", growing=True)
         for _ in range(turn_counts[i]):
             history += _tokens(rng, user_len)
             out = _tokens(rng, output_len)
