@@ -18,7 +18,8 @@ For every healthy, not overloaded replica the router estimates
   `CostWeights.active_weight`).
 
 Among the replicas under the load bound (`CostWeights.load_bound`: outstanding requests at most
-1.25x the mean, as in consistent hashing with bounded loads), the least estimate wins. Session affinity and prefix overlap act only through
+1.25x the mean, as in consistent hashing with bounded loads) and the session's own replica, the
+least estimate wins. Session affinity and prefix overlap act only through
 `uncached`: a session's replica wins because it holds the history, not by rule, so a hot
 replica loses its sessions as soon as its queue costs more than recomputing them elsewhere. The
 session's last replica gets a bounded bonus (`stickiness_frac` of its estimate, at most
@@ -53,8 +54,9 @@ class CostWeights:
     """For a replica that has not published its step token budget."""
     load_bound: float = 1.25
     """Bounded loads: only replicas whose outstanding requests, with this one, stay within
-    `load_bound` x the mean (rounded up) are candidates; 0 turns the bound off. This, not the
-    estimate, is what keeps a cached prefix from pulling every new session onto its holder."""
+    `load_bound` x the mean (rounded up) are candidates, and the session's own replica; 0 turns
+    the bound off. This, not the estimate, keeps a cached shared prefix (a system prompt) from
+    pulling every new session onto the replica that computed it first."""
     active_weight: float = 0.0
     """Seconds of estimate per second it would take to prefill the KV tokens of the replica's
     running sequences (Dynamo counts active decode blocks like prefill blocks, weight 1): the

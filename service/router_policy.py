@@ -155,6 +155,10 @@ def decide(
     if policy == "cost":
         w = weights or CostWeights()
         allowed = within_bound({c.replica_id: c.load for c in pool}, w.load_bound)
+        # NOTE: the session's own replica is exempt: leaving it means recomputing the history,
+        # which the estimate weighs against its queue. The bound places new sessions.
+        if inputs.session_replica is not None:
+            allowed.add(inputs.session_replica)
         costs = [
             estimate(
                 replica_id=c.replica_id,

@@ -2,9 +2,11 @@
 --calibrate`): prefill steps of P new tokens and decode steps of B sequences, on the engine
 directly (no server), then a least-squares fit of
 
-    step_s = step_overhead_s + prefill_token_s * P + decode_seq_s * B + context_token_s * C
+    step_s = step_overhead_s + prefill_token_s * P + prefill_pair_s * A
+             + decode_seq_s * B + context_token_s * C
 
-where C is the sum of the decoding sequences' context lengths, with one engine thread and the
+where A counts (new token, earlier token) pairs of the prefill (P * P / 2 for a prompt from
+scratch: attention) and C is the sum of the decoding sequences' context lengths, with one engine thread and the
 process's CPU time (so a busy shared machine does not inflate it): the cost of a replica that
 has one core to itself. Prints the rows and the fit.
 """
@@ -22,7 +24,6 @@ def _prompt(rng: random.Random, n: int) -> list[int]:
 
 def measure(model_path: str, *, num_threads: int = 1) -> dict[str, Any]:
     """Rows of (prefill tokens, decode seqs, decode context tokens, seconds) and the fit."""
-    import numpy as np
 
     from engine.config import EngineConfig
     from engine.llm_engine import LLMEngine
@@ -60,22 +61,27 @@ def measure(model_path: str, *, num_threads: int = 1) -> dict[str, Any]:
     for b, ctx in ((1, 64), (8, 64), (32, 64), (8, 1024)):
         for _ in range(b):
             eng.add_request(_prompt(rng, ctx), SamplingParams(max_tokens=8, ignore_eos=True))
-        eng.step()  # all prefills in one step
+        while any(s.num_computed_tokens < s.num_prompt_tokens for s in eng.scheduler.running) or (
+            eng.scheduler.waiting
+        ):
+            eng.step()
         for _ in range(4):
             rows.append((0, b, b * ctx, timed_step()))
         while eng.has_unfinished_requests():
             eng.step()
-    x = np.array([[1.0, r[0], r[1], r[2]] for r in rows])
+    return {"rows": rows, "fit": fit_rows(rows)}
+
+
+def fit_rows(rows: list[tuple[int, int, int, float]]) -> dict[str, float]:
+    """Least squares of the step model over (P, B, C, seconds) rows (prefills from scratch)."""
+    import numpy as np
+
+    x = np.array([[1.0, p, p * p / 2, b, c] for p, b, c, _ in rows])
     y = np.array([r[3] for r in rows])
     coef, *_ = np.linalg.lstsq(x, y, rcond=None)
-    fit = dict(
-        zip(
-            ("step_overhead_s", "prefill_token_s", "decode_seq_s", "context_token_s"),
-            (max(0.0, float(c)) for c in coef),
-            strict=True,
-        )
-    )
-    return {"rows": rows, "fit": fit}
+    names = ("step_overhead_s", "prefill_token_s", "prefill_pair_s", "decode_seq_s")
+    names += ("context_token_s",)
+    return {n: max(0.0, float(c)) for n, c in zip(names, coef, strict=True)}
 
 
 if __name__ == "__main__":

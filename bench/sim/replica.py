@@ -152,8 +152,11 @@ class SimReplica:
             budget -= n
             self.running.append(seq)
         prefill_tokens = sum(n for _, n in step.prefill)
+        # attention pairs of each chunk: n new tokens over `computed` earlier ones and each other
+        pairs = sum(n * seq.computed + n * n / 2 for seq, n in step.prefill)
         context = sum(s.prompt_len + s.generated for s in step.decode)
-        dt = m.step_s(prefill_tokens, len(step.decode), context) + step.swap_blocks * m.swap_block_s
+        dt = m.step_s(prefill_tokens, pairs, len(step.decode), context)
+        dt += step.swap_blocks * m.swap_block_s
         return step, dt
 
     def finish_step(self, step: _Step, dt: float, now: float) -> None:

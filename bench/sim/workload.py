@@ -51,7 +51,8 @@ def _tokens(rng: random.Random, n: int) -> list[int]:
 
 def request_work_s(prompt_len: int, output_len: int, m: CostModel, ref_batch: int = 8) -> float:
     """Replica seconds one request costs with no prefix caching and `ref_batch` decodes a step."""
-    prefill = prompt_len * m.prefill_token_s + (prompt_len / m.step_tokens) * m.step_overhead_s
+    prefill = prompt_len * m.prefill_token_s + prompt_len * prompt_len / 2 * m.prefill_pair_s
+    prefill += (prompt_len / m.step_tokens) * m.step_overhead_s
     per_decode = m.decode_seq_s + m.step_overhead_s / ref_batch
     decode = output_len * (per_decode + m.context_token_s * (prompt_len + output_len / 2))
     return prefill + decode
