@@ -315,7 +315,7 @@ class LLMEngine:
                 for item in sched.scheduled
                 if item.start < item.seq.num_prompt_tokens
             )
-            self.step_rates.observe(prefill, decodes, now - scheduled_at)
+            self.step_rates.observe(prefill, decodes, now - scheduled_at, now)
         for item in sched.scheduled:
             seq = item.seq
             seq.num_computed_tokens += item.num_new_tokens
@@ -511,6 +511,7 @@ class LLMEngine:
             prefill_tokens_per_s=self.step_rates.prefill_tokens_per_s,
             decode_seq_s=self.step_rates.decode_seq_s,
             step_tokens=self.config.scheduler.max_num_batched_tokens,
+            utilisation=self.step_rates.utilisation(time.monotonic()),
             num_running=len(self.scheduler.running),
             num_waiting=len(self.scheduler.waiting),
             num_preemptions=self.scheduler.num_preemptions,

@@ -110,6 +110,8 @@ class EngineStats:
     """Measured step seconds per decoding sequence; 0.0 until a decode-only step ran."""
     step_tokens: int = 0
     """The scheduler's token budget per step."""
+    utilisation: float = 0.0
+    """Share of the last ~30 s spent in steps (engine/step_rates.py)."""
 
     @property
     def prefix_hit_rate(self) -> float:

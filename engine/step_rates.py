@@ -7,10 +7,13 @@ From each step's wall time, its prefill tokens and its decoding sequences, two m
 - `prefill_tokens_per_s`: prefill tokens per second, from steps with prefill work, after taking
   the decodes' share (`decode_seq_s` each) out of the step time.
 Both are exponential moving averages with weight `alpha` for the newest step; 0.0 until seen.
+And `utilisation(now)`: the share of the last ~`window_s` seconds spent in steps (exponentially
+decayed), which reflects the sessions a replica is home to even while they are between turns.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 
@@ -19,10 +22,24 @@ class StepRates:
     alpha: float = 0.1
     decode_seq_s: float = 0.0
     prefill_tokens_per_s: float = 0.0
+    window_s: float = 30.0
+    _busy_s: float = 0.0
+    """Step seconds, decayed with time constant `window_s`, as of `_busy_at`."""
+    _busy_at: float = 0.0
 
-    def observe(self, prefill_tokens: int, decode_seqs: int, seconds: float) -> None:
+    def utilisation(self, now: float) -> float:
+        decay = math.exp(-max(0.0, now - self._busy_at) / self.window_s)
+        return min(1.0, self._busy_s * decay / self.window_s)
+
+    def observe(
+        self, prefill_tokens: int, decode_seqs: int, seconds: float, now: float | None = None
+    ) -> None:
         if seconds <= 0:
             return
+        if now is not None:
+            decay = math.exp(-max(0.0, now - self._busy_at) / self.window_s)
+            self._busy_s = self._busy_s * decay + seconds
+            self._busy_at = now
         if prefill_tokens <= 0:
             if decode_seqs > 0:
                 self.decode_seq_s = self._avg(self.decode_seq_s, seconds / decode_seqs)

@@ -139,14 +139,23 @@ def held_blocks(
     return ((prefix_blocks or {}).get(replica_id, 0), 0, 0)
 
 
-def within_bound(loads: Mapping[str, int], bound: float) -> set[str]:
-    """Replicas that may take one more request under bounded loads (all when `bound` is 0).
+def within_bound(
+    loads: Mapping[str, int], utilisation: Mapping[str, float], bound: float
+) -> set[str]:
+    """Replicas that may take a new session under bounded loads (all when `bound` is 0).
 
-    The cap is `ceil(bound * (total + 1) / n)`: at least one replica is always under it."""
+    Two caps, both `bound` x the mean: outstanding requests (`ceil(bound * (total + 1) / n)`,
+    exact for this router's own streams, so a burst between polls spreads) and utilisation over
+    the last ~30 s (plus 0.02, so idle replicas are never excluded), which counts the sessions a
+    replica is home to while they are between turns. When no replica meets both, the request
+    cap alone; at least one replica always meets that."""
     if bound <= 0 or not loads:
         return set(loads)
     cap = math.ceil(bound * (sum(loads.values()) + 1) / len(loads))
-    return {rid for rid, load in loads.items() if load + 1 <= cap}
+    by_count = {rid for rid, load in loads.items() if load + 1 <= cap}
+    mean_u = sum(utilisation.get(rid, 0.0) for rid in loads) / len(loads)
+    both = {rid for rid in by_count if utilisation.get(rid, 0.0) <= bound * mean_u + 0.02}
+    return both or by_count
 
 
 def cheapest(costs: Sequence[ReplicaCost], rank: Mapping[str, int]) -> ReplicaCost:

@@ -60,6 +60,8 @@ class Candidate:
     """Measured step time per decoding sequence: what one decode adds to each step."""
     step_tokens: int = 0
     """The engine's token budget per step (0: not published)."""
+    utilisation: float = 0.0
+    """Share of the last ~30 s the engine spent in steps, as of the last load poll."""
     block_size: int = 16
 
     @property
@@ -154,7 +156,11 @@ def decide(
 
     if policy == "cost":
         w = weights or CostWeights()
-        allowed = within_bound({c.replica_id: c.load for c in pool}, w.load_bound)
+        allowed = within_bound(
+            {c.replica_id: c.load for c in pool},
+            {c.replica_id: c.utilisation for c in pool},
+            w.load_bound,
+        )
         # NOTE: the session's own replica is exempt: leaving it means recomputing the history,
         # which the estimate weighs against its queue. The bound places new sessions.
         if inputs.session_replica is not None:

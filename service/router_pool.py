@@ -73,6 +73,7 @@ class ReplicaHandle:
             prefill_tokens_per_s=self.load.prefill_tokens_per_s,
             decode_seq_s=self.load.decode_seq_s,
             step_tokens=self.load.step_tokens,
+            utilisation=self.load.utilisation,
             block_size=self.block_size or 16,
         )
 

@@ -424,6 +424,7 @@ class InferenceServicer:
             prefill_tokens_per_s=s.prefill_tokens_per_s,
             decode_seq_s=s.decode_seq_s,
             step_tokens=s.step_tokens,
+            utilisation=s.utilisation,
         )
 
     async def GetCacheStats(

@@ -166,6 +166,7 @@ class Cluster:
                 decode_seq_s=r.rates.decode_seq_s,
                 step_tokens=self.m.step_tokens,
                 block_size=self.m.block_size,
+                utilisation=r.rates.utilisation(self.clock),
             )
         if self._outstanding > 0:
             self.at(self.clock + self.poll_interval_s, self._poll)
@@ -223,6 +224,7 @@ class Cluster:
                     decode_seq_s=snap.decode_seq_s,
                     step_tokens=snap.step_tokens,
                     block_size=snap.block_size,
+                    utilisation=snap.utilisation,
                 )
             )
         inputs = RouteInputs(

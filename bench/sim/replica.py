@@ -163,7 +163,7 @@ class SimReplica:
         """Applies a step planned `dt` seconds before `now`."""
         self.busy_s += dt
         prefill_tokens = sum(n for _, n in step.prefill)
-        self.rates.observe(prefill_tokens, len(step.decode), dt)
+        self.rates.observe(prefill_tokens, len(step.decode), dt, now)
         done: list[SimSeq] = []
         for seq, n in step.prefill:
             seq.computed += n

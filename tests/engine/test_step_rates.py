@@ -36,3 +36,11 @@ def test_engine_publishes_load_in_tokens(tiny_llama_path: object) -> None:
     while eng.has_unfinished_requests():
         eng.step()
     assert eng.get_stats().decode_seq_s > 0
+
+
+def test_utilisation_decays_with_time() -> None:
+    r = StepRates(window_s=10.0)
+    for i in range(200):  # busy half the time for 100 s
+        r.observe(0, 1, 0.25, now=i * 0.5 + 0.25)
+    assert r.utilisation(100.0) == pytest.approx(0.5, abs=0.03)
+    assert r.utilisation(110.0) == pytest.approx(0.5 / 2.718, abs=0.03)  # one time constant idle
