@@ -79,8 +79,13 @@ def fit_rows(rows: list[tuple[int, int, int, float]]) -> dict[str, float]:
     x = np.array([[1.0, p, p * p / 2, b, c] for p, b, c, _ in rows])
     y = np.array([r[3] for r in rows])
     coef, *_ = np.linalg.lstsq(x, y, rcond=None)
-    names = ("step_overhead_s", "prefill_token_s", "prefill_pair_s", "decode_seq_s")
-    names += ("context_token_s",)
+    names = (
+        "step_overhead_s",
+        "prefill_token_s",
+        "prefill_pair_s",
+        "decode_seq_s",
+        "context_token_s",
+    )
     return {n: max(0.0, float(c)) for n, c in zip(names, coef, strict=True)}
 
 

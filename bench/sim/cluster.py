@@ -11,6 +11,7 @@ block any request ever produced (unlimited cache shared by all replicas).
 
 from __future__ import annotations
 
+import functools
 import heapq
 import itertools
 import random
@@ -135,7 +136,7 @@ class Cluster:
             self._outstanding += len(s.turns)
             for i, turn in enumerate(s.turns):
                 if turn.arrival is not None:
-                    self.at(turn.arrival, lambda s=s, i=i: self._arrive(s, i))
+                    self.at(turn.arrival, functools.partial(self._arrive, s, i))
         self._poll()
         while self._events and self._outstanding > 0:
             t, _, fn = heapq.heappop(self._events)

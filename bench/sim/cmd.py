@@ -155,8 +155,8 @@ def run(args: argparse.Namespace) -> int:
             )
     if args.check:
         fails = check(results)
-        for f in fails:
-            print(f"FAIL: {f}")
+        for fail in fails:
+            print(f"FAIL: {fail}")
         print("acceptance: " + ("FAIL" if fails else "pass"))
         return 1 if fails else 0
     return 0

@@ -10,7 +10,7 @@ them, and B decode tokens whose sequences hold C context tokens in all. A prompt
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,9 +45,6 @@ class CostModel:
 
     def as_dict(self) -> dict[str, object]:
         return asdict(self)
-
-    def with_fit(self, fit: dict[str, float]) -> CostModel:
-        return replace(self, **{k: v for k, v in fit.items() if k in self.as_dict()})
 
 
 CPU = CostModel(
