@@ -17,9 +17,10 @@ For every healthy, not overloaded replica the router estimates
 - `active_tokens`: KV tokens of the replica's running sequences, a balance term (see
   `CostWeights.active_weight`).
 
-Among the replicas under the load bound (`CostWeights.load_bound`: outstanding requests at most
-1.25x the mean, as in consistent hashing with bounded loads) and the session's own replica, the
-least estimate wins. Session affinity and prefix overlap act only through
+Among the replicas under the load bound (`CostWeights.load_bound`: outstanding requests and
+recent utilisation at most `load_bound` x the mean, as in consistent hashing with bounded loads;
+default 1.0, i.e. new sessions go to replicas no busier than average) and the session's own
+replica, the least estimate wins. Session affinity and prefix overlap act only through
 `uncached`: a session's replica wins because it holds the history, not by rule, so a hot
 replica loses its sessions as soon as its queue costs more than recomputing them elsewhere. The
 session's last replica gets a bounded bonus (`stickiness_frac` of its estimate, at most
@@ -52,7 +53,7 @@ class CostWeights:
     """For a replica that has not published a prefill rate yet."""
     default_step_tokens: int = 2048
     """For a replica that has not published its step token budget."""
-    load_bound: float = 1.25
+    load_bound: float = 1.0
     """Bounded loads: only replicas whose outstanding requests, with this one, stay within
     `load_bound` x the mean (rounded up) are candidates, and the session's own replica; 0 turns
     the bound off. This, not the estimate, keeps a cached shared prefix (a system prompt) from

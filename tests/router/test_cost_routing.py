@@ -95,7 +95,7 @@ def test_bounded_loads_spread_new_sessions_but_keep_histories() -> None:
     # r0 holds a shared system prompt (60 blocks) and has 4 requests out; the mean is 1.
     cands = [_c("r0", running=4), _c("r1"), _c("r2"), _c("r3")]
     new = decide("cost", cands, RouteInputs("new", None, {"r0": 60}, prompt_tokens=1000), GUARD)
-    assert new.replica_id != "r0"  # cap: ceil(1.25 * 5 / 4) = 2 outstanding
+    assert new.replica_id != "r0"  # cap: ceil(1.0 * 5 / 4) = 2 outstanding
     # A session whose history lives on r0 stays: leaving would recompute it.
     own = decide("cost", cands, RouteInputs("old", "r0", {"r0": 60}, prompt_tokens=1000), GUARD)
     assert own.replica_id == "r0"
