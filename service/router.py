@@ -277,6 +277,8 @@ class RouterServicer(pb_grpc.InferenceServicer):
                         "deja.route.replica_id": decision.replica_id,
                         "deja.route.reason": decision.reason,
                         "deja.route.prefix_blocks": decision.prefix_blocks,
+                        "deja.route.uncached_tokens": decision.uncached_tokens,
+                        "deja.route.est_ttft_s": decision.est_ttft_s,
                         "deja.route.attempts": len(exclude) + 1,
                     }
                 )
