@@ -94,7 +94,7 @@ class Cluster:
         self.clock = 0.0
         self.store = MemoryAffinityStore(clock=lambda: self.clock)
         self.affinity = AffinityConfig()
-        self.guard = guard or OverloadGuard(max_waiting=1 << 30)
+        self.guard = guard or OverloadGuard()
         self.weights = weights
         self.poll_interval_s = poll_interval_s
         self.rng = random.Random(seed)
