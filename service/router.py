@@ -139,7 +139,12 @@ class RouterServicer(pb_grpc.InferenceServicer):
             raise NoReplicaError("no healthy replica")
         inputs = RouteInputs(key, session_replica, prefix, store_ok, prompt_tokens)
         decision = decide(
-            cfg.policy, [h.candidate() for h in healthy], inputs, cfg.guard, next(self._rr)
+            cfg.policy,
+            [h.candidate() for h in healthy],
+            inputs,
+            cfg.guard,
+            next(self._rr),
+            cfg.cost,
         )
         if decision.reason == "fallback":
             self._metrics.fallback.inc()
