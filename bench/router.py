@@ -3,12 +3,14 @@
     deja bench router --model demo --num-replicas 2 --num-sessions 16 --num-turns 4 \\
         --prefix-len 512 --input-len 64 --output-len 16 --max-concurrency 8
 
-For each policy (affinity, round_robin, prefix_only by default) the command starts fresh replicas
+For each policy (cost, affinity, round_robin, prefix_only by default) the command starts fresh replicas
 (`deja serve`, so every policy starts from cold caches) and a router in front of them, then runs
 the same multi-turn workload of `deja bench serve` through the router: sessions share a system
 prompt, turn t's prompt is the whole conversation so far. It prints the prefix-cache hit rate and
 time to first token (p50/p99, all turns and turns 2+) per policy, the routing reasons the router
-counted, and each policy's ratios to round robin. Replicas run one torch thread each.
+counted, and each policy's ratios to round robin. Replicas run one torch thread each; with
+`--pin-cores 0,1` replica i runs on core i (`os.sched_setaffinity` through `taskset -c`, the list
+wraps around), so replicas do not share a core with each other.
 """
 
 from __future__ import annotations
@@ -52,6 +54,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="Extra `deja serve` flags for every replica.",
     )
     add_flag(c, "--router-args", default="", help="Extra `deja route` flags.")
+    add_flag(
+        c,
+        "--pin-cores",
+        default="",
+        help="Comma-separated CPU ids; replica i runs pinned to the i-th (wrapping). Empty: no pinning.",
+    )
     add_flag(c, "--start-timeout", type=float, default=900.0, help="Seconds to wait for startup.")
     w = parser.add_argument_group("workload (multi-turn, as `deja bench serve`)")
     add_flag(w, "--num-sessions", type=int, default=16, help="Conversations.")
@@ -155,7 +163,7 @@ def _run_policy(
             argv = serve_argv(
                 args.model, port=ports[n], replica_id=n, extra=shlex.split(args.server_args)
             )
-            group.spawn(n, argv)
+            group.spawn(n, pinned(argv, args.pin_cores, names.index(n)))
         group.spawn(
             "router",
             route_argv(
@@ -181,6 +189,19 @@ def _run_policy(
         return workload
     finally:
         group.stop_all()
+
+
+def pinned(argv: list[str], cores: str, index: int) -> list[str]:
+    """`argv` run on the `index`-th of the comma-separated `cores` (wrapping); unchanged if none.
+
+    The engine core process `deja serve` spawns inherits the CPU affinity."""
+    ids = [c.strip() for c in cores.split(",") if c.strip()]
+    if not ids:
+        return argv
+    bad = [c for c in ids if not c.isdigit()]
+    if bad:
+        raise ValueError(f"--pin-cores takes CPU ids like 0,1; got {cores!r}")
+    return ["taskset", "-c", ids[index % len(ids)], *argv]
 
 
 def _row(r: dict[str, Any]) -> dict[str, Any]:

@@ -33,6 +33,7 @@ from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 from engine.sequence import Request, SeqStatus, Sequence
 from engine.stats import EngineStats, ModelInfo, TierStats
+from engine.step_rates import StepRates
 from engine.structured.compiler import GrammarCompilerPool
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -107,6 +108,8 @@ class LLMEngine:
         )
         swap = self.tiers if cc.preemption_mode == "swap" else None
         self.scheduler = Scheduler(config.scheduler, self.kv, swap=swap)
+        self.step_rates = StepRates()
+        """Measured prefill rate and decode cost, published for the router's cost policy."""
         sampler = Sampler(self.vocab_size, self.device, config.seed)
         self.runner = ModelRunner(
             self.model,
@@ -320,6 +323,14 @@ class LLMEngine:
         finally:
             self.kv.end_step()
         now = time.monotonic()
+        if sched.scheduled:
+            decodes = sum(1 for item in sched.scheduled if item.start >= item.seq.num_prompt_tokens)
+            prefill = sum(
+                item.num_new_tokens
+                for item in sched.scheduled
+                if item.start < item.seq.num_prompt_tokens
+            )
+            self.step_rates.observe(prefill, decodes, now - scheduled_at, now)
         for item in sched.scheduled:
             seq = item.seq
             seq.num_computed_tokens += item.num_new_tokens
@@ -432,7 +443,18 @@ class LLMEngine:
         ]
         if self.tiers is not None:
             self.tiers.add_stats(tiers, self.block_bytes)
+        running = self.scheduler.running
+        queued = sum(s.num_uncomputed for s in self.scheduler.waiting) + sum(
+            s.num_uncomputed for s in running if s.num_computed_tokens < s.num_prompt_tokens
+        )
         return EngineStats(
+            queued_prefill_tokens=queued,
+            num_decoding=sum(1 for s in running if s.num_computed_tokens >= s.num_prompt_tokens),
+            active_tokens=sum(s.num_computed_tokens for s in running),
+            prefill_tokens_per_s=self.step_rates.prefill_tokens_per_s,
+            decode_seq_s=self.step_rates.decode_seq_s,
+            step_tokens=self.config.scheduler.max_num_batched_tokens,
+            utilisation=self.step_rates.utilisation(time.monotonic()),
             num_running=len(self.scheduler.running),
             num_waiting=len(self.scheduler.waiting),
             num_preemptions=self.scheduler.num_preemptions,

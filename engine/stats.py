@@ -115,6 +115,20 @@ class EngineStats:
     """Structured outputs: compiled grammars held, cache hits, compiles and their time."""
     buffers: list[BufferStats] = field(default_factory=list)
     """The engine's host-memory buffers with their sizes and caps (empty with the tiers off)."""
+    queued_prefill_tokens: int = 0
+    """Prompt tokens still to compute: waiting requests and running ones still in prefill."""
+    num_decoding: int = 0
+    """Running sequences past their prefill."""
+    active_tokens: int = 0
+    """KV tokens computed for the running sequences."""
+    prefill_tokens_per_s: float = 0.0
+    """Measured (engine/step_rates.py); 0.0 until a prefill step ran."""
+    decode_seq_s: float = 0.0
+    """Measured step seconds per decoding sequence; 0.0 until a decode-only step ran."""
+    step_tokens: int = 0
+    """The scheduler's token budget per step."""
+    utilisation: float = 0.0
+    """Share of the last ~30 s spent in steps (engine/step_rates.py)."""
 
     @property
     def prefix_hit_rate(self) -> float:

@@ -31,6 +31,7 @@ COMMANDS: dict[str, str] = {
     "bench latency": "bench.latency",
     "bench structured": "bench.structured",
     "bench soak": "bench.soak",
+    "bench sim": "bench.sim.cmd",
 }
 """Command words -> module. Add an entry to add a command."""
 

@@ -455,6 +455,13 @@ class InferenceServicer:
             active_streams=len(self.streams),
             queued_streams=self.num_queued,
             draining=self.draining,
+            queued_prefill_tokens=s.queued_prefill_tokens,
+            decoding=s.num_decoding,
+            active_tokens=s.active_tokens,
+            prefill_tokens_per_s=s.prefill_tokens_per_s,
+            decode_seq_s=s.decode_seq_s,
+            step_tokens=s.step_tokens,
+            utilisation=s.utilisation,
         )
 
     async def GetCacheStats(

@@ -9,6 +9,7 @@ from service.affinity.config import AffinityConfig
 from service.affinity.flags import add_affinity_args, affinity_config_from_args
 from service.common.auth import parse_auth_token
 from service.common.flags import add_bool_flag, add_flag, add_list_flag
+from service.router.cost import CostWeights
 from service.router.policy import POLICIES, OverloadGuard
 
 
@@ -44,9 +45,12 @@ class RouterConfig:
     """Static replica addresses (host:port), polled like discovered ones."""
     discover: bool = True
     """Also take replicas from the store's registry (needs a shared store, i.e. Redis)."""
-    policy: str = "affinity"
-    """affinity (session, then prefix, then load), round_robin or prefix_only."""
+    policy: str = "cost"
+    """cost (least estimated time to first token), affinity (session, then prefix, then load),
+    round_robin or prefix_only."""
     guard: OverloadGuard = field(default_factory=OverloadGuard)
+    cost: CostWeights = field(default_factory=CostWeights)
+    """The cost policy's credits, load bound and stickiness."""
     model: str | None = None
     """Model folder (or "demo") whose tokenizer the router hashes prompts with; None: no prefix
     routing for text and chat prompts (token-id prompts are still hashed)."""
@@ -125,7 +129,37 @@ def add_router_args(parser: argparse.ArgumentParser) -> None:
         default=gd.max_imbalance,
         help="Prefix matches ignored on replicas this much busier than the least loaded.",
     )
+    k = parser.add_argument_group("cost policy")
+    dc = d.cost
+    add_flag(
+        k,
+        "--load-bound",
+        type=float,
+        default=dc.load_bound,
+        help="New sessions only go to replicas within this x the mean load (0: no bound).",
+    )
+    add_flag(
+        k,
+        "--stickiness",
+        type=float,
+        default=dc.stickiness_s,
+        help="Most seconds of estimate a session's last replica is favoured by.",
+    )
+    add_flag(
+        k,
+        "--tier-credits",
+        default=f"{dc.device_credit},{dc.cpu_credit},{dc.disk_credit}",
+        help="Share of a block's prefill saved on device,cpu,disk.",
+    )
     add_affinity_args(parser, with_url=True)
+
+
+def parse_tier_credits(spec: str) -> tuple[float, float, float]:
+    parts = [p.strip() for p in spec.split(",")]
+    if len(parts) != 3:
+        raise ValueError(f"--tier-credits takes DEVICE,CPU,DISK, got {spec!r}")
+    dev, cpu, disk = (float(p) for p in parts)
+    return dev, cpu, disk
 
 
 def router_config_from_args(args: argparse.Namespace) -> RouterConfig:
@@ -141,6 +175,11 @@ def router_config_from_args(args: argparse.Namespace) -> RouterConfig:
             max_kv_usage=args.max_kv_usage,
             max_inflight=args.max_inflight,
             max_imbalance=args.max_imbalance,
+        ),
+        cost=CostWeights(
+            *parse_tier_credits(args.tier_credits),
+            stickiness_s=args.stickiness,
+            load_bound=args.load_bound,
         ),
         model=args.model,
         cache_dir=args.cache_dir,

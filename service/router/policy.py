@@ -11,6 +11,10 @@ The affinity policy, in order:
    matches step 1 after an outage); reason "load".
 Overloaded replicas are skipped at every step unless all are overloaded. round_robin cycles
 through the healthy replicas; prefix_only skips step 2.
+
+The cost policy (the default, service/router/cost.py) replaces steps 2-4 with one rule: the
+replica with the least estimated time to first token, where the session and the prefix count
+only through the prompt tokens the replica would not have to compute.
 """
 
 from __future__ import annotations
@@ -19,9 +23,10 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from service.affinity.rendezvous import rendezvous_order
+from service.router.cost import CostWeights, cheapest, estimate, held_blocks, within_bound
 
-POLICIES = ("affinity", "round_robin", "prefix_only")
-REASONS = ("session", "prefix", "load", "fallback", "round_robin")
+POLICIES = ("cost", "affinity", "round_robin", "prefix_only")
+REASONS = ("session", "prefix", "load", "fallback", "round_robin", "cost")
 
 
 class NoReplicaError(RuntimeError):
@@ -41,6 +46,23 @@ class Candidate:
     """Share of device KV blocks in use, as of the last load poll."""
     inflight: int = 0
     """Streams this router has open to the replica (exact, no polling delay)."""
+    queued_prefill_tokens: int = 0
+    """Prompt tokens the engine has still to prefill, as of the last load poll."""
+    pending_prefill_tokens: int = 0
+    """Uncached prompt tokens this router sent there still waiting for a first token (exact)."""
+    decoding: int = 0
+    """Running sequences past their prefill, as of the last load poll."""
+    active_tokens: int = 0
+    """KV tokens held by running sequences, as of the last load poll."""
+    prefill_tokens_per_s: float = 0.0
+    """Measured prefill rate (0: not published yet)."""
+    decode_seq_s: float = 0.0
+    """Measured step time per decoding sequence: what one decode adds to each step."""
+    step_tokens: int = 0
+    """The engine's token budget per step (0: not published)."""
+    utilisation: float = 0.0
+    """Share of the last ~30 s the engine spent in steps, as of the last load poll."""
+    block_size: int = 16
 
     @property
     def load(self) -> int:
@@ -82,6 +104,10 @@ class RouteInputs:
     """Replica id -> leading prompt blocks it holds (None: not looked up)."""
     store_ok: bool = True
     """False when the store could not be read; routing then falls back to rendezvous."""
+    prompt_tokens: int = 0
+    """The prompt's length in tokens (cost policy; 0: unknown)."""
+    prefix_tiers: Mapping[str, tuple[int, int, int]] | None = None
+    """Replica id -> leading blocks held on (device, cpu, disk); None: prefix_blocks, all device."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,6 +117,10 @@ class RouteDecision:
     """One of REASONS."""
     prefix_blocks: int = 0
     """Leading prompt blocks the chosen replica was known to hold."""
+    uncached_tokens: int = 0
+    """Cost policy: prompt tokens the chosen replica is expected to compute."""
+    est_ttft_s: float = 0.0
+    """Cost policy: the chosen replica's estimate."""
 
 
 def decide(
@@ -99,6 +129,7 @@ def decide(
     inputs: RouteInputs,
     guard: OverloadGuard,
     rr_index: int = 0,
+    weights: CostWeights | None = None,
 ) -> RouteDecision:
     """Picks a replica among `candidates` (all healthy); raises NoReplicaError if there are none."""
     if policy not in POLICIES:
@@ -122,6 +153,44 @@ def decide(
         # that are overloaded, never merely busier.
         best = min(pool, key=lambda c: rank[c.replica_id])
         return RouteDecision(best.replica_id, "fallback", prefix.get(best.replica_id, 0))
+
+    if policy == "cost":
+        w = weights or CostWeights()
+        allowed = within_bound(
+            {c.replica_id: c.load for c in pool},
+            {c.replica_id: c.utilisation for c in pool},
+            w.load_bound,
+        )
+        # NOTE: the session's own replica is exempt: leaving it means recomputing the history,
+        # which the estimate weighs against its queue. The bound places new sessions.
+        if inputs.session_replica is not None:
+            allowed.add(inputs.session_replica)
+        costs = [
+            estimate(
+                replica_id=c.replica_id,
+                prompt_tokens=inputs.prompt_tokens,
+                block_size=c.block_size,
+                held=held_blocks(c.replica_id, prefix, inputs.prefix_tiers),
+                queued_tokens=max(c.queued_prefill_tokens, c.pending_prefill_tokens),
+                decoding=c.decoding,
+                active_tokens=c.active_tokens,
+                prefill_tokens_per_s=c.prefill_tokens_per_s,
+                decode_seq_s=c.decode_seq_s,
+                step_tokens=c.step_tokens or w.default_step_tokens,
+                sticky=c.replica_id == inputs.session_replica,
+                weights=w,
+            )
+            for c in pool
+            if c.replica_id in allowed
+        ]
+        best_cost = cheapest(costs, rank)
+        return RouteDecision(
+            best_cost.replica_id,
+            "cost",
+            prefix.get(best_cost.replica_id, 0),
+            best_cost.uncached_tokens,
+            best_cost.ttft_s,
+        )
 
     if policy == "affinity" and inputs.session_replica is not None:
         own = by_id.get(inputs.session_replica)

@@ -53,6 +53,8 @@ class ReplicaHandle:
     poll_failures: int = 0
     inflight: int = 0
     """Generate streams this router has open to the replica."""
+    pending_prefill_tokens: int = 0
+    """Uncached prompt tokens of those streams that have not produced a first token yet."""
     last_listed: float = 0.0
     """time.monotonic() of the last registry listing that named this replica."""
 
@@ -64,6 +66,15 @@ class ReplicaHandle:
             waiting=self.load.waiting,
             kv_usage=self.load.kv_usage,
             inflight=self.inflight,
+            queued_prefill_tokens=self.load.queued_prefill_tokens,
+            pending_prefill_tokens=self.pending_prefill_tokens,
+            decoding=self.load.decoding,
+            active_tokens=self.load.active_tokens,
+            prefill_tokens_per_s=self.load.prefill_tokens_per_s,
+            decode_seq_s=self.load.decode_seq_s,
+            step_tokens=self.load.step_tokens,
+            utilisation=self.load.utilisation,
+            block_size=self.block_size or 16,
         )
 
 

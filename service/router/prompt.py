@@ -106,6 +106,13 @@ class PromptChains:
             self._chains[key] = self._hasher.chain(ids, model_id, block_size, self._salt)
         return self._chains[key]
 
+    async def num_tokens(self) -> int:
+        """The prompt's length in tokens (0 when the router cannot tokenize it)."""
+        self.start()
+        assert self._ids is not None
+        ids = await self._ids
+        return len(ids) if ids is not None else 0
+
     def cancel(self) -> None:
         if self._ids is not None and not self._ids.done():
             self._ids.cancel()

@@ -131,14 +131,17 @@ class RouterServicer(pb_grpc.InferenceServicer):
         healthy = self._pool.healthy(exclude)
         if not healthy:
             raise NoReplicaError("no healthy replica")
-        store_ok, session_replica, prefix = True, None, None
+        store_ok, session_replica, prefix, prompt_tokens = True, None, None, 0
         if cfg.policy != "round_robin":
-            if cfg.policy == "affinity" and request.session_id:
+            if cfg.policy in ("affinity", "cost") and request.session_id:
                 store_ok, session_replica = await self._store_call(
                     "get_session", self._store.get_session(request.session_id)
                 )
             own = self._pool.by_id(session_replica) if session_replica else None
             sticky = own is not None and own.healthy and not cfg.guard.overloaded(own.candidate())
+            if cfg.policy == "cost":
+                sticky = False  # the session counts only through what its replica holds
+                prompt_tokens = await prompt.num_tokens()
             if store_ok and not sticky:
                 prefix = {}
                 groups: dict[tuple[str, int], list[str]] = {}
@@ -159,15 +162,21 @@ class RouterServicer(pb_grpc.InferenceServicer):
         healthy = self._pool.healthy(exclude)
         if not healthy:
             raise NoReplicaError("no healthy replica")
-        inputs = RouteInputs(key, session_replica, prefix, store_ok)
+        inputs = RouteInputs(key, session_replica, prefix, store_ok, prompt_tokens)
         decision = decide(
-            cfg.policy, [h.candidate() for h in healthy], inputs, cfg.guard, next(self._rr)
+            cfg.policy,
+            [h.candidate() for h in healthy],
+            inputs,
+            cfg.guard,
+            next(self._rr),
+            cfg.cost,
         )
         if decision.reason == "fallback":
             self._metrics.fallback.inc()
         handle = self._pool.by_id(decision.replica_id)
         assert handle is not None
         handle.inflight += 1
+        handle.pending_prefill_tokens += decision.uncached_tokens
         return decision, handle
 
     async def _record(
@@ -275,6 +284,9 @@ class RouterServicer(pb_grpc.InferenceServicer):
         d = rec.decision
         assert d is not None
         rec.got_first = False
+        # The prompt's uncached tokens count as this replica's pending prefill until the first
+        # message (the cost policy reads it between load polls).
+        pending = d.uncached_tokens
         call = handle.stub.Generate(
             rec.request, timeout=context.time_remaining(), metadata=rec.metadata
         )
@@ -282,6 +294,8 @@ class RouterServicer(pb_grpc.InferenceServicer):
             async for resp in call:
                 if not rec.got_first:
                     rec.got_first = True
+                    handle.pending_prefill_tokens -= pending
+                    pending = 0
                     self._metrics.ttft.observe(time.monotonic() - rec.t0)
                 if resp.HasField("final"):
                     resp.final.route.replica_id = d.replica_id
@@ -289,6 +303,7 @@ class RouterServicer(pb_grpc.InferenceServicer):
                     await self._record(rec.request, d.replica_id, rec.prompt)
                 yield resp
         finally:
+            handle.pending_prefill_tokens -= pending
             call.cancel()
 
     def _retry(
@@ -326,6 +341,8 @@ class RouterServicer(pb_grpc.InferenceServicer):
                     "deja.route.replica_id": d.replica_id,
                     "deja.route.reason": d.reason,
                     "deja.route.prefix_blocks": d.prefix_blocks,
+                    "deja.route.uncached_tokens": d.uncached_tokens,
+                    "deja.route.est_ttft_s": d.est_ttft_s,
                     "deja.route.attempts": len(rec.exclude) + 1,
                 }
             )

@@ -39,3 +39,11 @@ def test_bench_router_runs(tiny_llama_path: Path, tmp_path: Path) -> None:
     for r in report["results"].values():
         assert r["requests"] == 4 and r["failed"] == 0
     assert report["results"]["affinity"]["routes"]["session"] == 2
+
+
+def test_pin_cores_wraps_over_the_list() -> None:
+    from bench.router import pinned
+
+    assert pinned(["deja", "serve"], "", 0) == ["deja", "serve"]
+    assert pinned(["deja"], "0,1", 0) == ["taskset", "-c", "0", "deja"]
+    assert pinned(["deja"], "0,1", 3) == ["taskset", "-c", "1", "deja"]

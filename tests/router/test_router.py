@@ -38,6 +38,7 @@ class Setup:
 async def make_setup(
     store: AffinityStore | None = None, n: int = 3, **config: object
 ) -> AsyncIterator[Setup]:
+    config.setdefault("policy", "affinity")  # these tests pin the affinity policy's rules
     replicas = [FakeReplica(f"r{i}") for i in range(n)]
     for r in replicas:
         await r.start()

@@ -283,7 +283,7 @@ class GetLoadRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class Load(_message.Message):
-    __slots__ = ("replica_id", "running", "waiting", "kv_usage", "prefix_hit_rate", "active_streams", "queued_streams", "draining")
+    __slots__ = ("replica_id", "running", "waiting", "kv_usage", "prefix_hit_rate", "active_streams", "queued_streams", "draining", "queued_prefill_tokens", "decoding", "active_tokens", "prefill_tokens_per_s", "decode_seq_s", "step_tokens", "utilisation")
     REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
     RUNNING_FIELD_NUMBER: _ClassVar[int]
     WAITING_FIELD_NUMBER: _ClassVar[int]
@@ -292,6 +292,13 @@ class Load(_message.Message):
     ACTIVE_STREAMS_FIELD_NUMBER: _ClassVar[int]
     QUEUED_STREAMS_FIELD_NUMBER: _ClassVar[int]
     DRAINING_FIELD_NUMBER: _ClassVar[int]
+    QUEUED_PREFILL_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    DECODING_FIELD_NUMBER: _ClassVar[int]
+    ACTIVE_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_TOKENS_PER_S_FIELD_NUMBER: _ClassVar[int]
+    DECODE_SEQ_S_FIELD_NUMBER: _ClassVar[int]
+    STEP_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    UTILISATION_FIELD_NUMBER: _ClassVar[int]
     replica_id: str
     running: int
     waiting: int
@@ -300,7 +307,14 @@ class Load(_message.Message):
     active_streams: int
     queued_streams: int
     draining: bool
-    def __init__(self, replica_id: _Optional[str] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., kv_usage: _Optional[float] = ..., prefix_hit_rate: _Optional[float] = ..., active_streams: _Optional[int] = ..., queued_streams: _Optional[int] = ..., draining: _Optional[bool] = ...) -> None: ...
+    queued_prefill_tokens: int
+    decoding: int
+    active_tokens: int
+    prefill_tokens_per_s: float
+    decode_seq_s: float
+    step_tokens: int
+    utilisation: float
+    def __init__(self, replica_id: _Optional[str] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., kv_usage: _Optional[float] = ..., prefix_hit_rate: _Optional[float] = ..., active_streams: _Optional[int] = ..., queued_streams: _Optional[int] = ..., draining: _Optional[bool] = ..., queued_prefill_tokens: _Optional[int] = ..., decoding: _Optional[int] = ..., active_tokens: _Optional[int] = ..., prefill_tokens_per_s: _Optional[float] = ..., decode_seq_s: _Optional[float] = ..., step_tokens: _Optional[int] = ..., utilisation: _Optional[float] = ...) -> None: ...
 
 class GetCacheStatsRequest(_message.Message):
     __slots__ = ()

@@ -1,0 +1,279 @@
+"""The event loop: arrivals, routers, replica steps and load polls on one simulated clock.
+
+Routers decide with the real `service.router.policy.decide` over `Candidate`s built the way
+`service/router/pool.py` builds them: engine load as of the last poll (every `poll_interval_s`,
+so decisions see stale load, as real routers do) plus what the router itself sent and has not
+seen answered (exact). Prefix and session knowledge comes from the real in-memory affinity store,
+written by the real `ReplicaAgent.record_now` when a request finishes (session record, prompt
+blocks, and removals for hashes pushed out of the agent's LRU estimate). The oracle holds every
+block any request ever produced (unlimited cache shared by all replicas).
+"""
+
+from __future__ import annotations
+
+import functools
+import heapq
+import itertools
+import random
+from collections.abc import Callable, Coroutine
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+from bench.sim.profile import CostModel
+from bench.sim.replica import SimReplica, SimSeq
+from bench.sim.workload import Session, Turn, Workload
+from engine.kv.hashing import BlockHash
+from engine.prompt import prompt_block_hashes
+from service.affinity.base import ReplicaInfo
+from service.affinity.config import AffinityConfig
+from service.affinity.memory import MemoryAffinityStore
+from service.replica.agent import ReplicaAgent
+from service.router.cost import CostWeights
+from service.router.policy import Candidate, OverloadGuard, RouteInputs, decide
+
+T = TypeVar("T")
+MODEL_ID = "sim-model"
+
+
+def run_sync(coro: Coroutine[Any, Any, T]) -> T:
+    """Runs a coroutine that never suspends (the in-memory store's calls) to its result."""
+    try:
+        coro.send(None)
+    except StopIteration as stop:
+        return stop.value  # type: ignore[no-any-return]
+    coro.close()
+    raise RuntimeError("coroutine suspended; the simulator only drives the in-memory store")
+
+
+@dataclass(slots=True)
+class RequestRecord:
+    session_id: str
+    turn: int
+    arrival: float
+    prompt_tokens: int
+    replica_id: str = ""
+    router: int = 0
+    ttft_s: float = 0.0
+    cached_tokens: int = 0
+    oracle_tokens: int = 0
+
+
+@dataclass(slots=True)
+class _Router:
+    policy: str
+    rr: itertools.count[int] = field(default_factory=itertools.count)
+    pending: dict[str, int] = field(default_factory=dict)
+    inflight: dict[str, int] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class SimResult:
+    records: list[RequestRecord]
+    queued_samples: dict[str, list[int]]
+    """Replica id -> queued prefill tokens at every poll."""
+    outstanding_samples: dict[str, list[int]]
+    """Replica id -> running + waiting requests at every poll."""
+    busy_s: dict[str, float]
+    end_s: float
+
+
+class Cluster:
+    def __init__(
+        self,
+        model: CostModel,
+        num_replicas: int,
+        policy: str,
+        *,
+        num_routers: int = 1,
+        poll_interval_s: float = 1.0,
+        guard: OverloadGuard | None = None,
+        weights: CostWeights | None = None,
+        seed: int = 0,
+    ) -> None:
+        self.m = model
+        self.clock = 0.0
+        self.store = MemoryAffinityStore(clock=lambda: self.clock)
+        self.affinity = AffinityConfig()
+        self.guard = guard or OverloadGuard()
+        self.weights = weights
+        self.poll_interval_s = poll_interval_s
+        self.rng = random.Random(seed)
+        self.replicas: dict[str, SimReplica] = {}
+        self.agents: dict[str, ReplicaAgent] = {}
+        for i in range(num_replicas):
+            rid = f"r{i:02d}"
+            self.replicas[rid] = SimReplica(rid, model, self._first_token, self._finished)
+            info = ReplicaInfo(rid, f"sim:{i}", MODEL_ID, model.block_size)
+            self.agents[rid] = ReplicaAgent(
+                self.store,
+                info,
+                lambda: None,  # type: ignore[arg-type,return-value]
+                self.affinity,
+                capacity_blocks=model.device_blocks + model.cpu_blocks,
+            )
+        self.routers = [_Router(policy) for _ in range(num_routers)]
+        self.snapshots: dict[str, Candidate] = {}
+        self.oracle: set[BlockHash] = set()
+        self.records: list[RequestRecord] = []
+        self.queued_samples: dict[str, list[int]] = {rid: [] for rid in self.replicas}
+        self.outstanding_samples: dict[str, list[int]] = {rid: [] for rid in self.replicas}
+        self._events: list[tuple[float, int, Callable[[], None]]] = []
+        self._seq = itertools.count()
+        self._by_id: dict[int, tuple[RequestRecord, Session, int, SimSeq, _Router]] = {}
+        self._outstanding = 0
+        self._chains: dict[tuple[str, int], tuple[list[BlockHash], list[BlockHash]]] = {}
+        """(session, turn) -> (prompt chain, prompt + output chain)."""
+        self._uncached: dict[int, int] = {}
+        """Request -> the uncached tokens its router counted as pending on its replica."""
+
+    # Events.
+
+    def at(self, t: float, fn: Callable[[], None]) -> None:
+        heapq.heappush(self._events, (t, next(self._seq), fn))
+
+    def run(self, workload: Workload) -> SimResult:
+        for s in workload.sessions:
+            self._outstanding += len(s.turns)
+            for i, turn in enumerate(s.turns):
+                if turn.arrival is not None:
+                    self.at(turn.arrival, functools.partial(self._arrive, s, i))
+        self._poll()
+        while self._events and self._outstanding > 0:
+            t, _, fn = heapq.heappop(self._events)
+            self.clock = t
+            fn()
+        return SimResult(
+            self.records,
+            self.queued_samples,
+            self.outstanding_samples,
+            {rid: r.busy_s for rid, r in self.replicas.items()},
+            self.clock,
+        )
+
+    def _poll(self) -> None:
+        for rid, r in self.replicas.items():
+            q = r.queued_prefill_tokens()
+            self.queued_samples[rid].append(q)
+            self.outstanding_samples[rid].append(len(r.running) + len(r.waiting))
+            self.snapshots[rid] = Candidate(
+                rid,
+                running=len(r.running),
+                waiting=len(r.waiting),
+                kv_usage=r.kv_usage(),
+                queued_prefill_tokens=q,
+                decoding=r.decoding(),
+                active_tokens=r.active_tokens(),
+                prefill_tokens_per_s=r.rates.prefill_tokens_per_s,
+                decode_seq_s=r.rates.decode_seq_s,
+                step_tokens=self.m.step_tokens,
+                block_size=self.m.block_size,
+                utilisation=r.rates.utilisation(self.clock),
+            )
+        if self._outstanding > 0:
+            self.at(self.clock + self.poll_interval_s, self._poll)
+
+    # Requests.
+
+    def _hashes(self, session: Session, index: int) -> tuple[list[BlockHash], list[BlockHash]]:
+        key = (session.session_id, index)
+        if key not in self._chains:
+            bs = self.m.block_size
+            turns = session.turns if session.growing else [session.turns[index]]
+            last = turns[-1]
+            chain = prompt_block_hashes(last.prompt + last.output, bs, MODEL_ID, None)
+            for i, t in enumerate(turns):
+                j = i if session.growing else index
+                n = len(t.prompt)
+                self._chains[(session.session_id, j)] = (
+                    chain[: n // bs],
+                    chain[: (n + len(t.output)) // bs],
+                )
+        return self._chains.pop(key)
+
+    def _arrive(self, session: Session, index: int) -> None:
+        turn: Turn = session.turns[index]
+        router_i = self.rng.randrange(len(self.routers))
+        router = self.routers[router_i]
+        chain, full = self._hashes(session, index)
+        oracle = 0
+        for h in chain:
+            if h not in self.oracle:
+                break
+            oracle += 1
+        rec = RequestRecord(session.session_id, index, self.clock, len(turn.prompt))
+        rec.router = router_i
+        rec.oracle_tokens = min(oracle * self.m.block_size, len(turn.prompt) - 1)
+        session_replica, prefix = None, None
+        if router.policy != "round_robin":
+            session_replica = run_sync(self.store.get_session(session.session_id))
+            prefix = run_sync(self.store.longest_prefix(chain))
+        candidates = []
+        for rid, snap in self.snapshots.items():
+            own = router.pending.get(rid, 0)
+            candidates.append(
+                Candidate(
+                    rid,
+                    running=snap.running,
+                    waiting=snap.waiting,
+                    kv_usage=snap.kv_usage,
+                    inflight=router.inflight.get(rid, 0),
+                    queued_prefill_tokens=snap.queued_prefill_tokens,
+                    pending_prefill_tokens=own,
+                    decoding=snap.decoding,
+                    active_tokens=snap.active_tokens,
+                    prefill_tokens_per_s=snap.prefill_tokens_per_s,
+                    decode_seq_s=snap.decode_seq_s,
+                    step_tokens=snap.step_tokens,
+                    block_size=snap.block_size,
+                    utilisation=snap.utilisation,
+                )
+            )
+        inputs = RouteInputs(
+            session.session_id, session_replica, prefix, True, prompt_tokens=len(turn.prompt)
+        )
+        d = decide(router.policy, candidates, inputs, self.guard, next(router.rr), self.weights)
+        rec.replica_id = d.replica_id
+        seq = SimSeq(len(self.records), len(turn.prompt), len(turn.output), chain, full, self.clock)
+        self.records.append(rec)
+        uncached = d.uncached_tokens or len(turn.prompt)
+        router.pending[d.replica_id] = router.pending.get(d.replica_id, 0) + uncached
+        router.inflight[d.replica_id] = router.inflight.get(d.replica_id, 0) + 1
+        self._by_id[seq.request_id] = (rec, session, index, seq, router)
+        self._uncached[seq.request_id] = uncached
+        replica = self.replicas[d.replica_id]
+        replica.add(seq)
+        if not replica.busy:
+            self._step(replica)
+
+    def _step(self, replica: SimReplica) -> None:
+        if not replica.has_work():
+            replica.busy = False
+            return
+        replica.busy = True
+        step, dt = replica.plan()
+
+        def done() -> None:
+            replica.finish_step(step, dt, self.clock)
+            self._step(replica)
+
+        self.at(self.clock + dt, done)
+
+    def _first_token(self, seq: SimSeq, now: float) -> None:
+        rec, _, _, _, router = self._by_id[seq.request_id]
+        rec.ttft_s = now - rec.arrival
+        rec.cached_tokens = seq.cached_tokens
+        rid = rec.replica_id
+        router.pending[rid] -= self._uncached.pop(seq.request_id)
+
+    def _finished(self, seq: SimSeq, now: float) -> None:
+        rec, session, index, _, router = self._by_id.pop(seq.request_id)
+        router.inflight[rec.replica_id] -= 1
+        self._outstanding -= 1
+        self.oracle.update(seq.full_hashes)
+        turn = session.turns[index]
+        agent = self.agents[rec.replica_id]
+        if router.policy != "round_robin":
+            run_sync(agent.record_now(session.session_id, turn.prompt, None))
+        nxt = index + 1
+        if nxt < len(session.turns) and session.turns[nxt].arrival is None:
+            self.at(now + session.turns[nxt].think_s, lambda: self._arrive(session, nxt))

@@ -1,0 +1,164 @@
+"""The cost policy (the default): send a request where its time to first token is lowest.
+
+For every healthy, not overloaded replica the router estimates
+
+    ttft_s = (queued + uncached) / prefill_rate + decoding * decode_seq_s * steps
+             + active_weight * active_tokens / prefill_rate
+
+- `queued`: prefill tokens already waiting there: the larger of what the replica last published
+  and what this router sent it that has not produced a first token yet (exact, no poll lag);
+- `uncached`: this prompt's tokens minus the credit for the blocks the replica holds of it:
+  1.0 per block on the device, 0.75 in the CPU tier, 0.25 on disk (the cost of bringing a block
+  back relative to recomputing it; NVIDIA Dynamo's KV router uses the same credits);
+- `prefill_rate`: the replica's measured prefill tokens per second;
+- the decode term: the engine schedules running sequences first, so every step that carries a
+  piece of this prefill also carries one token of each of the `decoding` sequences; the prefill
+  spans `steps = ceil((queued + uncached) / step_tokens)` steps of `decode_seq_s` per sequence;
+- `active_tokens`: KV tokens of the replica's running sequences, a balance term (see
+  `CostWeights.active_weight`).
+
+Among the replicas under the load bound (`CostWeights.load_bound`: outstanding requests and
+recent utilisation at most `load_bound` x the mean, as in consistent hashing with bounded loads;
+default 1.0, i.e. new sessions go to replicas no busier than average) and the session's own
+replica, the least estimate wins. Session affinity and prefix overlap act only through
+`uncached`: a session's replica wins because it holds the history, not by rule, so a hot
+replica loses its sessions as soon as its queue costs more than recomputing them elsewhere. The
+session's last replica gets a bounded bonus (`stickiness_frac` of its estimate, at most
+`stickiness_s`) so near-ties do not make a session flap. Ties go to the rendezvous rank of the
+key, so routers with the same view agree.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+TIERS = ("device", "cpu", "disk")
+
+
+@dataclass(frozen=True, slots=True)
+class CostWeights:
+    device_credit: float = 1.0
+    """Share of a block's prefill saved when the replica holds it on the device."""
+    cpu_credit: float = 0.75
+    """... in its pinned CPU tier (swap-in instead of recompute)."""
+    disk_credit: float = 0.25
+    """... on its disk tier."""
+    stickiness_frac: float = 0.2
+    """The session's last replica's estimate is lowered by this share of itself ..."""
+    stickiness_s: float = 0.05
+    """... but by at most this many seconds."""
+    default_prefill_tokens_per_s: float = 2000.0
+    """For a replica that has not published a prefill rate yet."""
+    default_step_tokens: int = 2048
+    """For a replica that has not published its step token budget."""
+    load_bound: float = 1.0
+    """Bounded loads: only replicas whose outstanding requests, with this one, stay within
+    `load_bound` x the mean (rounded up) are candidates, and the session's own replica; 0 turns
+    the bound off. This, not the estimate, keeps a cached shared prefix (a system prompt) from
+    pulling every new session onto the replica that computed it first."""
+    active_weight: float = 0.0
+    """Seconds of estimate per second it would take to prefill the KV tokens of the replica's
+    running sequences (Dynamo counts active decode blocks like prefill blocks, weight 1): the
+    load a request does not wait for but will share its steps with, and which future turns of
+    the sessions already there will add to. It keeps cached prefixes from pulling every new
+    session onto the replica that computed them first."""
+
+    def __post_init__(self) -> None:
+        for name in ("device_credit", "cpu_credit", "disk_credit", "stickiness_frac"):
+            v = getattr(self, name)
+            if not 0.0 <= v <= 1.0:
+                raise ValueError(f"{name} must be in [0, 1], got {v}")
+        if self.load_bound != 0 and self.load_bound < 1:
+            raise ValueError(f"load_bound must be 0 (off) or >= 1, got {self.load_bound}")
+        if self.active_weight < 0:
+            raise ValueError(f"active_weight must be >= 0, got {self.active_weight}")
+        if self.stickiness_s < 0 or self.default_prefill_tokens_per_s <= 0:
+            raise ValueError("stickiness_s must be >= 0 and the default prefill rate > 0")
+        if self.default_step_tokens < 1:
+            raise ValueError("default_step_tokens must be >= 1")
+
+    def credit(self, blocks: tuple[int, int, int]) -> float:
+        """Block credit of (device, cpu, disk) leading blocks held."""
+        dev, cpu, disk = blocks
+        return dev * self.device_credit + cpu * self.cpu_credit + disk * self.disk_credit
+
+
+@dataclass(frozen=True, slots=True)
+class ReplicaCost:
+    """The estimate for one replica, kept for the route span and the simulator's reports."""
+
+    replica_id: str
+    ttft_s: float
+    """Estimated time to first token, stickiness bonus included."""
+    uncached_tokens: int
+    """Prompt tokens it would compute (after tier credits)."""
+    queued_tokens: int
+    """Prefill tokens ahead of this prompt there."""
+
+
+def estimate(
+    *,
+    replica_id: str,
+    prompt_tokens: int,
+    block_size: int,
+    held: tuple[int, int, int],
+    queued_tokens: int,
+    decoding: int,
+    active_tokens: int,
+    prefill_tokens_per_s: float,
+    decode_seq_s: float,
+    step_tokens: int,
+    sticky: bool,
+    weights: CostWeights,
+) -> ReplicaCost:
+    """One replica's estimate (see the module docstring)."""
+    credit_tokens = weights.credit(held) * block_size
+    # NOTE: the engine always computes the prompt's last token, even on a full hit.
+    uncached = max(1, prompt_tokens - int(credit_tokens)) if prompt_tokens > 0 else 0
+    rate = (
+        prefill_tokens_per_s if prefill_tokens_per_s > 0 else weights.default_prefill_tokens_per_s
+    )
+    work = max(0, queued_tokens) + uncached
+    steps = max(1, math.ceil(work / max(1, step_tokens)))
+    ttft = work / rate + max(0, decoding) * max(0.0, decode_seq_s) * steps
+    ttft += weights.active_weight * max(0, active_tokens) / rate
+    if sticky:
+        ttft -= min(weights.stickiness_s, weights.stickiness_frac * ttft)
+    return ReplicaCost(replica_id, ttft, uncached, max(0, queued_tokens))
+
+
+def held_blocks(
+    replica_id: str,
+    prefix_blocks: Mapping[str, int] | None,
+    prefix_tiers: Mapping[str, tuple[int, int, int]] | None,
+) -> tuple[int, int, int]:
+    """(device, cpu, disk) leading blocks a replica holds; tier-less records count as device."""
+    if prefix_tiers is not None and replica_id in prefix_tiers:
+        return prefix_tiers[replica_id]
+    return ((prefix_blocks or {}).get(replica_id, 0), 0, 0)
+
+
+def within_bound(
+    loads: Mapping[str, int], utilisation: Mapping[str, float], bound: float
+) -> set[str]:
+    """Replicas that may take a new session under bounded loads (all when `bound` is 0).
+
+    Two caps, both `bound` x the mean: outstanding requests (`ceil(bound * (total + 1) / n)`,
+    exact for this router's own streams, so a burst between polls spreads) and utilisation over
+    the last ~30 s (plus 0.02, so idle replicas are never excluded), which counts the sessions a
+    replica is home to while they are between turns. When no replica meets both, the request
+    cap alone; at least one replica always meets that."""
+    if bound <= 0 or not loads:
+        return set(loads)
+    cap = math.ceil(bound * (sum(loads.values()) + 1) / len(loads))
+    by_count = {rid for rid, load in loads.items() if load + 1 <= cap}
+    mean_u = sum(utilisation.get(rid, 0.0) for rid in loads) / len(loads)
+    both = {rid for rid in by_count if utilisation.get(rid, 0.0) <= bound * mean_u + 0.02}
+    return both or by_count
+
+
+def cheapest(costs: Sequence[ReplicaCost], rank: Mapping[str, int]) -> ReplicaCost:
+    """The least estimate; ties (within a microsecond) by rendezvous rank."""
+    return min(costs, key=lambda c: (round(c.ttft_s, 6), rank[c.replica_id]))

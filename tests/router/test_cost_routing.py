@@ -1,0 +1,226 @@
+"""The cost policy: its estimate, and routers sharing one Redis (in process, fake replicas).
+
+- Two routers on one Redis route the same sessions to the same replicas (turns alternate
+  between the routers).
+- After a replica restarts and its records are gone, its agent republishes the blocks the engine
+  holds, and the sessions whose history it holds go back to it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+import grpc
+import pytest
+
+from engine.prompt import prompt_block_hashes
+from service.affinity import AffinityConfig
+from service.affinity.base import ReplicaInfo
+from service.affinity.redis_store import RedisAffinityStore
+from service.api.deja.v1 import inference_pb2_grpc as pb_grpc
+from service.replica.agent import ReplicaAgent
+from service.router.config import RouterConfig
+from service.router.cost import CostWeights, estimate
+from service.router.policy import Candidate, OverloadGuard, RouteInputs, decide
+from service.router.server import Router, serve_router
+
+from .fake_replica import BLOCK_SIZE, MODEL_ID, FakeReplica
+from .redis_proc import RedisProcess
+from .test_router import generate, prompt
+
+GUARD = OverloadGuard()
+
+
+def _c(rid: str, **kw: object) -> Candidate:
+    return Candidate(rid, prefill_tokens_per_s=1000.0, block_size=16, **kw)  # type: ignore[arg-type]
+
+
+def test_estimate_credits_tiers_like_dynamo() -> None:
+    w = CostWeights()
+    base = dict(
+        replica_id="r",
+        prompt_tokens=1600,
+        block_size=16,
+        queued_tokens=0,
+        decoding=0,
+        active_tokens=0,
+        prefill_tokens_per_s=1000.0,
+        decode_seq_s=0.0,
+        step_tokens=2048,
+        sticky=False,
+        weights=w,
+    )
+    assert estimate(held=(100, 0, 0), **base).uncached_tokens == 1  # type: ignore[arg-type]
+    assert estimate(held=(0, 100, 0), **base).uncached_tokens == 400  # type: ignore[arg-type]
+    assert estimate(held=(0, 0, 100), **base).uncached_tokens == 1200  # type: ignore[arg-type]
+    assert estimate(held=(0, 0, 0), **base).ttft_s == pytest.approx(1.6)  # type: ignore[arg-type]
+
+
+def test_cached_history_wins_until_its_queue_costs_more_than_recomputing() -> None:
+    inputs = RouteInputs("s1", "r0", {"r0": 60}, prompt_tokens=1000)  # r0 holds 960 tokens
+    idle = decide("cost", [_c("r0"), _c("r1")], inputs, GUARD)
+    assert (idle.replica_id, idle.reason, idle.uncached_tokens) == ("r0", "cost", 40)
+    # r0 has 500 tokens queued: 0.54 s there against 1.0 s recomputing on r1.
+    busy = decide("cost", [_c("r0", queued_prefill_tokens=500), _c("r1")], inputs, GUARD)
+    assert busy.replica_id == "r0"
+    # 2,000 queued: 2.04 s there, the history moves.
+    hot = decide("cost", [_c("r0", queued_prefill_tokens=2000), _c("r1")], inputs, GUARD)
+    assert hot.replica_id == "r1"
+    # The router's own unanswered sends count when the poll has not seen them yet.
+    own = decide("cost", [_c("r0", pending_prefill_tokens=2000), _c("r1")], inputs, GUARD)
+    assert own.replica_id == "r1"
+
+
+def test_stickiness_is_bounded() -> None:
+    w = CostWeights(stickiness_s=0.05, stickiness_frac=0.2)
+    # Equal estimates: the session's replica wins the near-tie.
+    inputs = RouteInputs("s", "r1", {}, prompt_tokens=100)
+    assert decide("cost", [_c("r0"), _c("r1")], inputs, GUARD, weights=w).replica_id == "r1"
+    # 0.1 s worse on r1 (100 more queued tokens): more than the 0.05 s bonus.
+    worse = [_c("r0"), _c("r1", queued_prefill_tokens=100)]
+    assert decide("cost", worse, inputs, GUARD, weights=w).replica_id == "r0"
+
+
+def test_new_sessions_spread_by_rendezvous_when_all_equal() -> None:
+    cands = [_c(f"r{i}") for i in range(4)]
+    picks = {
+        decide("cost", cands, RouteInputs(f"s{i}", prompt_tokens=64), GUARD).replica_id
+        for i in range(40)
+    }
+    assert len(picks) == 4
+
+
+def test_bounded_loads_spread_new_sessions_but_keep_histories() -> None:
+    # r0 holds a shared system prompt (60 blocks) and has 4 requests out; the mean is 1.
+    cands = [_c("r0", running=4), _c("r1"), _c("r2"), _c("r3")]
+    new = decide("cost", cands, RouteInputs("new", None, {"r0": 60}, prompt_tokens=1000), GUARD)
+    assert new.replica_id != "r0"  # cap: ceil(1.0 * 5 / 4) = 2 outstanding
+    # A session whose history lives on r0 stays: leaving would recompute it.
+    own = decide("cost", cands, RouteInputs("old", "r0", {"r0": 60}, prompt_tokens=1000), GUARD)
+    assert own.replica_id == "r0"
+    # Without the bound the shared prefix pulls the new session onto r0 as well.
+    w = CostWeights(load_bound=0)
+    inputs = RouteInputs("new", None, {"r0": 60}, prompt_tokens=1000)
+    assert decide("cost", cands, inputs, GUARD, weights=w).replica_id == "r0"
+
+
+# -- routers on one Redis -------------------------------------------------------------------------
+
+
+async def _routers(
+    redis: RedisProcess, replicas: list[FakeReplica], n: int
+) -> AsyncIterator[list[Router]]:
+    routers = []
+    for i in range(n):
+        cfg = RouterConfig(
+            port=0,
+            router_id=f"router{i}",
+            replicas=tuple(r.address for r in replicas),
+            poll_interval_s=0.1,
+            poll_timeout_s=1.0,
+            discover=False,
+            affinity=AffinityConfig(redis_url=redis.url),
+        )
+        store = RedisAffinityStore(redis.url, op_timeout_s=1.0)
+        routers.append(await serve_router(cfg, store=store))
+    try:
+        yield routers
+    finally:
+        for r in routers:
+            await r.shutdown(0)
+
+
+async def _fakes(n: int) -> list[FakeReplica]:
+    replicas = [FakeReplica(f"r{i}") for i in range(n)]
+    for r in replicas:
+        await r.start()
+    return replicas
+
+
+async def _until_healthy(routers: list[Router], n: int) -> None:
+    for _ in range(100):
+        if all(len(r.pool.healthy()) == n for r in routers):
+            return
+        await asyncio.sleep(0.05)
+    raise AssertionError("replicas never became healthy")
+
+
+async def test_two_routers_on_one_redis_agree(redis_proc: RedisProcess) -> None:
+    replicas = await _fakes(3)
+    try:
+        async for routers in _routers(redis_proc, replicas, 2):
+            await _until_healthy(routers, 3)
+            channels = [grpc.aio.insecure_channel(f"127.0.0.1:{r.port}") for r in routers]
+            stubs = [pb_grpc.InferenceStub(c) for c in channels]
+            homes: dict[int, list[str]] = {}
+            for turn in range(4):
+                for s in range(8):
+                    stub = stubs[(s + turn) % 2]  # turns alternate between the routers
+                    final = await generate(stub, prompt(s, turn), f"two-{s}")
+                    assert final.route.reason == "cost"
+                    homes.setdefault(s, []).append(final.replica_id)
+            for c in channels:
+                await c.close()
+            for s, reps in homes.items():
+                assert len(set(reps)) == 1, (s, reps)
+            assert len({reps[0] for reps in homes.values()}) >= 2, "sessions should spread"
+    finally:
+        for r in replicas:
+            await r.stop()
+
+
+async def test_restarted_replica_gets_its_sessions_back_after_republishing(
+    redis_proc: RedisProcess,
+) -> None:
+    replicas = await _fakes(3)
+    try:
+        async for routers in _routers(redis_proc, replicas, 1):
+            router = routers[0]
+            await _until_healthy(routers, 3)
+            channel = grpc.aio.insecure_channel(f"127.0.0.1:{router.port}")
+            stub = pb_grpc.InferenceStub(channel)
+            homes = {
+                s: (await generate(stub, prompt(s, 0), f"re-{s}")).replica_id for s in range(9)
+            }
+            victim = next(rid for rid in ("r0", "r1", "r2") if list(homes.values()).count(rid) >= 2)
+            mine = [s for s, rid in homes.items() if rid == victim]
+            # The victim restarts; its records are gone (expired while it was down).
+            fake = next(r for r in replicas if r.replica_id == victim)
+            port = fake.port
+            await fake.stop()
+            chains = {
+                s: prompt_block_hashes(prompt(s, 0), BLOCK_SIZE, MODEL_ID, None) for s in mine
+            }
+            for chain in chains.values():
+                await router.store.remove_prefix(victim, chain)
+                assert victim not in await router.store.longest_prefix(chain)
+            await fake.start(port)
+            await _until_healthy(routers, 3)
+            # Its engine still holds what it computed (disk tier); the agent republishes that.
+            held = [h for chain in chains.values() for h in chain]
+
+            async def cached(limit: int, held: list[bytes] = held) -> list[bytes]:
+                return held[:limit]
+
+            agent_store = RedisAffinityStore(redis_proc.url, op_timeout_s=1.0)
+            agent = ReplicaAgent(
+                agent_store,
+                ReplicaInfo(victim, fake.address, MODEL_ID, BLOCK_SIZE),
+                lambda: None,  # type: ignore[arg-type,return-value]
+                AffinityConfig(redis_url=redis_proc.url),
+                capacity_blocks=1024,
+                cached_hashes=cached,
+            )
+            assert await agent.republish() == len(held)
+            for s in mine:
+                # A fresh session id: only the republished prefix can bring it back.
+                final = await generate(stub, prompt(s, 1), f"new-{s}")
+                assert (final.replica_id, final.route.reason) == (victim, "cost")
+                final = await generate(stub, prompt(s, 2), f"re-{s}")
+                assert final.replica_id == victim
+            await agent_store.close()
+            await channel.close()
+    finally:
+        for r in replicas:
+            await r.stop()
