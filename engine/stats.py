@@ -128,7 +128,7 @@ class EngineStats:
     step_tokens: int = 0
     """The scheduler's token budget per step."""
     utilisation: float = 0.0
-    """Share of the last ~30 s spent in steps (engine/step_rates.py)."""
+    """Share of the last ~120 s spent in steps (engine/step_rates.py)."""
 
     @property
     def prefix_hit_rate(self) -> float:

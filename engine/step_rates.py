@@ -9,6 +9,9 @@ From each step's wall time, its prefill tokens and its decoding sequences, two m
 Both are exponential moving averages with weight `alpha` for the newest step; 0.0 until seen.
 And `utilisation(now)`: the share of the last ~`window_s` seconds spent in steps (exponentially
 decayed), which reflects the sessions a replica is home to even while they are between turns.
+NOTE: the window is long against a session's life (a chat session of 6 turns and 5 s think time
+lasts ~40 s) so that the figure counts whole sessions: at 30 s a replica of a 16-replica cluster
+at 70 % load sees ~2 requests in the window, and the router's load bound followed that noise.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ class StepRates:
     alpha: float = 0.1
     decode_seq_s: float = 0.0
     prefill_tokens_per_s: float = 0.0
-    window_s: float = 30.0
+    window_s: float = 120.0
     _busy_s: float = 0.0
     """Step seconds, decayed with time constant `window_s`, as of `_busy_at`."""
     _busy_at: float = 0.0

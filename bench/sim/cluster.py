@@ -71,6 +71,8 @@ class SimResult:
     records: list[RequestRecord]
     queued_samples: dict[str, list[int]]
     """Replica id -> queued prefill tokens at every poll."""
+    queued_token_s: dict[str, float]
+    """Replica id -> queued prefill tokens integrated over the run (token-seconds, exact)."""
     outstanding_samples: dict[str, list[int]]
     """Replica id -> running + waiting requests at every poll."""
     busy_s: dict[str, float]
@@ -145,6 +147,7 @@ class Cluster:
         return SimResult(
             self.records,
             self.queued_samples,
+            {rid: r.queued_token_s for rid, r in self.replicas.items()},
             self.outstanding_samples,
             {rid: r.busy_s for rid, r in self.replicas.items()},
             self.clock,
@@ -241,7 +244,7 @@ class Cluster:
         self._by_id[seq.request_id] = (rec, session, index, seq, router)
         self._uncached[seq.request_id] = uncached
         replica = self.replicas[d.replica_id]
-        replica.add(seq)
+        replica.add(seq, self.clock)
         if not replica.busy:
             self._step(replica)
 
@@ -250,7 +253,7 @@ class Cluster:
             replica.busy = False
             return
         replica.busy = True
-        step, dt = replica.plan()
+        step, dt = replica.plan(self.clock)
 
         def done() -> None:
             replica.finish_step(step, dt, self.clock)

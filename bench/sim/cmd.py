@@ -2,8 +2,9 @@
 
 Runs every policy on every workload with the same arrivals and prints one table: TTFT p50/p99
 (all turns) and turn 2+ p50, the prompt-token hit rate next to an oracle's (one unlimited cache
-shared by all replicas), and load balance (busiest replica's mean queued prefill tokens over the
-mean; the same for busy time). `--check` also tests issue 14's acceptance on the chat workloads
+shared by all replicas), and load balance (busiest replica's time-averaged queued prefill tokens
+over the mean, the queue integrated exactly over the run; the same for requests in flight and
+busy time). `--check` also tests issue 14's acceptance on the chat workloads
 (cost vs round_robin: p50 <= 0.5x, p99 <= 0.8x, hit >= 90% of oracle, max/mean queued <= 1.25,
 skewed p99 <= 1.5x balanced p99) and exits 1 when one fails.
 """
@@ -41,6 +42,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         c, "--active-weight", type=float, default=d.active_weight, help="Cost policy balance term."
     )
     add_flag(c, "--load-bound", type=float, default=d.load_bound, help="Cost policy bound.")
+    add_flag(
+        c, "--prefix-bound", type=float, default=d.prefix_bound, help="Cost policy prefix bound."
+    )
     add_flag(
         c, "--stickiness", type=float, default=d.stickiness_s, help="Cost policy bonus cap (s)."
     )
@@ -131,6 +135,7 @@ def run(args: argparse.Namespace) -> int:
                     active_weight=args.active_weight,
                     stickiness_s=args.stickiness,
                     load_bound=args.load_bound,
+                    prefix_bound=args.prefix_bound,
                 ),
                 seed=args.seed,
             )

@@ -66,6 +66,10 @@ class SimReplica:
         self._on_first_token = on_first_token
         self._on_finish = on_finish
         self.busy_s = 0.0
+        self.queued_token_s = 0.0
+        """Integral of `queued_prefill_tokens()` over time (token-seconds)."""
+        self._queued = 0
+        self._queued_at = 0.0
 
     # What GetLoad publishes.
 
@@ -73,6 +77,12 @@ class SimReplica:
         return sum(s.prompt_len - s.computed for s in self.waiting) + sum(
             s.prompt_len - s.computed for s in self.running if s.in_prefill
         )
+
+    def _requeue(self, now: float) -> None:
+        """Closes the integral up to `now` at the old queue and takes the new one."""
+        self.queued_token_s += self._queued * (now - self._queued_at)
+        self._queued_at = now
+        self._queued = self.queued_prefill_tokens()
 
     def decoding(self) -> int:
         return sum(1 for s in self.running if not s.in_prefill)
@@ -114,14 +124,15 @@ class SimReplica:
 
     # Steps.
 
-    def add(self, seq: SimSeq) -> None:
+    def add(self, seq: SimSeq, now: float) -> None:
         self.waiting.append(seq)
+        self._requeue(now)
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def plan(self) -> tuple[_Step, float]:
-        """The next step and its duration."""
+    def plan(self, now: float) -> tuple[_Step, float]:
+        """The next step, planned at `now`, and its duration."""
         m = self.m
         budget = m.step_tokens
         step = _Step()
@@ -157,6 +168,7 @@ class SimReplica:
         context = sum(s.prompt_len + s.generated for s in step.decode)
         dt = m.step_s(prefill_tokens, pairs, len(step.decode), context)
         dt += step.swap_blocks * m.swap_block_s
+        self._requeue(now)
         return step, dt
 
     def finish_step(self, step: _Step, dt: float, now: float) -> None:
@@ -181,4 +193,6 @@ class SimReplica:
         for seq in done:
             self.running.remove(seq)
             self._insert(seq.full_hashes)
+        self._requeue(now)
+        for seq in done:
             self._on_finish(seq, now)

@@ -140,6 +140,14 @@ def add_router_args(parser: argparse.ArgumentParser) -> None:
     )
     add_flag(
         k,
+        "--prefix-bound",
+        type=float,
+        default=dc.prefix_bound,
+        help="A replica within this x the mean load still wins when its estimate is under "
+        "half the best one within --load-bound (a large cached prefix; 0: off).",
+    )
+    add_flag(
+        k,
         "--stickiness",
         type=float,
         default=dc.stickiness_s,
@@ -180,6 +188,7 @@ def router_config_from_args(args: argparse.Namespace) -> RouterConfig:
             *parse_tier_credits(args.tier_credits),
             stickiness_s=args.stickiness,
             load_bound=args.load_bound,
+            prefix_bound=args.prefix_bound,
         ),
         model=args.model,
         cache_dir=args.cache_dir,

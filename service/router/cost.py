@@ -25,7 +25,8 @@ replica, the least estimate wins. Session affinity and prefix overlap act only t
 replica loses its sessions as soon as its queue costs more than recomputing them elsewhere. The
 session's last replica gets a bounded bonus (`stickiness_frac` of its estimate, at most
 `stickiness_s`) so near-ties do not make a session flap. Ties go to the rendezvous rank of the
-key, so routers with the same view agree.
+key, so routers with the same view agree. Optionally (`CostWeights.prefix_bound`) a replica
+a little over the bound still wins when its estimate is clearly the lowest.
 """
 
 from __future__ import annotations
@@ -58,6 +59,14 @@ class CostWeights:
     `load_bound` x the mean (rounded up) are candidates, and the session's own replica; 0 turns
     the bound off. This, not the estimate, keeps a cached shared prefix (a system prompt) from
     pulling every new session onto the replica that computed it first."""
+    prefix_bound: float = 0.0
+    """A replica over `load_bound` but within `prefix_bound` x the mean (the same two caps) is
+    still chosen when its estimate is below `prefix_gain` x the best one under `load_bound`: a
+    large cached prefix outweighs a small excess load. 0: off (the default: on the chat
+    workload it draws new sessions back to the replicas holding a system prompt, see
+    docs/routing.md)."""
+    prefix_gain: float = 0.5
+    """See `prefix_bound`."""
     active_weight: float = 0.0
     """Seconds of estimate per second it would take to prefill the KV tokens of the replica's
     running sequences (Dynamo counts active decode blocks like prefill blocks, weight 1): the
@@ -72,6 +81,12 @@ class CostWeights:
                 raise ValueError(f"{name} must be in [0, 1], got {v}")
         if self.load_bound != 0 and self.load_bound < 1:
             raise ValueError(f"load_bound must be 0 (off) or >= 1, got {self.load_bound}")
+        if self.prefix_bound != 0 and self.prefix_bound < max(1.0, self.load_bound):
+            raise ValueError(
+                f"prefix_bound must be 0 (off) or >= load_bound, got {self.prefix_bound}"
+            )
+        if not 0.0 < self.prefix_gain <= 1.0:
+            raise ValueError(f"prefix_gain must be in (0, 1], got {self.prefix_gain}")
         if self.active_weight < 0:
             raise ValueError(f"active_weight must be >= 0, got {self.active_weight}")
         if self.stickiness_s < 0 or self.default_prefill_tokens_per_s <= 0:
@@ -147,7 +162,7 @@ def within_bound(
 
     Two caps, both `bound` x the mean: outstanding requests (`ceil(bound * (total + 1) / n)`,
     exact for this router's own streams, so a burst between polls spreads) and utilisation over
-    the last ~30 s (plus 0.02, so idle replicas are never excluded), which counts the sessions a
+    the last ~120 s (plus 0.02, so idle replicas are never excluded), which counts the sessions a
     replica is home to while they are between turns. When no replica meets both, the request
     cap alone; at least one replica always meets that."""
     if bound <= 0 or not loads:

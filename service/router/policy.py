@@ -61,7 +61,7 @@ class Candidate:
     step_tokens: int = 0
     """The engine's token budget per step (0: not published)."""
     utilisation: float = 0.0
-    """Share of the last ~30 s the engine spent in steps, as of the last load poll."""
+    """Share of the last ~120 s the engine spent in steps, as of the last load poll."""
     block_size: int = 16
 
     @property
@@ -156,17 +156,15 @@ def decide(
 
     if policy == "cost":
         w = weights or CostWeights()
-        allowed = within_bound(
-            {c.replica_id: c.load for c in pool},
-            {c.replica_id: c.utilisation for c in pool},
-            w.load_bound,
-        )
+        loads = {c.replica_id: c.load for c in pool}
+        utils = {c.replica_id: c.utilisation for c in pool}
+        allowed = within_bound(loads, utils, w.load_bound)
         # NOTE: the session's own replica is exempt: leaving it means recomputing the history,
         # which the estimate weighs against its queue. The bound places new sessions.
-        if inputs.session_replica is not None:
+        if inputs.session_replica in loads:
             allowed.add(inputs.session_replica)
-        costs = [
-            estimate(
+        costs = {
+            c.replica_id: estimate(
                 replica_id=c.replica_id,
                 prompt_tokens=inputs.prompt_tokens,
                 block_size=c.block_size,
@@ -181,9 +179,16 @@ def decide(
                 weights=w,
             )
             for c in pool
-            if c.replica_id in allowed
-        ]
-        best_cost = cheapest(costs, rank)
+        }
+        best_cost = cheapest([costs[r] for r in allowed], rank)
+        if w.prefix_bound > 0 and w.load_bound > 0:
+            # NOTE: a replica a little over the bound still wins when its estimate is clearly
+            # the lowest (a large cached prefix): the bound keeps sessions from piling onto
+            # whoever computed a prefix first, not a replica from using what it holds.
+            wider = within_bound(loads, utils, w.prefix_bound) - allowed
+            clear = [costs[r] for r in wider if costs[r].ttft_s < w.prefix_gain * best_cost.ttft_s]
+            if clear:
+                best_cost = cheapest(clear, rank)
         return RouteDecision(
             best_cost.replica_id,
             "cost",

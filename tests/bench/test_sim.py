@@ -28,6 +28,7 @@ def test_cost_beats_round_robin_on_multi_turn_chat(routers: int) -> None:
         assert all(x.ttft_s > 0 for x in r.records)
         res[policy] = summarise(policy, r)
     cost, rr = res["cost"], res["round_robin"]
+    assert cost.mean_queued > 0 and cost.max_mean_queued >= 1.0
     assert cost.hit_rate > rr.hit_rate + 0.1
     assert cost.hit_rate <= cost.oracle_hit_rate + 1e-9
     assert cost.later_turn_p50_s < rr.later_turn_p50_s

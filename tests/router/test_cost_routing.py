@@ -105,6 +105,20 @@ def test_bounded_loads_spread_new_sessions_but_keep_histories() -> None:
     assert decide("cost", cands, inputs, GUARD, weights=w).replica_id == "r0"
 
 
+def test_prefix_bound_lets_a_large_cached_prefix_outweigh_a_small_excess_load() -> None:
+    # r0 holds 60 of the prompt's 62 blocks and has one request more than the others.
+    inputs = RouteInputs("new", None, {"r0": 60}, prompt_tokens=1000)
+    cands = [_c("r0", running=2), _c("r1", running=1), _c("r2", running=1), _c("r3", running=1)]
+    assert decide("cost", cands, inputs, GUARD).replica_id != "r0"  # cap ceil(6 / 4) = 2
+    w = CostWeights(prefix_bound=1.5)  # cap ceil(1.5 * 6 / 4) = 3: r0 is within it
+    assert decide("cost", cands, inputs, GUARD, weights=w).replica_id == "r0"
+    # Too far over even the wider bound: the prefix does not pull.
+    cands[0] = _c("r0", running=4)
+    assert decide("cost", cands, inputs, GUARD, weights=w).replica_id != "r0"
+    with pytest.raises(ValueError):
+        CostWeights(load_bound=1.5, prefix_bound=1.2)
+
+
 # -- routers on one Redis -------------------------------------------------------------------------
 
 
