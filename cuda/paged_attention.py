@@ -82,24 +82,13 @@ def paged_decode_attention(
     max_seq_len: host-side upper bound of seq_lens (sizes the split-K grid).
     split: None picks with `use_split_k`; True / False forces the split-K / plain kernel.
     """
-    num_heads, head_dim, block_size, num_kv_heads = check_attention_args(
-        q, out, kv_cache, block_tables, seq_lens, head_sizes=HEAD_SIZES, block_sizes=BLOCK_SIZES
-    )
-    num_seqs = q.shape[0]
-    check(
-        block_tables.shape[0] == num_seqs and seq_lens.shape[0] == num_seqs,
-        f"block_tables {tuple(block_tables.shape)} and seq_lens {tuple(seq_lens.shape)} "
-        f"must have {num_seqs} rows",
-    )
-    check(max_seq_len >= 0, f"max_seq_len must be >= 0, got {max_seq_len}")
-    check(
-        max_seq_len <= block_tables.shape[1] * block_size,
-        f"max_seq_len {max_seq_len} exceeds the block tables' "
-        f"{block_tables.shape[1]} x {block_size} slots",
+    num_heads, head_dim, block_size, num_kv_heads = _check_decode_args(
+        out, q, kv_cache, block_tables, seq_lens, max_seq_len
     )
     device = check_cuda(
         out=out, q=q, kv_cache=kv_cache, block_tables=block_tables, seq_lens=seq_lens
     )
+    num_seqs = q.shape[0]
     if num_seqs == 0 or max_seq_len == 0:
         return
 
@@ -113,14 +102,7 @@ def paged_decode_attention(
     # The plain kernel covers the whole context with one "partition".
     partition_size = PARTITION_SIZE if split else math.ceil(max_seq_len / block_size) * block_size
 
-    if num_parts > 1:
-        part_max = torch.empty((num_seqs, num_heads, num_parts), dtype=torch.float32, device=device)
-        part_sum = torch.empty_like(part_max)
-        part_out = torch.empty(
-            (num_seqs, num_heads, num_parts, head_dim), dtype=torch.float32, device=device
-        )
-    else:
-        part_max = part_sum = part_out = out  # unused by the kernel
+    part_out, part_max, part_sum = _partials(out, num_parts)
     scale_log2 = np.float32(scale * LOG2E)
     launch(
         CU_FILE,
@@ -148,21 +130,75 @@ def paged_decode_attention(
         ),
     )
     if num_parts > 1:
-        launch(
-            CU_FILE,
-            reduce_kernel_name(q.dtype, head_dim),
-            device,
-            grid=(num_heads, num_seqs, 1),
-            block=(THREADS, 1, 1),
-            args=(
-                ptr(out),
-                ptr(part_out),
-                ptr(part_max),
-                ptr(part_sum),
-                ptr(seq_lens),
-                np.int64(out.stride(0)),
-                np.int32(num_heads),
-                np.int32(num_parts),
-                np.int32(PARTITION_SIZE),
-            ),
-        )
+        _reduce_partitions(out, part_out, part_max, part_sum, seq_lens, device)
+
+
+def _reduce_partitions(
+    out: torch.Tensor,
+    part_out: torch.Tensor,
+    part_max: torch.Tensor,
+    part_sum: torch.Tensor,
+    seq_lens: torch.Tensor,
+    device: torch.device,
+) -> None:
+    """Split-K's second launch: combines each head's partitions into out [S, Hq, D]."""
+    num_seqs, num_heads, num_parts, head_dim = part_out.shape
+    launch(
+        CU_FILE,
+        reduce_kernel_name(out.dtype, head_dim),
+        device,
+        grid=(num_heads, num_seqs, 1),
+        block=(THREADS, 1, 1),
+        args=(
+            ptr(out),
+            ptr(part_out),
+            ptr(part_max),
+            ptr(part_sum),
+            ptr(seq_lens),
+            np.int64(out.stride(0)),
+            np.int32(num_heads),
+            np.int32(num_parts),
+            np.int32(PARTITION_SIZE),
+        ),
+    )
+
+
+def _check_decode_args(
+    out: torch.Tensor,
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    max_seq_len: int,
+) -> tuple[int, int, int, int]:
+    """The shared attention checks plus decode's own; (Hq, D, block_size, Hkv)."""
+    dims = check_attention_args(
+        q, out, kv_cache, block_tables, seq_lens, head_sizes=HEAD_SIZES, block_sizes=BLOCK_SIZES
+    )
+    block_size = dims[2]
+    num_seqs = q.shape[0]
+    check(
+        block_tables.shape[0] == num_seqs and seq_lens.shape[0] == num_seqs,
+        f"block_tables {tuple(block_tables.shape)} and seq_lens {tuple(seq_lens.shape)} "
+        f"must have {num_seqs} rows",
+    )
+    check(max_seq_len >= 0, f"max_seq_len must be >= 0, got {max_seq_len}")
+    check(
+        max_seq_len <= block_tables.shape[1] * block_size,
+        f"max_seq_len {max_seq_len} exceeds the block tables' "
+        f"{block_tables.shape[1]} x {block_size} slots",
+    )
+    return dims
+
+
+def _partials(out: torch.Tensor, num_parts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Split-K scratch: part_out [S, Hq, P, D], part_max and part_sum [S, Hq, P] (float32); with
+    one partition the kernel writes `out` directly and ignores them."""
+    if num_parts == 1:
+        return out, out, out
+    num_seqs, num_heads, head_dim = out.shape
+    part_max = torch.empty((num_seqs, num_heads, num_parts), dtype=torch.float32, device=out.device)
+    part_out = torch.empty(
+        (num_seqs, num_heads, num_parts, head_dim), dtype=torch.float32, device=out.device
+    )
+    return part_out, part_max, torch.empty_like(part_max)

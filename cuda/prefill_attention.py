@@ -63,19 +63,10 @@ def paged_prefill_attention(
     tokens' K/V. block_tables: [num_seqs, max_blocks] int32; seq_lens: [num_seqs] int32;
     query_start_loc: [num_seqs + 1] int32. max_query_len: host-side upper bound of query lengths.
     """
-    num_heads, head_dim, block_size, num_kv_heads = check_attention_args(
-        q, out, kv_cache, block_tables, seq_lens, head_sizes=HEAD_SIZES, block_sizes=BLOCK_SIZES
+    num_heads, head_dim, block_size, num_kv_heads = _check_prefill_args(
+        out, q, kv_cache, block_tables, seq_lens, query_start_loc, max_query_len
     )
-    check_tensor("query_start_loc", query_start_loc, 1, (torch.int32,))
     num_seqs = seq_lens.shape[0]
-    check(
-        block_tables.shape[0] == num_seqs and query_start_loc.shape[0] == num_seqs + 1,
-        f"block_tables {tuple(block_tables.shape)} and query_start_loc "
-        f"{tuple(query_start_loc.shape)} must match {num_seqs} sequences",
-    )
-    check(max_query_len >= 0, f"max_query_len must be >= 0, got {max_query_len}")
-    check_aligned("out", out, out.stride(0), nbytes=8 if q.dtype == torch.float32 else 4)
-    check_contiguous("query_start_loc", query_start_loc)
     device = check_cuda(
         out=out,
         q=q,
@@ -111,3 +102,29 @@ def paged_prefill_attention(
             np.float32(scale * LOG2E),
         ),
     )
+
+
+def _check_prefill_args(
+    out: torch.Tensor,
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    max_query_len: int,
+) -> tuple[int, int, int, int]:
+    """The shared attention checks plus prefill's own; (Hq, D, block_size, Hkv)."""
+    dims = check_attention_args(
+        q, out, kv_cache, block_tables, seq_lens, head_sizes=HEAD_SIZES, block_sizes=BLOCK_SIZES
+    )
+    check_tensor("query_start_loc", query_start_loc, 1, (torch.int32,))
+    num_seqs = seq_lens.shape[0]
+    check(
+        block_tables.shape[0] == num_seqs and query_start_loc.shape[0] == num_seqs + 1,
+        f"block_tables {tuple(block_tables.shape)} and query_start_loc "
+        f"{tuple(query_start_loc.shape)} must match {num_seqs} sequences",
+    )
+    check(max_query_len >= 0, f"max_query_len must be >= 0, got {max_query_len}")
+    check_aligned("out", out, out.stride(0), nbytes=8 if q.dtype == torch.float32 else 4)
+    check_contiguous("query_start_loc", query_start_loc)
+    return dims

@@ -40,29 +40,8 @@ def reshape_and_cache(
     kv_cache: [2, num_blocks, block_size, Hkv, D] contiguous, same dtype as k/v.
     slot_mapping: [T] int64; negative slots (padding) are skipped, and so are slots past the cache.
     """
-    check_tensor("k", k, 3, DTYPES)
-    check_tensor("v", v, 3, DTYPES)
-    check_tensor("kv_cache", kv_cache, 5, DTYPES)
-    check_tensor("slot_mapping", slot_mapping, 1, (torch.int64,))
+    _check_args(k, v, kv_cache, slot_mapping)
     num_tokens, num_kv_heads, head_dim = k.shape
-    check(v.shape == k.shape, f"v shape {tuple(v.shape)} must equal k shape {tuple(k.shape)}")
-    check(
-        kv_cache.shape[0] == 2 and tuple(kv_cache.shape[3:]) == (num_kv_heads, head_dim),
-        f"kv_cache must be [2, num_blocks, block_size, {num_kv_heads}, {head_dim}], "
-        f"got {tuple(kv_cache.shape)}",
-    )
-    check(
-        k.dtype == v.dtype == kv_cache.dtype,
-        f"k, v and kv_cache dtypes differ: {k.dtype}, {v.dtype}, {kv_cache.dtype}",
-    )
-    check(
-        slot_mapping.shape[0] == num_tokens,
-        f"slot_mapping has {slot_mapping.shape[0]} entries for {num_tokens} tokens",
-    )
-    check_dense_rows("k", k)
-    check_dense_rows("v", v)
-    check_contiguous("kv_cache", kv_cache)
-    check_contiguous("slot_mapping", slot_mapping)
     device = check_cuda(k=k, v=v, kv_cache=kv_cache, slot_mapping=slot_mapping)
     if num_tokens == 0:
         return
@@ -100,3 +79,32 @@ def reshape_and_cache(
             np.int64(v.stride(0) * elem // width),
         ),
     )
+
+
+def _check_args(
+    k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
+    """Shapes, dtypes and strides as `reshape_and_cache` states them."""
+    check_tensor("k", k, 3, DTYPES)
+    check_tensor("v", v, 3, DTYPES)
+    check_tensor("kv_cache", kv_cache, 5, DTYPES)
+    check_tensor("slot_mapping", slot_mapping, 1, (torch.int64,))
+    num_tokens, num_kv_heads, head_dim = k.shape
+    check(v.shape == k.shape, f"v shape {tuple(v.shape)} must equal k shape {tuple(k.shape)}")
+    check(
+        kv_cache.shape[0] == 2 and tuple(kv_cache.shape[3:]) == (num_kv_heads, head_dim),
+        f"kv_cache must be [2, num_blocks, block_size, {num_kv_heads}, {head_dim}], "
+        f"got {tuple(kv_cache.shape)}",
+    )
+    check(
+        k.dtype == v.dtype == kv_cache.dtype,
+        f"k, v and kv_cache dtypes differ: {k.dtype}, {v.dtype}, {kv_cache.dtype}",
+    )
+    check(
+        slot_mapping.shape[0] == num_tokens,
+        f"slot_mapping has {slot_mapping.shape[0]} entries for {num_tokens} tokens",
+    )
+    check_dense_rows("k", k)
+    check_dense_rows("v", v)
+    check_contiguous("kv_cache", kv_cache)
+    check_contiguous("slot_mapping", slot_mapping)

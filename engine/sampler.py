@@ -98,12 +98,23 @@ class Sampler:
             logprobs = torch.log_softmax(logits.index_select(0, lp_index), dim=-1)
 
         token_ids = self._sample(logits, rows)  # [B] int64
+        return self._to_host(rows, token_ids, logprobs, lp_rows)
 
+    def _to_host(
+        self,
+        rows: list[SamplingRow],
+        token_ids: torch.Tensor,
+        logprobs: torch.Tensor | None,
+        lp_rows: list[int],
+    ) -> SamplerOutput:
+        """token_ids: [B]; logprobs: [L, V] of the rows `lp_rows` (or None) -> host lists."""
+        num_rows = len(rows)
         # Everything the host needs, packed into one float64 tensor for a single transfer
         # (token ids < 2**53 are exact in float64).
         parts = [token_ids.to(torch.float64)]
         max_top = 0
         if logprobs is not None:
+            lp_index = torch.tensor(lp_rows, device=self.device)
             chosen = logprobs.gather(1, token_ids.index_select(0, lp_index).unsqueeze(1))  # [L, 1]
             parts.append(chosen.squeeze(1).to(torch.float64))
             max_top = min(max(rows[i].params.logprobs or 0 for i in lp_rows), self.vocab_size)

@@ -80,17 +80,7 @@ class CupyAttentionBackend(AttentionBackend):
     ) -> torch.Tensor:
         num_tokens, num_heads, head_dim = q.shape
         if not self.supports(head_dim, kv_cache.shape[2], q.dtype):
-            message = (
-                f"the CUDA kernels cover head_dim {paged_attention.HEAD_SIZES}, block_size "
-                f"{paged_attention.BLOCK_SIZES} and float16/bfloat16/float32; got head_dim "
-                f"{head_dim}, block_size {kv_cache.shape[2]}, {q.dtype}"
-            )
-            if self._fallback is None:
-                raise ValueError(message)
-            if not self._warned:
-                logger.warning("%s: using the torch reference attention", message)
-                self._warned = True
-            return self._fallback.forward(q, k, v, kv_cache, meta, scale)
+            return self._unsupported(q, kv_cache).forward(q, k, v, kv_cache, meta, scale)
         q = _kernel_rows(q)
         reshape_and_cache.reshape_and_cache(
             _kernel_rows(k), _kernel_rows(v), kv_cache, meta.slot_mapping
@@ -127,6 +117,21 @@ class CupyAttentionBackend(AttentionBackend):
         if num_queries < num_tokens:
             out[num_queries:].zero_()  # padding tokens after the last sequence
         return out
+
+    def _unsupported(self, q: torch.Tensor, kv_cache: torch.Tensor) -> AttentionBackend:
+        """The torch fallback for a shape the kernels do not cover (warned once); raises
+        ValueError without one."""
+        message = (
+            f"the CUDA kernels cover head_dim {paged_attention.HEAD_SIZES}, block_size "
+            f"{paged_attention.BLOCK_SIZES} and float16/bfloat16/float32; got head_dim "
+            f"{q.shape[2]}, block_size {kv_cache.shape[2]}, {q.dtype}"
+        )
+        if self._fallback is None:
+            raise ValueError(message)
+        if not self._warned:
+            logger.warning("%s: using the torch reference attention", message)
+            self._warned = True
+        return self._fallback
 
     def copy_blocks(self, kv_cache: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None:
         """One launch for all pairs and layers. NOTE: src and dst must not share block ids."""

@@ -23,7 +23,14 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from service.affinity.rendezvous import rendezvous_order
-from service.router.cost import CostWeights, cheapest, estimate, held_blocks, within_bound
+from service.router.cost import (
+    CostWeights,
+    ReplicaCost,
+    cheapest,
+    estimate,
+    held_blocks,
+    within_bound,
+)
 
 POLICIES = ("cost", "affinity", "round_robin", "prefix_only")
 REASONS = ("session", "prefix", "load", "fallback", "round_robin", "cost")
@@ -140,68 +147,86 @@ def decide(
         ordered = sorted(candidates, key=lambda c: c.replica_id)
         return RouteDecision(ordered[rr_index % len(ordered)].replica_id, "round_robin")
 
-    by_id = {c.replica_id: c for c in candidates}
     pool = [c for c in candidates if not guard.overloaded(c)] or list(candidates)
-    min_load = min(c.load for c in pool)
     rank = {
         rid: i for i, rid in enumerate(rendezvous_order(inputs.key, [c.replica_id for c in pool]))
     }
     prefix = inputs.prefix_blocks or {}
-
     if not inputs.store_ok:
         # NOTE: affinity during an outage comes from the hash alone, so skip only replicas
         # that are overloaded, never merely busier.
         best = min(pool, key=lambda c: rank[c.replica_id])
         return RouteDecision(best.replica_id, "fallback", prefix.get(best.replica_id, 0))
-
     if policy == "cost":
-        w = weights or CostWeights()
-        loads = {c.replica_id: c.load for c in pool}
-        utils = {c.replica_id: c.utilisation for c in pool}
-        allowed = within_bound(loads, utils, w.load_bound)
-        # NOTE: the session's own replica is exempt: leaving it means recomputing the history,
-        # which the estimate weighs against its queue. The bound places new sessions.
-        if inputs.session_replica in loads:
-            allowed.add(inputs.session_replica)
-        costs = {
-            c.replica_id: estimate(
-                replica_id=c.replica_id,
-                prompt_tokens=inputs.prompt_tokens,
-                block_size=c.block_size,
-                held=held_blocks(c.replica_id, prefix, inputs.prefix_tiers),
-                queued_tokens=max(c.queued_prefill_tokens, c.pending_prefill_tokens),
-                decoding=c.decoding,
-                active_tokens=c.active_tokens,
-                prefill_tokens_per_s=c.prefill_tokens_per_s,
-                decode_seq_s=c.decode_seq_s,
-                step_tokens=c.step_tokens or w.default_step_tokens,
-                sticky=c.replica_id == inputs.session_replica,
-                weights=w,
-            )
-            for c in pool
-        }
-        best_cost = cheapest([costs[r] for r in allowed], rank)
-        if w.prefix_bound > 0 and w.load_bound > 0:
-            # NOTE: a replica a little over the bound still wins when its estimate is clearly
-            # the lowest (a large cached prefix): the bound keeps sessions from piling onto
-            # whoever computed a prefix first, not a replica from using what it holds.
-            wider = within_bound(loads, utils, w.prefix_bound) - allowed
-            clear = [costs[r] for r in wider if costs[r].ttft_s < w.prefix_gain * best_cost.ttft_s]
-            if clear:
-                best_cost = cheapest(clear, rank)
-        return RouteDecision(
-            best_cost.replica_id,
-            "cost",
-            prefix.get(best_cost.replica_id, 0),
-            best_cost.uncached_tokens,
-            best_cost.ttft_s,
-        )
+        return _decide_cost(pool, inputs, rank, weights or CostWeights())
+    session = inputs.session_replica if policy == "affinity" else None
+    return _decide_affinity(candidates, pool, prefix, session, guard, rank)
 
-    if policy == "affinity" and inputs.session_replica is not None:
-        own = by_id.get(inputs.session_replica)
+
+def _decide_cost(
+    pool: Sequence[Candidate], inputs: RouteInputs, rank: dict[str, int], w: CostWeights
+) -> RouteDecision:
+    """The least estimated TTFT among the replicas within the load bound (service/router/cost.py)."""
+    prefix = inputs.prefix_blocks or {}
+    loads = {c.replica_id: c.load for c in pool}
+    utils = {c.replica_id: c.utilisation for c in pool}
+    allowed = within_bound(loads, utils, w.load_bound)
+    # NOTE: the session's own replica is exempt: leaving it means recomputing the history,
+    # which the estimate weighs against its queue. The bound places new sessions.
+    if inputs.session_replica in loads:
+        allowed.add(inputs.session_replica)
+    costs = {c.replica_id: _estimate(c, inputs, w) for c in pool}
+    best_cost = cheapest([costs[r] for r in allowed], rank)
+    if w.prefix_bound > 0 and w.load_bound > 0:
+        # NOTE: a replica a little over the bound still wins when its estimate is clearly
+        # the lowest (a large cached prefix): the bound keeps sessions from piling onto
+        # whoever computed a prefix first, not a replica from using what it holds.
+        wider = within_bound(loads, utils, w.prefix_bound) - allowed
+        clear = [costs[r] for r in wider if costs[r].ttft_s < w.prefix_gain * best_cost.ttft_s]
+        if clear:
+            best_cost = cheapest(clear, rank)
+    return RouteDecision(
+        best_cost.replica_id,
+        "cost",
+        prefix.get(best_cost.replica_id, 0),
+        best_cost.uncached_tokens,
+        best_cost.ttft_s,
+    )
+
+
+def _estimate(c: Candidate, inputs: RouteInputs, w: CostWeights) -> ReplicaCost:
+    """This request's estimated TTFT on candidate `c`."""
+    return estimate(
+        replica_id=c.replica_id,
+        prompt_tokens=inputs.prompt_tokens,
+        block_size=c.block_size,
+        held=held_blocks(c.replica_id, inputs.prefix_blocks or {}, inputs.prefix_tiers),
+        queued_tokens=max(c.queued_prefill_tokens, c.pending_prefill_tokens),
+        decoding=c.decoding,
+        active_tokens=c.active_tokens,
+        prefill_tokens_per_s=c.prefill_tokens_per_s,
+        decode_seq_s=c.decode_seq_s,
+        step_tokens=c.step_tokens or w.default_step_tokens,
+        sticky=c.replica_id == inputs.session_replica,
+        weights=w,
+    )
+
+
+def _decide_affinity(
+    candidates: Sequence[Candidate],
+    pool: Sequence[Candidate],
+    prefix: Mapping[str, int],
+    session_replica: str | None,
+    guard: OverloadGuard,
+    rank: dict[str, int],
+) -> RouteDecision:
+    """The session's replica (affinity only) -> the longest prefix among the least loaded -> the
+    least load."""
+    if session_replica is not None:
+        own = next((c for c in candidates if c.replica_id == session_replica), None)
         if own is not None and not guard.overloaded(own):
             return RouteDecision(own.replica_id, "session", prefix.get(own.replica_id, 0))
-
+    min_load = min(c.load for c in pool)
     holders = [
         c
         for c in pool
@@ -210,6 +235,5 @@ def decide(
     if holders:
         best = min(holders, key=lambda c: (-prefix[c.replica_id], c.load, rank[c.replica_id]))
         return RouteDecision(best.replica_id, "prefix", prefix[best.replica_id])
-
     best = min(pool, key=lambda c: (c.load, c.kv_usage, rank[c.replica_id]))
     return RouteDecision(best.replica_id, "load", prefix.get(best.replica_id, 0))
