@@ -92,13 +92,14 @@ class Sampler:
 
         # Logprobs of the rows that asked for them: [L, V]
         lp_rows = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
+        lp_index: torch.Tensor | None = None  # [L]
         logprobs: torch.Tensor | None = None
         if lp_rows:
-            lp_index = torch.tensor(lp_rows, device=self.device)
+            lp_index = torch.tensor(lp_rows, dtype=torch.int64, device=self.device)
             logprobs = torch.log_softmax(logits.index_select(0, lp_index), dim=-1)
 
         token_ids = self._sample(logits, rows)  # [B] int64
-        return self._to_host(rows, token_ids, logprobs, lp_rows)
+        return self._to_host(rows, token_ids, logprobs, lp_rows, lp_index)
 
     def _to_host(
         self,
@@ -106,15 +107,16 @@ class Sampler:
         token_ids: torch.Tensor,
         logprobs: torch.Tensor | None,
         lp_rows: list[int],
+        lp_index: torch.Tensor | None,
     ) -> SamplerOutput:
-        """token_ids: [B]; logprobs: [L, V] of the rows `lp_rows` (or None) -> host lists."""
+        """token_ids: [B]; logprobs: [L, V] of the rows `lp_rows` (lp_index: the same as a
+        tensor), or None -> host lists."""
         num_rows = len(rows)
         # Everything the host needs, packed into one float64 tensor for a single transfer
         # (token ids < 2**53 are exact in float64).
         parts = [token_ids.to(torch.float64)]
         max_top = 0
-        if logprobs is not None:
-            lp_index = torch.tensor(lp_rows, device=self.device)
+        if logprobs is not None and lp_index is not None:
             chosen = logprobs.gather(1, token_ids.index_select(0, lp_index).unsqueeze(1))  # [L, 1]
             parts.append(chosen.squeeze(1).to(torch.float64))
             max_top = min(max(rows[i].params.logprobs or 0 for i in lp_rows), self.vocab_size)
