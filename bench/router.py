@@ -61,6 +61,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="Comma-separated CPU ids; replica i runs pinned to the i-th (wrapping). Empty: no pinning.",
     )
     add_flag(c, "--start-timeout", type=float, default=900.0, help="Seconds to wait for startup.")
+    add_flag(
+        c,
+        "--logs-dir",
+        help="Keep every process's log here (one folder per policy and round); default: a "
+        "temporary folder, removed at the end.",
+    )
     w = parser.add_argument_group("workload (multi-turn, as `deja bench serve`)")
     add_flag(w, "--num-sessions", type=int, default=16, help="Conversations.")
     add_flag(w, "--num-turns", type=int, default=4, help="Turns per conversation.")
@@ -270,7 +276,8 @@ def run(args: argparse.Namespace) -> int:
         return 2
     runs = {policy: _Runs() for policy in policies}
     workload: Any = None
-    with tempfile.TemporaryDirectory(prefix="deja-bench-router-") as tmp:
+    with tempfile.TemporaryDirectory(prefix="deja-bench-router-") as tmp_dir:
+        tmp = args.logs_dir or tmp_dir
         try:
             # NOTE: rounds interleave the policies so that drifting background load on a shared
             # machine hits them alike.

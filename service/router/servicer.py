@@ -42,7 +42,7 @@ from service.common.rpc import SERVICE_NAME, abort
 from service.common.tracing import extract_context, get_tracer
 from service.router.config import RouterConfig
 from service.router.metrics import RouterMetrics
-from service.router.policy import NoReplicaError, RouteDecision, RouteInputs, decide
+from service.router.policy import Candidate, NoReplicaError, RouteDecision, RouteInputs, decide
 from service.router.pool import ReplicaHandle, ReplicaPool
 from service.router.prompt import PromptChains, PromptHasher
 
@@ -175,6 +175,13 @@ class RouterServicer(pb_grpc.InferenceServicer):
             self._metrics.fallback.inc()
         handle = self._pool.by_id(decision.replica_id)
         assert handle is not None
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug(
+                "route %s -> %s (%s) est %.3fs uncached %d prompt %d | %s",
+                key, decision.replica_id, decision.reason, decision.est_ttft_s,
+                decision.uncached_tokens, prompt_tokens,
+                " ".join(_describe(h.candidate()) for h in healthy),
+            )  # fmt: skip
         handle.inflight += 1
         handle.pending_prefill_tokens += decision.uncached_tokens
         return decision, handle
@@ -297,6 +304,10 @@ class RouterServicer(pb_grpc.InferenceServicer):
                     handle.pending_prefill_tokens -= pending
                     pending = 0
                     self._metrics.ttft.observe(time.monotonic() - rec.t0)
+                    log.debug(
+                        "first token %s on %s after %.3fs (est %.3fs)",
+                        rec.key, d.replica_id, time.monotonic() - rec.t0, d.est_ttft_s,
+                    )  # fmt: skip
                 if resp.HasField("final"):
                     resp.final.route.replica_id = d.replica_id
                     resp.final.route.reason = d.reason
@@ -468,3 +479,11 @@ class RouterServicer(pb_grpc.InferenceServicer):
         )
         aborted = {rid for r in results for rid in r.aborted}
         return pb.AbortResponse(aborted=[rid for rid in request.request_ids if rid in aborted])
+
+
+def _describe(c: Candidate) -> str:
+    """One candidate's load as the policy saw it (debug log)."""
+    return (
+        f"{c.replica_id}[load {c.load} q {c.queued_prefill_tokens} pend {c.pending_prefill_tokens}"
+        f" dec {c.decoding} rate {c.prefill_tokens_per_s:.0f} util {c.utilisation:.2f}]"
+    )
