@@ -116,6 +116,11 @@ class SchedulerConfig:
     """Most sequences in one step."""
     max_num_batched_tokens: int = 2048
     """Token budget of one step (decode tokens + prefill chunks)."""
+    max_num_partial_prefills: int = 0
+    """Most sequences with prefill work in one step; waiting prompts are admitted only below it
+    (vLLM's name). 0: no limit, as many as the budget holds. On a CPU, where a step's time
+    grows linearly with its tokens, packing several prompts into one step only delays the
+    first tokens of all but the last; 1 hands them out one after another."""
     max_n: int = 16
     """Largest n (parallel samples) one request may ask for."""
     max_logprobs: int = 20
@@ -124,6 +129,7 @@ class SchedulerConfig:
     def __post_init__(self) -> None:
         _check(self.max_num_seqs >= 1, "max_num_seqs must be >= 1")
         _check(self.max_num_batched_tokens >= 1, "max_num_batched_tokens must be >= 1")
+        _check(self.max_num_partial_prefills >= 0, "max_num_partial_prefills must be >= 0")
         _check(self.max_n >= 1, "max_n must be >= 1")
         _check(self.max_logprobs >= 0, "max_logprobs must be >= 0")
 

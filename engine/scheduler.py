@@ -127,7 +127,11 @@ class Scheduler:
         """Admits waiting sequences in order, each with its longest cached prefix."""
         # Requests whose grammar is still compiling are set aside and put back in order.
         not_ready: list[Sequence] = []
+        limit = self.config.max_num_partial_prefills
+        prefilling = sum(1 for item in out.scheduled if item.start < item.seq.num_prompt_tokens)
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            if limit and prefilling >= limit:
+                break
             seq = self.waiting[0]
             if seq.request.waiting_for_grammar:
                 not_ready.append(self.waiting.popleft())
@@ -158,6 +162,7 @@ class Scheduler:
             self.running.append(seq)
             out.scheduled.append(ScheduledSeq(seq, num_new, seq.num_computed_tokens))
             budget -= num_new
+            prefilling += 1
         self.waiting.extendleft(reversed(not_ready))
 
     def _record_hit(self, seq: Sequence, match: PrefixMatch | None) -> None:

@@ -157,6 +157,13 @@ def add_engine_args(parser: argparse.ArgumentParser) -> list[argparse.Action]:
             default=_SCHED.max_num_batched_tokens,
             help="Token budget of one step.",
         ),
+        add_flag(
+            g,
+            "--max-num-partial-prefills",
+            type=int,
+            default=_SCHED.max_num_partial_prefills,
+            help="Most prompts in prefill in one step (0: as many as the budget holds).",
+        ),
         add_flag(g, "--max-n", type=int, default=_SCHED.max_n, help="Largest n per request."),
         add_flag(
             g,
@@ -212,6 +219,7 @@ def engine_config_from_args(
         scheduler=SchedulerConfig(
             max_num_seqs=args.max_num_seqs,
             max_num_batched_tokens=args.max_num_batched_tokens,
+            max_num_partial_prefills=args.max_num_partial_prefills,
             max_n=args.max_n,
             max_logprobs=args.max_logprobs,
         ),

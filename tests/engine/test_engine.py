@@ -302,3 +302,29 @@ async def test_async_slow_reader_overflows(aengine: AsyncEngine) -> None:
         async for _ in agen:
             pass
     await _wait_free(aengine)
+
+
+def test_partial_prefill_limit_admits_prompts_one_after_another(tiny_llama_path: Path) -> None:
+    """`max_num_partial_prefills=1`: one prompt in prefill a step, decodes alongside; the same
+    greedy tokens as packing every prompt into one step."""
+    prompts = [rand_tokens(40 + 10 * i, seed=70 + i) for i in range(3)]
+    params = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
+    packed = LLM(str(tiny_llama_path), num_device_blocks=64, max_num_batched_tokens=512)
+    one = LLM(
+        str(tiny_llama_path),
+        num_device_blocks=64,
+        max_num_batched_tokens=512,
+        max_num_partial_prefills=1,
+    )
+    for i, p in enumerate(prompts):
+        one.engine.add_request(p, params, request_id=str(i))
+    running = []
+    for _ in range(3):
+        one.engine.step()
+        running.append(len(one.engine.scheduler.running))
+    assert running == [1, 2, 3]  # one admitted a step; the earlier ones decode meanwhile
+    while one.engine.has_unfinished_requests():
+        one.engine.step()
+    expected = [o.outputs[0].token_ids for o in packed.generate(prompts, params)]
+    got = [o.outputs[0].token_ids for o in one.generate(prompts, params)]
+    assert got == expected
