@@ -15,7 +15,7 @@ import functools
 import warnings
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -74,23 +74,48 @@ def check_aligned(name: str, t: torch.Tensor, row_stride: int, nbytes: int = 16)
     )
 
 
+class AttentionArgs(NamedTuple):
+    """The tensors both paged attention kernels (decode and prefill) take."""
+
+    out: torch.Tensor  # [T, Hq, D], dense but for the token stride
+    q: torch.Tensor  # [T, Hq, D], like out
+    kv_cache: torch.Tensor  # [2, num_blocks, block_size, Hkv, D], one layer
+    block_tables: torch.Tensor  # [num_seqs, max_blocks] int32
+    seq_lens: torch.Tensor  # [num_seqs] int32
+
+    def cache_pointers(self) -> tuple[np.uint64, ...]:
+        """Kernel arguments (q, k_cache, v_cache, block_tables, seq_lens)."""
+        kv = self.kv_cache
+        return ptr(self.q), ptr(kv[0]), ptr(kv[1]), ptr(self.block_tables), ptr(self.seq_lens)
+
+    def layout(self) -> tuple[np.int64 | np.int32, ...]:
+        """Kernel arguments (q_stride, out_stride, num_heads, num_kv_heads, max_blocks)."""
+        return (
+            np.int64(self.q.stride(0)),
+            np.int64(self.out.stride(0)),
+            np.int32(self.q.shape[1]),
+            np.int32(self.kv_cache.shape[3]),
+            np.int32(self.block_tables.shape[1]),
+        )
+
+
+class AttentionDims(NamedTuple):
+    num_heads: int  # Hq
+    head_dim: int  # D
+    block_size: int  # tokens per KV block
+    num_kv_heads: int  # Hkv
+
+
 def check_attention_args(
-    q: torch.Tensor,
-    out: torch.Tensor,
-    kv_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    seq_lens: torch.Tensor,
-    *,
-    head_sizes: Sequence[int],
-    block_sizes: Sequence[int],
-) -> tuple[int, int, int, int]:
+    args: AttentionArgs, *, head_sizes: Sequence[int], block_sizes: Sequence[int]
+) -> AttentionDims:
     """The argument checks both attention loaders share (decode and prefill).
 
     q, out: [T, Hq, D] of one dtype with the cache, dense but for the token stride;
     kv_cache: [2, NB, BS, Hkv, D] (one layer, contiguous, 16-byte aligned rows); block_tables:
-    [num_seqs, max_blocks] int32; seq_lens: [num_seqs] int32. Returns
-    (num_heads, head_dim, block_size, num_kv_heads).
+    [num_seqs, max_blocks] int32; seq_lens: [num_seqs] int32.
     """
+    out, q, kv_cache, block_tables, seq_lens = args
     dtypes = tuple(DTYPE_NAMES)
     check_tensor("q", q, 3, dtypes)
     check_tensor("out", out, 3, dtypes)
@@ -129,7 +154,7 @@ def check_attention_args(
     check_aligned("kv_cache", kv_cache, head_dim)
     check_contiguous("block_tables", block_tables)
     check_contiguous("seq_lens", seq_lens)
-    return num_heads, head_dim, block_size, num_kv_heads
+    return AttentionDims(num_heads, head_dim, block_size, num_kv_heads)
 
 
 def check_cuda(**tensors: torch.Tensor) -> torch.device:
