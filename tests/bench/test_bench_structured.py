@@ -2,24 +2,21 @@
 
 from __future__ import annotations
 
-import argparse
 import json
 import re
 from pathlib import Path
 
 import pytest
 
-from bench import structured
+from bench import common, structured
 
 
 def test_structured_quick(
     tiny_llama_path: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     out_json = tmp_path / "structured.json"
-    parser = argparse.ArgumentParser()
-    structured.add_arguments(parser)
     argv = ["--model", str(tiny_llama_path), "--quick", "--reps", "2", "--json", str(out_json)]
-    assert structured.run(parser.parse_args(argv)) == 0
+    assert structured.run(common.parse_args(structured.add_arguments, argv)) == 0
     text = capsys.readouterr().out
     # One line per pair, the order alternating, then a verdict on the median.
     assert re.search(r"^  pair 1 \(json_schema first\) .* ratio \d\.\d{3} ", text, re.M), text
