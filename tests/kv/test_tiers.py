@@ -239,12 +239,19 @@ def test_fetch_destination_is_not_spilled_and_refetch_supersedes() -> None:
     tiers.check_integrity()
 
 
+def running(kv: KVCacheManager, num_tokens: int) -> FakeSeq:
+    """Sequence 0 with tokens 0..num_tokens-1, all computed but the last (a running sequence's
+    sampled token is not yet fed), its full blocks cached."""
+    s = FakeSeq(0, list(range(num_tokens)))
+    assert kv.allocate(s, num_tokens - 1)
+    s.num_computed_tokens = num_tokens - 1
+    kv.cache_blocks(s)
+    return s
+
+
 def test_swap_out_and_resume_exact_ids() -> None:
     kv, tiers, _ = make(6, 4)
-    s = FakeSeq(0, list(range(11)))  # computed 10: blocks 0, 1 full, 2 holds 2 tokens
-    assert kv.allocate(s, 10)
-    s.num_computed_tokens = 10
-    kv.cache_blocks(s)
+    s = running(kv, 11)  # computed 10: blocks 0, 1 full, 2 holds 2 tokens
     step(kv, tiers)
     assert tiers.swap_out(s, kv.block_ids(0), kv.plan)
     kv.free(s)
@@ -275,10 +282,7 @@ def test_swap_out_and_resume_exact_ids() -> None:
 
 def test_swap_out_falls_back_when_cpu_is_full() -> None:
     kv, tiers, _ = make(6, 2)
-    s = FakeSeq(0, list(range(11)))
-    assert kv.allocate(s, 10)
-    s.num_computed_tokens = 10
-    kv.cache_blocks(s)
+    s = running(kv, 11)
     assert not tiers.swap_out(s, kv.block_ids(0), kv.plan)  # needs 3 CPU blocks
     assert not kv.take_plan() and tiers.swapped == {}
     tiers.drop_swap(0)  # no-op
@@ -288,10 +292,7 @@ def test_swap_out_falls_back_when_cpu_is_full() -> None:
 
 def test_drop_swap_releases_cpu_blocks() -> None:
     kv, tiers, _ = make(6, 4)
-    s = FakeSeq(0, list(range(6)))
-    assert kv.allocate(s, 5)
-    s.num_computed_tokens = 5
-    kv.cache_blocks(s)
+    s = running(kv, 6)
     assert tiers.swap_out(s, kv.block_ids(0), kv.plan)
     kv.free(s)
     step(kv, tiers)
