@@ -14,6 +14,7 @@ import os
 import shutil
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
 
@@ -112,7 +113,7 @@ def _prefill_args(**over: object) -> dict[str, object]:
 
 
 BF = torch.bfloat16
-DECODE_BAD = {
+DECODE_BAD: dict[str, tuple[dict[str, object], str]] = {
     "q dtype": (dict(q=torch.empty(3, 4, 64, dtype=torch.float64)), "q must have dtype"),
     "head size": (
         dict(
@@ -136,14 +137,7 @@ DECODE_BAD = {
 }
 
 
-@pytest.mark.parametrize("case", DECODE_BAD, ids=list(DECODE_BAD))
-def test_decode_loader_rejects(case: str) -> None:
-    over, message = DECODE_BAD[case]
-    with pytest.raises(ValueError, match=message):
-        paged_attention.paged_decode_attention(**_decode_args(**over))  # type: ignore[arg-type]
-
-
-PREFILL_BAD = {
+PREFILL_BAD: dict[str, tuple[dict[str, object], str]] = {
     "qsl length": (dict(query_start_loc=torch.tensor([0, 5], dtype=torch.int32)), "sequences"),
     "qsl dtype": (dict(query_start_loc=torch.tensor([0, 2, 5])), "query_start_loc"),
     "out shape": (dict(out=torch.empty(4, 4, 64, dtype=BF)), "out shape"),
@@ -156,11 +150,23 @@ PREFILL_BAD = {
 }
 
 
-@pytest.mark.parametrize("case", PREFILL_BAD, ids=list(PREFILL_BAD))
-def test_prefill_loader_rejects(case: str) -> None:
-    over, message = PREFILL_BAD[case]
+LOADER_BAD: dict[str, tuple[Callable[..., None], dict[str, object], str]] = {
+    **{
+        f"decode {name}": (paged_attention.paged_decode_attention, _decode_args(**over), message)
+        for name, (over, message) in DECODE_BAD.items()
+    },
+    **{
+        f"prefill {name}": (prefill_attention.paged_prefill_attention, _prefill_args(**over), msg)
+        for name, (over, msg) in PREFILL_BAD.items()
+    },
+}
+
+
+@pytest.mark.parametrize("case", LOADER_BAD, ids=list(LOADER_BAD))
+def test_attention_loaders_reject(case: str) -> None:
+    loader, args, message = LOADER_BAD[case]
     with pytest.raises(ValueError, match=message):
-        prefill_attention.paged_prefill_attention(**_prefill_args(**over))  # type: ignore[arg-type]
+        loader(**args)
 
 
 def test_reshape_and_cache_rejects() -> None:
