@@ -11,7 +11,7 @@ import numpy as np
 import torch
 
 from cuda.cupy_launch import (
-    DTYPE_NAMES,
+    DTYPES,
     WORD_TYPES,
     check,
     check_contiguous,
@@ -23,7 +23,6 @@ from cuda.cupy_launch import (
 )
 
 CU_FILE = "block_copy.cu"
-DTYPES = tuple(DTYPE_NAMES)
 THREADS = 256
 
 

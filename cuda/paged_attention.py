@@ -15,9 +15,12 @@ import numpy as np
 import torch
 
 from cuda.cupy_launch import (
+    ATTENTION_HEAD_SIZES,
     DTYPE_NAMES,
+    DTYPES,
     AttentionArgs,
     AttentionDims,
+    attention_configs,
     check,
     check_attention_args,
     check_cuda,
@@ -27,9 +30,6 @@ from cuda.cupy_launch import (
 )
 
 CU_FILE = "paged_attention.cu"
-DTYPES = tuple(DTYPE_NAMES)
-HEAD_SIZES = (64, 96, 128)
-BLOCK_SIZES = (16, 32)
 HEADS_PER_CTA = (8, 4, 2, 1)
 """Query heads one CTA serves (template QH), largest first; one must divide the GQA group."""
 PARTITION_SIZE = 512
@@ -48,12 +48,9 @@ def reduce_kernel_name(dtype: torch.dtype, head_dim: int) -> str:
 
 def instantiations() -> list[str]:
     """Every name expression this loader may compile (the CI compile check builds them all)."""
-    names = []
-    for dtype in DTYPES:
-        for d in HEAD_SIZES:
-            names.append(reduce_kernel_name(dtype, d))
-            for bs in BLOCK_SIZES:
-                names += [decode_kernel_name(dtype, d, bs, h) for h in HEADS_PER_CTA]
+    names = [reduce_kernel_name(t, d) for t in DTYPES for d in ATTENTION_HEAD_SIZES]
+    for dtype, d, bs in attention_configs():
+        names += [decode_kernel_name(dtype, d, bs, h) for h in HEADS_PER_CTA]
     return names
 
 
@@ -172,7 +169,7 @@ def _reduce_partitions(
 
 def _check_decode_args(args: AttentionArgs, max_seq_len: int) -> AttentionDims:
     """The shared attention checks plus decode's own."""
-    dims = check_attention_args(args, head_sizes=HEAD_SIZES, block_sizes=BLOCK_SIZES)
+    dims = check_attention_args(args)
     block_tables, seq_lens = args.block_tables, args.seq_lens
     num_seqs = args.q.shape[0]
     check(

@@ -15,6 +15,7 @@ from cuda.cupy_launch import (
     DTYPE_NAMES,
     AttentionArgs,
     AttentionDims,
+    attention_configs,
     check,
     check_aligned,
     check_attention_args,
@@ -26,9 +27,6 @@ from cuda.cupy_launch import (
 )
 
 CU_FILE = "prefill_attention.cu"
-DTYPES = tuple(DTYPE_NAMES)
-HEAD_SIZES = (64, 96, 128)
-BLOCK_SIZES = (16, 32)
 THREADS = 128
 LOG2E = 1.4426950408889634
 
@@ -44,7 +42,7 @@ def kernel_name(dtype: torch.dtype, head_dim: int, block_size: int) -> str:
 
 def instantiations() -> list[str]:
     """Every name expression this loader may compile (the CI compile check builds them all)."""
-    return [kernel_name(t, d, b) for t in DTYPES for d in HEAD_SIZES for b in BLOCK_SIZES]
+    return [kernel_name(t, d, b) for t, d, b in attention_configs()]
 
 
 def paged_prefill_attention(
@@ -94,7 +92,7 @@ def _check_prefill_args(
     args: AttentionArgs, query_start_loc: torch.Tensor, max_query_len: int
 ) -> AttentionDims:
     """The shared attention checks plus prefill's own."""
-    dims = check_attention_args(args, head_sizes=HEAD_SIZES, block_sizes=BLOCK_SIZES)
+    dims = check_attention_args(args)
     out, q, block_tables = args.out, args.q, args.block_tables
     check_tensor("query_start_loc", query_start_loc, 1, (torch.int32,))
     num_seqs = args.seq_lens.shape[0]

@@ -1,13 +1,13 @@
 """Every CUDA kernel on a GPU against a float64 reference and the torch reference backend.
 
-Grid: fp16 / bf16 / fp32, head sizes 64 / 96 / 128, block sizes 16 / 32, GQA ratios 1 / 4 / 8
-(and 3, which uses several CTAs per KV head), random block tables, ragged lengths, padding slots,
-and a cache whose unused slots hold NaN (a kernel that reads one fails).
+Grid: every (dtype, head size, block size) the attention kernels are built for
+(cuda.cupy_launch.attention_configs), GQA ratios 1 / 4 / 8 (and 3, which uses several CTAs per KV
+head), random block tables, ragged lengths, padding slots, and a cache whose unused slots hold NaN
+(a kernel that reads one fails).
 """
 
 from __future__ import annotations
 
-import itertools
 import math
 
 import pytest
@@ -20,16 +20,14 @@ pytestmark = [
 ]
 
 from cuda import block_copy, paged_attention, reshape_and_cache  # noqa: E402
+from cuda.cupy_launch import DTYPES, attention_configs  # noqa: E402
 from engine.attention.cupy_backend import CupyAttentionBackend  # noqa: E402
 from engine.attention.torch_ref import TorchAttentionBackend  # noqa: E402
 from tests import kernel_reference as kref  # noqa: E402
 from tests.tiny_models import make_attention_metadata  # noqa: E402
 
-DTYPES = [torch.float16, torch.bfloat16, torch.float32]
-HEAD_SIZES = [64, 96, 128]
-BLOCK_SIZES = [16, 32]
 HEADS = [(8, 8), (16, 4), (16, 2), (12, 4)]  # GQA ratios 1, 4, 8, 3
-GRID = list(itertools.product(DTYPES, HEAD_SIZES, BLOCK_SIZES, HEADS))
+GRID = [(*cfg, heads) for cfg in attention_configs() for heads in HEADS]
 
 
 def _id(cfg: tuple[torch.dtype, int, int, tuple[int, int]]) -> str:
