@@ -349,6 +349,14 @@ def _count_computed(llm: Any) -> list[int]:
     return box
 
 
+def _part(args: argparse.Namespace, name: str, heading: str) -> bool:
+    """Whether --part selects `name`; if so, prints its heading (flushed: a part runs long)."""
+    if args.part not in ("all", name):
+        return False
+    print(f"\n-- {heading} --", flush=True)
+    return True
+
+
 def run(args: argparse.Namespace) -> int:
     common.setup_torch(args.threads)
     model_path = common.resolve_model(args.model, args.cache_dir)
@@ -361,29 +369,25 @@ def run(args: argparse.Namespace) -> int:
     common.print_header("deja bench tiers", model_path, info)
     out: dict[str, Any] = {"bench": "tiers", "model": model_path, "machine": info, "workload": work}
     start = time.perf_counter()
-    if args.part in ("all", "ttft"):
-        print(
-            f"\n-- TTFT of a {work['prefix_len']}-token cached prefix + {work['suffix_len']}-token "
-            f"suffix by tier ({work['reps']} reps, {args.dtype}, max_tokens 1) --"
-        )
-        sys.stdout.flush()
+    ttft_heading = (
+        f"TTFT of a {work['prefix_len']}-token cached prefix + {work['suffix_len']}-token "
+        f"suffix by tier ({work['reps']} reps, {args.dtype}, max_tokens 1)"
+    )
+    if _part(args, "ttft", ttft_heading):
         out["ttft"] = run_ttft(args, model_path, ids, work)
         cpu = out["ttft"]["tiers"]["cpu"]["speedup_vs_recompute"]
         print(f"CPU-tier hit vs recompute: {cpu:.1f}x faster to first token (target >= 5x)")
-    if args.part in ("all", "multiturn"):
-        print(
-            f"\n-- multi-turn: {work['sessions']} sessions x {work['turns']} turns, groups of "
-            f"{work['group']}, answers of {work['answer_len']} tokens --"
-        )
-        sys.stdout.flush()
+    multiturn_heading = (
+        f"multi-turn: {work['sessions']} sessions x {work['turns']} turns, groups of "
+        f"{work['group']}, answers of {work['answer_len']} tokens"
+    )
+    if _part(args, "multiturn", multiturn_heading):
         out["multiturn"] = run_multiturn(args, model_path, ids, work)
         ratio = out["multiturn"]["results"]["cpu on"]["hit_rate_vs_unbounded"]
         print(f"hit rate with the CPU tier / unbounded device pool: {ratio:.2f} (target >= 0.90)")
-    if args.part in ("all", "restart"):
+    if _part(args, "restart", "first request after a restart (write-through, graceful close)"):
         from bench.tiers_restart import run_restart
 
-        print("\n-- first request after a restart (write-through, graceful close) --")
-        sys.stdout.flush()
         out["restart"] = run_restart(args, model_path, ids, args.quick)
     print(f"\ntotal bench time {time.perf_counter() - start:.0f} s")
     common.write_json(args.json, out)
