@@ -13,7 +13,7 @@ import platform
 import random
 import statistics
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -81,6 +81,20 @@ def resolve_model(model: str, cache_dir: Path | None) -> str:
     from engine.demo import resolve_model_path
 
     return resolve_model_path(model, cache_dir or default_cache_dir())
+
+
+def cpu_llm(model_path: str, args: argparse.Namespace, **options: Any) -> Any:
+    """Our engine (engine.LLM) on the CPU with the common flags' --dtype and
+    --max-num-batched-tokens; `options` are further LLM keyword arguments."""
+    from engine import LLM
+
+    return LLM(
+        model_path,
+        dtype=args.dtype,
+        device="cpu",
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        **options,
+    )
 
 
 def allowed_token_ids(model_path: str) -> tuple[list[int], int]:
@@ -153,11 +167,11 @@ def mean(values: Sequence[float]) -> float:
     return float(statistics.fmean(values))
 
 
-def print_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> None:
-    """A plain left-aligned text table (floats with 2 decimals)."""
+def print_table(headers: Sequence[str], rows: Sequence[Sequence[Any]], digits: int = 2) -> None:
+    """A plain left-aligned text table (floats with `digits` decimals)."""
 
     def fmt(v: Any) -> str:
-        return f"{v:.2f}" if isinstance(v, float) else str(v)
+        return f"{v:.{digits}f}" if isinstance(v, float) else str(v)
 
     cells = [[fmt(v) for v in row] for row in rows]
     widths = [max(len(h), *(len(r[i]) for r in cells)) for i, h in enumerate(headers)]
@@ -227,3 +241,26 @@ def write_json(path: Path | None, payload: dict[str, Any]) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(payload, indent=2, sort_keys=True) + "\n", encoding="utf-8")
     print(f"results written to {path}")
+
+
+def parse_args(
+    add_arguments: Callable[[argparse.ArgumentParser], None],
+    argv: list[str] | None,
+    prog: str | None = None,
+    doc: str | None = None,
+) -> argparse.Namespace:
+    """argv parsed with a benchmark's flags (`add_arguments`); `doc`'s first line describes it."""
+    parser = argparse.ArgumentParser(prog=prog, description=doc.split("\n")[0] if doc else None)
+    add_arguments(parser)
+    return parser.parse_args(argv)
+
+
+def main(
+    prog: str,
+    doc: str | None,
+    add_arguments: Callable[[argparse.ArgumentParser], None],
+    run: Callable[[argparse.Namespace], int],
+    argv: list[str] | None,
+) -> int:
+    """A benchmark's command line: its flags parsed from argv, then `run`."""
+    return run(parse_args(add_arguments, argv, prog, doc))

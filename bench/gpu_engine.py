@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from bench.kernels import print_table, write_json
+from bench import common
 
 
 @dataclass(frozen=True, slots=True)
@@ -215,7 +215,7 @@ def run(args: argparse.Namespace) -> int:
     rows = [
         [name, r["seconds"], r["output_tokens"], r["tokens_per_s"]] for name, r in results.items()
     ]
-    print_table(["system", "seconds", "output tokens", "tokens/s"], rows)
+    common.print_table(["system", "seconds", "output tokens", "tokens/s"], rows, digits=3)
     ratios: dict[str, float] = {}
     names = list(results)
     for a in names:
@@ -232,7 +232,7 @@ def run(args: argparse.Namespace) -> int:
             f"identical greedy outputs cupy vs torch backend (first 32 tokens): {agree:.1%} "
             "(random weights: near-ties, see tests/gpu parity)"
         )
-    write_json(
+    common.write_json(
         args.json,
         {
             "device": props.name,
@@ -248,9 +248,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="deja bench gpu", description=__doc__.split("\n")[0])
-    add_arguments(parser)
-    return run(parser.parse_args(argv))
+    return common.main("deja bench gpu", __doc__, add_arguments, run, argv)
 
 
 if __name__ == "__main__":

@@ -14,28 +14,12 @@ In one run:
 from __future__ import annotations
 
 import argparse
-import json
 import math
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-
-def print_table(headers: list[str], rows: list[list[Any]]) -> None:
-    """A plain left-aligned text table (floats with 3 significant decimals)."""
-    cells = [[f"{v:.3f}" if isinstance(v, float) else str(v) for v in row] for row in rows]
-    widths = [max(len(h), *(len(r[i]) for r in cells)) for i, h in enumerate(headers)]
-    print("  ".join(h.ljust(w) for h, w in zip(headers, widths, strict=True)))
-    print("  ".join("-" * w for w in widths))
-    for r in cells:
-        print("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)))
-
-
-def write_json(path: Path | None, payload: dict[str, Any]) -> None:
-    if path is not None:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(payload, indent=2, sort_keys=True) + "\n", encoding="utf-8")
-        print(f"results written to {path}")
+from bench import common
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -223,7 +207,7 @@ def run(args: argparse.Namespace) -> int:
     split = bench_split_k(args)
     prefill = bench_prefill(args)
     print(f"device-to-device copy: {bw / 1e9:.0f} GB/s (read + write)")
-    print_table(
+    common.print_table(
         ["measurement", "value", "target"],
         [
             ["decode b64 ctx4096 32/8 heads d128 bf16: kernel ms", decode["kernel_ms"], ""],
@@ -238,6 +222,7 @@ def run(args: argparse.Namespace) -> int:
             ["prefill 16 x 512 causal: kernel ms", prefill["kernel_ms"], ""],
             ["  our time / SDPA (flash, contiguous) time", prefill["time_vs_sdpa"], "info"],
         ],
+        digits=3,
     )
     ok = (
         decode["fraction_of_copy_bw"] >= 0.70
@@ -245,7 +230,7 @@ def run(args: argparse.Namespace) -> int:
         and split["speedup"] > 1.0
     )
     print("acceptance 2:", "MET" if ok else "NOT MET")
-    write_json(
+    common.write_json(
         args.json,
         {
             "device": props.name,
@@ -260,9 +245,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="deja bench kernels", description=__doc__.split("\n")[0])
-    add_arguments(parser)
-    return run(parser.parse_args(argv))
+    return common.main("deja bench kernels", __doc__, add_arguments, run, argv)
 
 
 if __name__ == "__main__":

@@ -32,20 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from bench.common import (
-    add_common_arguments,
-    allowed_token_ids,
-    finish_info,
-    load_avg,
-    machine_info,
-    p50,
-    print_header,
-    print_table,
-    random_prompt,
-    resolve_model,
-    setup_torch,
-    write_json,
-)
+from bench import common
 
 TARGET_DECODE_VS_OFFLINE = 0.95
 TARGET_DECODE_VS_TRANSFORMERS = 1.2
@@ -55,7 +42,7 @@ QUICK = {"prompt_len": 16, "new_tokens": 8, "repeats": 2}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    add_common_arguments(parser)
+    common.add_common_arguments(parser)
     parser.add_argument("--prompt-len", type=int, default=None, help="prompt tokens (default 128)")
     parser.add_argument("--new-tokens", type=int, default=None, help="output tokens (default 96)")
     parser.add_argument("--repeats", type=int, default=None, help="measured requests (default 3)")
@@ -97,11 +84,11 @@ class SystemResult:
 
     @property
     def ttft_ms(self) -> float:
-        return 1e3 * p50([s.ttft_s for s in self.samples])
+        return 1e3 * common.p50([s.ttft_s for s in self.samples])
 
     @property
     def decode_tok_s(self) -> float:
-        return p50([s.decode_tok_s for s in self.samples])
+        return common.p50([s.decode_tok_s for s in self.samples])
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -203,15 +190,10 @@ def _served_one(client: Any, prompt: list[int], new_tokens: int) -> Sample:
 def run_offline(
     model_path: str, args: argparse.Namespace, prompts: list[list[int]], warmup: list[int]
 ) -> SystemResult:
-    from engine import LLM, SamplingParams
+    from engine import SamplingParams
 
-    llm = LLM(
-        model_path,
-        dtype=args.dtype,
-        device="cpu",
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        num_device_blocks=args.num_device_blocks,
-        cpu_swap_gib=0.0,
+    llm = common.cpu_llm(
+        model_path, args, num_device_blocks=args.num_device_blocks, cpu_swap_gib=0.0
     )
     params = SamplingParams(temperature=0.0, max_tokens=args.new_tokens, ignore_eos=True)
     try:
@@ -343,17 +325,17 @@ def _run(args: argparse.Namespace) -> int:
     if args.new_tokens < 2 or args.repeats < 1 or args.prompt_len < 1:
         print("deja bench latency: needs --new-tokens >= 2, --repeats >= 1", file=sys.stderr)
         return 2
-    setup_torch(args.threads)
-    model_path = resolve_model(args.model, args.cache_dir)
-    info = machine_info(args.threads)
-    print_header("one-user latency: served vs offline vs transformers", model_path, info)
+    common.setup_torch(args.threads)
+    model_path = common.resolve_model(args.model, args.cache_dir)
+    info = common.machine_info(args.threads)
+    common.print_header("one-user latency: served vs offline vs transformers", model_path, info)
     print(
         f"workload: prompt {args.prompt_len} tokens, {args.new_tokens} new tokens (greedy, EOS "
         f"ignored), {args.repeats} measured requests per system after 1 warm-up, {args.dtype}"
     )
-    ids, _ = allowed_token_ids(model_path)
+    ids, _ = common.allowed_token_ids(model_path)
     rng = random.Random(args.seed)
-    prompts = [random_prompt(rng, ids, args.prompt_len) for _ in range(args.repeats + 3)]
+    prompts = [common.random_prompt(rng, ids, args.prompt_len) for _ in range(args.repeats + 3)]
     warm = {"served": prompts[0], "offline": prompts[1], "transformers": prompts[2]}
     measured = prompts[3:]
 
@@ -368,7 +350,9 @@ def _run(args: argparse.Namespace) -> int:
         [s.name, s.ttft_ms, s.decode_tok_s, " ".join(f"{x.decode_tok_s:.1f}" for x in s.samples)]
         for s in systems
     ]
-    print_table(["system", "TTFT ms (p50)", "decode tok/s (p50)", "decode tok/s per run"], rows)
+    common.print_table(
+        ["system", "TTFT ms (p50)", "decode tok/s (p50)", "decode tok/s per run"], rows
+    )
     same = sum(a.tokens == b.tokens for a, b in zip(served.samples, offline.samples, strict=True))
     print(f"greedy tokens served == offline: {same}/{len(measured)} requests")
     cached = sum(x.cached_tokens for s in (served, offline) for x in s.samples)
@@ -376,9 +360,9 @@ def _run(args: argparse.Namespace) -> int:
     results = checks(served, offline, hf)
     for c in results:
         print(f"{c.name}: {c.value:.2f} (target {c.target}) {'PASS' if c.ok else 'FAIL'}")
-    end_line = finish_info(info)
+    end_line = common.finish_info(info)
     print(f"{end_line} (at start {', '.join(f'{x:.2f}' for x in info['load_avg_at_start'])})")
-    write_json(
+    common.write_json(
         args.json,
         {
             "machine": info,
@@ -393,7 +377,7 @@ def _run(args: argparse.Namespace) -> int:
             "results": {s.name: s.to_json() for s in systems},
             "identical_served_offline": same,
             "checks": {c.name: {"value": c.value, "target": c.target, "ok": c.ok} for c in results},
-            "load_avg_now": load_avg(),
+            "load_avg_now": common.load_avg(),
         },
     )
     if same != len(measured):

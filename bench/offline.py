@@ -34,20 +34,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from bench.common import (
-    Request,
-    add_common_arguments,
-    allowed_token_ids,
-    finish_info,
-    machine_info,
-    make_requests,
-    print_header,
-    print_table,
-    resolve_model,
-    setup_torch,
-    timed,
-    write_json,
-)
+from bench import common
 
 FULL: dict[str, Any] = {
     "num_requests": 64,
@@ -64,7 +51,7 @@ QUICK: dict[str, Any] = {
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    add_common_arguments(parser)
+    common.add_common_arguments(parser)
     parser.add_argument(
         "--num-requests", type=int, default=None, help="default 64 (8 with --quick)"
     )
@@ -170,8 +157,8 @@ class SystemResult:
 def run_ours(
     model_path: str,
     args: argparse.Namespace,
-    requests: list[Request],
-    warmup: list[Request],
+    requests: list[common.Request],
+    warmup: list[common.Request],
     disk_dir: str | None = None,
 ) -> tuple[SystemResult, int]:
     """Returns the result and the prompt tokens served from the prefix cache (expected 0).
@@ -179,25 +166,23 @@ def run_ours(
     `disk_dir`: with a write-through disk tier there (its writes queued during the timed run
     are flushed after the clock stops, at close).
     """
-    from engine import LLM, SamplingParams
+    from engine import SamplingParams
 
-    llm = LLM(
+    llm = common.cpu_llm(
         model_path,
-        dtype=args.dtype,
-        device="cpu",
-        max_num_batched_tokens=args.max_num_batched_tokens,
+        args,
         num_device_blocks=args.num_device_blocks,
         disk_dir=disk_dir,
         disk_write_policy="write-through",
     )
 
-    def params(reqs: list[Request]) -> list[SamplingParams]:
+    def params(reqs: list[common.Request]) -> list[SamplingParams]:
         return [
             SamplingParams(temperature=0.0, max_tokens=r.max_tokens, ignore_eos=True) for r in reqs
         ]
 
     llm.generate([r.prompt for r in warmup], params(warmup))
-    with timed() as t:
+    with common.timed() as t:
         outs = llm.generate([r.prompt for r in requests], params(requests))
     tokens = [list(o.token_ids) for o in outs]
     cached = sum(o.num_cached_tokens for o in outs)
@@ -219,8 +204,8 @@ def run_ours(
 def compare_disk_write_through(
     model_path: str,
     args: argparse.Namespace,
-    requests: list[Request],
-    warmup: list[Request],
+    requests: list[common.Request],
+    warmup: list[common.Request],
     reps: int,
 ) -> tuple[SystemResult, SystemResult, dict[str, Any]]:
     """Ours without and with a write-through disk tier, alternating (off, on / on, off, ...).
@@ -283,7 +268,9 @@ def pad_token_id(model: Any) -> int:
     return int(eos) if eos is not None else 0
 
 
-def hf_generate_batch(model: Any, batch: list[Request], pad_id: int) -> tuple[list[list[int]], int]:
+def hf_generate_batch(
+    model: Any, batch: list[common.Request], pad_id: int
+) -> tuple[list[list[int]], int]:
     """Greedy `generate` on one left-padded batch run to its longest output.
 
     Returns each request's own tokens and the number of output tokens computed.
@@ -308,13 +295,13 @@ def hf_generate_batch(model: Any, batch: list[Request], pad_id: int) -> tuple[li
 
 
 def run_hf_generate(
-    model: Any, requests: list[Request], warmup: list[Request], batch_size: int
+    model: Any, requests: list[common.Request], warmup: list[common.Request], batch_size: int
 ) -> SystemResult:
     pad_id = pad_token_id(model)
     hf_generate_batch(model, warmup[:batch_size], pad_id)
     outputs: list[list[int]] = []
     computed = 0
-    with timed() as t:
+    with common.timed() as t:
         for i in range(0, len(requests), batch_size):
             rows, n = hf_generate_batch(model, requests[i : i + batch_size], pad_id)
             outputs.extend(rows)
@@ -332,7 +319,10 @@ def run_hf_generate(
 
 # -- transformers continuous batching ----------------------------------------------------------
 def run_hf_generate_batch(
-    model: Any, args: argparse.Namespace, requests: list[Request], warmup: list[Request]
+    model: Any,
+    args: argparse.Namespace,
+    requests: list[common.Request],
+    warmup: list[common.Request],
 ) -> SystemResult:
     """transformers' continuous batching, one manager sized for the workload and reused.
 
@@ -360,7 +350,7 @@ def run_hf_generate_batch(
         seed=args.seed,
     )
 
-    def solve(reqs: list[Request]) -> list[list[int]]:
+    def solve(reqs: list[common.Request]) -> list[list[int]]:
         # The first call builds the manager; later calls get it back (kept by stop() below).
         manager = model.init_continuous_batching(
             generation_config=gen_config, continuous_batching_config=cb_config
@@ -390,7 +380,7 @@ def run_hf_generate_batch(
 
     try:
         solve(warmup)
-        with timed() as t:
+        with common.timed() as t:
             outputs = solve(requests)
     finally:
         model.destroy_cached_continuous_batching_manager()
@@ -408,7 +398,7 @@ def first_mismatch(a: list[int], b: list[int]) -> int | None:
 
 
 def check_parity(
-    model: Any, requests: list[Request], ours: list[list[int]], count: int
+    model: Any, requests: list[common.Request], ours: list[list[int]], count: int
 ) -> list[dict[str, Any]]:
     """Ours against unpadded batch-1 transformers `generate` on the `count` cheapest requests."""
     pad_id = pad_token_id(model)
@@ -444,17 +434,17 @@ def resolve_workload(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def run(args: argparse.Namespace) -> int:
-    setup_torch(args.threads)
-    model_path = resolve_model(args.model, args.cache_dir)
-    info = machine_info(args.threads)
+    common.setup_torch(args.threads)
+    model_path = common.resolve_model(args.model, args.cache_dir)
+    info = common.machine_info(args.threads)
     work = resolve_workload(args)
-    ids, _ = allowed_token_ids(model_path)
-    requests = make_requests(
+    ids, _ = common.allowed_token_ids(model_path)
+    requests = common.make_requests(
         args.seed, ids, work["num_requests"], work["prompt_len"], work["output_len"]
     )
     # Different prompts for the warm-up, so nothing of the timed run is in any cache.
-    warmup = make_requests(args.seed + 1_000_003, ids, 4, work["prompt_len"], (4, 8))
-    print_header("deja bench offline", model_path, info)
+    warmup = common.make_requests(args.seed + 1_000_003, ids, 4, work["prompt_len"], (4, 8))
+    common.print_header("deja bench offline", model_path, info)
     print(
         f"workload: {len(requests)} requests, prompt tokens {sum(len(r.prompt) for r in requests)} "
         f"(uniform {work['prompt_len'][0]}..{work['prompt_len'][1]}), output tokens "
@@ -494,7 +484,7 @@ def run(args: argparse.Namespace) -> int:
     total = time.perf_counter() - start
 
     print()
-    print_table(
+    common.print_table(
         ["system", "wall s", "cpu s", "useful out tok", "computed out tok", "tok/s", "tok/cpu-s"],
         [
             (
@@ -552,9 +542,9 @@ def run(args: argparse.Namespace) -> int:
             f"greedy parity vs transformers generate (batch 1, unpadded): {ok}/{len(parity)} identical: {detail}"
         )
     print(f"total bench time {total:.0f} s")
-    print(finish_info(info))
+    print(common.finish_info(info))
 
-    write_json(
+    common.write_json(
         args.json,
         {
             "bench": "offline",
@@ -577,11 +567,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m bench.offline", description=__doc__.split("\n")[0]
-    )
-    add_arguments(parser)
-    return run(parser.parse_args(argv))
+    return common.main("python -m bench.offline", __doc__, add_arguments, run, argv)
 
 
 if __name__ == "__main__":

@@ -18,20 +18,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from bench.common import (
-    add_common_arguments,
-    allowed_token_ids,
-    finish_info,
-    machine_info,
-    mean,
-    p50,
-    print_header,
-    print_table,
-    random_prompt,
-    resolve_model,
-    setup_torch,
-    write_json,
-)
+from bench import common
 
 FULL: dict[str, Any] = {
     "num_requests": 32,
@@ -48,7 +35,7 @@ QUICK: dict[str, Any] = {
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    add_common_arguments(parser)
+    common.add_common_arguments(parser)
     parser.add_argument(
         "--num-requests", type=int, default=None, help="default 32 (4 with --quick)"
     )
@@ -91,9 +78,9 @@ def resolve_workload(args: argparse.Namespace) -> dict[str, Any]:
 
 def make_prompts(seed: int, ids: list[int], work: dict[str, Any]) -> list[list[int]]:
     rng = random.Random(seed)
-    prefix = random_prompt(rng, ids, work["prefix_len"])
+    prefix = common.random_prompt(rng, ids, work["prefix_len"])
     return [
-        prefix + random_prompt(rng, ids, rng.randint(*work["suffix_len"]))
+        prefix + common.random_prompt(rng, ids, rng.randint(*work["suffix_len"]))
         for _ in range(work["num_requests"])
     ]
 
@@ -104,11 +91,11 @@ def summarize(samples: list[Sample]) -> dict[str, Any]:
     ttfts = [s.ttft for s in rest]
     return {
         "first_request_ttft_s": samples[0].ttft,
-        "ttft_p50_s": p50(ttfts),
-        "ttft_mean_s": mean(ttfts),
+        "ttft_p50_s": common.p50(ttfts),
+        "ttft_mean_s": common.mean(ttfts),
         "ttft_min_s": min(ttfts),
         "ttft_max_s": max(ttfts),
-        "e2e_mean_s": mean([s.e2e for s in rest]),
+        "e2e_mean_s": common.mean([s.e2e for s in rest]),
         "cached_tokens_min": min(s.cached for s in rest),
         "cached_tokens_max": max(s.cached for s in rest),
         "first_request_cached_tokens": samples[0].cached,
@@ -116,19 +103,19 @@ def summarize(samples: list[Sample]) -> dict[str, Any]:
 
 
 def run(args: argparse.Namespace) -> int:
-    setup_torch(args.threads)
+    common.setup_torch(args.threads)
     from engine import LLM, SamplingParams
 
-    model_path = resolve_model(args.model, args.cache_dir)
-    info = machine_info(args.threads)
+    model_path = common.resolve_model(args.model, args.cache_dir)
+    info = common.machine_info(args.threads)
     work = resolve_workload(args)
     if work["num_requests"] < 2:
         raise SystemExit("--num-requests must be at least 2 (request 1 warms the cache)")
-    ids, _ = allowed_token_ids(model_path)
+    ids, _ = common.allowed_token_ids(model_path)
     prompts = make_prompts(args.seed, ids, work)
     # A warm-up prompt that shares nothing with the measured ones.
-    warm_prompt = random_prompt(random.Random(args.seed + 1_000_003), ids, 64)
-    print_header("deja bench prefix", model_path, info)
+    warm_prompt = common.random_prompt(random.Random(args.seed + 1_000_003), ids, 64)
+    common.print_header("deja bench prefix", model_path, info)
     print(
         f"workload: {len(prompts)} requests, shared prefix {work['prefix_len']} tokens + distinct "
         f"suffix {work['suffix_len'][0]}..{work['suffix_len'][1]} tokens, max_tokens "
@@ -170,7 +157,7 @@ def run(args: argparse.Namespace) -> int:
     same = sum(a.tokens == b.tokens for a, b in zip(samples["on"], samples["off"], strict=True))
     n_rest = len(prompts) - 1
     print()
-    print_table(
+    common.print_table(
         [
             "prefix cache",
             "TTFT req 1 (ms)",
@@ -200,9 +187,9 @@ def run(args: argparse.Namespace) -> int:
     print(f"ratio TTFT off / on (mean, requests 2..{len(prompts)}): {ratio_mean:.2f}x")
     print(f"identical outputs cache on vs off: {same}/{len(prompts)}")
     print(f"total bench time {total:.0f} s ({n_rest} measured requests per engine)")
-    print(finish_info(info))
+    print(common.finish_info(info))
 
-    write_json(
+    common.write_json(
         args.json,
         {
             "bench": "prefix",
@@ -227,11 +214,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m bench.prefix", description=__doc__.split("\n")[0]
-    )
-    add_arguments(parser)
-    return run(parser.parse_args(argv))
+    return common.main("python -m bench.prefix", __doc__, add_arguments, run, argv)
 
 
 if __name__ == "__main__":

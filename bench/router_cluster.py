@@ -24,6 +24,8 @@ import urllib.request
 from collections.abc import Sequence
 from pathlib import Path
 
+from clients.health import wait_serving
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -155,23 +157,14 @@ class ProcessGroup:
 
 def wait_healthy(group: ProcessGroup, name: str, target: str, timeout_s: float = 120.0) -> None:
     """Waits until `target` answers the gRPC health check with SERVING."""
-    import grpc
-    from grpc_health.v1 import health_pb2, health_pb2_grpc
-
-    deadline = time.monotonic() + timeout_s
-    with grpc.insecure_channel(target) as channel:
-        stub = health_pb2_grpc.HealthStub(channel)
-        while True:
-            group.check_alive(name)
-            try:
-                resp = stub.Check(health_pb2.HealthCheckRequest(), timeout=1.0)
-                if resp.status == health_pb2.HealthCheckResponse.SERVING:
-                    return
-            except grpc.RpcError:
-                pass
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"{name} not healthy after {timeout_s} s:\n{group.tail(name)}")
-            time.sleep(0.25)
+    wait_serving(
+        target,
+        timeout_s,
+        name=name,
+        check_alive=lambda: group.check_alive(name),
+        log_tail=lambda: group.tail(name),
+        poll_s=0.25,
+    )
 
 
 def scrape(metrics_port: int) -> str:

@@ -23,16 +23,7 @@ import statistics
 import time
 from typing import Any
 
-from bench.common import (
-    add_common_arguments,
-    finish_info,
-    load_avg,
-    machine_info,
-    print_header,
-    resolve_model,
-    setup_torch,
-    write_json,
-)
+from bench import common
 
 TARGET = 0.9
 """Issue 12's acceptance: schema throughput >= 0.9x of free."""
@@ -55,7 +46,7 @@ SCHEMA: dict[str, Any] = {
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    add_common_arguments(parser)
+    common.add_common_arguments(parser)
     parser.add_argument("--requests", type=int, default=64, help="requests per run (default 64)")
     parser.add_argument("--batch", type=int, default=32, help="max_num_seqs (default 32)")
     parser.add_argument("--max-tokens", type=int, default=96, help="cap per request (default 96)")
@@ -63,7 +54,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    setup_torch(args.threads)
+    common.setup_torch(args.threads)
     from engine.llm import LLM
     from engine.sampling_params import SamplingParams
     from engine.structured import ResponseFormat
@@ -71,9 +62,9 @@ def run(args: argparse.Namespace) -> int:
 
     n_req = 8 if args.quick else args.requests
     max_tokens = 24 if args.quick else args.max_tokens
-    model_path = resolve_model(args.model, args.cache_dir)
-    info = machine_info(args.threads)
-    print_header("structured outputs", model_path, info)
+    model_path = common.resolve_model(args.model, args.cache_dir)
+    info = common.machine_info(args.threads)
+    common.print_header("structured outputs", model_path, info)
     kwargs: dict[str, Any] = {"dtype": args.dtype, "max_num_seqs": args.batch}
     kwargs["max_num_batched_tokens"] = args.max_num_batched_tokens
     if args.num_device_blocks:
@@ -134,7 +125,7 @@ def run(args: argparse.Namespace) -> int:
     same_lengths = True
     for rep in range(args.reps):
         order = ("json_schema", "free") if rep % 2 == 0 else ("free", "json_schema")
-        load = load_avg()[:1]
+        load = common.load_avg()[:1]
         pair: dict[str, Any] = {"order": order[0] + " first", "load_avg_1m": load}
         for name in order:
             if name == "json_schema":
@@ -178,13 +169,13 @@ def run(args: argparse.Namespace) -> int:
         f"grammar compile: cold {cold * 1e3:.1f} ms (tokenizer info + compile), "
         f"new spec on a warm compiler {warm_new * 1e3:.1f} ms, cached {cached * 1e6:.0f} us"
     )
-    print(finish_info(info))
+    print(common.finish_info(info))
     verdict = "PASS" if ratio >= TARGET else "FAIL"
     print(
         f"{verdict}: throughput json_schema / free = {ratio:.3f}x, median of {len(pairs)} pairs "
         f"[{' '.join(f'{r:.3f}' for r in ratios)}] (target >= {TARGET}x)"
     )
-    write_json(
+    common.write_json(
         args.json,
         {
             "results": results,

@@ -26,19 +26,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from bench.common import (
-    add_common_arguments,
-    allowed_token_ids,
-    machine_info,
-    mean,
-    p50,
-    print_header,
-    print_table,
-    random_prompt,
-    resolve_model,
-    setup_torch,
-    write_json,
-)
+from bench import common
 
 BS = 16
 FULL: dict[str, Any] = {
@@ -67,7 +55,7 @@ TIERS = ("device", "cpu", "disk", "recompute")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    add_common_arguments(parser)
+    common.add_common_arguments(parser)
     parser.add_argument(
         "--part",
         choices=("all", "ttft", "multiturn", "restart"),
@@ -99,16 +87,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _engine(model_path: str, args: argparse.Namespace, **cfg: Any) -> Any:
-    from engine import LLM
-
-    return LLM(
-        model_path,
-        dtype=args.dtype,
-        device="cpu",
-        block_size=BS,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        **cfg,
-    )
+    return common.cpu_llm(model_path, args, block_size=BS, **cfg)
 
 
 def _blocks(n_tokens: int) -> int:
@@ -143,7 +122,7 @@ def run_ttft(
     )
     recompute = _engine(model_path, args, num_device_blocks=num_device, enable_prefix_caching=False)
     params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
-    warm = random_prompt(rng, ids, 64)
+    warm = common.random_prompt(rng, ids, 64)
     tiered.generate([warm], params)
     recompute.generate([warm], params)
     store = tiered.engine.offload
@@ -155,14 +134,14 @@ def run_ttft(
         return TierSample(tier, m.ttft, {"device": ct.device, "cpu": ct.cpu, "disk": ct.disk})
 
     def filler() -> None:
-        tiered.generate([random_prompt(rng, ids, filler_len)], params)
+        tiered.generate([common.random_prompt(rng, ids, filler_len)], params)
 
     samples: list[TierSample] = []
     for rep in range(work["reps"]):
-        prefix = random_prompt(rng, ids, plen)
+        prefix = common.random_prompt(rng, ids, plen)
 
         def prompt(prefix: list[int] = prefix) -> list[int]:
-            return prefix + random_prompt(rng, ids, slen)
+            return prefix + common.random_prompt(rng, ids, slen)
 
         tiered.generate([prompt()], params)  # computes the prefix
         filler()  # prefix: device -> CPU
@@ -188,8 +167,8 @@ def run_ttft(
     recompute_t = [s.ttft for s in samples if s.tier == "recompute"]
     for tier in TIERS:
         mine = [s for s in samples if s.tier == tier]
-        t = p50([s.ttft for s in mine])
-        speedup = p50([r / s.ttft for r, s in zip(recompute_t, mine, strict=True)])
+        t = common.p50([s.ttft for s in mine])
+        speedup = common.p50([r / s.ttft for r, s in zip(recompute_t, mine, strict=True)])
         served = {k: min(s.cached[k] for s in mine) for k in ("device", "cpu", "disk")}
         result[tier] = {
             "ttft_p50_s": t,
@@ -200,7 +179,7 @@ def run_ttft(
             (tier, 1000 * t, f"{speedup:.1f}x", served["device"], served["cpu"], served["disk"])
         )
     print()
-    print_table(
+    common.print_table(
         [
             "served from",
             "TTFT p50 (ms)",
@@ -236,9 +215,9 @@ def run_multiturn(
 
     rng = random.Random(args.seed + 1)
     n, turns, group = work["sessions"], work["turns"], work["group"]
-    system = random_prompt(rng, ids, work["system_len"])
+    system = common.random_prompt(rng, ids, work["system_len"])
     users = [
-        [random_prompt(rng, ids, rng.randint(*work["user_len"])) for _ in range(turns)]
+        [common.random_prompt(rng, ids, rng.randint(*work["user_len"])) for _ in range(turns)]
         for _ in range(n)
     ]
     answer = work["answer_len"]
@@ -283,7 +262,7 @@ def run_multiturn(
                     if turn > 0:
                         later[name].append(out.metrics.ttft)
             if turn > 0:
-                off_on = [mean(later[c][-len(outs) :]) for c in ("cpu off", "cpu on")]
+                off_on = [common.mean(later[c][-len(outs) :]) for c in ("cpu off", "cpu on")]
                 paired.append(off_on[0] / off_on[1])
         print(f"  turn {turn + 1}/{turns} done")
         sys.stdout.flush()
@@ -300,9 +279,9 @@ def run_multiturn(
             "hits_by_tier_tokens": by_tier,
             "prefix_queries_tokens": st.prefix_queries,
             "tokens_computed": computed[name][0],
-            "ttft_mean_s": mean(ttfts[name]),
-            "ttft_p50_s": p50(ttfts[name]),
-            "ttft_turns_2plus_mean_s": mean(later[name]) if later[name] else 0.0,
+            "ttft_mean_s": common.mean(ttfts[name]),
+            "ttft_p50_s": common.p50(ttfts[name]),
+            "ttft_turns_2plus_mean_s": common.mean(later[name]) if later[name] else 0.0,
             "preemptions": st.num_preemptions,
         }
         r = result[name]
@@ -323,7 +302,7 @@ def run_multiturn(
         a.answers == b.answers for a, b in zip(state["cpu on"], state["unbounded"], strict=True)
     )
     print()
-    print_table(
+    common.print_table(
         [
             "config",
             "hit rate",
@@ -337,7 +316,7 @@ def run_multiturn(
     )
     print(f"identical answers across the three configs: {same}")
     on, off = result["cpu on"], result["cpu off"]
-    speedup = p50(paired) if paired else 0.0
+    speedup = common.p50(paired) if paired else 0.0
     print(
         f"CPU tier on vs off: TTFT turns 2+ {speedup:.2f}x faster (median over groups, paired); "
         f"hit rate {100 * on['hit_rate']:.1f}% vs {100 * off['hit_rate']:.1f}% "
@@ -370,53 +349,53 @@ def _count_computed(llm: Any) -> list[int]:
     return box
 
 
+def _part(args: argparse.Namespace, name: str, heading: str) -> bool:
+    """Whether --part selects `name`; if so, prints its heading (flushed: a part runs long)."""
+    if args.part not in ("all", name):
+        return False
+    print(f"\n-- {heading} --", flush=True)
+    return True
+
+
 def run(args: argparse.Namespace) -> int:
-    setup_torch(args.threads)
-    model_path = resolve_model(args.model, args.cache_dir)
-    info = machine_info(args.threads)
+    common.setup_torch(args.threads)
+    model_path = common.resolve_model(args.model, args.cache_dir)
+    info = common.machine_info(args.threads)
     work = dict(QUICK if args.quick else FULL)
     for key in ("reps", "sessions", "turns"):
         if getattr(args, key) is not None:
             work[key] = getattr(args, key)
-    ids, _ = allowed_token_ids(model_path)
-    print_header("deja bench tiers", model_path, info)
+    ids, _ = common.allowed_token_ids(model_path)
+    common.print_header("deja bench tiers", model_path, info)
     out: dict[str, Any] = {"bench": "tiers", "model": model_path, "machine": info, "workload": work}
     start = time.perf_counter()
-    if args.part in ("all", "ttft"):
-        print(
-            f"\n-- TTFT of a {work['prefix_len']}-token cached prefix + {work['suffix_len']}-token "
-            f"suffix by tier ({work['reps']} reps, {args.dtype}, max_tokens 1) --"
-        )
-        sys.stdout.flush()
+    ttft_heading = (
+        f"TTFT of a {work['prefix_len']}-token cached prefix + {work['suffix_len']}-token "
+        f"suffix by tier ({work['reps']} reps, {args.dtype}, max_tokens 1)"
+    )
+    if _part(args, "ttft", ttft_heading):
         out["ttft"] = run_ttft(args, model_path, ids, work)
         cpu = out["ttft"]["tiers"]["cpu"]["speedup_vs_recompute"]
         print(f"CPU-tier hit vs recompute: {cpu:.1f}x faster to first token (target >= 5x)")
-    if args.part in ("all", "multiturn"):
-        print(
-            f"\n-- multi-turn: {work['sessions']} sessions x {work['turns']} turns, groups of "
-            f"{work['group']}, answers of {work['answer_len']} tokens --"
-        )
-        sys.stdout.flush()
+    multiturn_heading = (
+        f"multi-turn: {work['sessions']} sessions x {work['turns']} turns, groups of "
+        f"{work['group']}, answers of {work['answer_len']} tokens"
+    )
+    if _part(args, "multiturn", multiturn_heading):
         out["multiturn"] = run_multiturn(args, model_path, ids, work)
         ratio = out["multiturn"]["results"]["cpu on"]["hit_rate_vs_unbounded"]
         print(f"hit rate with the CPU tier / unbounded device pool: {ratio:.2f} (target >= 0.90)")
-    if args.part in ("all", "restart"):
+    if _part(args, "restart", "first request after a restart (write-through, graceful close)"):
         from bench.tiers_restart import run_restart
 
-        print("\n-- first request after a restart (write-through, graceful close) --")
-        sys.stdout.flush()
         out["restart"] = run_restart(args, model_path, ids, args.quick)
     print(f"\ntotal bench time {time.perf_counter() - start:.0f} s")
-    write_json(args.json, out)
+    common.write_json(args.json, out)
     return 0
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m bench.tiers", description=__doc__.split("\n")[0]
-    )
-    add_arguments(parser)
-    return run(parser.parse_args(argv))
+    return common.main("python -m bench.tiers", __doc__, add_arguments, run, argv)
 
 
 if __name__ == "__main__":

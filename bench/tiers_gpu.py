@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.kernels import print_table, write_json
+from bench import common
 
 LAYERS, BLOCK, KV_HEADS, HEAD_DIM = 16, 16, 8, 64
 
@@ -108,23 +108,21 @@ def run(args: argparse.Namespace) -> int:
         f"== CPU tier on {props.name}: {n} blocks of {nbytes // n} bytes = {nbytes / 2**20:.0f} MiB =="
     )
     print(f"torch pinned H2D: {h2d / 1e9:.1f} GB/s, D2H: {d2h / 1e9:.1f} GB/s")
-    print_table(["plan (KVOffload.apply, host time)", "ms", "GB/s", "of pinned copy"], rows)
+    common.print_table(
+        ["plan (KVOffload.apply, host time)", "ms", "GB/s", "of pinned copy"], rows, digits=3
+    )
     ok = results["swap_in direct scattered"]["fraction"] >= 0.5
     print(
         "acceptance 4 (swap-in >= 50% of pinned H2D, scattered blocks):", "MET" if ok else "NOT MET"
     )
     results["device"] = props.name
     results["acceptance_met"] = ok
-    write_json(args.json, results)
+    common.write_json(args.json, results)
     return 0
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="deja bench tiers-gpu", description=__doc__.split("\n")[0]
-    )
-    add_arguments(parser)
-    return run(parser.parse_args(argv))
+    return common.main("deja bench tiers-gpu", __doc__, add_arguments, run, argv)
 
 
 if __name__ == "__main__":

@@ -28,20 +28,13 @@ import time
 from pathlib import Path
 from typing import Any
 
+from bench import common
+
 BS = 16
 
 
 def _engine(model_path: str, args: argparse.Namespace, **cfg: Any) -> Any:
-    from engine import LLM
-
-    return LLM(
-        model_path,
-        dtype=args.dtype,
-        device="cpu",
-        block_size=BS,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        **cfg,
-    )
+    return common.cpu_llm(model_path, args, block_size=BS, **cfg)
 
 
 def _fetch_clock(llm: Any) -> list[float]:

@@ -18,7 +18,8 @@ import argparse
 import asyncio
 import json
 import time
-from collections.abc import AsyncGenerator, Generator, Sequence
+from collections.abc import AsyncGenerator, Generator, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -202,26 +203,53 @@ def _is_retryable(err: grpc.RpcError) -> bool:
     return False
 
 
+@dataclass(slots=True)
+class _GenerateCall:
+    """One Generate stream across its attempts: span, deadline, the call in flight, the result."""
+
+    span: trace.Span
+    deadline: float | None
+    call: Any = None
+    attempt: int = 0
+    """Retries so far."""
+    result: GenerateResult = field(default_factory=GenerateResult)
+    t0: float = field(default_factory=time.monotonic)
+
+    def add(self, msg: pb.GenerateResponse) -> None:
+        self.result.add(msg, elapsed_s=time.monotonic() - self.t0)
+
+
 class _Base:
+    """What the sync and asyncio clients share: options, metadata, tracing, retry policy."""
+
     def __init__(
         self,
-        target: str,
+        target: str = DEFAULT_TARGET,
         *,
-        token: str | None,
-        tls: bool,
-        root_certificates: bytes | None,
-        timeout: float | None,
-        retries: int,
-        retry_backoff_s: float,
-        tracer_provider: trace.TracerProvider | None,
+        token: str | None = None,
+        tls: bool = False,
+        root_certificates: bytes | None = None,
+        timeout: float | None = None,
+        retries: int = 3,
+        retry_backoff_s: float = 0.2,
+        tracer_provider: trace.TracerProvider | None = None,
     ) -> None:
         self.target = target
         self.timeout = timeout
         self.retries = retries
         self.retry_backoff_s = retry_backoff_s
         self._token = token
-        self._creds = grpc.ssl_channel_credentials(root_certificates) if tls else None
         self._tracer = trace.get_tracer("deja.client", tracer_provider=tracer_provider)
+        creds = grpc.ssl_channel_credentials(root_certificates) if tls else None
+        self._channel = self._open_channel(target, creds)
+        self.stub = pb_grpc.InferenceStub(self._channel)
+
+    def _open_channel(self, target: str, creds: grpc.ChannelCredentials | None) -> Any:
+        raise NotImplementedError
+
+    def _unary(self, rpc: Any, req: Any) -> Any:
+        """A unary call with the client's timeout and metadata (awaitable on the asyncio stub)."""
+        return rpc(req, timeout=self.timeout, metadata=self._metadata())
 
     def _metadata(self, span: trace.Span | None = None) -> list[tuple[str, str]]:
         md: list[tuple[str, str]] = []
@@ -263,6 +291,47 @@ class _Base:
             return None
         return wait
 
+    @contextmanager
+    def _generate_call(
+        self, req: pb.GenerateRequest, timeout: float | None
+    ) -> Iterator[_GenerateCall]:
+        """One Generate stream's scope: on the way out an unfinished call is cancelled and the
+        span ends (with the error, if any; leaving the stream early is not one)."""
+        gen = _GenerateCall(self._start_span(req), self._deadline(timeout))
+        err: BaseException | None = None
+        try:
+            yield gen
+        except BaseException as e:
+            err = e
+            raise
+        finally:
+            if gen.call is not None and gen.result.final is None:
+                gen.call.cancel()
+            _end_span(gen.span, gen.result, None if isinstance(err, GeneratorExit) else err)
+
+    def _attempt(self, req: pb.GenerateRequest, gen: _GenerateCall) -> Any:
+        """Starts a (new) Generate call with the time left to the deadline."""
+        gen.call = self.stub.Generate(
+            req, timeout=_remaining(gen.deadline), metadata=self._metadata(gen.span)
+        )
+        return gen.call
+
+    def _retry_wait(self, err: BaseException, gen: _GenerateCall) -> float | None:
+        """Seconds to wait before retrying after `err` (before the first message), None: give up."""
+        gen.attempt += 1
+        return self._backoff(gen.attempt, gen.deadline) if _is_retryable(err) else None
+
+
+def _tokenize_request(
+    text: str | None, messages: Sequence[dict[str, str]] | None
+) -> pb.TokenizeRequest:
+    req = pb.TokenizeRequest()
+    if text is not None:
+        req.text = text
+    if messages is not None:
+        req.chat.messages.extend(pb.ChatMessage(**m) for m in messages)
+    return req
+
 
 def _remaining(deadline: float | None) -> float | None:
     return None if deadline is None else max(deadline - time.monotonic(), 0.001)
@@ -283,33 +352,12 @@ def _end_span(span: trace.Span, result: GenerateResult | None, err: BaseExceptio
 class DejaClient(_Base):
     """Blocking client; one channel per instance (close it, or use `with`)."""
 
-    def __init__(
-        self,
-        target: str = DEFAULT_TARGET,
-        *,
-        token: str | None = None,
-        tls: bool = False,
-        root_certificates: bytes | None = None,
-        timeout: float | None = None,
-        retries: int = 3,
-        retry_backoff_s: float = 0.2,
-        tracer_provider: trace.TracerProvider | None = None,
-    ) -> None:
-        super().__init__(
-            target,
-            token=token,
-            tls=tls,
-            root_certificates=root_certificates,
-            timeout=timeout,
-            retries=retries,
-            retry_backoff_s=retry_backoff_s,
-            tracer_provider=tracer_provider,
-        )
-        if self._creds is not None:
-            self._channel = grpc.secure_channel(target, self._creds)
-        else:
-            self._channel = grpc.insecure_channel(target)
-        self.stub = pb_grpc.InferenceStub(self._channel)
+    _channel: grpc.Channel
+
+    def _open_channel(self, target: str, creds: grpc.ChannelCredentials | None) -> grpc.Channel:
+        if creds is not None:
+            return grpc.secure_channel(target, creds)
+        return grpc.insecure_channel(target)
 
     def close(self) -> None:
         self._channel.close()
@@ -336,41 +384,24 @@ class DejaClient(_Base):
     def stream(
         self, req: pb.GenerateRequest, *, timeout: float | None = None
     ) -> Generator[pb.GenerateResponse, None, None]:
-        deadline = self._deadline(timeout)
-        span = self._start_span(req)
-        call: Any = None
-        err: BaseException | None = None
-        result = GenerateResult()
-        t0 = time.monotonic()
-        try:
-            attempt = 0
+        with self._generate_call(req, timeout) as gen:
             while True:
-                call = self.stub.Generate(
-                    req, timeout=_remaining(deadline), metadata=self._metadata(span)
-                )
+                call = self._attempt(req, gen)
                 try:
                     first = next(call)
                     break
                 except StopIteration:
                     return
                 except grpc.RpcError as e:
-                    attempt += 1
-                    wait = self._backoff(attempt, deadline) if _is_retryable(e) else None
+                    wait = self._retry_wait(e, gen)
                     if wait is None:
                         raise
                     time.sleep(wait)
-            result.add(first, elapsed_s=time.monotonic() - t0)
+            gen.add(first)
             yield first
             for msg in call:
-                result.add(msg, elapsed_s=time.monotonic() - t0)
+                gen.add(msg)
                 yield msg
-        except BaseException as e:
-            err = e
-            raise
-        finally:
-            if call is not None and result.final is None:
-                call.cancel()
-            _end_span(span, result, None if isinstance(err, GeneratorExit) else err)
 
     def complete(
         self,
@@ -389,68 +420,32 @@ class DejaClient(_Base):
     def tokenize(
         self, text: str | None = None, *, messages: Sequence[dict[str, str]] | None = None
     ) -> list[int]:
-        req = pb.TokenizeRequest()
-        if text is not None:
-            req.text = text
-        if messages is not None:
-            req.chat.messages.extend(pb.ChatMessage(**m) for m in messages)
-        resp = self.stub.Tokenize(req, timeout=self.timeout, metadata=self._metadata())
+        resp = self._unary(self.stub.Tokenize, _tokenize_request(text, messages))
         return list(resp.token_ids)
 
     def model_info(self) -> pb.ModelInfo:
-        return self.stub.GetModelInfo(
-            pb.GetModelInfoRequest(), timeout=self.timeout, metadata=self._metadata()
-        )
+        return self._unary(self.stub.GetModelInfo, pb.GetModelInfoRequest())
 
     def load(self) -> pb.Load:
-        return self.stub.GetLoad(
-            pb.GetLoadRequest(), timeout=self.timeout, metadata=self._metadata()
-        )
+        return self._unary(self.stub.GetLoad, pb.GetLoadRequest())
 
     def cache_stats(self) -> pb.CacheStats:
-        return self.stub.GetCacheStats(
-            pb.GetCacheStatsRequest(), timeout=self.timeout, metadata=self._metadata()
-        )
+        return self._unary(self.stub.GetCacheStats, pb.GetCacheStatsRequest())
 
     def abort(self, *request_ids: str) -> list[str]:
-        resp = self.stub.Abort(
-            pb.AbortRequest(request_ids=request_ids),
-            timeout=self.timeout,
-            metadata=self._metadata(),
-        )
+        resp = self._unary(self.stub.Abort, pb.AbortRequest(request_ids=request_ids))
         return list(resp.aborted)
 
 
 class AsyncDejaClient(_Base):
     """asyncio client (grpc.aio); create it inside the event loop that uses it."""
 
-    def __init__(
-        self,
-        target: str = DEFAULT_TARGET,
-        *,
-        token: str | None = None,
-        tls: bool = False,
-        root_certificates: bytes | None = None,
-        timeout: float | None = None,
-        retries: int = 3,
-        retry_backoff_s: float = 0.2,
-        tracer_provider: trace.TracerProvider | None = None,
-    ) -> None:
-        super().__init__(
-            target,
-            token=token,
-            tls=tls,
-            root_certificates=root_certificates,
-            timeout=timeout,
-            retries=retries,
-            retry_backoff_s=retry_backoff_s,
-            tracer_provider=tracer_provider,
-        )
-        if self._creds is not None:
-            self._channel = grpc.aio.secure_channel(target, self._creds)
-        else:
-            self._channel = grpc.aio.insecure_channel(target)
-        self.stub = pb_grpc.InferenceStub(self._channel)
+    _channel: grpc.aio.Channel
+
+    def _open_channel(self, target: str, creds: grpc.ChannelCredentials | None) -> grpc.aio.Channel:
+        if creds is not None:
+            return grpc.aio.secure_channel(target, creds)
+        return grpc.aio.insecure_channel(target)
 
     async def close(self) -> None:
         await self._channel.close()
@@ -477,38 +472,21 @@ class AsyncDejaClient(_Base):
     async def stream(
         self, req: pb.GenerateRequest, *, timeout: float | None = None
     ) -> AsyncGenerator[pb.GenerateResponse, None]:
-        deadline = self._deadline(timeout)
-        span = self._start_span(req)
-        call: Any = None
-        err: BaseException | None = None
-        result = GenerateResult()
-        t0 = time.monotonic()
-        try:
-            attempt = 0
+        with self._generate_call(req, timeout) as gen:
             while True:
-                call = self.stub.Generate(
-                    req, timeout=_remaining(deadline), metadata=self._metadata(span)
-                )
+                call = self._attempt(req, gen)
                 try:
-                    first = await call.read()
+                    msg = await call.read()
                     break
                 except grpc.aio.AioRpcError as e:
-                    attempt += 1
-                    wait = self._backoff(attempt, deadline) if _is_retryable(e) else None
+                    wait = self._retry_wait(e, gen)
                     if wait is None:
                         raise
                     await asyncio.sleep(wait)
-            while first is not grpc.aio.EOF:
-                result.add(first, elapsed_s=time.monotonic() - t0)
-                yield first
-                first = await call.read()
-        except BaseException as e:
-            err = e
-            raise
-        finally:
-            if call is not None and result.final is None:
-                call.cancel()
-            _end_span(span, result, None if isinstance(err, GeneratorExit) else err)
+            while msg is not grpc.aio.EOF:
+                gen.add(msg)
+                yield msg
+                msg = await call.read()
 
     async def complete(
         self,
@@ -526,35 +504,20 @@ class AsyncDejaClient(_Base):
     async def tokenize(
         self, text: str | None = None, *, messages: Sequence[dict[str, str]] | None = None
     ) -> list[int]:
-        req = pb.TokenizeRequest()
-        if text is not None:
-            req.text = text
-        if messages is not None:
-            req.chat.messages.extend(pb.ChatMessage(**m) for m in messages)
-        resp = await self.stub.Tokenize(req, timeout=self.timeout, metadata=self._metadata())
+        resp = await self._unary(self.stub.Tokenize, _tokenize_request(text, messages))
         return list(resp.token_ids)
 
     async def model_info(self) -> pb.ModelInfo:
-        return await self.stub.GetModelInfo(
-            pb.GetModelInfoRequest(), timeout=self.timeout, metadata=self._metadata()
-        )
+        return await self._unary(self.stub.GetModelInfo, pb.GetModelInfoRequest())
 
     async def load(self) -> pb.Load:
-        return await self.stub.GetLoad(
-            pb.GetLoadRequest(), timeout=self.timeout, metadata=self._metadata()
-        )
+        return await self._unary(self.stub.GetLoad, pb.GetLoadRequest())
 
     async def cache_stats(self) -> pb.CacheStats:
-        return await self.stub.GetCacheStats(
-            pb.GetCacheStatsRequest(), timeout=self.timeout, metadata=self._metadata()
-        )
+        return await self._unary(self.stub.GetCacheStats, pb.GetCacheStatsRequest())
 
     async def abort(self, *request_ids: str) -> list[str]:
-        resp = await self.stub.Abort(
-            pb.AbortRequest(request_ids=request_ids),
-            timeout=self.timeout,
-            metadata=self._metadata(),
-        )
+        resp = await self._unary(self.stub.Abort, pb.AbortRequest(request_ids=request_ids))
         return list(resp.aborted)
 
 

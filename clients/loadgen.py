@@ -47,6 +47,7 @@ from clients.bench_workload import (
     summarize_by_turn,
 )
 from clients.client import AsyncDejaClient, add_connection_args
+from clients.health import wait_serving
 from service.common.engine_args import add_engine_args
 from service.common.flags import add_bool_flag, add_flag, to_argv
 
@@ -239,24 +240,18 @@ def _serve_argv(args: argparse.Namespace, variant: str, port: int) -> list[str]:
 
 
 def _wait_healthy(proc: subprocess.Popen[bytes], target: str, timeout: float, log: Path) -> None:
-    import grpc
-    from grpc_health.v1 import health_pb2, health_pb2_grpc
+    def check_alive() -> None:
+        if proc.poll() is not None:
+            raise RuntimeError(f"`deja serve` exited ({proc.returncode}):\n{_tail(log)}")
 
-    deadline = time.monotonic() + timeout
-    with grpc.insecure_channel(target) as channel:
-        stub = health_pb2_grpc.HealthStub(channel)
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"`deja serve` exited ({proc.returncode}):\n{_tail(log)}")
-            try:
-                resp = stub.Check(health_pb2.HealthCheckRequest(), timeout=1.0)
-                if resp.status == health_pb2.HealthCheckResponse.SERVING:
-                    return
-            except grpc.RpcError:
-                pass
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"`deja serve` not healthy after {timeout} s:\n{_tail(log)}")
-            time.sleep(0.5)
+    wait_serving(
+        target,
+        timeout,
+        name="`deja serve`",
+        check_alive=check_alive,
+        log_tail=lambda: _tail(log),
+        poll_s=0.5,
+    )
 
 
 def _tail(log: Path, n: int = 30) -> str:

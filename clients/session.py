@@ -19,10 +19,21 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from clients.client import AsyncDejaClient, DejaClient, GenerateResult
+    from service.api.deja.v1 import inference_pb2 as pb
 
 
 class _History:
-    def __init__(self, system: str | None, session_id: str | None, sampling: dict[str, Any]):
+    """What both sessions keep: the client, the messages so far, the session id, the defaults."""
+
+    def __init__(
+        self,
+        client: Any,
+        *,
+        system: str | None = None,
+        session_id: str | None = None,
+        **sampling: Any,
+    ) -> None:
+        self.client = client
         self.system = system
         self.session_id = session_id or uuid.uuid4().hex
         self.sampling = sampling
@@ -57,37 +68,37 @@ class _History:
             self.messages.pop()
 
 
+class _Turn:
+    """One turn's answer as it streams in."""
+
+    def __init__(self) -> None:
+        from clients.client import GenerateResult
+
+        self.result = GenerateResult()
+        self.t0 = time.monotonic()
+
+    def add(self, msg: pb.GenerateResponse) -> list[str]:
+        """Collects a response message; returns its text deltas of the first choice."""
+        self.result.add(msg, elapsed_s=time.monotonic() - self.t0)
+        return [d.text for d in msg.choices if d.index == 0 and d.text]
+
+
 class ChatSession(_History):
     """A conversation over a DejaClient; `sampling` are defaults for every turn."""
 
-    def __init__(
-        self,
-        client: DejaClient,
-        *,
-        system: str | None = None,
-        session_id: str | None = None,
-        **sampling: Any,
-    ) -> None:
-        super().__init__(system, session_id, sampling)
-        self.client = client
+    client: DejaClient
 
     def send(self, content: str, **overrides: Any) -> Iterator[str]:
         """Streams the answer's text deltas; the turn joins the history once it completes."""
-        from clients.client import GenerateResult
-
         kwargs = self._request(content, overrides)
-        result = GenerateResult()
-        t0 = time.monotonic()
+        turn = _Turn()
         completed = False
         try:
             for msg in self.client.generate(**kwargs):
-                result.add(msg, elapsed_s=time.monotonic() - t0)
-                for d in msg.choices:
-                    if d.index == 0 and d.text:
-                        yield d.text
-            completed = result.final is not None
+                yield from turn.add(msg)
+            completed = turn.result.final is not None
         finally:
-            self._finish(result, completed)
+            self._finish(turn.result, completed)
 
     def ask(self, content: str, **overrides: Any) -> str:
         """One whole turn; returns the answer."""
@@ -97,33 +108,19 @@ class ChatSession(_History):
 class AsyncChatSession(_History):
     """A conversation over an AsyncDejaClient."""
 
-    def __init__(
-        self,
-        client: AsyncDejaClient,
-        *,
-        system: str | None = None,
-        session_id: str | None = None,
-        **sampling: Any,
-    ) -> None:
-        super().__init__(system, session_id, sampling)
-        self.client = client
+    client: AsyncDejaClient
 
     async def send(self, content: str, **overrides: Any) -> AsyncIterator[str]:
-        from clients.client import GenerateResult
-
         kwargs = self._request(content, overrides)
-        result = GenerateResult()
-        t0 = time.monotonic()
+        turn = _Turn()
         completed = False
         try:
             async for msg in self.client.generate(**kwargs):
-                result.add(msg, elapsed_s=time.monotonic() - t0)
-                for d in msg.choices:
-                    if d.index == 0 and d.text:
-                        yield d.text
-            completed = result.final is not None
+                for text in turn.add(msg):
+                    yield text
+            completed = turn.result.final is not None
         finally:
-            self._finish(result, completed)
+            self._finish(turn.result, completed)
 
     async def ask(self, content: str, **overrides: Any) -> str:
         return "".join([piece async for piece in self.send(content, **overrides)])

@@ -11,7 +11,7 @@ import numpy as np
 import torch
 
 from cuda.cupy_launch import (
-    DTYPE_NAMES,
+    DTYPES,
     WORD_TYPES,
     check,
     check_contiguous,
@@ -23,7 +23,6 @@ from cuda.cupy_launch import (
 )
 
 CU_FILE = "block_copy.cu"
-DTYPES = tuple(DTYPE_NAMES)
 THREADS = 256
 
 
@@ -65,6 +64,31 @@ def _block_word(kv_cache: torch.Tensor, *others: torch.Tensor) -> tuple[int, int
     return width, block_bytes // width
 
 
+def _launch(
+    name: str,
+    device: torch.device,
+    kv_cache: torch.Tensor,
+    tensors: tuple[torch.Tensor, torch.Tensor],
+    num_ids: int,
+    *sizes: int,
+) -> None:
+    """One CTA per (listed block, layer plane); the kernel takes (kv_cache, *tensors, num_blocks,
+    *sizes) with the sizes as long long."""
+    launch(
+        CU_FILE,
+        name,
+        device,
+        grid=(num_ids, kv_cache.shape[0] * 2, 1),
+        block=(THREADS, 1, 1),
+        args=(
+            ptr(kv_cache),
+            *(ptr(t) for t in tensors),
+            np.int64(kv_cache.shape[2]),
+            *(np.int64(n) for n in sizes),
+        ),
+    )
+
+
 def copy_blocks(kv_cache: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None:
     """Copies block src[i] to dst[i] in every layer, K and V.
 
@@ -80,21 +104,7 @@ def copy_blocks(kv_cache: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) ->
     if src.numel() == 0 or kv_cache.numel() == 0:
         return
     width, block_words = _block_word(kv_cache)
-    num_planes = kv_cache.shape[0] * 2
-    launch(
-        CU_FILE,
-        copy_kernel_name(width),
-        device,
-        grid=(src.numel(), num_planes, 1),
-        block=(THREADS, 1, 1),
-        args=(
-            ptr(kv_cache),
-            ptr(src),
-            ptr(dst),
-            np.int64(kv_cache.shape[2]),
-            np.int64(block_words),
-        ),
-    )
+    _launch(copy_kernel_name(width), device, kv_cache, (src, dst), src.numel(), block_words)
 
 
 def _gather_scatter(
@@ -122,21 +132,9 @@ def _gather_scatter(
     if block_ids.numel() == 0 or kv_cache.numel() == 0:
         return
     width, block_words = _block_word(kv_cache, staging)
-    launch(
-        CU_FILE,
-        gather_scatter_kernel_name(width, scatter),
-        device,
-        grid=(block_ids.numel(), kv_cache.shape[0] * 2, 1),
-        block=(THREADS, 1, 1),
-        args=(
-            ptr(kv_cache),
-            ptr(staging),
-            ptr(block_ids),
-            np.int64(kv_cache.shape[2]),
-            np.int64(block_ids.numel()),
-            np.int64(block_words),
-        ),
-    )
+    name = gather_scatter_kernel_name(width, scatter)
+    n = block_ids.numel()
+    _launch(name, device, kv_cache, (staging, block_ids), n, n, block_words)
 
 
 def gather_blocks(kv_cache: torch.Tensor, block_ids: torch.Tensor, staging: torch.Tensor) -> None:

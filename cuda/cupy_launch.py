@@ -12,10 +12,11 @@ current stream and receive raw device pointers (`data_ptr()`), so no tensor is c
 from __future__ import annotations
 
 import functools
+import itertools
 import warnings
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -30,6 +31,13 @@ DTYPE_NAMES: dict[torch.dtype, str] = {
     torch.float32: "float",
 }
 """C++ element type used in name expressions for each supported torch dtype."""
+
+DTYPES: tuple[torch.dtype, ...] = tuple(DTYPE_NAMES)
+"""Every dtype the kernels take (activations and KV cache)."""
+ATTENTION_HEAD_SIZES = (64, 96, 128)
+"""Head dims both attention kernels (decode and prefill) are instantiated for."""
+ATTENTION_BLOCK_SIZES = (16, 32)
+"""KV block sizes (tokens per block) both attention kernels are instantiated for."""
 
 WORD_TYPES: dict[int, str] = {16: "uint4", 8: "uint2", 4: "unsigned int", 2: "unsigned short"}
 """Machine word of each byte width, for the dtype-agnostic copy kernels."""
@@ -74,27 +82,61 @@ def check_aligned(name: str, t: torch.Tensor, row_stride: int, nbytes: int = 16)
     )
 
 
-def check_attention_args(
-    q: torch.Tensor,
-    out: torch.Tensor,
-    kv_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    seq_lens: torch.Tensor,
-    *,
-    head_sizes: Sequence[int],
-    block_sizes: Sequence[int],
-) -> tuple[int, int, int, int]:
+class AttentionArgs(NamedTuple):
+    """The tensors both paged attention kernels (decode and prefill) take."""
+
+    out: torch.Tensor  # [T, Hq, D], dense but for the token stride
+    q: torch.Tensor  # [T, Hq, D], like out
+    kv_cache: torch.Tensor  # [2, num_blocks, block_size, Hkv, D], one layer
+    block_tables: torch.Tensor  # [num_seqs, max_blocks] int32
+    seq_lens: torch.Tensor  # [num_seqs] int32
+
+    def cache_pointers(self) -> tuple[np.uint64, ...]:
+        """Kernel arguments (q, k_cache, v_cache, block_tables, seq_lens)."""
+        kv = self.kv_cache
+        return ptr(self.q), ptr(kv[0]), ptr(kv[1]), ptr(self.block_tables), ptr(self.seq_lens)
+
+    def layout(self) -> tuple[np.int64 | np.int32, ...]:
+        """Kernel arguments (q_stride, out_stride, num_heads, num_kv_heads, max_blocks)."""
+        return (
+            np.int64(self.q.stride(0)),
+            np.int64(self.out.stride(0)),
+            np.int32(self.q.shape[1]),
+            np.int32(self.kv_cache.shape[3]),
+            np.int32(self.block_tables.shape[1]),
+        )
+
+
+class AttentionDims(NamedTuple):
+    num_heads: int  # Hq
+    head_dim: int  # D
+    block_size: int  # tokens per KV block
+    num_kv_heads: int  # Hkv
+
+
+def attention_configs() -> list[tuple[torch.dtype, int, int]]:
+    """Every (dtype, head_dim, block_size) both attention kernels are instantiated for."""
+    return list(itertools.product(DTYPES, ATTENTION_HEAD_SIZES, ATTENTION_BLOCK_SIZES))
+
+
+def attention_supports(head_dim: int, block_size: int, dtype: torch.dtype) -> bool:
+    """Whether both attention kernels cover this head dim, block size and dtype."""
+    return (
+        dtype in DTYPES and head_dim in ATTENTION_HEAD_SIZES and block_size in ATTENTION_BLOCK_SIZES
+    )
+
+
+def check_attention_args(args: AttentionArgs) -> AttentionDims:
     """The argument checks both attention loaders share (decode and prefill).
 
     q, out: [T, Hq, D] of one dtype with the cache, dense but for the token stride;
     kv_cache: [2, NB, BS, Hkv, D] (one layer, contiguous, 16-byte aligned rows); block_tables:
-    [num_seqs, max_blocks] int32; seq_lens: [num_seqs] int32. Returns
-    (num_heads, head_dim, block_size, num_kv_heads).
+    [num_seqs, max_blocks] int32; seq_lens: [num_seqs] int32.
     """
-    dtypes = tuple(DTYPE_NAMES)
-    check_tensor("q", q, 3, dtypes)
-    check_tensor("out", out, 3, dtypes)
-    check_tensor("kv_cache", kv_cache, 5, dtypes)
+    out, q, kv_cache, block_tables, seq_lens = args
+    check_tensor("q", q, 3, DTYPES)
+    check_tensor("out", out, 3, DTYPES)
+    check_tensor("kv_cache", kv_cache, 5, DTYPES)
     check_tensor("block_tables", block_tables, 2, (torch.int32,))
     check_tensor("seq_lens", seq_lens, 1, (torch.int32,))
     _, num_heads, head_dim = q.shape
@@ -102,10 +144,13 @@ def check_attention_args(
     check(
         kv_cache.shape[0] == 2, f"kv_cache must be [2, NB, BS, Hkv, D], got {tuple(kv_cache.shape)}"
     )
-    check(head_dim in head_sizes, f"head_dim must be one of {tuple(head_sizes)}, got {head_dim}")
     check(
-        block_size in block_sizes,
-        f"block_size must be one of {tuple(block_sizes)}, got {block_size}",
+        head_dim in ATTENTION_HEAD_SIZES,
+        f"head_dim must be one of {ATTENTION_HEAD_SIZES}, got {head_dim}",
+    )
+    check(
+        block_size in ATTENTION_BLOCK_SIZES,
+        f"block_size must be one of {ATTENTION_BLOCK_SIZES}, got {block_size}",
     )
     check(
         cache_head_dim == head_dim, f"kv_cache head_dim {cache_head_dim} != q head_dim {head_dim}"
@@ -129,7 +174,7 @@ def check_attention_args(
     check_aligned("kv_cache", kv_cache, head_dim)
     check_contiguous("block_tables", block_tables)
     check_contiguous("seq_lens", seq_lens)
-    return num_heads, head_dim, block_size, num_kv_heads
+    return AttentionDims(num_heads, head_dim, block_size, num_kv_heads)
 
 
 def check_cuda(**tensors: torch.Tensor) -> torch.device:

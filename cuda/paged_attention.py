@@ -9,12 +9,18 @@ separate CTAs, then a reduction kernel merges them. It pays off when the plain g
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import numpy as np
 import torch
 
 from cuda.cupy_launch import (
+    ATTENTION_HEAD_SIZES,
     DTYPE_NAMES,
+    DTYPES,
+    AttentionArgs,
+    AttentionDims,
+    attention_configs,
     check,
     check_attention_args,
     check_cuda,
@@ -24,9 +30,6 @@ from cuda.cupy_launch import (
 )
 
 CU_FILE = "paged_attention.cu"
-DTYPES = tuple(DTYPE_NAMES)
-HEAD_SIZES = (64, 96, 128)
-BLOCK_SIZES = (16, 32)
 HEADS_PER_CTA = (8, 4, 2, 1)
 """Query heads one CTA serves (template QH), largest first; one must divide the GQA group."""
 PARTITION_SIZE = 512
@@ -45,12 +48,9 @@ def reduce_kernel_name(dtype: torch.dtype, head_dim: int) -> str:
 
 def instantiations() -> list[str]:
     """Every name expression this loader may compile (the CI compile check builds them all)."""
-    names = []
-    for dtype in DTYPES:
-        for d in HEAD_SIZES:
-            names.append(reduce_kernel_name(dtype, d))
-            for bs in BLOCK_SIZES:
-                names += [decode_kernel_name(dtype, d, bs, h) for h in HEADS_PER_CTA]
+    names = [reduce_kernel_name(t, d) for t in DTYPES for d in ATTENTION_HEAD_SIZES]
+    for dtype, d, bs in attention_configs():
+        names += [decode_kernel_name(dtype, d, bs, h) for h in HEADS_PER_CTA]
     return names
 
 
@@ -62,6 +62,25 @@ def heads_per_cta(group_size: int) -> int:
 def use_split_k(num_ctas: int, max_seq_len: int, sm_count: int) -> bool:
     """Split when the plain grid gives under two CTAs per SM and a context spans > 2 partitions."""
     return num_ctas < 2 * sm_count and max_seq_len > 2 * PARTITION_SIZE
+
+
+class _DecodePlan(NamedTuple):
+    heads: int  # query heads per CTA (template QH)
+    num_parts: int  # partitions per context; 1: the plain kernel
+    partition_size: int  # tokens per partition
+    grid: tuple[int, int, int]  # (CTAs per sequence, num_seqs, num_parts)
+
+
+class _Partials(NamedTuple):
+    """Split-K scratch (float32); with one partition all three are `out`, which the kernels
+    then write directly."""
+
+    part_out: torch.Tensor  # [S, Hq, P, D]
+    part_max: torch.Tensor  # [S, Hq, P]
+    part_sum: torch.Tensor  # [S, Hq, P]
+
+    def pointers(self) -> tuple[np.uint64, np.uint64, np.uint64]:
+        return ptr(self.part_out), ptr(self.part_max), ptr(self.part_sum)
 
 
 def paged_decode_attention(
@@ -82,67 +101,54 @@ def paged_decode_attention(
     max_seq_len: host-side upper bound of seq_lens (sizes the split-K grid).
     split: None picks with `use_split_k`; True / False forces the split-K / plain kernel.
     """
-    num_heads, head_dim, block_size, num_kv_heads = _check_decode_args(
-        out, q, kv_cache, block_tables, seq_lens, max_seq_len
-    )
-    device = check_cuda(
-        out=out, q=q, kv_cache=kv_cache, block_tables=block_tables, seq_lens=seq_lens
-    )
-    num_seqs = q.shape[0]
-    if num_seqs == 0 or max_seq_len == 0:
+    args = AttentionArgs(out, q, kv_cache, block_tables, seq_lens)
+    dims = _check_decode_args(args, max_seq_len)
+    device = check_cuda(**args._asdict())
+    if q.shape[0] == 0 or max_seq_len == 0:
         return
-
-    group = num_heads // num_kv_heads
-    heads = heads_per_cta(group)
-    ctas = num_seqs * num_kv_heads * (group // heads)
-    if split is None:
-        split = use_split_k(ctas, max_seq_len, num_sms(device))
-    num_parts = math.ceil(max_seq_len / PARTITION_SIZE) if split else 1
-    check(num_parts <= 65535, f"context too long for split-K: {num_parts} partitions")
-    # The plain kernel covers the whole context with one "partition".
-    partition_size = PARTITION_SIZE if split else math.ceil(max_seq_len / block_size) * block_size
-
-    part_out, part_max, part_sum = _partials(out, num_parts)
-    scale_log2 = np.float32(scale * LOG2E)
+    plan = _plan(dims, q.shape[0], max_seq_len, split, device)
+    partials = _partials(out, plan.num_parts)
     launch(
         CU_FILE,
-        decode_kernel_name(q.dtype, head_dim, block_size, heads),
+        decode_kernel_name(q.dtype, dims.head_dim, dims.block_size, plan.heads),
         device,
-        grid=(num_kv_heads * (group // heads), num_seqs, num_parts),
+        grid=plan.grid,
         block=(THREADS, 1, 1),
         args=(
             ptr(out),
-            ptr(part_out),
-            ptr(part_max),
-            ptr(part_sum),
-            ptr(q),
-            ptr(kv_cache[0]),
-            ptr(kv_cache[1]),
-            ptr(block_tables),
-            ptr(seq_lens),
-            np.int64(q.stride(0)),
-            np.int64(out.stride(0)),
-            np.int32(num_heads),
-            np.int32(num_kv_heads),
-            np.int32(block_tables.shape[1]),
-            np.int32(partition_size),
-            scale_log2,
+            *partials.pointers(),
+            *args.cache_pointers(),
+            *args.layout(),
+            np.int32(plan.partition_size),
+            np.float32(scale * LOG2E),
         ),
     )
-    if num_parts > 1:
-        _reduce_partitions(out, part_out, part_max, part_sum, seq_lens, device)
+    if plan.num_parts > 1:
+        _reduce_partitions(out, partials, seq_lens, device)
+
+
+def _plan(
+    dims: AttentionDims, num_seqs: int, max_seq_len: int, split: bool | None, device: torch.device
+) -> _DecodePlan:
+    """Heads per CTA, split-K or not (`use_split_k` when `split` is None) and the grid."""
+    group = dims.num_heads // dims.num_kv_heads
+    heads = heads_per_cta(group)
+    ctas_per_seq = dims.num_kv_heads * (group // heads)
+    if split is None:
+        split = use_split_k(num_seqs * ctas_per_seq, max_seq_len, num_sms(device))
+    num_parts = math.ceil(max_seq_len / PARTITION_SIZE) if split else 1
+    check(num_parts <= 65535, f"context too long for split-K: {num_parts} partitions")
+    # The plain kernel covers the whole context with one "partition".
+    block_size = dims.block_size
+    partition_size = PARTITION_SIZE if split else math.ceil(max_seq_len / block_size) * block_size
+    return _DecodePlan(heads, num_parts, partition_size, (ctas_per_seq, num_seqs, num_parts))
 
 
 def _reduce_partitions(
-    out: torch.Tensor,
-    part_out: torch.Tensor,
-    part_max: torch.Tensor,
-    part_sum: torch.Tensor,
-    seq_lens: torch.Tensor,
-    device: torch.device,
+    out: torch.Tensor, partials: _Partials, seq_lens: torch.Tensor, device: torch.device
 ) -> None:
     """Split-K's second launch: combines each head's partitions into out [S, Hq, D]."""
-    num_seqs, num_heads, num_parts, head_dim = part_out.shape
+    num_seqs, num_heads, num_parts, head_dim = partials.part_out.shape
     launch(
         CU_FILE,
         reduce_kernel_name(out.dtype, head_dim),
@@ -151,9 +157,7 @@ def _reduce_partitions(
         block=(THREADS, 1, 1),
         args=(
             ptr(out),
-            ptr(part_out),
-            ptr(part_max),
-            ptr(part_sum),
+            *partials.pointers(),
             ptr(seq_lens),
             np.int64(out.stride(0)),
             np.int32(num_heads),
@@ -163,20 +167,11 @@ def _reduce_partitions(
     )
 
 
-def _check_decode_args(
-    out: torch.Tensor,
-    q: torch.Tensor,
-    kv_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    seq_lens: torch.Tensor,
-    max_seq_len: int,
-) -> tuple[int, int, int, int]:
-    """The shared attention checks plus decode's own; (Hq, D, block_size, Hkv)."""
-    dims = check_attention_args(
-        q, out, kv_cache, block_tables, seq_lens, head_sizes=HEAD_SIZES, block_sizes=BLOCK_SIZES
-    )
-    block_size = dims[2]
-    num_seqs = q.shape[0]
+def _check_decode_args(args: AttentionArgs, max_seq_len: int) -> AttentionDims:
+    """The shared attention checks plus decode's own."""
+    dims = check_attention_args(args)
+    block_tables, seq_lens = args.block_tables, args.seq_lens
+    num_seqs = args.q.shape[0]
     check(
         block_tables.shape[0] == num_seqs and seq_lens.shape[0] == num_seqs,
         f"block_tables {tuple(block_tables.shape)} and seq_lens {tuple(seq_lens.shape)} "
@@ -184,21 +179,20 @@ def _check_decode_args(
     )
     check(max_seq_len >= 0, f"max_seq_len must be >= 0, got {max_seq_len}")
     check(
-        max_seq_len <= block_tables.shape[1] * block_size,
+        max_seq_len <= block_tables.shape[1] * dims.block_size,
         f"max_seq_len {max_seq_len} exceeds the block tables' "
-        f"{block_tables.shape[1]} x {block_size} slots",
+        f"{block_tables.shape[1]} x {dims.block_size} slots",
     )
     return dims
 
 
-def _partials(out: torch.Tensor, num_parts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Split-K scratch: part_out [S, Hq, P, D], part_max and part_sum [S, Hq, P] (float32); with
-    one partition the kernel writes `out` directly and ignores them."""
+def _partials(out: torch.Tensor, num_parts: int) -> _Partials:
+    """Scratch for `num_parts` partitions of `out` [S, Hq, D] (see _Partials)."""
     if num_parts == 1:
-        return out, out, out
+        return _Partials(out, out, out)
     num_seqs, num_heads, head_dim = out.shape
     part_max = torch.empty((num_seqs, num_heads, num_parts), dtype=torch.float32, device=out.device)
     part_out = torch.empty(
         (num_seqs, num_heads, num_parts, head_dim), dtype=torch.float32, device=out.device
     )
-    return part_out, part_max, torch.empty_like(part_max)
+    return _Partials(part_out, part_max, torch.empty_like(part_max))

@@ -13,6 +13,9 @@ import torch
 
 from cuda.cupy_launch import (
     DTYPE_NAMES,
+    AttentionArgs,
+    AttentionDims,
+    attention_configs,
     check,
     check_aligned,
     check_attention_args,
@@ -24,9 +27,6 @@ from cuda.cupy_launch import (
 )
 
 CU_FILE = "prefill_attention.cu"
-DTYPES = tuple(DTYPE_NAMES)
-HEAD_SIZES = (64, 96, 128)
-BLOCK_SIZES = (16, 32)
 THREADS = 128
 LOG2E = 1.4426950408889634
 
@@ -42,7 +42,7 @@ def kernel_name(dtype: torch.dtype, head_dim: int, block_size: int) -> str:
 
 def instantiations() -> list[str]:
     """Every name expression this loader may compile (the CI compile check builds them all)."""
-    return [kernel_name(t, d, b) for t in DTYPES for d in HEAD_SIZES for b in BLOCK_SIZES]
+    return [kernel_name(t, d, b) for t, d, b in attention_configs()]
 
 
 def paged_prefill_attention(
@@ -63,62 +63,39 @@ def paged_prefill_attention(
     tokens' K/V. block_tables: [num_seqs, max_blocks] int32; seq_lens: [num_seqs] int32;
     query_start_loc: [num_seqs + 1] int32. max_query_len: host-side upper bound of query lengths.
     """
-    num_heads, head_dim, block_size, num_kv_heads = _check_prefill_args(
-        out, q, kv_cache, block_tables, seq_lens, query_start_loc, max_query_len
-    )
+    args = AttentionArgs(out, q, kv_cache, block_tables, seq_lens)
+    dims = _check_prefill_args(args, query_start_loc, max_query_len)
     num_seqs = seq_lens.shape[0]
-    device = check_cuda(
-        out=out,
-        q=q,
-        kv_cache=kv_cache,
-        block_tables=block_tables,
-        seq_lens=seq_lens,
-        query_start_loc=query_start_loc,
-    )
+    device = check_cuda(**args._asdict(), query_start_loc=query_start_loc)
     if num_seqs == 0 or max_query_len == 0:
         return
 
-    group = num_heads // num_kv_heads
+    group = dims.num_heads // dims.num_kv_heads
     tiles = math.ceil(max_query_len * group / rows_per_tile(q.dtype))
     launch(
         CU_FILE,
-        kernel_name(q.dtype, head_dim, block_size),
+        kernel_name(q.dtype, dims.head_dim, dims.block_size),
         device,
-        grid=(tiles, num_seqs, num_kv_heads),
+        grid=(tiles, num_seqs, dims.num_kv_heads),
         block=(THREADS, 1, 1),
         args=(
             ptr(out),
-            ptr(q),
-            ptr(kv_cache[0]),
-            ptr(kv_cache[1]),
-            ptr(block_tables),
-            ptr(seq_lens),
+            *args.cache_pointers(),
             ptr(query_start_loc),
-            np.int64(q.stride(0)),
-            np.int64(out.stride(0)),
-            np.int32(num_heads),
-            np.int32(num_kv_heads),
-            np.int32(block_tables.shape[1]),
+            *args.layout(),
             np.float32(scale * LOG2E),
         ),
     )
 
 
 def _check_prefill_args(
-    out: torch.Tensor,
-    q: torch.Tensor,
-    kv_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    seq_lens: torch.Tensor,
-    query_start_loc: torch.Tensor,
-    max_query_len: int,
-) -> tuple[int, int, int, int]:
-    """The shared attention checks plus prefill's own; (Hq, D, block_size, Hkv)."""
-    dims = check_attention_args(
-        q, out, kv_cache, block_tables, seq_lens, head_sizes=HEAD_SIZES, block_sizes=BLOCK_SIZES
-    )
+    args: AttentionArgs, query_start_loc: torch.Tensor, max_query_len: int
+) -> AttentionDims:
+    """The shared attention checks plus prefill's own."""
+    dims = check_attention_args(args)
+    out, q, block_tables = args.out, args.q, args.block_tables
     check_tensor("query_start_loc", query_start_loc, 1, (torch.int32,))
-    num_seqs = seq_lens.shape[0]
+    num_seqs = args.seq_lens.shape[0]
     check(
         block_tables.shape[0] == num_seqs and query_start_loc.shape[0] == num_seqs + 1,
         f"block_tables {tuple(block_tables.shape)} and query_start_loc "

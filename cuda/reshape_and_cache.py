@@ -6,7 +6,7 @@ import numpy as np
 import torch
 
 from cuda.cupy_launch import (
-    DTYPE_NAMES,
+    DTYPES,
     WORD_TYPES,
     check,
     check_contiguous,
@@ -19,7 +19,6 @@ from cuda.cupy_launch import (
 )
 
 CU_FILE = "reshape_and_cache.cu"
-DTYPES = tuple(DTYPE_NAMES)
 
 
 def kernel_name(word_bytes: int) -> str:

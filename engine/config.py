@@ -16,9 +16,19 @@ PREEMPTION_MODES = ("recompute", "swap")
 DISK_WRITE_POLICIES = ("write-through", "selective", "write-back")
 
 
-def _check(cond: bool, msg: str) -> None:
+def check(cond: bool, msg: str) -> None:
+    """The config validation step (every config's __post_init__): ValueError(msg) unless cond."""
     if not cond:
         raise ValueError(msg)
+
+
+def check_one_of(name: str, value: object, choices: tuple[object, ...]) -> None:
+    check(value in choices, f"{name} must be one of {choices}, got {value!r}")
+
+
+def check_port(name: str, port: int | None) -> None:
+    """A TCP port (0: a free one); None passes (the endpoint is off)."""
+    check(port is None or 0 <= port < 65536, f"{name} must be in [0, 65535], got {port}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -33,9 +43,9 @@ class ModelConfig:
     """Identity mixed into block hashes and reported by the API; None uses the folder name."""
 
     def __post_init__(self) -> None:
-        _check(bool(self.path), "model path must not be empty")
-        _check(self.dtype in DTYPES, f"dtype must be one of {DTYPES}, got {self.dtype!r}")
-        _check(
+        check(bool(self.path), "model path must not be empty")
+        check_one_of("dtype", self.dtype, DTYPES)
+        check(
             self.max_model_len is None or self.max_model_len > 0,
             f"max_model_len must be positive, got {self.max_model_len}",
         )
@@ -79,35 +89,28 @@ class CacheConfig:
     """Largest share of each pool that TTL-pinned prefixes may hold."""
 
     def __post_init__(self) -> None:
-        _check(
+        check(
             self.block_size in (8, 16, 32, 64),
             f"block_size must be 8, 16, 32 or 64, got {self.block_size}",
         )
-        _check(
+        check(
             self.num_device_blocks is None or self.num_device_blocks >= 1,
             f"num_device_blocks must be >= 1, got {self.num_device_blocks}",
         )
-        _check(self.device_memory_gib > 0, "device_memory_gib must be > 0")
-        _check(self.cpu_swap_gib >= 0, "cpu_swap_gib must be >= 0")
-        _check(
+        check(self.device_memory_gib > 0, "device_memory_gib must be > 0")
+        check(self.cpu_swap_gib >= 0, "cpu_swap_gib must be >= 0")
+        check(
             self.num_cpu_blocks is None or self.num_cpu_blocks >= 0, "num_cpu_blocks must be >= 0"
         )
-        _check(self.disk_gib > 0, "disk_gib must be > 0")
-        _check(
-            self.disk_write_policy in DISK_WRITE_POLICIES,
-            f"disk_write_policy must be one of {DISK_WRITE_POLICIES}, "
-            f"got {self.disk_write_policy!r}",
-        )
-        _check(self.disk_write_min_hits >= 1, "disk_write_min_hits must be >= 1")
-        _check(self.disk_write_queue_blocks >= 1, "disk_write_queue_blocks must be >= 1")
-        _check(self.disk_write_queue_mib > 0, "disk_write_queue_mib must be > 0")
-        _check(self.disk_read_cache_mib >= 0, "disk_read_cache_mib must be >= 0")
-        _check(self.warm_start_blocks >= 0, "warm_start_blocks must be >= 0")
-        _check(
-            self.preemption_mode in PREEMPTION_MODES,
-            f"preemption_mode must be one of {PREEMPTION_MODES}, got {self.preemption_mode!r}",
-        )
-        _check(0.0 <= self.max_pinned_fraction <= 1.0, "max_pinned_fraction must be in [0, 1]")
+        check(self.disk_gib > 0, "disk_gib must be > 0")
+        check_one_of("disk_write_policy", self.disk_write_policy, DISK_WRITE_POLICIES)
+        check(self.disk_write_min_hits >= 1, "disk_write_min_hits must be >= 1")
+        check(self.disk_write_queue_blocks >= 1, "disk_write_queue_blocks must be >= 1")
+        check(self.disk_write_queue_mib > 0, "disk_write_queue_mib must be > 0")
+        check(self.disk_read_cache_mib >= 0, "disk_read_cache_mib must be >= 0")
+        check(self.warm_start_blocks >= 0, "warm_start_blocks must be >= 0")
+        check_one_of("preemption_mode", self.preemption_mode, PREEMPTION_MODES)
+        check(0.0 <= self.max_pinned_fraction <= 1.0, "max_pinned_fraction must be in [0, 1]")
 
 
 @dataclass(frozen=True, slots=True)
@@ -127,11 +130,11 @@ class SchedulerConfig:
     """Largest number of top logprobs one request may ask for."""
 
     def __post_init__(self) -> None:
-        _check(self.max_num_seqs >= 1, "max_num_seqs must be >= 1")
-        _check(self.max_num_batched_tokens >= 1, "max_num_batched_tokens must be >= 1")
-        _check(self.max_num_partial_prefills >= 0, "max_num_partial_prefills must be >= 0")
-        _check(self.max_n >= 1, "max_n must be >= 1")
-        _check(self.max_logprobs >= 0, "max_logprobs must be >= 0")
+        check(self.max_num_seqs >= 1, "max_num_seqs must be >= 1")
+        check(self.max_num_batched_tokens >= 1, "max_num_batched_tokens must be >= 1")
+        check(self.max_num_partial_prefills >= 0, "max_num_partial_prefills must be >= 0")
+        check(self.max_n >= 1, "max_n must be >= 1")
+        check(self.max_logprobs >= 0, "max_logprobs must be >= 0")
 
 
 @dataclass(frozen=True, slots=True)
@@ -150,15 +153,12 @@ class EngineConfig:
     per core). Set where the engine is built, in the thread that runs it."""
 
     def __post_init__(self) -> None:
-        _check(
+        check(
             self.num_threads is None or self.num_threads >= 1,
             f"num_threads must be >= 1, got {self.num_threads}",
         )
-        _check(self.device in DEVICES, f"device must be one of {DEVICES}, got {self.device!r}")
-        _check(
-            self.attention_backend in ATTENTION_BACKENDS,
-            f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}",
-        )
+        check_one_of("device", self.device, DEVICES)
+        check_one_of("attention_backend", self.attention_backend, ATTENTION_BACKENDS)
 
     @classmethod
     def from_kwargs(cls, model: str, **kwargs: Any) -> EngineConfig:

@@ -10,6 +10,8 @@ from dataclasses import dataclass
 
 import torch
 
+from cuda import paged_attention, prefill_attention
+
 
 @dataclass
 class PagedCase:
@@ -146,6 +148,40 @@ def attention_reference(case: PagedCase, kv_cache: torch.Tensor, scale: float) -
         outs.append(torch.einsum("hql,lhd->qhd", scores.softmax(-1), v))
         start += qlen
     return torch.cat(outs)
+
+
+def run_decode(
+    case: PagedCase, kv_cache: torch.Tensor, scale: float, split: bool | None = None
+) -> torch.Tensor:
+    """The paged decode kernel over `case` (one query token per sequence), into a NaN-filled out."""
+    out = torch.full_like(case.q, float("nan"))
+    paged_attention.paged_decode_attention(
+        out,
+        case.q,
+        kv_cache,
+        case.block_tables,
+        case.seq_lens,
+        scale,
+        case.max_seq_len,
+        split=split,
+    )
+    return out
+
+
+def run_prefill(case: PagedCase, kv_cache: torch.Tensor, scale: float) -> torch.Tensor:
+    """The varlen prefill kernel over `case`, into a NaN-filled out (padding rows stay NaN)."""
+    out = torch.full_like(case.q, float("nan"))
+    prefill_attention.paged_prefill_attention(
+        out,
+        case.q,
+        kv_cache,
+        case.block_tables,
+        case.seq_lens,
+        case.query_start_loc,
+        scale,
+        case.max_query_len,
+    )
+    return out
 
 
 def tolerance(dtype: torch.dtype) -> float:

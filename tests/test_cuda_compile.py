@@ -14,6 +14,7 @@ import os
 import shutil
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
 
@@ -82,37 +83,35 @@ def _layer_cache(dtype: torch.dtype = torch.bfloat16, bs: int = 16, d: int = 64)
     return torch.zeros(2, 4, bs, 2, d, dtype=dtype)
 
 
-def _decode_args(**over: object) -> dict[str, object]:
+def _attention_args(
+    num_tokens: int, seq_lens: list[int], over: dict[str, object], **own: object
+) -> dict[str, object]:
+    """Valid arguments of an attention loader (bf16, [T, 4, 64] queries, a 2-block table per
+    sequence, the loader's `own` ones), then `over` on top."""
     args: dict[str, object] = dict(
-        out=torch.empty(3, 4, 64, dtype=torch.bfloat16),
-        q=torch.empty(3, 4, 64, dtype=torch.bfloat16),
+        out=torch.empty(num_tokens, 4, 64, dtype=torch.bfloat16),
+        q=torch.empty(num_tokens, 4, 64, dtype=torch.bfloat16),
         kv_cache=_layer_cache(),
-        block_tables=torch.zeros(3, 2, dtype=torch.int32),
-        seq_lens=torch.ones(3, dtype=torch.int32),
+        block_tables=torch.zeros(len(seq_lens), 2, dtype=torch.int32),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
         scale=0.125,
-        max_seq_len=20,
+        **own,
     )
     args.update(over)
     return args
+
+
+def _decode_args(**over: object) -> dict[str, object]:
+    return _attention_args(3, [1, 1, 1], over, max_seq_len=20)
 
 
 def _prefill_args(**over: object) -> dict[str, object]:
-    args: dict[str, object] = dict(
-        out=torch.empty(5, 4, 64, dtype=torch.bfloat16),
-        q=torch.empty(5, 4, 64, dtype=torch.bfloat16),
-        kv_cache=_layer_cache(),
-        block_tables=torch.zeros(2, 2, dtype=torch.int32),
-        seq_lens=torch.tensor([3, 4], dtype=torch.int32),
-        query_start_loc=torch.tensor([0, 2, 5], dtype=torch.int32),
-        scale=0.125,
-        max_query_len=3,
-    )
-    args.update(over)
-    return args
+    query_start_loc = torch.tensor([0, 2, 5], dtype=torch.int32)
+    return _attention_args(5, [3, 4], over, query_start_loc=query_start_loc, max_query_len=3)
 
 
 BF = torch.bfloat16
-DECODE_BAD = {
+DECODE_BAD: dict[str, tuple[dict[str, object], str]] = {
     "q dtype": (dict(q=torch.empty(3, 4, 64, dtype=torch.float64)), "q must have dtype"),
     "head size": (
         dict(
@@ -136,14 +135,7 @@ DECODE_BAD = {
 }
 
 
-@pytest.mark.parametrize("case", DECODE_BAD, ids=list(DECODE_BAD))
-def test_decode_loader_rejects(case: str) -> None:
-    over, message = DECODE_BAD[case]
-    with pytest.raises(ValueError, match=message):
-        paged_attention.paged_decode_attention(**_decode_args(**over))  # type: ignore[arg-type]
-
-
-PREFILL_BAD = {
+PREFILL_BAD: dict[str, tuple[dict[str, object], str]] = {
     "qsl length": (dict(query_start_loc=torch.tensor([0, 5], dtype=torch.int32)), "sequences"),
     "qsl dtype": (dict(query_start_loc=torch.tensor([0, 2, 5])), "query_start_loc"),
     "out shape": (dict(out=torch.empty(4, 4, 64, dtype=BF)), "out shape"),
@@ -156,11 +148,23 @@ PREFILL_BAD = {
 }
 
 
-@pytest.mark.parametrize("case", PREFILL_BAD, ids=list(PREFILL_BAD))
-def test_prefill_loader_rejects(case: str) -> None:
-    over, message = PREFILL_BAD[case]
+LOADER_BAD: dict[str, tuple[Callable[..., None], dict[str, object], str]] = {
+    **{
+        f"decode {name}": (paged_attention.paged_decode_attention, _decode_args(**over), message)
+        for name, (over, message) in DECODE_BAD.items()
+    },
+    **{
+        f"prefill {name}": (prefill_attention.paged_prefill_attention, _prefill_args(**over), msg)
+        for name, (over, msg) in PREFILL_BAD.items()
+    },
+}
+
+
+@pytest.mark.parametrize("case", LOADER_BAD, ids=list(LOADER_BAD))
+def test_attention_loaders_reject(case: str) -> None:
+    loader, args, message = LOADER_BAD[case]
     with pytest.raises(ValueError, match=message):
-        prefill_attention.paged_prefill_attention(**_prefill_args(**over))  # type: ignore[arg-type]
+        loader(**args)
 
 
 def test_reshape_and_cache_rejects() -> None:

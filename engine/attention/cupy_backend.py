@@ -17,7 +17,12 @@ import logging
 import torch
 
 from cuda import block_copy, paged_attention, prefill_attention, reshape_and_cache
-from cuda.cupy_launch import import_cupy
+from cuda.cupy_launch import (
+    ATTENTION_BLOCK_SIZES,
+    ATTENTION_HEAD_SIZES,
+    attention_supports,
+    import_cupy,
+)
 from engine.attention.base import AttentionBackend, AttentionMetadata
 from engine.attention.torch_ref import TorchAttentionBackend
 
@@ -62,12 +67,7 @@ class CupyAttentionBackend(AttentionBackend):
     @staticmethod
     def supports(head_dim: int, block_size: int, dtype: torch.dtype) -> bool:
         """Whether the kernels cover this model / cache configuration."""
-        return (
-            head_dim in paged_attention.HEAD_SIZES
-            and head_dim in prefill_attention.HEAD_SIZES
-            and block_size in paged_attention.BLOCK_SIZES
-            and dtype in paged_attention.DTYPES
-        )
+        return attention_supports(head_dim, block_size, dtype)
 
     def forward(
         self,
@@ -122,8 +122,8 @@ class CupyAttentionBackend(AttentionBackend):
         """The torch fallback for a shape the kernels do not cover (warned once); raises
         ValueError without one."""
         message = (
-            f"the CUDA kernels cover head_dim {paged_attention.HEAD_SIZES}, block_size "
-            f"{paged_attention.BLOCK_SIZES} and float16/bfloat16/float32; got head_dim "
+            f"the CUDA kernels cover head_dim {ATTENTION_HEAD_SIZES}, block_size "
+            f"{ATTENTION_BLOCK_SIZES} and float16/bfloat16/float32; got head_dim "
             f"{q.shape[2]}, block_size {kv_cache.shape[2]}, {q.dtype}"
         )
         if self._fallback is None:

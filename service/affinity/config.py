@@ -4,10 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-
-def _check(cond: bool, msg: str) -> None:
-    if not cond:
-        raise ValueError(msg)
+from engine.config import check
 
 
 @dataclass(frozen=True, slots=True)
@@ -35,7 +32,7 @@ class AffinityConfig:
     """Most block hashes one request records (the first ones and the last one beyond that)."""
 
     def __post_init__(self) -> None:
-        _check(
+        check(
             self.redis_url is None
             or self.redis_url.startswith(("redis://", "rediss://", "unix://")),
             f"redis url must start with redis://, rediss:// or unix://, got {self.redis_url!r}",
@@ -49,10 +46,10 @@ class AffinityConfig:
             "session_ttl_s",
             "prefix_ttl_s",
         ):
-            _check(getattr(self, name) > 0, f"{name} must be > 0")
-        _check(self.max_connections >= 1, "max_connections must be >= 1")
-        _check(self.max_blocks_per_record >= 1, "max_blocks_per_record must be >= 1")
-        _check(
+            check(getattr(self, name) > 0, f"{name} must be > 0")
+        check(self.max_connections >= 1, "max_connections must be >= 1")
+        check(self.max_blocks_per_record >= 1, "max_blocks_per_record must be >= 1")
+        check(
             self.replica_ttl_s > self.heartbeat_s,
             "replica_ttl_s must exceed heartbeat_s, or live replicas would flicker out",
         )

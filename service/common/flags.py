@@ -49,6 +49,21 @@ def _convert(var: str, raw: str, convert: Callable[[str], Any]) -> Any:
         raise EnvError(f"{var}={raw!r} is not valid: {e}") from None
 
 
+def _env(flag: str, environ: Mapping[str, str] | None) -> tuple[str, str | None]:
+    """The flag's variable and its value in `environ` (default os.environ); None when unset."""
+    var = env_name(flag)
+    return var, (os.environ if environ is None else environ).get(var)
+
+
+def _add(
+    parser: argparse.ArgumentParser | argparse._ArgumentGroup, flag: str, var: str, **kwargs: Any
+) -> argparse.Action:
+    """`parser.add_argument`, the action remembering its variable (`env_var`)."""
+    action = parser.add_argument(flag, **kwargs)
+    action.env_var = var  # type: ignore[attr-defined]
+    return action
+
+
 def add_flag(
     parser: argparse.ArgumentParser | argparse._ArgumentGroup,
     flag: str,
@@ -61,22 +76,21 @@ def add_flag(
     environ: Mapping[str, str] | None = None,
 ) -> argparse.Action:
     """A flag taking one value, defaulting to $DEJA_<FLAG> when set."""
-    env = os.environ if environ is None else environ
-    var = env_name(flag)
-    if var in env:
-        default = _convert(var, env[var], type)
+    var, raw = _env(flag, environ)
+    if raw is not None:
+        default = _convert(var, raw, type)
         if choices is not None and default not in choices:
-            raise EnvError(f"{var}={env[var]!r} must be one of {list(choices)}")
-    action = parser.add_argument(
+            raise EnvError(f"{var}={raw!r} must be one of {list(choices)}")
+    return _add(
+        parser,
         flag,
+        var,
         type=type,
         default=default,
         choices=choices,
         metavar=metavar,
         help=_help(help, var, show_default=default is not None),
     )
-    action.env_var = var  # type: ignore[attr-defined]
-    return action
 
 
 def add_bool_flag(
@@ -91,18 +105,17 @@ def add_bool_flag(
 
     A None default means "neither given": the command decides (e.g. from the server's answer).
     """
-    env = os.environ if environ is None else environ
-    var = env_name(flag)
-    if var in env:
-        default = _convert(var, env[var], parse_bool)
-    action = parser.add_argument(
+    var, raw = _env(flag, environ)
+    if raw is not None:
+        default = _convert(var, raw, parse_bool)
+    return _add(
+        parser,
         flag,
+        var,
         action=argparse.BooleanOptionalAction,
         default=default,
         help=_help(help, var, show_default=default is not None),
     )
-    action.env_var = var  # type: ignore[attr-defined]
-    return action
 
 
 def add_list_flag(
@@ -115,21 +128,20 @@ def add_list_flag(
     environ: Mapping[str, str] | None = None,
 ) -> argparse.Action:
     """A repeatable flag; $DEJA_<FLAG> holds a comma-separated list used when none is given."""
-    env = os.environ if environ is None else environ
-    var = env_name(flag)
+    var, raw = _env(flag, environ)
     default: list[Any] = []
-    if var in env:
-        default = [_convert(var, p.strip(), type) for p in env[var].split(",") if p.strip()]
-    action = parser.add_argument(
+    if raw is not None:
+        default = [_convert(var, p.strip(), type) for p in raw.split(",") if p.strip()]
+    return _add(
+        parser,
         flag,
+        var,
         action=_ReplaceDefaultAppend,
         type=type,
         default=default,
         metavar=metavar,
         help=_help(help + " (repeatable)", var + " (comma-separated)", show_default=False),
     )
-    action.env_var = var  # type: ignore[attr-defined]
-    return action
 
 
 class _ReplaceDefaultAppend(argparse.Action):

@@ -6,13 +6,9 @@ import argparse
 import socket
 from dataclasses import dataclass
 
-from service.common.auth import parse_auth_token
+from engine.config import check, check_port
 from service.common.flags import add_bool_flag, add_flag, add_list_flag
-
-
-def _check(cond: bool, msg: str) -> None:
-    if not cond:
-        raise ValueError(msg)
+from service.common.server_args import server_settings_from_args
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,21 +45,18 @@ class ServiceConfig:
     """Affinity store shared with the router (unused by the replica itself for now)."""
 
     def __post_init__(self) -> None:
-        _check(0 <= self.port < 65536, f"port must be in [0, 65535], got {self.port}")
-        _check(self.max_queued_requests >= 1, "max_queued_requests must be >= 1")
-        _check(self.stream_buffer >= 1, "stream_buffer must be >= 1")
-        _check(self.grace_period_s >= 0, "grace_period_s must be >= 0")
-        _check(
+        check_port("port", self.port)
+        check(self.max_queued_requests >= 1, "max_queued_requests must be >= 1")
+        check(self.stream_buffer >= 1, "stream_buffer must be >= 1")
+        check(self.grace_period_s >= 0, "grace_period_s must be >= 0")
+        check(
             (self.tls_cert is None) == (self.tls_key is None),
             "TLS needs both a certificate and a key",
         )
-        _check(
-            self.metrics_port is None or 0 <= self.metrics_port < 65536,
-            f"metrics_port must be in [0, 65535], got {self.metrics_port}",
-        )
+        check_port("metrics_port", self.metrics_port)
         tokens = [t for t, _ in self.auth_tokens]
-        _check(all(tokens), "auth tokens must not be empty")
-        _check(len(set(tokens)) == len(tokens), "auth tokens must be unique")
+        check(all(tokens), "auth tokens must not be empty")
+        check(len(set(tokens)) == len(tokens), "auth tokens must be unique")
 
     @property
     def auth_enabled(self) -> bool:
@@ -138,15 +131,8 @@ def service_config_from_args(args: argparse.Namespace) -> ServiceConfig:
         replica_id=args.replica_id or "",
         max_queued_requests=args.max_queued_requests,
         stream_buffer=args.stream_buffer,
-        auth_tokens=tuple(parse_auth_token(s) for s in args.auth_token),
-        allow_client_cache_salt=args.allow_client_cache_salt,
         tls_cert=args.tls_cert,
         tls_key=args.tls_key,
-        reflection=args.reflection,
-        grace_period_s=args.grace_period,
-        metrics_port=args.metrics_port,
-        metrics_host=args.metrics_host,
-        otlp_endpoint=args.otlp_endpoint,
-        console_tracing=args.console_tracing,
         redis_url=args.redis_url,
+        **server_settings_from_args(args),
     )

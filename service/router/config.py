@@ -5,17 +5,13 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass, field
 
+from engine.config import check, check_one_of, check_port
 from service.affinity.config import AffinityConfig
 from service.affinity.flags import add_affinity_args, affinity_config_from_args
-from service.common.auth import parse_auth_token
 from service.common.flags import add_bool_flag, add_flag, add_list_flag
+from service.common.server_args import server_settings_from_args
 from service.router.cost import CostWeights
 from service.router.policy import POLICIES, OverloadGuard
-
-
-def _check(cond: bool, msg: str) -> None:
-    if not cond:
-        raise ValueError(msg)
 
 
 def parse_replicas(specs: list[str]) -> tuple[str, ...]:
@@ -74,13 +70,13 @@ class RouterConfig:
     console_tracing: bool = False
 
     def __post_init__(self) -> None:
-        _check(0 <= self.port < 65536, f"port must be in [0, 65535], got {self.port}")
-        _check(self.policy in POLICIES, f"policy must be one of {POLICIES}, got {self.policy!r}")
-        _check(self.poll_interval_s > 0 and self.poll_timeout_s > 0, "poll times must be > 0")
-        _check(self.poll_failures_down >= 1, "poll_failures_down must be >= 1")
-        _check(self.max_attempts >= 1, "max_attempts must be >= 1")
-        _check(self.grace_period_s >= 0, "grace_period_s must be >= 0")
-        _check(
+        check_port("port", self.port)
+        check_one_of("policy", self.policy, POLICIES)
+        check(self.poll_interval_s > 0 and self.poll_timeout_s > 0, "poll times must be > 0")
+        check(self.poll_failures_down >= 1, "poll_failures_down must be >= 1")
+        check(self.max_attempts >= 1, "max_attempts must be >= 1")
+        check(self.grace_period_s >= 0, "grace_period_s must be >= 0")
+        check(
             bool(self.replicas) or (self.discover and self.affinity.redis_url is not None),
             "the router needs replicas: give --replicas, or --redis-url to discover them",
         )
@@ -196,12 +192,5 @@ def router_config_from_args(args: argparse.Namespace) -> RouterConfig:
         poll_interval_s=args.poll_interval,
         poll_timeout_s=args.poll_timeout,
         max_attempts=args.max_attempts,
-        auth_tokens=tuple(parse_auth_token(s) for s in args.auth_token),
-        allow_client_cache_salt=args.allow_client_cache_salt,
-        reflection=args.reflection,
-        grace_period_s=args.grace_period,
-        metrics_port=args.metrics_port,
-        metrics_host=args.metrics_host,
-        otlp_endpoint=args.otlp_endpoint,
-        console_tracing=args.console_tracing,
+        **server_settings_from_args(args),
     )

@@ -24,7 +24,7 @@ import itertools
 import logging
 import time
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -70,6 +70,28 @@ def forward_metadata(
     else:  # tracing off here: pass the caller's context through unchanged
         out += [(k, v) for k, v in metadata if k.lower() in ("traceparent", "tracestate")]
     return out
+
+
+def _forward(
+    h: ReplicaHandle,
+    method: str,
+    request: Any,
+    timeout: float | None,
+    metadata: list[tuple[str, Any]],
+) -> Awaitable[Any]:
+    """The unary call `method` of replica h's stub with `request`, the caller's deadline and
+    metadata."""
+    return getattr(h.stub, method)(request, timeout=timeout, metadata=metadata)
+
+
+def _sum_by_name(into: dict[str, Any], items: Iterable[Any], message: Any) -> None:
+    """Adds each named stats message (of class `message`) field by field into the one of its
+    name in `into`."""
+    for item in items:
+        acc = into.setdefault(item.name, message(name=item.name))
+        for f in message.DESCRIPTOR.fields:
+            if f.name != "name":
+                setattr(acc, f.name, getattr(acc, f.name) + getattr(item, f.name))
 
 
 @dataclass(slots=True)
@@ -363,12 +385,9 @@ class RouterServicer(pb_grpc.InferenceServicer):
 
     # -- unary calls ---------------------------------------------------------------------------
 
-    async def _unary(
-        self,
-        context: grpc.aio.ServicerContext,
-        call: Callable[[ReplicaHandle, float | None, list[tuple[str, Any]]], Awaitable[T]],
-    ) -> T:
-        """Runs `call` on the least loaded healthy replica, the next one on UNAVAILABLE."""
+    async def _unary(self, context: grpc.aio.ServicerContext, method: str, request: Any) -> Any:
+        """Forwards `request` to `method` of the least loaded healthy replica, the next one on
+        UNAVAILABLE."""
         md = forward_metadata(list(context.invocation_metadata() or ()), None)
         exclude: set[str] = set()
         last: grpc.aio.AioRpcError | None = None
@@ -378,7 +397,7 @@ class RouterServicer(pb_grpc.InferenceServicer):
                 break
             h = min(healthy, key=lambda h: (h.candidate().load, h.replica_id or ""))
             try:
-                return await call(h, context.time_remaining(), md)
+                return await _forward(h, method, request, context.time_remaining(), md)
             except grpc.aio.AioRpcError as e:
                 if e.code() != grpc.StatusCode.UNAVAILABLE:
                     await abort(context, e.code(), e.details() or e.code().name)
@@ -388,19 +407,16 @@ class RouterServicer(pb_grpc.InferenceServicer):
         detail = last.details() if last is not None else "no healthy replica"
         await abort(context, grpc.StatusCode.UNAVAILABLE, detail or "no healthy replica")
 
-    async def _all(
-        self,
-        context: grpc.aio.ServicerContext,
-        call: Callable[[ReplicaHandle, float | None, list[tuple[str, Any]]], Awaitable[T]],
-    ) -> list[T]:
-        """Runs `call` on every healthy replica; failures are left out (logged)."""
+    async def _all(self, context: grpc.aio.ServicerContext, method: str, request: Any) -> list[Any]:
+        """Forwards `request` to `method` of every healthy replica; the answers, failures left
+        out (logged)."""
         md = forward_metadata(list(context.invocation_metadata() or ()), None)
         healthy = self._pool.healthy()
         timeout = context.time_remaining()
         results = await asyncio.gather(
-            *(call(h, timeout, md) for h in healthy), return_exceptions=True
+            *(_forward(h, method, request, timeout, md) for h in healthy), return_exceptions=True
         )
-        out: list[T] = []
+        out: list[Any] = []
         for h, r in zip(healthy, results, strict=True):
             if isinstance(r, grpc.aio.AioRpcError):
                 if r.code() == grpc.StatusCode.UNAUTHENTICATED:
@@ -415,23 +431,17 @@ class RouterServicer(pb_grpc.InferenceServicer):
     async def Tokenize(
         self, request: pb.TokenizeRequest, context: grpc.aio.ServicerContext
     ) -> pb.TokenizeResponse:
-        return await self._unary(
-            context, lambda h, t, md: h.stub.Tokenize(request, timeout=t, metadata=md)
-        )
+        return await self._unary(context, "Tokenize", request)
 
     async def GetModelInfo(
         self, request: pb.GetModelInfoRequest, context: grpc.aio.ServicerContext
     ) -> pb.ModelInfo:
-        return await self._unary(
-            context, lambda h, t, md: h.stub.GetModelInfo(request, timeout=t, metadata=md)
-        )
+        return await self._unary(context, "GetModelInfo", request)
 
     async def GetLoad(
         self, request: pb.GetLoadRequest, context: grpc.aio.ServicerContext
     ) -> pb.Load:
-        loads = await self._all(
-            context, lambda h, t, md: h.stub.GetLoad(request, timeout=t, metadata=md)
-        )
+        loads = await self._all(context, "GetLoad", request)
         out = pb.Load(replica_id=self._config.router_id, draining=self.draining)
         for load in loads:
             out.running += load.running
@@ -446,9 +456,7 @@ class RouterServicer(pb_grpc.InferenceServicer):
     async def GetCacheStats(
         self, request: pb.GetCacheStatsRequest, context: grpc.aio.ServicerContext
     ) -> pb.CacheStats:
-        stats = await self._all(
-            context, lambda h, t, md: h.stub.GetCacheStats(request, timeout=t, metadata=md)
-        )
+        stats = await self._all(context, "GetCacheStats", request)
         out = pb.CacheStats(replica_id=self._config.router_id)
         tiers: dict[str, pb.TierStats] = {}
         buffers: dict[str, pb.BufferStats] = {}
@@ -457,16 +465,8 @@ class RouterServicer(pb_grpc.InferenceServicer):
             out.total_device_blocks += s.total_device_blocks
             out.prefix_queries += s.prefix_queries
             out.prefix_hits += s.prefix_hits
-            for t in s.tiers:
-                acc = tiers.setdefault(t.name, pb.TierStats(name=t.name))
-                for f in pb.TierStats.DESCRIPTOR.fields:
-                    if f.name != "name":
-                        setattr(acc, f.name, getattr(acc, f.name) + getattr(t, f.name))
-            for b in s.buffers:
-                buf = buffers.setdefault(b.name, pb.BufferStats(name=b.name))
-                for f in pb.BufferStats.DESCRIPTOR.fields:
-                    if f.name != "name":
-                        setattr(buf, f.name, getattr(buf, f.name) + getattr(b, f.name))
+            _sum_by_name(tiers, s.tiers, pb.TierStats)
+            _sum_by_name(buffers, s.buffers, pb.BufferStats)
         out.tiers.extend(tiers.values())
         out.buffers.extend(buffers.values())
         return out
@@ -474,9 +474,7 @@ class RouterServicer(pb_grpc.InferenceServicer):
     async def Abort(
         self, request: pb.AbortRequest, context: grpc.aio.ServicerContext
     ) -> pb.AbortResponse:
-        results = await self._all(
-            context, lambda h, t, md: h.stub.Abort(request, timeout=t, metadata=md)
-        )
+        results = await self._all(context, "Abort", request)
         aborted = {rid for r in results for rid in r.aborted}
         return pb.AbortResponse(aborted=[rid for rid in request.request_ids if rid in aborted])
 

@@ -2,20 +2,13 @@
 
 from __future__ import annotations
 
-import argparse
 import json
 import re
 from pathlib import Path
 
 import pytest
 
-from bench import offline, tiers
-
-
-def _args(module: object, argv: list[str]) -> argparse.Namespace:
-    parser = argparse.ArgumentParser()
-    module.add_arguments(parser)  # type: ignore[attr-defined]
-    return parser.parse_args(argv)
+from bench import common, offline, tiers
 
 
 def test_offline_compare_disk_write_through_quick(
@@ -24,7 +17,7 @@ def test_offline_compare_disk_write_through_quick(
     out_json = tmp_path / "offline.json"
     argv = ["--model", str(tiny_llama_path), "--quick", "--json", str(out_json)]
     argv += ["--compare-disk-write-through", "--skip-generate", "--skip-generate-batch"]
-    assert offline.run(_args(offline, [*argv, "--parity", "0"])) == 0
+    assert offline.run(common.parse_args(offline.add_arguments, [*argv, "--parity", "0"])) == 0
     text = capsys.readouterr().out
     assert re.search(
         r"^ratio ours with / without the disk tier \(write-through\): \d+\.\d+x", text, re.M
@@ -44,7 +37,7 @@ def test_tiers_restart_quick(
     out_json = tmp_path / "tiers.json"
     argv = ["--model", str(tiny_llama_path), "--quick", "--part", "restart"]
     argv += ["--restart-prefixes", "64", "--json", str(out_json)]
-    assert tiers.run(_args(tiers, argv)) == 0
+    assert tiers.run(common.parse_args(tiers.add_arguments, argv)) == 0
     text = capsys.readouterr().out
     assert re.search(r"^restart, 64-token prefix \(median of 1\): recompute", text, re.M), text
     assert re.search(r"disk load speed: .* of the same 4 files: \d+%", text), text

@@ -2,28 +2,21 @@
 
 from __future__ import annotations
 
-import argparse
 import json
 import re
 from pathlib import Path
 
 import pytest
 
-from bench import offline, prefix
-
-
-def _args(module: object, argv: list[str]) -> argparse.Namespace:
-    parser = argparse.ArgumentParser()
-    module.add_arguments(parser)  # type: ignore[attr-defined]
-    return parser.parse_args(argv)
+from bench import common, offline, prefix
 
 
 def test_offline_quick(
     tiny_llama_path: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     out_json = tmp_path / "offline.json"
-    args = _args(
-        offline,
+    args = common.parse_args(
+        offline.add_arguments,
         ["--model", str(tiny_llama_path), "--quick", "--parity", "2", "--json", str(out_json)],
     )
     assert offline.run(args) == 0
@@ -42,7 +35,9 @@ def test_prefix_quick(
     tiny_llama_path: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     out_json = tmp_path / "prefix.json"
-    args = _args(prefix, ["--model", str(tiny_llama_path), "--quick", "--json", str(out_json)])
+    args = common.parse_args(
+        prefix.add_arguments, ["--model", str(tiny_llama_path), "--quick", "--json", str(out_json)]
+    )
     assert prefix.run(args) == 0
     text = capsys.readouterr().out
     assert re.search(r"^ratio TTFT off / on \(p50, requests 2\.\.4\): \d+\.\d+x$", text, re.M), text

@@ -3,21 +3,14 @@ subprocess, the offline engine and transformers, one after another."""
 
 from __future__ import annotations
 
-import argparse
 import json
 import re
 from pathlib import Path
 
 import pytest
 
-from bench import latency
+from bench import common, latency
 from bench.latency import Sample, SystemResult, checks
-
-
-def _args(argv: list[str]) -> argparse.Namespace:
-    parser = argparse.ArgumentParser()
-    latency.add_arguments(parser)
-    return parser.parse_args(argv)
 
 
 def test_latency_quick(
@@ -25,7 +18,9 @@ def test_latency_quick(
 ) -> None:
     out_json = tmp_path / "latency.json"
     argv = ["--model", str(tiny_llama_path), "--quick", "--num-device-blocks", "64"]
-    assert latency.run(_args([*argv, "--json", str(out_json)])) == 0
+    assert (
+        latency.run(common.parse_args(latency.add_arguments, [*argv, "--json", str(out_json)])) == 0
+    )
     text = capsys.readouterr().out
     for name in ("served (gRPC)", "offline (LLMEngine)", "transformers generate"):
         assert re.search(rf"^{re.escape(name)}\s+\d+\.\d\d\s+\d+\.\d\d\s", text, re.M), text

@@ -3,13 +3,12 @@ few seconds of the real command against a spawned `deja serve` on the tiny model
 
 from __future__ import annotations
 
-import argparse
 import re
 from pathlib import Path
 
 import pytest
 
-from bench import soak
+from bench import common, soak
 from bench.soak_report import MIB, EndState, Sample, baseline, judge
 
 CLEAN_END = EndState(device_free=64, device_total=64, cpu_held_by_swaps=0)
@@ -92,14 +91,11 @@ def test_parse_mix() -> None:
         soak.parse_mix("random=0")
 
 
-def _args(argv: list[str]) -> argparse.Namespace:
-    parser = argparse.ArgumentParser()
-    soak.add_arguments(parser)
-    return parser.parse_args(argv)
-
-
 def test_load_requests_fit_the_model_and_cover_every_kind() -> None:
-    args = _args(["--input-len", "64", "--prefix-len", "200", "--output-len", "8", "--seed", "3"])
+    args = common.parse_args(
+        soak.add_arguments,
+        ["--input-len", "64", "--prefix-len", "200", "--output-len", "8", "--seed", "3"],
+    )
     load = soak.SoakLoad(args, vocab_size=512, reserved=[0, 2], max_model_len=256)
     seen = set()
     for _ in range(400):
@@ -125,7 +121,7 @@ def test_soak_command_against_a_spawned_replica(
     )
     flags = "--duration 4 --warmup 1 --sample-interval 1 --concurrency 8 --input-len 32"
     flags += " --prefix-len 48 --output-len 6 --max-pin-s 1"
-    args = _args([*flags.split(), "--serve-args", serve])
+    args = common.parse_args(soak.add_arguments, [*flags.split(), "--serve-args", serve])
     code = soak.run(args)
     out = capsys.readouterr().out
     assert code == 0, out

@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from cuda import block_copy, paged_attention, prefill_attention, reshape_and_cache
+from tests import kernel_reference as kref
 from tests.cuda_emu.emulator import Emulator
-from tests.kernel_reference import attention_reference, make_case, tolerance, write_reference
 
 BF16, F16, F32 = torch.bfloat16, torch.float16, torch.float32
 
@@ -59,7 +59,7 @@ def _config_id(cfg: tuple[torch.dtype, int, int, int, int]) -> str:
 
 def test_reshape_and_cache_skips_padding_and_follows_strides(emu: Emulator) -> None:
     for dtype, (hq, hkv, d) in [(BF16, (4, 2, 64)), (F32, (3, 1, 96)), (F16, (2, 2, 128))]:
-        case = make_case([3, 0, 20], [2, 5, 1], hq, hkv, d, 16, dtype, num_padding_tokens=2)
+        case = kref.make_case([3, 0, 20], [2, 5, 1], hq, hkv, d, 16, dtype, num_padding_tokens=2)
         # k / v as views into one fused qkv tensor, the way the model produces them
         t = case.q.shape[0]
         qkv = torch.cat(
@@ -67,7 +67,7 @@ def test_reshape_and_cache_skips_padding_and_follows_strides(emu: Emulator) -> N
         )
         k = qkv[:, hq * d : (hq + hkv) * d].view(t, hkv, d)
         v = qkv[:, (hq + hkv) * d :].view(t, hkv, d)
-        expected = write_reference(case)
+        expected = kref.write_reference(case)
         cache = case.kv_cache.clone()
         reshape_and_cache.reshape_and_cache(k, v, cache, case.slot_mapping)
         assert torch.equal(cache.isnan(), expected.isnan())
@@ -80,19 +80,16 @@ def test_decode_matches_reference(
     emu: Emulator, cfg: tuple[torch.dtype, int, int, int, int]
 ) -> None:
     dtype, d, bs, hq, hkv = cfg
-    case = make_case([0, 16, 70, 31], [1, 1, 1, 1], hq, hkv, d, bs, dtype, seed=1)
-    cache = write_reference(case)
+    case = kref.make_case([0, 16, 70, 31], [1, 1, 1, 1], hq, hkv, d, bs, dtype, seed=1)
+    cache = kref.write_reference(case)
     scale = 1 / math.sqrt(d)
-    out = torch.full_like(case.q, float("nan"))
-    paged_attention.paged_decode_attention(
-        out, case.q, cache, case.block_tables, case.seq_lens, scale, case.max_seq_len
-    )
+    out = kref.run_decode(case, cache, scale)
     assert [n for n, _, _ in emu.launches] == [
         paged_attention.decode_kernel_name(dtype, d, bs, paged_attention.heads_per_cta(hq // hkv))
     ]
-    ref = attention_reference(case, cache, scale)
+    ref = kref.attention_reference(case, cache, scale)
     err = (out.double() - ref).abs().max().item()
-    assert err < tolerance(dtype), err
+    assert err < kref.tolerance(dtype), err
 
 
 @pytest.mark.parametrize("cfg", ATTN_CONFIGS[:3], ids=_config_id)
@@ -101,19 +98,16 @@ def test_split_k_decode_matches_reference(
 ) -> None:
     dtype, d, bs, hq, hkv = cfg
     # 1100 tokens: 3 partitions of 512; 4 tokens: one partition, its other CTAs exit at once.
-    case = make_case([1099, 3, 600], [1, 1, 1], hq, hkv, d, bs, dtype, seed=2)
-    cache = write_reference(case)
+    case = kref.make_case([1099, 3, 600], [1, 1, 1], hq, hkv, d, bs, dtype, seed=2)
+    cache = kref.write_reference(case)
     scale = 0.7 / math.sqrt(d)
-    out = torch.full_like(case.q, float("nan"))
-    paged_attention.paged_decode_attention(
-        out, case.q, cache, case.block_tables, case.seq_lens, scale, case.max_seq_len, split=True
-    )
+    out = kref.run_decode(case, cache, scale, split=True)
     names = [n for n, _, _ in emu.launches]
     assert names[1] == paged_attention.reduce_kernel_name(dtype, d)
     assert emu.launches[0][1][2] == 3  # partitions
-    ref = attention_reference(case, cache, scale)
+    ref = kref.attention_reference(case, cache, scale)
     err = (out.double() - ref).abs().max().item()
-    assert err < tolerance(dtype), err
+    assert err < kref.tolerance(dtype), err
 
 
 def test_split_k_heuristic(emu: Emulator) -> None:
@@ -121,15 +115,15 @@ def test_split_k_heuristic(emu: Emulator) -> None:
     assert paged_attention.use_split_k(32, 32768, 132)
     assert not paged_attention.use_split_k(512, 4096, 132)
     assert not paged_attention.use_split_k(8, 1024, 132)
-    case = make_case([1500], [1], 2, 2, 64, 16, F32, seed=3)
-    cache = write_reference(case)
+    case = kref.make_case([1500], [1], 2, 2, 64, 16, F32, seed=3)
+    cache = kref.write_reference(case)
     out = torch.empty_like(case.q)
     paged_attention.paged_decode_attention(
         out, case.q, cache, case.block_tables, case.seq_lens, 0.125, case.max_seq_len
     )
     assert len(emu.launches) == 2  # split-K kernel + reduction, chosen automatically
-    ref = attention_reference(case, cache, 0.125)
-    assert (out.double() - ref).abs().max().item() < tolerance(F32)
+    ref = kref.attention_reference(case, cache, 0.125)
+    assert (out.double() - ref).abs().max().item() < kref.tolerance(F32)
 
 
 @pytest.mark.parametrize("cfg", ATTN_CONFIGS, ids=_config_id)
@@ -138,26 +132,16 @@ def test_prefill_matches_reference(
 ) -> None:
     dtype, d, bs, hq, hkv = cfg
     # fresh prompt, chunk over a cached prefix, a decode token, a chunk crossing tile edges
-    case = make_case(
+    case = kref.make_case(
         [0, 21, 40, 3], [19, 12, 1, 40], hq, hkv, d, bs, dtype, num_padding_tokens=3, seed=4
     )
-    cache = write_reference(case)
+    cache = kref.write_reference(case)
     scale = 1 / math.sqrt(d)
-    out = torch.full_like(case.q, float("nan"))
-    prefill_attention.paged_prefill_attention(
-        out,
-        case.q,
-        cache,
-        case.block_tables,
-        case.seq_lens,
-        case.query_start_loc,
-        scale,
-        case.max_query_len,
-    )
-    ref = attention_reference(case, cache, scale)
+    out = kref.run_prefill(case, cache, scale)
+    ref = kref.attention_reference(case, cache, scale)
     n = case.num_queries
     err = (out[:n].double() - ref).abs().max().item()
-    assert err < tolerance(dtype), err
+    assert err < kref.tolerance(dtype), err
     assert out[n:].isnan().all()  # padding tokens untouched
 
 

@@ -14,6 +14,7 @@ import torch
 
 from engine.llm import LLM
 from engine.sampling_params import SamplingParams
+from engine.sequence import Request
 from engine.structured import ResponseFormat
 from engine.structured.bitmask import TokenMask, apply_token_mask, pack_allowed
 from engine.structured.compiler import validate_response_format
@@ -296,8 +297,11 @@ def test_grammar_compiles_once_per_spec(llm: LLM) -> None:
     assert after.entries >= 1
 
 
-def _gate_compiles(llm: LLM, monkeypatch: pytest.MonkeyPatch) -> threading.Event:
-    """Holds every grammar compile on the worker thread until the returned event is set."""
+def _compiling_request(
+    llm: LLM, monkeypatch: pytest.MonkeyPatch, pattern: str
+) -> tuple[Request, threading.Event]:
+    """A request (max_tokens=8) constrained to `pattern` whose grammar compile is held on the
+    worker thread until the returned event is set."""
     gate = threading.Event()
     pool = llm.engine.grammars
     real = pool._compile
@@ -307,16 +311,16 @@ def _gate_compiles(llm: LLM, monkeypatch: pytest.MonkeyPatch) -> threading.Event
         return real(fmt)
 
     monkeypatch.setattr(pool, "_compile", gated)
-    return gate
+    fmt = ResponseFormat.regex(pattern)
+    req = llm.engine.add_request("a", SamplingParams(max_tokens=8, response_format=fmt))
+    assert req.waiting_for_grammar
+    return req, gate
 
 
 def test_compiling_request_does_not_block_others(llm: LLM, monkeypatch: pytest.MonkeyPatch) -> None:
     """A request whose grammar is still compiling is stepped over; the one behind it runs."""
     engine = llm.engine
-    gate = _gate_compiles(llm, monkeypatch)
-    fmt = ResponseFormat.regex("[a-z]{4}[0-9]{1,2}")
-    slow = engine.add_request("a", SamplingParams(max_tokens=8, response_format=fmt))
-    assert slow.waiting_for_grammar
+    slow, gate = _compiling_request(llm, monkeypatch, "[a-z]{4}[0-9]{1,2}")
     fast = engine.add_request("b", SamplingParams(max_tokens=4, temperature=0.0))
     while not fast.finished:
         engine.step()
@@ -333,10 +337,7 @@ def test_compiling_request_does_not_block_others(llm: LLM, monkeypatch: pytest.M
 
 def test_abort_while_compiling(llm: LLM, monkeypatch: pytest.MonkeyPatch) -> None:
     engine = llm.engine
-    gate = _gate_compiles(llm, monkeypatch)
-    fmt = ResponseFormat.regex("[a-z]{5}[0-9]{1,3}q")
-    req = engine.add_request("a", SamplingParams(max_tokens=8, response_format=fmt))
-    assert req.waiting_for_grammar
+    req, gate = _compiling_request(llm, monkeypatch, "[a-z]{5}[0-9]{1,3}q")
     assert engine.abort(req.request_id)
     engine.step()
     gate.set()

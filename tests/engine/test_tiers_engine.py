@@ -178,9 +178,18 @@ def _extra(llm: LLM) -> bytes:
     return extra_keys(llm.engine.model_info.model_id)
 
 
-def _fill_disk(tiny_llama_path: Path, disk_dir: Path, prefix: list[int], reference: LLM) -> None:
-    """Computes the prefix in one engine and pushes it through the CPU tier to disk."""
-    llm = make_llm(tiny_llama_path, num_device_blocks=48, num_cpu_blocks=40, disk_dir=str(disk_dir))
+def _disk_llm(tiny_llama_path: Path, disk_dir: Path) -> LLM:
+    """A 48-block engine with a 40-block CPU tier and a disk tier at `disk_dir`."""
+    return make_llm(
+        tiny_llama_path, num_device_blocks=48, num_cpu_blocks=40, disk_dir=str(disk_dir)
+    )
+
+
+def _fill_disk(tiny_llama_path: Path, disk_dir: Path, seed: int, reference: LLM) -> list[int]:
+    """Computes a random 512-token prefix in one engine, pushes it through the CPU tier to disk
+    and returns it."""
+    prefix = rand_tokens(512, seed)
+    llm = _disk_llm(tiny_llama_path, disk_dir)
     first = prefix + rand_tokens(10, 1)
     assert tokens(gen(llm, [first], GREEDY)) == tokens(reference.generate([first], GREEDY))
     for i in range(3):
@@ -188,14 +197,14 @@ def _fill_disk(tiny_llama_path: Path, disk_dir: Path, prefix: list[int], referen
     assert llm.engine.offload is not None
     llm.engine.offload.flush()
     close(llm)
+    return prefix
 
 
 def test_restart_serves_the_prefix_from_disk(
     tiny_llama_path: Path, reference: LLM, tmp_path: Path
 ) -> None:
-    prefix = rand_tokens(512, 11)
-    _fill_disk(tiny_llama_path, tmp_path, prefix, reference)
-    llm = make_llm(tiny_llama_path, num_device_blocks=48, num_cpu_blocks=40, disk_dir=str(tmp_path))
+    prefix = _fill_disk(tiny_llama_path, tmp_path, 11, reference)
+    llm = _disk_llm(tiny_llama_path, tmp_path)
     computed = count_computed(llm)
     prompt = prefix + rand_tokens(25, 12)
     out = gen(llm, [prompt], GREEDY)[0]
@@ -209,15 +218,14 @@ def test_restart_serves_the_prefix_from_disk(
 def test_corrupt_disk_block_is_a_clean_miss(
     tiny_llama_path: Path, reference: LLM, tmp_path: Path
 ) -> None:
-    prefix = rand_tokens(512, 13)
-    _fill_disk(tiny_llama_path, tmp_path, prefix, reference)
+    prefix = _fill_disk(tiny_llama_path, tmp_path, 13, reference)
     hashes = hash_blocks(prefix, BS, _extra(reference))
     bad = tmp_path / hashes[10].hex()[:2] / (hashes[10].hex() + ".kv")
     data = bytearray(bad.read_bytes())
     for i in range(200, 260):  # flip payload bytes
         data[i] ^= 0x5A
     bad.write_bytes(bytes(data))
-    llm = make_llm(tiny_llama_path, num_device_blocks=48, num_cpu_blocks=40, disk_dir=str(tmp_path))
+    llm = _disk_llm(tiny_llama_path, tmp_path)
     prompt = prefix + rand_tokens(25, 14)
     out = gen(llm, [prompt], GREEDY)[0]
     assert out.token_ids == reference.generate([prompt], GREEDY)[0].token_ids

@@ -30,16 +30,21 @@ def rand_tokens(n: int, seed: int) -> list[int]:
     return [rng.randrange(10, 400) for _ in range(n)]
 
 
-def crash(model: str, disk_dir: str) -> None:
-    llm = LLM(
+def write_through_llm(model: str, disk_dir: str, device_blocks: int, cpu_blocks: int) -> LLM:
+    """An engine whose disk tier (at `disk_dir`) is written through."""
+    return LLM(
         model,
         dtype="float32",
         block_size=16,
-        num_device_blocks=64,
-        num_cpu_blocks=16,
+        num_device_blocks=device_blocks,
+        num_cpu_blocks=cpu_blocks,
         disk_dir=disk_dir,
         disk_write_policy="write-through",
     )
+
+
+def crash(model: str, disk_dir: str) -> None:
+    llm = write_through_llm(model, disk_dir, device_blocks=64, cpu_blocks=16)
     i = 0
     while True:
         llm.generate([rand_tokens(256, i)], GREEDY)
@@ -49,15 +54,7 @@ def crash(model: str, disk_dir: str) -> None:
 
 def fault(model: str, disk_dir: str, kind: str) -> None:
     ref = LLM(model, dtype="float32", block_size=16, num_device_blocks=256, num_cpu_blocks=0)
-    llm = LLM(
-        model,
-        dtype="float32",
-        block_size=16,
-        num_device_blocks=32,
-        num_cpu_blocks=8,
-        disk_dir=disk_dir,
-        disk_write_policy="write-through",
-    )
+    llm = write_through_llm(model, disk_dir, device_blocks=32, cpu_blocks=8)
     prompts = [rand_tokens(160, 500 + i % 5) + rand_tokens(8, i) for i in range(10)]
     outs: list[list[int]] = []
     for i, p in enumerate(prompts):

@@ -1,13 +1,13 @@
 """Every CUDA kernel on a GPU against a float64 reference and the torch reference backend.
 
-Grid: fp16 / bf16 / fp32, head sizes 64 / 96 / 128, block sizes 16 / 32, GQA ratios 1 / 4 / 8
-(and 3, which uses several CTAs per KV head), random block tables, ragged lengths, padding slots,
-and a cache whose unused slots hold NaN (a kernel that reads one fails).
+Grid: every (dtype, head size, block size) the attention kernels are built for
+(cuda.cupy_launch.attention_configs), GQA ratios 1 / 4 / 8 (and 3, which uses several CTAs per KV
+head), random block tables, ragged lengths, padding slots, and a cache whose unused slots hold NaN
+(a kernel that reads one fails).
 """
 
 from __future__ import annotations
 
-import itertools
 import math
 
 import pytest
@@ -19,22 +19,15 @@ pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA is not available"),
 ]
 
-from cuda import block_copy, paged_attention, prefill_attention, reshape_and_cache  # noqa: E402
+from cuda import block_copy, paged_attention, reshape_and_cache  # noqa: E402
+from cuda.cupy_launch import DTYPES, attention_configs  # noqa: E402
 from engine.attention.cupy_backend import CupyAttentionBackend  # noqa: E402
 from engine.attention.torch_ref import TorchAttentionBackend  # noqa: E402
-from tests.kernel_reference import (  # noqa: E402
-    attention_reference,
-    make_case,
-    tolerance,
-    write_reference,
-)
+from tests import kernel_reference as kref  # noqa: E402
 from tests.tiny_models import make_attention_metadata  # noqa: E402
 
-DTYPES = [torch.float16, torch.bfloat16, torch.float32]
-HEAD_SIZES = [64, 96, 128]
-BLOCK_SIZES = [16, 32]
 HEADS = [(8, 8), (16, 4), (16, 2), (12, 4)]  # GQA ratios 1, 4, 8, 3
-GRID = list(itertools.product(DTYPES, HEAD_SIZES, BLOCK_SIZES, HEADS))
+GRID = [(*cfg, heads) for cfg in attention_configs() for heads in HEADS]
 
 
 def _id(cfg: tuple[torch.dtype, int, int, tuple[int, int]]) -> str:
@@ -48,10 +41,10 @@ def _err(out: torch.Tensor, ref: torch.Tensor) -> float:
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_reshape_and_cache(cuda_device: torch.device, dtype: torch.dtype) -> None:
-    case = make_case(
+    case = kref.make_case(
         [5, 0, 33], [3, 17, 1], 8, 2, 128, 16, dtype, cuda_device, num_padding_tokens=4
     )
-    expected = write_reference(case)
+    expected = kref.write_reference(case)
     cache = case.kv_cache.clone()
     reshape_and_cache.reshape_and_cache(case.k, case.v, cache, case.slot_mapping)
     torch.cuda.synchronize()
@@ -66,16 +59,15 @@ def test_decode(
 ) -> None:
     dtype, d, bs, (hq, hkv) = cfg
     contexts = [0, 15, 16, 100, 1300, 2047] if split else [0, 15, 16, 33, 100, 257]
-    case = make_case(contexts, [1] * len(contexts), hq, hkv, d, bs, dtype, cuda_device, seed=d + bs)
-    cache = write_reference(case)
-    scale = 1 / math.sqrt(d)
-    out = torch.full_like(case.q, float("nan"))
-    paged_attention.paged_decode_attention(
-        out, case.q, cache, case.block_tables, case.seq_lens, scale, case.max_seq_len, split=split
+    case = kref.make_case(
+        contexts, [1] * len(contexts), hq, hkv, d, bs, dtype, cuda_device, seed=d + bs
     )
+    cache = kref.write_reference(case)
+    scale = 1 / math.sqrt(d)
+    out = kref.run_decode(case, cache, scale, split)
     torch.cuda.synchronize()
-    err = _err(out, attention_reference(case, cache, scale))
-    assert err < tolerance(dtype), err
+    err = _err(out, kref.attention_reference(case, cache, scale))
+    assert err < kref.tolerance(dtype), err
 
 
 @pytest.mark.parametrize("cfg", GRID, ids=_id)
@@ -85,24 +77,16 @@ def test_prefill(
     dtype, d, bs, (hq, hkv) = cfg
     # fresh prompt, chunk over a cached prefix, decode token, long chunk, chunk over long prefix
     contexts, queries = [0, 21, 40, 3, 700], [19, 12, 1, 150, 37]
-    case = make_case(contexts, queries, hq, hkv, d, bs, dtype, cuda_device, num_padding_tokens=3)
-    cache = write_reference(case)
-    scale = 1 / math.sqrt(d)
-    out = torch.full_like(case.q, float("nan"))
-    prefill_attention.paged_prefill_attention(
-        out,
-        case.q,
-        cache,
-        case.block_tables,
-        case.seq_lens,
-        case.query_start_loc,
-        scale,
-        case.max_query_len,
+    case = kref.make_case(
+        contexts, queries, hq, hkv, d, bs, dtype, cuda_device, num_padding_tokens=3
     )
+    cache = kref.write_reference(case)
+    scale = 1 / math.sqrt(d)
+    out = kref.run_prefill(case, cache, scale)
     torch.cuda.synchronize()
     n = case.num_queries
-    err = _err(out[:n], attention_reference(case, cache, scale))
-    assert err < tolerance(dtype), err
+    err = _err(out[:n], kref.attention_reference(case, cache, scale))
+    assert err < kref.tolerance(dtype), err
     assert out[n:].isnan().all()
 
 
@@ -123,7 +107,7 @@ def test_backend_matches_torch_backend(
     queries: list[int],
     padding: int,
 ) -> None:
-    case = make_case(
+    case = kref.make_case(
         contexts, queries, 32, 8, 128, 16, dtype, cuda_device, num_padding_tokens=padding
     )
     cache = case.kv_cache.nan_to_num()
@@ -139,7 +123,7 @@ def test_backend_matches_torch_backend(
     torch.cuda.synchronize()
     assert torch.equal(ours_cache, ref_cache)
     err = (ours.double() - ref.double()).abs().max().item()
-    assert err < 2 * tolerance(dtype), err
+    assert err < 2 * kref.tolerance(dtype), err
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -168,8 +152,8 @@ def test_block_copies(cuda_device: torch.device, dtype: torch.dtype) -> None:
 
 def test_runs_on_torch_current_stream(cuda_device: torch.device) -> None:
     """A kernel launched under a side stream is ordered after that stream's earlier work."""
-    case = make_case([300], [1], 8, 2, 128, 16, torch.bfloat16, cuda_device)
-    cache = write_reference(case)
+    case = kref.make_case([300], [1], 8, 2, 128, 16, torch.bfloat16, cuda_device)
+    cache = kref.write_reference(case)
     stream = torch.cuda.Stream(cuda_device)
     out = torch.zeros_like(case.q)
     stream.wait_stream(torch.cuda.current_stream(cuda_device))
@@ -180,5 +164,5 @@ def test_runs_on_torch_current_stream(cuda_device: torch.device) -> None:
         )
     torch.cuda.current_stream(cuda_device).wait_stream(stream)
     torch.cuda.synchronize()
-    err = _err(out, attention_reference(case, cache, 0.1))
-    assert err < tolerance(torch.bfloat16), err
+    err = _err(out, kref.attention_reference(case, cache, 0.1))
+    assert err < kref.tolerance(torch.bfloat16), err

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from hypothesis import settings
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+from hypothesis.stateful import invariant, precondition, rule
 
 from engine.kv.manager import KVCacheManager
+from tests.kv.live_rules import LiveSequenceRules
 from tests.kv.test_manager import BS, FakeSeq
 
 NUM_BLOCKS = 12
@@ -14,7 +15,7 @@ NUM_BLOCKS = 12
 STEMS = [list(range(i * 4, i * 4 + 4)) for i in range(4)]
 
 
-class AllocatorMachine(RuleBasedStateMachine):
+class AllocatorMachine(LiveSequenceRules):
     def __init__(self) -> None:
         super().__init__()
         self.kv = KVCacheManager(NUM_BLOCKS, BS, max_pinned_fraction=0.25)
@@ -41,7 +42,7 @@ class AllocatorMachine(RuleBasedStateMachine):
     @precondition(lambda self: bool(self.live))
     @rule(data=st.data(), n=st.integers(1, 6))
     def decode(self, data: st.DataObject, n: int) -> None:
-        seq = self.live[data.draw(st.sampled_from(sorted(self.live)))]
+        seq = self.pick(data)
         for _ in range(n):
             seq.token_ids.append(7)
             if not self.kv.allocate(seq, 1):
@@ -53,25 +54,9 @@ class AllocatorMachine(RuleBasedStateMachine):
         self.kv.take_plan()
 
     @precondition(lambda self: bool(self.live))
-    @rule(data=st.data())
-    def fork(self, data: st.DataObject) -> None:
-        parent = self.live[data.draw(st.sampled_from(sorted(self.live)))]
-        child = FakeSeq(self.next_id, list(parent.token_ids))
-        self.next_id += 1
-        child.num_computed_tokens = parent.num_computed_tokens
-        self.kv.fork(parent, child)
-        self.live[child.seq_id] = child
-
-    @precondition(lambda self: bool(self.live))
-    @rule(data=st.data())
-    def free(self, data: st.DataObject) -> None:
-        sid = data.draw(st.sampled_from(sorted(self.live)))
-        self.kv.free(self.live.pop(sid))
-
-    @precondition(lambda self: bool(self.live))
     @rule(data=st.data(), ttl=st.floats(0.5, 5.0))
     def pin(self, data: st.DataObject, ttl: float) -> None:
-        seq = self.live[data.draw(st.sampled_from(sorted(self.live)))]
+        seq = self.pick(data)
         pinned_before = len(self.kv.pins)
         if not self.kv.pin(seq, len(seq.token_ids), self.now + ttl):
             assert len(self.kv.pins) == pinned_before

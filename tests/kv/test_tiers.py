@@ -62,6 +62,16 @@ def step(kv: KVCacheManager, tiers: TieredCache, disk: FakeDisk | None = None) -
     return plan
 
 
+def serve(
+    kv: KVCacheManager, tiers: TieredCache, seq: FakeSeq, disk: FakeDisk | None = None
+) -> KVPlan:
+    """Prefills `seq`, ends the step and frees it (its full blocks stay cached); the step's plan."""
+    assert run_prefill(kv, seq)
+    plan = step(kv, tiers, disk)
+    kv.free(seq)
+    return plan
+
+
 def check(kv: KVCacheManager, tiers: TieredCache) -> None:
     kv.check_integrity()
     tiers.check_integrity()
@@ -70,9 +80,7 @@ def check(kv: KVCacheManager, tiers: TieredCache) -> None:
 def test_write_back_spill_and_swap_in_exact_ids() -> None:
     kv, tiers, _ = make(4, 4)
     a = FakeSeq(0, [*range(8), 99])  # blocks 0, 1 full (cached), 2 partial
-    assert run_prefill(kv, a)
-    assert not step(kv, tiers)
-    kv.free(a)  # queue: 3, 2, 1, 0
+    assert not serve(kv, tiers, a)  # queue: 3, 2, 1, 0
     c = FakeSeq(1, list(range(200, 212)))  # 3 full blocks, no hit
     assert run_prefill(kv, c)
     assert kv.block_ids(1) == [3, 2, 1]
@@ -105,14 +113,8 @@ def test_write_back_spill_and_swap_in_exact_ids() -> None:
 
 def test_no_spill_when_cpu_already_holds_the_hash() -> None:
     kv, tiers, _ = make(3, 4)
-    a = FakeSeq(0, [*range(8), 99])
-    assert run_prefill(kv, a)
-    step(kv, tiers)
-    kv.free(a)  # queue: 2, 1, 0
-    b = FakeSeq(1, list(range(100, 112)))
-    assert run_prefill(kv, b)
-    assert step(kv, tiers).spill == [(1, 0), (0, 1)]
-    kv.free(b)
+    serve(kv, tiers, FakeSeq(0, [*range(8), 99]))  # queue: 2, 1, 0
+    assert serve(kv, tiers, FakeSeq(1, list(range(100, 112)))).spill == [(1, 0), (0, 1)]
     again = FakeSeq(2, [*range(8), 99])
     assert run_prefill(kv, again)  # both full blocks are CPU hits
     plan = step(kv, tiers)
@@ -123,25 +125,18 @@ def test_no_spill_when_cpu_already_holds_the_hash() -> None:
     assert plan.spill == [(0, 2), (1, 3)]
     assert tiers.counters.dropped_spills == 1
     kv.free(again)  # queue: 2, 1, 0
-    b2 = FakeSeq(3, list(range(100, 112)))
-    assert run_prefill(kv, b2)
-    plan = step(kv, tiers)
     # a's blocks are reused again but the CPU tier still has both hashes: no new copies.
-    assert plan.spill == []
-    kv.free(b2)
+    assert serve(kv, tiers, FakeSeq(3, list(range(100, 112)))).spill == []
     check(kv, tiers)
 
 
 def test_cpu_eviction_plans_disk_store_then_disk_hit_loads() -> None:
     kv, tiers, disk = make(2, 1, disk_blocks=8)
     a = FakeSeq(0, [*range(4), 99])  # block 0 full, 1 partial
-    assert run_prefill(kv, a)
-    step(kv, tiers, disk)
-    kv.free(a)  # queue: 1, 0
+    serve(kv, tiers, a, disk)  # queue: 1, 0
+    # b takes 1, 0: a's block 0 spills to CPU 0.
     b = FakeSeq(1, [*range(100, 104), 99])
-    assert run_prefill(kv, b)  # takes 1, 0: a's block 0 spills to CPU 0
-    assert step(kv, tiers, disk).spill == [(0, 0)]
-    kv.free(b)  # queue: 0, 1 (1 holds b's full block)
+    assert serve(kv, tiers, b, disk).spill == [(0, 0)]  # queue: 0, 1 (1 holds b's full block)
     c = FakeSeq(2, [*range(200, 204), 99])
     assert run_prefill(kv, c)
     plan = step(kv, tiers, disk)
@@ -171,9 +166,7 @@ def test_corrupt_disk_file_is_a_clean_miss() -> None:
     d = FakeSeq(1, [*range(4), 99])
     assert kv.match_prefix(d).num_tokens == 0
     assert h not in tiers.disk and tiers.disk.num_discarded == 1
-    assert run_prefill(kv, d)
-    assert not step(kv, tiers, disk).disk_load
-    kv.free(d)
+    assert not serve(kv, tiers, d, disk).disk_load
     check(kv, tiers)
 
 
@@ -195,13 +188,9 @@ def test_disk_store_of_the_same_step_is_a_hit_without_probe() -> None:
 def test_found_cpu_hit_is_held_through_the_step() -> None:
     kv, tiers, _ = make(3, 1)
     a = FakeSeq(0, [*range(4), 99])
-    assert run_prefill(kv, a)
-    step(kv, tiers)
-    kv.free(a)  # queue: 2, 1, 0
+    serve(kv, tiers, a)  # queue: 2, 1, 0
     b = FakeSeq(1, list(range(100, 112)))  # 3 full blocks: takes 2, 1, 0, spills a's block 0
-    assert run_prefill(kv, b)
-    assert step(kv, tiers).spill == [(0, 0)]
-    kv.free(b)  # queue: 0, 1, 2, all cached with b's blocks
+    assert serve(kv, tiers, b).spill == [(0, 0)]  # queue: 0, 1, 2, all cached with b's blocks
     d = FakeSeq(2, [*range(4), 5, 6])
     m = kv.match_prefix(d)
     assert m.lower_hits == [("cpu", a.block_hashes[0])]
@@ -239,12 +228,19 @@ def test_fetch_destination_is_not_spilled_and_refetch_supersedes() -> None:
     tiers.check_integrity()
 
 
+def running(kv: KVCacheManager, num_tokens: int) -> FakeSeq:
+    """Sequence 0 with tokens 0..num_tokens-1, all computed but the last (a running sequence's
+    sampled token is not yet fed), its full blocks cached."""
+    s = FakeSeq(0, list(range(num_tokens)))
+    assert kv.allocate(s, num_tokens - 1)
+    s.num_computed_tokens = num_tokens - 1
+    kv.cache_blocks(s)
+    return s
+
+
 def test_swap_out_and_resume_exact_ids() -> None:
     kv, tiers, _ = make(6, 4)
-    s = FakeSeq(0, list(range(11)))  # computed 10: blocks 0, 1 full, 2 holds 2 tokens
-    assert kv.allocate(s, 10)
-    s.num_computed_tokens = 10
-    kv.cache_blocks(s)
+    s = running(kv, 11)  # computed 10: blocks 0, 1 full, 2 holds 2 tokens
     step(kv, tiers)
     assert tiers.swap_out(s, kv.block_ids(0), kv.plan)
     kv.free(s)
@@ -254,10 +250,7 @@ def test_swap_out_and_resume_exact_ids() -> None:
     assert [b.ref_cnt for b in tiers.cpu.blocks] == [1, 1, 1, 0]  # held for the sequence
     check(kv, tiers)
     # Other traffic takes every device block (their hashes are already in the CPU tier).
-    other = FakeSeq(1, list(range(100, 124)))
-    assert run_prefill(kv, other)
-    step(kv, tiers)
-    kv.free(other)
+    serve(kv, tiers, FakeSeq(1, list(range(100, 124))))
     # It comes back: the full blocks are CPU hits, the tail is swapped in, 1 token is computed.
     m = kv.match_prefix(s)
     assert m.lower_hits == [("cpu", s.block_hashes[0]), ("cpu", s.block_hashes[1])]
@@ -275,10 +268,7 @@ def test_swap_out_and_resume_exact_ids() -> None:
 
 def test_swap_out_falls_back_when_cpu_is_full() -> None:
     kv, tiers, _ = make(6, 2)
-    s = FakeSeq(0, list(range(11)))
-    assert kv.allocate(s, 10)
-    s.num_computed_tokens = 10
-    kv.cache_blocks(s)
+    s = running(kv, 11)
     assert not tiers.swap_out(s, kv.block_ids(0), kv.plan)  # needs 3 CPU blocks
     assert not kv.take_plan() and tiers.swapped == {}
     tiers.drop_swap(0)  # no-op
@@ -288,10 +278,7 @@ def test_swap_out_falls_back_when_cpu_is_full() -> None:
 
 def test_drop_swap_releases_cpu_blocks() -> None:
     kv, tiers, _ = make(6, 4)
-    s = FakeSeq(0, list(range(6)))
-    assert kv.allocate(s, 5)
-    s.num_computed_tokens = 5
-    kv.cache_blocks(s)
+    s = running(kv, 6)
     assert tiers.swap_out(s, kv.block_ids(0), kv.plan)
     kv.free(s)
     step(kv, tiers)

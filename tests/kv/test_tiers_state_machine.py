@@ -10,13 +10,14 @@ from __future__ import annotations
 
 from hypothesis import settings
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+from hypothesis.stateful import invariant, precondition, rule
 
 from engine.kv.disk_index import DiskIndex
 from engine.kv.hashing import BlockHash
 from engine.kv.manager import KVCacheManager
 from engine.kv.plan import KVPlan
 from engine.kv.tiers import TieredCache
+from tests.kv.live_rules import LiveSequenceRules
 from tests.kv.test_manager import BS, FakeSeq
 
 NUM_DEVICE = 10
@@ -63,7 +64,7 @@ class ShadowDisk:
         self.buffer.clear()
 
 
-class TiersMachine(RuleBasedStateMachine):
+class TiersMachine(LiveSequenceRules):
     with_disk = True
 
     def __init__(self) -> None:
@@ -184,7 +185,7 @@ class TiersMachine(RuleBasedStateMachine):
     @precondition(lambda self: bool(self.live))
     @rule(data=st.data(), n=st.integers(1, 6))
     def decode(self, data: st.DataObject, n: int) -> None:
-        seq = self.live[data.draw(st.sampled_from(sorted(self.live)))]
+        seq = self.pick(data)
         for _ in range(n):
             seq.token_ids.append(7)
             seq.block_hashes = FakeSeq(0, seq.token_ids, extra=seq.extra).block_hashes
@@ -194,22 +195,6 @@ class TiersMachine(RuleBasedStateMachine):
                 self.run_step([])
                 return
             self.run_step([(seq, seq.num_computed_tokens, 1)])
-
-    @precondition(lambda self: bool(self.live))
-    @rule(data=st.data())
-    def fork(self, data: st.DataObject) -> None:
-        parent = self.live[data.draw(st.sampled_from(sorted(self.live)))]
-        child = FakeSeq(self.next_id, list(parent.token_ids))
-        self.next_id += 1
-        child.num_computed_tokens = parent.num_computed_tokens
-        self.kv.fork(parent, child)
-        self.live[child.seq_id] = child
-
-    @precondition(lambda self: bool(self.live))
-    @rule(data=st.data())
-    def finish(self, data: st.DataObject) -> None:
-        sid = data.draw(st.sampled_from(sorted(self.live)))
-        self.kv.free(self.live.pop(sid))
 
     @precondition(lambda self: bool(self.live))
     @rule(data=st.data())
@@ -249,7 +234,7 @@ class TiersMachine(RuleBasedStateMachine):
     @precondition(lambda self: bool(self.live))
     @rule(data=st.data(), ttl=st.floats(0.5, 5.0))
     def pin(self, data: st.DataObject, ttl: float) -> None:
-        seq = self.live[data.draw(st.sampled_from(sorted(self.live)))]
+        seq = self.pick(data)
         if self.kv.pin(seq, len(seq.token_ids), self.now + ttl):
             n_full = len(seq.token_ids) // BS
             self.tiers.pin(seq.block_hashes[:n_full], self.now + ttl)

@@ -13,39 +13,20 @@ import os
 import signal
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
 import pytest
 
-from bench.router_cluster import (
-    ProcessGroup,
-    free_port,
-    metric_value,
-    route_argv,
-    scrape,
-    serve_argv,
-    wait_healthy,
-    wait_router_replicas,
-)
+from bench.router_cluster import ProcessGroup, metric_value, scrape
 from clients.client import build_request
 from service.api.deja.v1 import inference_pb2 as pb
 from service.api.deja.v1 import inference_pb2_grpc as pb_grpc
+from tests.router.round_robin import REPLICAS, RoundRobinCluster
 from tests.service.serving import alive, core_of
 
-REPLICAS = ("r0", "r1")
 
-
-@dataclass
-class Cluster:
-    group: ProcessGroup
-    ports: dict[str, int]
-    metrics_port: int
-
-    def target(self, name: str) -> str:
-        return f"127.0.0.1:{self.ports[name]}"
-
+class Cluster(RoundRobinCluster):
     def core(self, name: str) -> int:
         return core_of(self.group.procs[name].pid)
 
@@ -55,34 +36,14 @@ class Cluster:
 
 @pytest.fixture
 def cluster(tiny_llama_path: Path, tmp_path: Path) -> Iterator[Cluster]:
-    group = ProcessGroup(tmp_path / "cluster")
-    ports = {name: free_port() for name in (*REPLICAS, "router")}
-    c = Cluster(group, ports, free_port())
+    c = Cluster(ProcessGroup(tmp_path / "cluster"))
+    serve_extra = ["--num-device-blocks", "512", "--max-num-seqs", "16", "--cpu-swap-gib", "0"]
     try:
-        for name in REPLICAS:
-            argv = serve_argv(
-                str(tiny_llama_path),
-                port=ports[name],
-                replica_id=name,
-                extra=["--num-device-blocks", "512", "--max-num-seqs", "16", "--cpu-swap-gib", "0"],
-            )
-            group.spawn(name, argv)
-        argv = route_argv(
-            port=ports["router"],
-            replicas=[c.target(name) for name in REPLICAS],
-            policy="round_robin",
-            model=str(tiny_llama_path),
-            metrics_port=c.metrics_port,
-            extra=["--poll-interval", "0.25"],
-        )
-        group.spawn("router", argv)
-        for name in REPLICAS:
-            wait_healthy(group, name, c.target(name), timeout_s=300.0)
-        wait_router_replicas(group, "router", c.metrics_port, len(REPLICAS))
+        c.start(str(tiny_llama_path), serve_extra, healthy_timeout_s=300.0)
         yield c
     finally:
-        group.stop_all()
-        for proc in group.procs.values():  # an engine core whose server was killed exits itself
+        c.group.stop_all()
+        for proc in c.group.procs.values():  # an engine core whose server was killed exits itself
             proc.wait(timeout=30)
 
 

@@ -110,10 +110,15 @@ async def test_longest_prefix(store_and_clock: tuple[AffinityStore, FakeClock]) 
     assert await store.longest_prefix(p2) == {"b": 5}
 
 
-async def test_redis_down_fails_fast_and_reconnects(redis_proc: RedisProcess) -> None:
-    store = RedisAffinityStore(
-        redis_proc.url, key_prefix="t:", op_timeout_s=0.3, reconnect_interval_s=0.1
+def _reconnecting_store(redis_proc: RedisProcess, op_timeout_s: float) -> RedisAffinityStore:
+    """A store that gives up on a call after `op_timeout_s` and retries its connection often."""
+    return RedisAffinityStore(
+        redis_proc.url, key_prefix="t:", op_timeout_s=op_timeout_s, reconnect_interval_s=0.1
     )
+
+
+async def test_redis_down_fails_fast_and_reconnects(redis_proc: RedisProcess) -> None:
+    store = _reconnecting_store(redis_proc, op_timeout_s=0.3)
     try:
         await store.set_session("s", "a", ttl_s=60)
         redis_proc.stop()
@@ -140,9 +145,7 @@ async def test_redis_down_fails_fast_and_reconnects(redis_proc: RedisProcess) ->
 
 
 async def test_slow_redis_is_bounded_and_recovers(redis_proc: RedisProcess) -> None:
-    store = RedisAffinityStore(
-        redis_proc.url, key_prefix="t:", op_timeout_s=0.2, reconnect_interval_s=0.1
-    )
+    store = _reconnecting_store(redis_proc, op_timeout_s=0.2)
     try:
         await store.set_session("s", "a", ttl_s=60)
         redis_proc.pause()

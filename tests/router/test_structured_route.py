@@ -12,50 +12,20 @@ from pathlib import Path
 import grpc
 import pytest
 
-from bench.router_cluster import (
-    ProcessGroup,
-    free_port,
-    route_argv,
-    serve_argv,
-    wait_healthy,
-    wait_router_replicas,
-)
+from bench.router_cluster import ProcessGroup
 from clients.client import AsyncDejaClient
 from tests.engine.structured_cases import CHOICES, SCHEMAS, check_json
-
-REPLICAS = ("r0", "r1")
+from tests.router.round_robin import REPLICAS, RoundRobinCluster
 
 
 @pytest.fixture(scope="module")
 def router_target(tiny_llama_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    group = ProcessGroup(tmp_path_factory.mktemp("structured-route"))
-    ports = {name: free_port() for name in (*REPLICAS, "router")}
-    targets = [f"127.0.0.1:{ports[name]}" for name in REPLICAS]
-    metrics_port = free_port()
+    c = RoundRobinCluster(ProcessGroup(tmp_path_factory.mktemp("structured-route")))
     try:
-        for name in REPLICAS:
-            argv = serve_argv(
-                str(tiny_llama_path),
-                port=ports[name],
-                replica_id=name,
-                extra=["--num-device-blocks", "512", "--max-num-seqs", "16"],
-            )
-            group.spawn(name, argv)
-        argv = route_argv(
-            port=ports["router"],
-            replicas=targets,
-            policy="round_robin",
-            model=str(tiny_llama_path),
-            metrics_port=metrics_port,
-            extra=["--poll-interval", "0.25"],
-        )
-        group.spawn("router", argv)
-        for name, target in zip(REPLICAS, targets, strict=True):
-            wait_healthy(group, name, target)
-        wait_router_replicas(group, "router", metrics_port, len(REPLICAS))
-        yield f"127.0.0.1:{ports['router']}"
+        c.start(str(tiny_llama_path), ["--num-device-blocks", "512", "--max-num-seqs", "16"])
+        yield c.target("router")
     finally:
-        group.stop_all()
+        c.group.stop_all()
 
 
 async def test_schema_request_through_the_router(router_target: str) -> None:

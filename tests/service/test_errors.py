@@ -108,6 +108,19 @@ class Case:
     one_seq_engine: bool = False
 
 
+def unauthenticated(
+    name: str, metadata: list[tuple[str, str]], message: str, rpc: str = "Generate"
+) -> Case:
+    """A call with `metadata` to a server with auth on, refused as UNAUTHENTICATED."""
+    return Case(
+        name,
+        lambda h: as_user(h, metadata, rpc=rpc),
+        grpc.StatusCode.UNAUTHENTICATED,
+        message,
+        server={"auth_tokens": AUTH},
+    )
+
+
 def _ids(n: int) -> list[int]:
     return [5] * n
 
@@ -148,34 +161,12 @@ CASES = [
         "not a valid deja.v1.GenerateRequest",
     ),
     Case("duplicate-request-id", duplicate_request_id, INVALID, "already"),
-    Case(
-        "auth-missing-token",
-        lambda h: as_user(h, []),
-        grpc.StatusCode.UNAUTHENTICATED,
-        "missing `authorization: bearer <token>`",
-        server={"auth_tokens": AUTH},
+    unauthenticated("auth-missing-token", [], "missing `authorization: bearer <token>`"),
+    unauthenticated("auth-wrong-token", [("authorization", "Bearer nope")], "unknown bearer token"),
+    unauthenticated(
+        "auth-not-bearer", [("authorization", "Basic c2VjcmV0LWE=")], "must be `bearer <token>`"
     ),
-    Case(
-        "auth-wrong-token",
-        lambda h: as_user(h, [("authorization", "Bearer nope")]),
-        grpc.StatusCode.UNAUTHENTICATED,
-        "unknown bearer token",
-        server={"auth_tokens": AUTH},
-    ),
-    Case(
-        "auth-not-bearer",
-        lambda h: as_user(h, [("authorization", "Basic c2VjcmV0LWE=")]),
-        grpc.StatusCode.UNAUTHENTICATED,
-        "must be `bearer <token>`",
-        server={"auth_tokens": AUTH},
-    ),
-    Case(
-        "auth-on-info-calls",
-        lambda h: as_user(h, [], rpc="GetCacheStats"),
-        grpc.StatusCode.UNAUTHENTICATED,
-        "missing",
-        server={"auth_tokens": AUTH},
-    ),
+    unauthenticated("auth-on-info-calls", [], "missing", rpc="GetCacheStats"),
     Case(
         "auth-ok-but-bad-input",
         lambda h: gen(h, prompt=""),
