@@ -46,13 +46,17 @@ class ServiceConfig:
     console_tracing: bool = False
     """Print finished spans on stdout."""
     redis_url: str | None = None
-    """Affinity store shared with the router (unused by the replica itself for now)."""
+    """Affinity store shared with the router (the replica agent writes it)."""
+    kv_event_ring_batches: int = 1024
+    """KV-event batches (one per engine step with events) kept for SubscribeKvEvents to resume
+    from; a subscriber further behind gets a snapshot."""
 
     def __post_init__(self) -> None:
         _check(0 <= self.port < 65536, f"port must be in [0, 65535], got {self.port}")
         _check(self.max_queued_requests >= 1, "max_queued_requests must be >= 1")
         _check(self.stream_buffer >= 1, "stream_buffer must be >= 1")
         _check(self.grace_period_s >= 0, "grace_period_s must be >= 0")
+        _check(self.kv_event_ring_batches >= 1, "kv_event_ring_batches must be >= 1")
         _check(
             (self.tls_cert is None) == (self.tls_key is None),
             "TLS needs both a certificate and a key",
@@ -128,6 +132,13 @@ def add_service_args(parser: argparse.ArgumentParser) -> list[argparse.Action]:
             g, "--console-tracing", default=d.console_tracing, help="Print spans on stdout."
         ),
         add_flag(g, "--redis-url", help="Affinity store shared with the router."),
+        add_flag(
+            g,
+            "--kv-event-ring-batches",
+            type=int,
+            default=d.kv_event_ring_batches,
+            help="KV-event batches kept for SubscribeKvEvents subscribers to resume from.",
+        ),
     ]
 
 
@@ -149,4 +160,5 @@ def service_config_from_args(args: argparse.Namespace) -> ServiceConfig:
         otlp_endpoint=args.otlp_endpoint,
         console_tracing=args.console_tracing,
         redis_url=args.redis_url,
+        kv_event_ring_batches=args.kv_event_ring_batches,
     )
