@@ -110,6 +110,31 @@ async def test_longest_prefix(store_and_clock: tuple[AffinityStore, FakeClock]) 
     assert await store.longest_prefix(p2) == {"b": 5}
 
 
+async def test_prefix_tiers(store_and_clock: tuple[AffinityStore, FakeClock]) -> None:
+    store, clock = store_and_clock
+    p = chain(list(range(24)))  # 6 blocks
+    await store.record_prefix("a", p[:2], ttl_s=10)  # tier-less: device
+    await store.record_prefix("a", p[2:4], ttl_s=10, tier="cpu")
+    await store.record_prefix("a", [p[5]], ttl_s=10, tier="disk")  # block 4 has no record
+    await store.record_prefix("b", p[:3], ttl_s=10, tier="cpu")
+    assert await store.longest_prefix_tiers(p) == {"a": (2, 2, 2), "b": (0, 3, 0)}
+    assert await store.longest_prefix(p) == {"a": 6, "b": 3}
+    assert await store.longest_prefix_tiers([]) == {}
+
+    # A new record of a block replaces its tier; a removal drops it.
+    await store.record_prefix("a", [p[2]], ttl_s=10)
+    await store.remove_prefix("a", [p[5]])
+    assert (await store.longest_prefix_tiers(p))["a"] == (3, 1, 0)
+
+    # Clearing one replica leaves the others.
+    await store.clear_prefixes("a")
+    assert await store.longest_prefix_tiers(p) == {"b": (0, 3, 0)}
+    await store.clear_prefixes("nobody")
+
+    clock.now += 11
+    assert await store.longest_prefix_tiers(p) == {}
+
+
 async def test_redis_down_fails_fast_and_reconnects(redis_proc: RedisProcess) -> None:
     store = RedisAffinityStore(
         redis_proc.url, key_prefix="t:", op_timeout_s=0.3, reconnect_interval_s=0.1
