@@ -2,15 +2,24 @@
 
 `ReplicaAgent.start()` registers the replica and heartbeats every `heartbeat_s` with its current
 load (from `get_stats()`); `record()` is called after each finished Generate and writes, in the
-background, `session_id -> this replica` and the prompt's block hashes (the engine's own chain,
-bounded per request). The agent also keeps a local LRU of the hashes it recorded, sized like the
-replica's KV tiers; a hash pushed out of it has most likely been evicted by the engine too, so its
-record is removed (best effort: the engine does not publish evictions).
+background, `session_id -> this replica`.
 
-Republishing: given the engine's `cached_block_hashes` (an async callable), `start()` also
-publishes, in the background, the block hashes the engine already holds (after a restart: those
-the disk tier's index rebuilt, most recently used first, as many as the local LRU holds), so
-routers send sessions back to a restarted replica before it has served them again.
+Prefix records from KV events (`kv_events`, what `deja serve` passes: the replica's event ring,
+service/replica/kv_events.py): the agent subscribes from 0, so it first gets a snapshot, and
+applies every batch to the store: a block stored in a tier is recorded with the best tier that
+holds it (device, then cpu, then disk), a block no tier holds any more is removed, and
+AllBlocksCleared drops every record of this replica (`clear_prefixes`) before the snapshot that
+follows republishes them. After a restart the stale records of the replica's previous life are
+therefore gone once the first snapshot is applied. The agent keeps one small int per held hash
+(which tiers hold it) and re-records all of them every `prefix_ttl_s / 2` so live records do not
+expire. When a store write fails, the agent resubscribes from 0 once the store is back (a fresh
+snapshot), since the store then misses events.
+
+Without `kv_events` (the cluster simulator, bench/sim/), `record()` also writes the prompt's block
+hashes (the engine's own chain, bounded per request) and the agent keeps a local LRU of them,
+sized like the replica's KV tiers; a hash pushed out of it has most likely been evicted by the
+engine too, so its record is removed (an estimate). Given the engine's `cached_block_hashes`,
+`start()` then also republishes the block hashes the engine already holds.
 
 The store is an optimisation: every failure is logged (rate limited) and counted in
 `deja_affinity_store_errors_total`, and never reaches a request.
@@ -24,19 +33,27 @@ import logging
 import socket
 import time
 from collections import OrderedDict
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter
 
+from engine.kv.events import AllBlocksCleared, BlockStored
 from engine.kv.hashing import BlockHash
 from engine.prompt import prompt_block_hashes
 from engine.stats import EngineStats, ModelInfo
-from service.affinity.base import AffinityStore, AffinityStoreError, ReplicaInfo, ReplicaLoad
+from service.affinity.base import (
+    TIERS,
+    AffinityStore,
+    AffinityStoreError,
+    ReplicaInfo,
+    ReplicaLoad,
+)
 from service.affinity.config import AffinityConfig
 from service.affinity.flags import add_affinity_args, affinity_config_from_args
 from service.affinity.prefix import bounded_chain
 from service.common.flags import add_flag
+from service.replica.kv_events import KvBatch
 
 log = logging.getLogger(__name__)
 
@@ -49,6 +66,19 @@ _REPUBLISH_TIMEOUT_S = 30.0
 
 CachedHashes = Callable[[int], Awaitable[list[BlockHash]]]
 """`limit -> the engine's cached block hashes, most recently used first` (AsyncEngine's)."""
+KvEventSource = Callable[[int], AsyncIterator[KvBatch]]
+"""`start_sequence_number -> the replica's KV-event batches` (KvEventRing.subscribe)."""
+_MEDIUM_BIT = {"device": 1, "cpu": 2, "disk": 4}
+_RESUBSCRIBE_PAUSE_S = 1.0
+
+
+def _best_tier(mask: int) -> int | None:
+    """Index in TIERS of the best tier in a mask of _MEDIUM_BIT bits; None for no tier."""
+    if mask & 1:
+        return 0
+    if mask & 2:
+        return 1
+    return 2 if mask & 4 else None
 
 
 def load_from_stats(stats: EngineStats) -> ReplicaLoad:
@@ -77,9 +107,18 @@ class ReplicaAgent:
         capacity_blocks: int,
         registry: CollectorRegistry | None = None,
         cached_hashes: CachedHashes | None = None,
+        kv_events: KvEventSource | None = None,
     ) -> None:
         self.store = store
         self._cached_hashes = cached_hashes
+        self._kv_events = kv_events
+        self._media: dict[BlockHash, int] = {}
+        """KV events: hash -> the tiers holding it (_MEDIUM_BIT bits), as last applied."""
+        self._resync = False
+        """A store write of applied events failed: resubscribe (snapshot) once it is back."""
+        self.last_sequence_number = 0
+        """The last KV-event batch applied."""
+        self._followers: list[asyncio.Task[None]] = []
         self.info = info
         self._get_stats = get_stats
         self._config = config
@@ -110,7 +149,12 @@ class ReplicaAgent:
         await self.heartbeat_once()
         loop = asyncio.get_running_loop()
         self._heartbeat = loop.create_task(self._heartbeat_loop())
-        if self._cached_hashes is not None:
+        if self._kv_events is not None:
+            self._followers = [
+                loop.create_task(self._follow_events()),
+                loop.create_task(self._refresh_loop()),
+            ]
+        elif self._cached_hashes is not None:
             task = loop.create_task(self.republish())
             self._pending.add(task)
             task.add_done_callback(self._pending.discard)
@@ -149,6 +193,11 @@ class ReplicaAgent:
             self._heartbeat.cancel()
             await asyncio.wait([self._heartbeat], timeout=2.0)
             self._heartbeat = None
+        for task in self._followers:
+            task.cancel()
+        if self._followers:
+            await asyncio.wait(self._followers, timeout=2.0)
+        self._followers = []
         await self.flush(timeout_s=1.0)
         if deregister:
             await self._try("deregister", self.store.deregister(self.info.replica_id))
@@ -203,7 +252,7 @@ class ReplicaAgent:
         hashes = prompt_block_hashes(
             prompt_token_ids, self.info.block_size, self.info.model_id, cache_salt
         )
-        if hashes:
+        if hashes and self._kv_events is None:  # with events, the engine says what it holds
             chain = bounded_chain(hashes, self._config.max_blocks_per_record)
             ok &= await self._try(
                 "record_prefix",
@@ -221,6 +270,89 @@ class ReplicaAgent:
         """Waits for records scheduled so far (tests, shutdown)."""
         if self._pending:
             await asyncio.wait(list(self._pending), timeout=timeout_s)
+
+    # KV events.
+
+    async def _follow_events(self) -> None:
+        """Applies the replica's KV-event batches, from a snapshot on; resubscribes from 0
+        after a failed store write once the store is back."""
+        assert self._kv_events is not None
+        while not self._stopping:
+            self._resync = False
+            batches = self._kv_events(0)
+            try:
+                async for batch in batches:
+                    await self.apply_kv_batch(batch)
+                    if self._resync and self.store.available:
+                        break
+                else:
+                    return  # the ring was closed: the replica is stopping
+            except Exception:
+                log.exception("applying KV events failed; resubscribing")
+            finally:
+                await batches.aclose()  # type: ignore[attr-defined]
+            await asyncio.sleep(_RESUBSCRIBE_PAUSE_S)
+
+    async def apply_kv_batch(self, batch: KvBatch) -> bool:
+        """Brings the store's records of this replica in line with one batch; True when the
+        store took every write."""
+        media = self._media
+        changed: dict[BlockHash, int | None] = {}
+        clear = False
+        for ev in batch.events:
+            if isinstance(ev, AllBlocksCleared):
+                media.clear()
+                changed.clear()
+                clear = True
+                continue
+            bit = _MEDIUM_BIT[ev.medium]
+            stored = isinstance(ev, BlockStored)
+            for h in ev.block_hashes:
+                old = media.get(h, 0)
+                new = old | bit if stored else old & ~bit
+                if new == old:
+                    continue
+                if new:
+                    media[h] = new
+                else:
+                    del media[h]
+                if _best_tier(new) != _best_tier(old):
+                    changed[h] = _best_tier(new)
+        ok = True
+        rid = self.info.replica_id
+        if clear:
+            ok &= await self._try("clear_prefixes", self.store.clear_prefixes(rid))
+        ok &= await self._write_tiers(changed)
+        self.last_sequence_number = batch.sequence_number
+        self.records.labels("kv_events" if ok else "failed").inc()
+        if not ok:
+            self._resync = True
+        return ok
+
+    async def _write_tiers(self, changed: dict[BlockHash, int | None]) -> bool:
+        by_tier: dict[int | None, list[BlockHash]] = {}
+        for h, t in changed.items():
+            by_tier.setdefault(t, []).append(h)
+        ok = True
+        rid, ttl = self.info.replica_id, self._config.prefix_ttl_s
+        for t, hashes in by_tier.items():
+            for i in range(0, len(hashes), _REPUBLISH_BATCH):
+                chunk = hashes[i : i + _REPUBLISH_BATCH]
+                if t is None:
+                    ok &= await self._try("remove_prefix", self.store.remove_prefix(rid, chunk))
+                else:
+                    ok &= await self._try(
+                        "record_prefix", self.store.record_prefix(rid, chunk, ttl, TIERS[t])
+                    )
+        return ok
+
+    async def _refresh_loop(self) -> None:
+        """Re-records every held hash before its record expires."""
+        while not self._stopping:
+            await asyncio.sleep(self._config.prefix_ttl_s / 2)
+            held = {h: _best_tier(m) for h, m in self._media.items()}
+            if not await self._write_tiers(held):
+                self._resync = True
 
     def _touch(self, chain: Sequence[BlockHash]) -> list[BlockHash]:
         """Marks the chain most recently used; returns the hashes pushed out of the local LRU."""
@@ -288,6 +420,7 @@ async def start_replica_agent(
     get_stats: Callable[[], EngineStats],
     registry: CollectorRegistry | None = None,
     cached_hashes: CachedHashes | None = None,
+    kv_events: KvEventSource | None = None,
 ) -> ReplicaAgent:
     """Builds the store and the agent of one replica and starts heartbeating (never raises for
     an unreachable store: the heartbeat keeps trying)."""
@@ -307,6 +440,7 @@ async def start_replica_agent(
         capacity_blocks=cache_capacity_blocks(model_info.num_device_blocks, get_stats()),
         registry=registry,
         cached_hashes=cached_hashes,
+        kv_events=kv_events,
     )
     await agent.start()
     log.info("registered as %s at %s (%s)", replica_id, info.address, settings.affinity.redis_url)
