@@ -27,7 +27,7 @@ Rules every implementation keeps:
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from engine.kv.hashing import BlockHash
@@ -123,6 +123,14 @@ class AffinityStore(ABC):
     @abstractmethod
     async def remove_prefix(self, replica_id: str, block_hashes: Sequence[BlockHash]) -> None:
         """Forgets blocks the replica is known to have evicted (best effort)."""
+
+    @abstractmethod
+    async def write_prefixes(
+        self, replica_id: str, tiers: Mapping[BlockHash, str | None], ttl_s: float
+    ) -> None:
+        """Sets each block's record of the replica to its tier, or removes it (None), in one
+        round trip (Redis: one pipeline). For a background writer that keeps what failed and
+        retries: a failure raises AffinityStoreError but does not mark the store unavailable."""
 
     @abstractmethod
     async def clear_prefixes(self, replica_id: str) -> None:

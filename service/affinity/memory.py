@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 from engine.kv.hashing import BlockHash
 from service.affinity.base import (
@@ -92,6 +92,9 @@ class MemoryAffinityStore(AffinityStore):
 
     async def remove_prefix(self, replica_id: str, block_hashes: Sequence[BlockHash]) -> None:
         self._check_open()
+        self._forget(replica_id, block_hashes)
+
+    def _forget(self, replica_id: str, block_hashes: Sequence[BlockHash]) -> None:
         mine = self._by_replica.get(replica_id, set())
         for h in block_hashes:
             mine.discard(h)
@@ -101,9 +104,22 @@ class MemoryAffinityStore(AffinityStore):
                 if not holders:
                     del self._blocks[h]
 
+    async def write_prefixes(
+        self, replica_id: str, tiers: Mapping[BlockHash, str | None], ttl_s: float
+    ) -> None:
+        self._check_open()
+        expiry = self._clock() + ttl_s
+        mine = self._by_replica.setdefault(replica_id, set())
+        for h, tier in tiers.items():
+            if tier is not None:
+                self._blocks.setdefault(h, {})[replica_id] = (expiry, TIER_INDEX[tier])
+                mine.add(h)
+        self._forget(replica_id, [h for h, tier in tiers.items() if tier is None])
+        self._count_write()
+
     async def clear_prefixes(self, replica_id: str) -> None:
         self._check_open()
-        await self.remove_prefix(replica_id, list(self._by_replica.pop(replica_id, ())))
+        self._forget(replica_id, list(self._by_replica.pop(replica_id, ())))
 
     async def longest_prefix_tiers(
         self, block_hashes: Sequence[BlockHash]

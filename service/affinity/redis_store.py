@@ -17,7 +17,9 @@ reader's wall clocks, so clocks must agree to well within the TTLs (NTP is plent
 Failure handling: every call runs under `op_timeout_s` with no client-side retries. A connection
 error or timeout marks the store unavailable; from then on calls fail fast with
 `AffinityStoreError` (no added latency on the request path) while a background task pings Redis
-every `reconnect_interval_s` and clears the mark once it answers.
+every `reconnect_interval_s` and clears the mark once it answers. `write_prefixes` is the
+exception: its caller (the replica agent's KV-event writer) keeps what failed and retries, so its
+failures only raise.
 """
 
 from __future__ import annotations
@@ -26,10 +28,11 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import TypeVar
 
 from redis.asyncio import BlockingConnectionPool, Redis
+from redis.asyncio.client import Pipeline
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.exceptions import DataError, RedisError, ResponseError
@@ -101,7 +104,9 @@ class RedisAffinityStore(AffinityStore):
     def _tier_key(self, h: BlockHash) -> bytes:
         return self._prefix + b"t:" + h.hex().encode()
 
-    async def _call(self, what: str, fn: Callable[[], Awaitable[T]]) -> T:
+    async def _call(
+        self, what: str, fn: Callable[[], Awaitable[T]], *, mark_down: bool = True
+    ) -> T:
         if self._closed:
             raise AffinityStoreError("affinity store is closed")
         if self._down_reason is not None:
@@ -116,7 +121,7 @@ class RedisAffinityStore(AffinityStore):
                 # error; cancellation must win, or loops that are being stopped never stop.
                 raise asyncio.CancelledError from e
             detail = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
-            if not isinstance(e, ResponseError | DataError):
+            if mark_down and not isinstance(e, ResponseError | DataError):
                 self._mark_down(f"{what}: {detail}")
             raise AffinityStoreError(f"redis {what} failed: {detail}") from e
 
@@ -236,21 +241,59 @@ class RedisAffinityStore(AffinityStore):
         async def run() -> None:
             pipe = self._redis.pipeline(transaction=False)
             for h in block_hashes:
-                key = self._block_key(h)
-                pipe.zremrangebyscore(key, "-inf", now)
-                pipe.zadd(key, {replica_id: now + ttl_s})
-                pipe.pexpire(key, _ms(ttl_s))
-                if tier == "device":
-                    pipe.hdel(self._tier_key(h), replica_id)
-                else:
-                    pipe.hset(self._tier_key(h), replica_id, tier)
-                    pipe.pexpire(self._tier_key(h), _ms(ttl_s))
+                self._pipe_record(pipe, replica_id, h, tier, now, ttl_s)
             pipe.zadd(index, {h: now + ttl_s for h in block_hashes})
             pipe.zremrangebyscore(index, "-inf", now)
             pipe.pexpire(index, _ms(ttl_s))
             await pipe.execute()
 
         await self._call("record_prefix", run)
+
+    def _pipe_record(
+        self, pipe: Pipeline, replica_id: str, h: BlockHash, tier: str, now: float, ttl_s: float
+    ) -> None:
+        key = self._block_key(h)
+        pipe.zremrangebyscore(key, "-inf", now)
+        pipe.zadd(key, {replica_id: now + ttl_s})
+        pipe.pexpire(key, _ms(ttl_s))
+        if tier == "device":
+            pipe.hdel(self._tier_key(h), replica_id)
+        else:
+            pipe.hset(self._tier_key(h), replica_id, tier)
+            pipe.pexpire(self._tier_key(h), _ms(ttl_s))
+
+    async def write_prefixes(
+        self, replica_id: str, tiers: Mapping[BlockHash, str | None], ttl_s: float
+    ) -> None:
+        if not tiers:
+            return
+        for tier in tiers.values():
+            if tier is not None and tier not in TIER_INDEX:
+                raise ValueError(f"tier must be one of {tuple(TIER_INDEX)}, got {tier!r}")
+        now = self._clock()
+        index = self._key(b"p:", replica_id)
+        held = {h: now + ttl_s for h, tier in tiers.items() if tier is not None}
+        gone = [h for h, tier in tiers.items() if tier is None]
+
+        async def run() -> None:
+            pipe = self._redis.pipeline(transaction=False)
+            for h, tier in tiers.items():
+                if tier is None:
+                    pipe.zrem(self._block_key(h), replica_id)
+                    pipe.hdel(self._tier_key(h), replica_id)
+                else:
+                    self._pipe_record(pipe, replica_id, h, tier, now, ttl_s)
+            if held:
+                pipe.zadd(index, held)
+                pipe.pexpire(index, _ms(ttl_s))
+            if gone:
+                pipe.zrem(index, *gone)
+            pipe.zremrangebyscore(index, "-inf", now)
+            await pipe.execute()
+
+        # NOTE: a background writer retries; one slow pipeline must not cut off the
+        # registrations and sessions of this process for a reconnect interval.
+        await self._call("write_prefixes", run, mark_down=False)
 
     async def remove_prefix(self, replica_id: str, block_hashes: Sequence[BlockHash]) -> None:
         if not block_hashes:

@@ -135,6 +135,31 @@ async def test_prefix_tiers(store_and_clock: tuple[AffinityStore, FakeClock]) ->
     assert await store.longest_prefix_tiers(p) == {}
 
 
+async def test_write_prefixes_sets_and_removes_in_one_call(
+    store_and_clock: tuple[AffinityStore, FakeClock],
+) -> None:
+    store, clock = store_and_clock
+    p = chain(list(range(24)))  # 6 blocks
+    await store.record_prefix("a", p, ttl_s=10)
+    await store.write_prefixes(
+        "a", {p[1]: "cpu", p[2]: "disk", p[4]: None, p[5]: None, p[3]: "device"}, ttl_s=10
+    )
+    assert await store.longest_prefix_tiers(p) == {"a": (2, 1, 1)}
+    await store.write_prefixes("a", {}, ttl_s=10)
+    await store.write_prefixes("b", {p[0]: None}, ttl_s=10)  # nothing to remove
+    assert await store.longest_prefix_tiers(p) == {"a": (2, 1, 1)}
+
+    # Written records are the replica's: a clear drops them.
+    await store.write_prefixes("a", {p[5]: "cpu"}, ttl_s=10)
+    assert await store.longest_prefix(p) == {"a": 6}
+    await store.clear_prefixes("a")
+    assert await store.longest_prefix(p) == {}
+
+    await store.write_prefixes("b", {p[0]: "device"}, ttl_s=10)
+    clock.now += 11
+    assert await store.longest_prefix(p) == {}
+
+
 async def test_redis_down_fails_fast_and_reconnects(redis_proc: RedisProcess) -> None:
     store = RedisAffinityStore(
         redis_proc.url, key_prefix="t:", op_timeout_s=0.3, reconnect_interval_s=0.1
