@@ -6,14 +6,16 @@ background, `session_id -> this replica`.
 
 Prefix records from KV events (`kv_events`, what `deja serve` passes: the replica's event ring,
 service/replica/kv_events.py): the agent subscribes from 0, so it first gets a snapshot, and
-applies every batch to the store: a block stored in a tier is recorded with the best tier that
-holds it (device, then cpu, then disk), a block no tier holds any more is removed, and
-AllBlocksCleared drops every record of this replica (`clear_prefixes`) before the snapshot that
-follows republishes them. After a restart the stale records of the replica's previous life are
-therefore gone once the first snapshot is applied. The agent keeps one small int per held hash
-(which tiers hold it) and re-records all of them every `prefix_ttl_s / 2` so live records do not
-expire. When a store write fails, the agent resubscribes from 0 once the store is back (a fresh
-snapshot), since the store then misses events.
+hands every batch to its `KvRecordWriter` (service/replica/kv_records.py): a block stored in a
+tier is recorded with the best tier that holds it (device, then cpu, then disk), a block no tier
+holds any more is removed, and AllBlocksCleared drops every record of this replica
+(`clear_prefixes`) before the snapshot that follows republishes them. After a restart the stale
+records of the replica's previous life are therefore gone once the first snapshot is applied.
+The writer applies batches in memory and writes the netted changes in its own task at most every
+`prefix_flush_s`, retrying what failed, so the store sees a few writes a second whatever the
+step rate, and a slow or failed write never holds up the heartbeat (its own task) or the event
+stream. Held records are re-recorded every `prefix_ttl_s / 2` so they do not expire. The agent
+resubscribes from 0 (a fresh snapshot) only when applying events failed.
 
 Without `kv_events` (the cluster simulator, bench/sim/), `record()` also writes the prompt's block
 hashes (the engine's own chain, bounded per request) and the agent keeps a local LRU of them,
@@ -34,16 +36,14 @@ import socket
 import time
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from prometheus_client import CollectorRegistry, Counter
 
-from engine.kv.events import AllBlocksCleared, BlockStored
 from engine.kv.hashing import BlockHash
 from engine.prompt import prompt_block_hashes
 from engine.stats import EngineStats, ModelInfo
 from service.affinity.base import (
-    TIERS,
     AffinityStore,
     AffinityStoreError,
     ReplicaInfo,
@@ -54,6 +54,7 @@ from service.affinity.flags import add_affinity_args, affinity_config_from_args
 from service.affinity.prefix import bounded_chain
 from service.common.flags import add_flag
 from service.replica.kv_events import KvBatch
+from service.replica.kv_records import KvRecordWriter
 
 log = logging.getLogger(__name__)
 
@@ -68,17 +69,7 @@ CachedHashes = Callable[[int], Awaitable[list[BlockHash]]]
 """`limit -> the engine's cached block hashes, most recently used first` (AsyncEngine's)."""
 KvEventSource = Callable[[int], AsyncIterator[KvBatch]]
 """`start_sequence_number -> the replica's KV-event batches` (KvEventRing.subscribe)."""
-_MEDIUM_BIT = {"device": 1, "cpu": 2, "disk": 4}
 _RESUBSCRIBE_PAUSE_S = 1.0
-
-
-def _best_tier(mask: int) -> int | None:
-    """Index in TIERS of the best tier in a mask of _MEDIUM_BIT bits; None for no tier."""
-    if mask & 1:
-        return 0
-    if mask & 2:
-        return 1
-    return 2 if mask & 4 else None
 
 
 def load_from_stats(stats: EngineStats) -> ReplicaLoad:
@@ -112,12 +103,15 @@ class ReplicaAgent:
         self.store = store
         self._cached_hashes = cached_hashes
         self._kv_events = kv_events
-        self._media: dict[BlockHash, int] = {}
-        """KV events: hash -> the tiers holding it (_MEDIUM_BIT bits), as last applied."""
-        self._resync = False
-        """A store write of applied events failed: resubscribe (snapshot) once it is back."""
-        self.last_sequence_number = 0
-        """The last KV-event batch applied."""
+        self.kv_records = KvRecordWriter(
+            store,
+            info.replica_id,
+            self._try,
+            ttl_s=config.prefix_ttl_s,
+            flush_s=config.prefix_flush_s,
+            retry_s=config.reconnect_interval_s,
+        )
+        """The prefix records of KV events (used with `kv_events` only)."""
         self._followers: list[asyncio.Task[None]] = []
         self.info = info
         self._get_stats = get_stats
@@ -152,6 +146,7 @@ class ReplicaAgent:
         if self._kv_events is not None:
             self._followers = [
                 loop.create_task(self._follow_events()),
+                loop.create_task(self.kv_records.run()),
                 loop.create_task(self._refresh_loop()),
             ]
         elif self._cached_hashes is not None:
@@ -274,17 +269,14 @@ class ReplicaAgent:
     # KV events.
 
     async def _follow_events(self) -> None:
-        """Applies the replica's KV-event batches, from a snapshot on; resubscribes from 0
-        after a failed store write once the store is back."""
+        """Hands the replica's KV-event batches to the record writer, from a snapshot on;
+        resubscribes from 0 (a new snapshot) when applying one failed."""
         assert self._kv_events is not None
         while not self._stopping:
-            self._resync = False
             batches = self._kv_events(0)
             try:
                 async for batch in batches:
-                    await self.apply_kv_batch(batch)
-                    if self._resync and self.store.available:
-                        break
+                    self.kv_records.apply(batch)
                 else:
                     return  # the ring was closed: the replica is stopping
             except Exception:
@@ -293,66 +285,11 @@ class ReplicaAgent:
                 await batches.aclose()  # type: ignore[attr-defined]
             await asyncio.sleep(_RESUBSCRIBE_PAUSE_S)
 
-    async def apply_kv_batch(self, batch: KvBatch) -> bool:
-        """Brings the store's records of this replica in line with one batch; True when the
-        store took every write."""
-        media = self._media
-        changed: dict[BlockHash, int | None] = {}
-        clear = False
-        for ev in batch.events:
-            if isinstance(ev, AllBlocksCleared):
-                media.clear()
-                changed.clear()
-                clear = True
-                continue
-            bit = _MEDIUM_BIT[ev.medium]
-            stored = isinstance(ev, BlockStored)
-            for h in ev.block_hashes:
-                old = media.get(h, 0)
-                new = old | bit if stored else old & ~bit
-                if new == old:
-                    continue
-                if new:
-                    media[h] = new
-                else:
-                    del media[h]
-                if _best_tier(new) != _best_tier(old):
-                    changed[h] = _best_tier(new)
-        ok = True
-        rid = self.info.replica_id
-        if clear:
-            ok &= await self._try("clear_prefixes", self.store.clear_prefixes(rid))
-        ok &= await self._write_tiers(changed)
-        self.last_sequence_number = batch.sequence_number
-        self.records.labels("kv_events" if ok else "failed").inc()
-        if not ok:
-            self._resync = True
-        return ok
-
-    async def _write_tiers(self, changed: dict[BlockHash, int | None]) -> bool:
-        by_tier: dict[int | None, list[BlockHash]] = {}
-        for h, t in changed.items():
-            by_tier.setdefault(t, []).append(h)
-        ok = True
-        rid, ttl = self.info.replica_id, self._config.prefix_ttl_s
-        for t, hashes in by_tier.items():
-            for i in range(0, len(hashes), _REPUBLISH_BATCH):
-                chunk = hashes[i : i + _REPUBLISH_BATCH]
-                if t is None:
-                    ok &= await self._try("remove_prefix", self.store.remove_prefix(rid, chunk))
-                else:
-                    ok &= await self._try(
-                        "record_prefix", self.store.record_prefix(rid, chunk, ttl, TIERS[t])
-                    )
-        return ok
-
     async def _refresh_loop(self) -> None:
         """Re-records every held hash before its record expires."""
         while not self._stopping:
             await asyncio.sleep(self._config.prefix_ttl_s / 2)
-            held = {h: _best_tier(m) for h, m in self._media.items()}
-            if not await self._write_tiers(held):
-                self._resync = True
+            self.kv_records.refresh()
 
     def _touch(self, chain: Sequence[BlockHash]) -> list[BlockHash]:
         """Marks the chain most recently used; returns the hashes pushed out of the local LRU."""
@@ -396,10 +333,18 @@ def add_replica_agent_args(parser: argparse.ArgumentParser) -> None:
         help="host:port routers use to reach this replica (default: --host or the hostname, "
         "and the bound port).",
     )
+    add_flag(
+        parser,
+        "--kv-event-flush",
+        type=float,
+        default=AffinityConfig().prefix_flush_s,
+        help="Write the prefix changes of KV events at most this often (s).",
+    )
 
 
 def agent_settings_from_args(args: argparse.Namespace) -> AgentSettings:
-    return AgentSettings(affinity_config_from_args(args), args.advertise_address or None)
+    affinity = replace(affinity_config_from_args(args), prefix_flush_s=args.kv_event_flush)
+    return AgentSettings(affinity, args.advertise_address or None)
 
 
 def advertised_address(settings: AgentSettings, host: str, port: int) -> str:
