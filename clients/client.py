@@ -520,6 +520,23 @@ class AsyncDejaClient(_Base):
         resp = await self._unary(self.stub.Abort, pb.AbortRequest(request_ids=request_ids))
         return list(resp.aborted)
 
+    async def kv_events(
+        self, start_sequence_number: int = 0, *, timeout: float | None = None
+    ) -> AsyncGenerator[pb.KvEventBatch, None]:
+        """The replica's KV-event batches from `start_sequence_number` on (0: a snapshot first),
+        until the server ends the stream or `timeout` passes; leaving the loop cancels the call.
+        To resume after a break, pass the last sequence_number received + 1."""
+        call = self.stub.SubscribeKvEvents(
+            pb.SubscribeKvEventsRequest(start_sequence_number=start_sequence_number),
+            timeout=timeout,
+            metadata=self._metadata(),
+        )
+        try:
+            async for msg in call:
+                yield msg
+        finally:
+            call.cancel()
+
 
 # -- command-line helpers ------------------------------------------------------------------------
 

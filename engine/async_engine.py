@@ -14,13 +14,14 @@ import contextlib
 import logging
 import queue
 import threading
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from engine.config import EngineConfig
 from engine.errors import EngineDeadError, StreamOverflowError
 from engine.frontend import EngineFrontend, read_outputs
+from engine.kv.events import KVEventBatch, KVSnapshot
 from engine.llm_engine import LLMEngine
 from engine.outputs import RequestOutput
 from engine.sequence import Request
@@ -59,6 +60,10 @@ class AsyncEngine(EngineFrontend):
         self._inputs = engine.inputs
         self._ids = 0
         self._flush_timeout_s: float | None = None
+        self._kv_sink: tuple[asyncio.AbstractEventLoop, Callable[[KVEventBatch], None]] | None = (
+            None
+        )
+        """Where the step thread sends KV-event batches: (the caller's loop, its callback)."""
 
     @classmethod
     def from_config(cls, config: EngineConfig, *, stream_buffer: int = 1024) -> AsyncEngine:
@@ -131,6 +136,18 @@ class AsyncEngine(EngineFrontend):
         self._send(("hashes", (limit, fut)))
         return await fut
 
+    async def kv_snapshot(self) -> KVSnapshot:
+        """LLMEngine.kv_snapshot, asked of the step thread between steps."""
+        self.check_health()
+        fut: asyncio.Future[KVSnapshot] = asyncio.get_running_loop().create_future()
+        self._send(("snapshot", fut))
+        return await fut
+
+    def set_kv_event_sink(self, sink: Callable[[KVEventBatch], None] | None) -> None:
+        """Calls `sink(batch)` on the calling event loop for each step's KV-event batch, in
+        order (None: drop them)."""
+        self._kv_sink = None if sink is None else (asyncio.get_running_loop(), sink)
+
     def _next_id(self) -> str:
         with self._streams_lock:
             self._ids += 1
@@ -157,6 +174,7 @@ class AsyncEngine(EngineFrontend):
                 self._stats = eng.get_stats()
                 for out in outs:
                     self._deliver(out)
+                self._ship_kv_events()
         except BaseException as e:
             log.exception("engine step loop failed")
             self._dead = e
@@ -187,6 +205,10 @@ class AsyncEngine(EngineFrontend):
                     eng.enqueue(req)
                 except ValueError as e:
                     self._push(req.request_id, e)
+            elif kind == "snapshot":
+                snap = eng.kv_snapshot()
+                with contextlib.suppress(RuntimeError):  # the caller's loop is closed
+                    arg.get_loop().call_soon_threadsafe(_resolve, arg, snap)
             elif kind == "hashes":
                 limit, fut = arg
                 hashes = eng.cached_block_hashes(limit)
@@ -196,6 +218,13 @@ class AsyncEngine(EngineFrontend):
                 # Deliver the final "abort" delta now, so blocks are free before any step.
                 for out in eng.collect_outputs():
                     self._deliver(out)
+
+    def _ship_kv_events(self) -> None:
+        batch = self.engine.take_kv_events()
+        sink = self._kv_sink
+        if batch is not None and sink is not None:
+            with contextlib.suppress(RuntimeError):  # the sink's loop is closed
+                sink[0].call_soon_threadsafe(sink[1], batch)
 
     def _deliver(self, out: RequestOutput) -> None:
         with self._streams_lock:
@@ -238,7 +267,7 @@ class AsyncEngine(EngineFrontend):
             self._push(rid, err)
 
 
-def _resolve(fut: asyncio.Future[list[bytes]], value: list[bytes]) -> None:
+def _resolve(fut: asyncio.Future[Any], value: Any) -> None:
     if not fut.done():
         fut.set_result(value)
 

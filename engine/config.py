@@ -87,6 +87,9 @@ class CacheConfig:
     """recompute (drop KV, recompute later) or swap (move KV to the CPU tier and back)."""
     max_pinned_fraction: float = 0.5
     """Largest share of each pool that TTL-pinned prefixes may hold."""
+    kv_events_max_blocks: int = 65536
+    """KV events (engine/kv/events.py): block hashes buffered per step at most; past that the
+    step's events are dropped and replaced by a cleared + snapshot batch. 0 turns events off."""
 
     def __post_init__(self) -> None:
         check(
@@ -111,6 +114,7 @@ class CacheConfig:
         check(self.warm_start_blocks >= 0, "warm_start_blocks must be >= 0")
         check_one_of("preemption_mode", self.preemption_mode, PREEMPTION_MODES)
         check(0.0 <= self.max_pinned_fraction <= 1.0, "max_pinned_fraction must be in [0, 1]")
+        check(self.kv_events_max_blocks >= 0, "kv_events_max_blocks must be >= 0")
 
 
 @dataclass(frozen=True, slots=True)

@@ -22,9 +22,12 @@ parent.
 Messages are pickled tuples (both ends are this codebase, on one host):
     in:  ("add", Request) | ("abort", [request_id, ...]) | ("call", call_id, name, args)
          | ("shutdown", flush_timeout_s)
-    out: ("outputs", [PackedOutput, ...], EngineStats | None) | ("rejected", request_id, message)
+    out: ("outputs", [PackedOutput, ...], EngineStats | None, KVEventBatch | None)
+         | ("rejected", request_id, message)
          | ("result", call_id, ok, value) | ("failed", message)
 Deltas travel without their prompt's token ids (the client has them): see `pack_output`.
+KV events (engine/kv/events.py) are taken once per step, after the step, and ride in the same
+message as that step's outputs (one batch, numbered by the engine).
 """
 
 from __future__ import annotations
@@ -50,7 +53,7 @@ PIPE_BYTES = 1 << 20
 STATS_INTERVAL_S = 0.05
 """While busy, stats ride along with outputs at most this often, and with the first batch after a
 request arrives or finishes; always once the core idles."""
-CALLS = frozenset({"cached_block_hashes", "get_stats"})
+CALLS = frozenset({"cached_block_hashes", "get_stats", "kv_snapshot"})
 """LLMEngine methods a client may `call` (read-only, step-thread only)."""
 
 
@@ -184,8 +187,9 @@ class EngineCore:
             stats = self.engine.get_stats()
             self._stats_sent_at = now
             self._stats_dirty = self._stats_urgent = False
-        if outs or stats is not None:
-            self._send(("outputs", [pack_output(o) for o in outs], stats))
+        kv_events = self.engine.take_kv_events()
+        if outs or stats is not None or kv_events is not None:
+            self._send(("outputs", [pack_output(o) for o in outs], stats, kv_events))
 
     def _send(self, msg: tuple[Any, ...]) -> None:
         self._out.send_bytes(pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL))

@@ -25,7 +25,7 @@ import multiprocessing as mp
 import os
 import pickle
 import time
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -34,6 +34,7 @@ from engine.core import PackedOutput, run_engine_core, unpack_output, widen_pipe
 from engine.errors import EngineDeadError, StreamOverflowError
 from engine.frontend import EngineFrontend, read_outputs
 from engine.input_processor import InputProcessor
+from engine.kv.events import KVEventBatch, KVSnapshot
 from engine.outputs import RequestOutput
 
 log = logging.getLogger(__name__)
@@ -72,6 +73,7 @@ class EngineCoreClient(EngineFrontend):
         self._call_ids = itertools.count()
         self._ids = itertools.count(1)
         self._dead: str | None = None
+        self._kv_sink: Callable[[KVEventBatch], None] | None = None
         parent_conn, child_conn = mpctx.Pipe(duplex=False)
         self._proc = mpctx.Process(
             target=run_engine_core,
@@ -171,6 +173,17 @@ class EngineCoreClient(EngineFrontend):
         """Block hashes the core holds (device, CPU, disk): what a replica republishes."""
         return list(await self.call("cached_block_hashes", limit))
 
+    async def kv_snapshot(self) -> KVSnapshot:
+        """What every tier of the core holds now, with the index of the last KV-event batch the
+        core sent before it (the batches after it follow the snapshot)."""
+        snap: KVSnapshot = await self.call("kv_snapshot")
+        return snap
+
+    def set_kv_event_sink(self, sink: Callable[[KVEventBatch], None] | None) -> None:
+        """Calls `sink(batch)` on the event loop for each KV-event batch the core sends, in order
+        (None: drop them). One sink at a time; the last one set wins."""
+        self._kv_sink = sink
+
     # -- plumbing ------------------------------------------------------------------------------
     def _send(self, msg: tuple[Any, ...]) -> None:
         try:
@@ -231,6 +244,8 @@ class EngineCoreClient(EngineFrontend):
                 self._deliver(packed)
             if msg[2] is not None:
                 self._stats = msg[2]
+            if msg[3] is not None and self._kv_sink is not None:
+                self._kv_sink(msg[3])
         elif kind == "rejected":
             self._push(msg[1], ValueError(msg[2]))
         elif kind == "result":

@@ -14,6 +14,14 @@ from engine.attention import get_attention_backend
 from engine.config import EngineConfig
 from engine.host_memory import HostMemoryTrimmer
 from engine.input_processor import InputProcessor
+from engine.kv.events import (
+    AllBlocksCleared,
+    KVEvent,
+    KVEventBatch,
+    KVEventBuffer,
+    KVSnapshot,
+    snapshot_events,
+)
 from engine.kv.manager import KVCacheManager
 from engine.kv.tiers import TieredCache
 from engine.kv_io.offload import KVOffload, build_tiers
@@ -96,7 +104,16 @@ class LLMEngine:
         self.config = config
         self.tiers: TieredCache | None = None
         self.offload: KVOffload | None = None
-        built = build_tiers(cc, self.model_info, mc.path, kv_cache, self.block_bytes)
+        self.kv_events = (
+            KVEventBuffer(cc.kv_events_max_blocks, cc.block_size)
+            if cc.kv_events_max_blocks and cc.enable_prefix_caching
+            else None
+        )
+        """Which hashes each tier started or stopped holding since `take_kv_events`."""
+        self._kv_batches = 0
+        built = build_tiers(
+            cc, self.model_info, mc.path, kv_cache, self.block_bytes, events=self.kv_events
+        )
         if built is not None:
             self.tiers, self.offload = built
         self.kv = KVCacheManager(
@@ -105,6 +122,7 @@ class LLMEngine:
             enable_caching=cc.enable_prefix_caching,
             max_pinned_fraction=cc.max_pinned_fraction,
             tiers=self.tiers,
+            events=self.kv_events,
         )
         swap = self.tiers if cc.preemption_mode == "swap" else None
         self.scheduler = Scheduler(config.scheduler, self.kv, swap=swap)
@@ -263,6 +281,30 @@ class LLMEngine:
             seen = set(out)
             out += [h for h in self.tiers.cached_hashes(limit) if h not in seen][: limit - len(out)]
         return out
+
+    def take_kv_events(self) -> KVEventBatch | None:
+        """The KV events since the last call as one numbered batch, or None when there are none
+        (step thread, between steps). After an overflow the batch is AllBlocksCleared followed by
+        a snapshot of every tier, with `dropped` set."""
+        buf = self.kv_events
+        if buf is None or not buf:
+            return None
+        events, overflowed = buf.take()
+        if overflowed:
+            events = [AllBlocksCleared(), *self._held_events()]
+        self._kv_batches += 1
+        return KVEventBatch(self._kv_batches, time.time(), events, overflowed)
+
+    def kv_snapshot(self) -> KVSnapshot:
+        """Every hash each tier holds now, as BlockStored events, with the index of the last
+        batch taken (step thread, between steps). At most device + CPU + disk-index blocks."""
+        return KVSnapshot(self._kv_batches, self._held_events())
+
+    def _held_events(self) -> list[KVEvent]:
+        by_medium = [("device", list(self.kv.pool.cached))]
+        if self.tiers is not None:
+            by_medium += self.tiers.held_by_medium()
+        return snapshot_events(self.kv.block_size, by_medium)
 
     def load_warm_start(self, timeout_s: float | None = None) -> None:
         """Waits for warm start's disk reads and moves them into the CPU tier now (step thread;

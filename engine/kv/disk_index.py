@@ -2,12 +2,15 @@
 
 Pure Python; the files themselves are engine/kv_io/disk.py's. The index has a budget in blocks; adding
 past it evicts the least recently accessed entries, whose files the store deletes.
+With an event buffer (`events`, set by the tiers), each hash entering the index is reported as
+`BlockStored(disk)` and each one leaving it as `BlockRemoved(disk)`.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
 
+from engine.kv.events import KVEventBuffer
 from engine.kv.hashing import BlockHash
 
 
@@ -26,6 +29,7 @@ class DiskIndex:
         self.num_evictions = 0
         self.num_discarded = 0
         """Entries dropped because their file was bad or gone when looked up."""
+        self.events: KVEventBuffer | None = None
 
     def __contains__(self, block_hash: BlockHash) -> bool:
         return block_hash in self.entries
@@ -44,15 +48,26 @@ class DiskIndex:
             return
         self._deletes.pop(block_hash, None)  # a pending delete of an older copy no longer applies
         self.entries[block_hash] = None
+        if self.events is not None:
+            self.events.stored_one(block_hash, "disk")
         while len(self.entries) > self.capacity:
             old, _ = self.entries.popitem(last=False)
             self._deletes[old] = None
             self.num_evictions += 1
+            if self.events is not None:
+                self.events.removed(old, "disk")
 
     def discard(self, block_hash: BlockHash) -> None:
         """Forgets a file that turned out bad or missing (the reader already deleted it)."""
         if self.entries.pop(block_hash, 0) is None:
             self.num_discarded += 1
+            if self.events is not None:
+                self.events.removed(block_hash, "disk")
+
+    def remove(self, block_hash: BlockHash) -> None:
+        """Forgets a file that is gone (a budget scan deleted it, or its write never happened)."""
+        if self.entries.pop(block_hash, 0) is None and self.events is not None:
+            self.events.removed(block_hash, "disk")
 
     def take_deletes(self) -> list[BlockHash]:
         out = list(self._deletes)

@@ -11,6 +11,11 @@ Rules:
 - A sequence's blocks are freed tail first (see `BlockPool` for the eviction order).
 - A partly filled block shared by forked samples is copied on write by whichever sample
   appends to it while it is still shared.
+- With an event buffer (`events`), every hash the device pool starts or stops holding is
+  reported (engine/kv/events.py): `BlockStored(device)` with parent hash and token ids when
+  blocks are registered (computed, or fetched from a lower tier), `BlockRemoved(device)` when a
+  cached block is reused for other data. The work is per block registered or evicted, never per
+  token or per pool block.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ from typing import Protocol
 
 from engine.kv.block_pool import Block, BlockPool
 from engine.kv.counters import TierCounters
+from engine.kv.events import KVEventBuffer
 from engine.kv.hashing import BlockHash
 from engine.kv.plan import KVPlan
 
@@ -102,8 +108,11 @@ class KVCacheManager:
         enable_caching: bool = True,
         max_pinned_fraction: float = 0.5,
         tiers: LowerTiers | None = None,
+        events: KVEventBuffer | None = None,
     ) -> None:
         self.block_size = block_size
+        self.events = events
+        """Where device-tier stores and removals are reported (None: nowhere)."""
         self.enable_caching = enable_caching
         self.pool = BlockPool(num_blocks, on_evict=self._on_evict)
         self.tiers = tiers
@@ -207,6 +216,9 @@ class KVCacheManager:
                     self.tiers.fetch(h, blk.block_id, self.plan)
                     self.pool.cache(blk, h)
                 table.extend(fetched)
+                if self.events is not None:
+                    start = len(match.device_blocks)
+                    self._report_stored(seq, start, start + len(fetched))
             seq.num_computed_tokens = match.num_tokens
             seq.num_cached_blocks = match.num_blocks
         if self._needs_cow(table, seq.num_computed_tokens, num_new_tokens):
@@ -229,11 +241,30 @@ class KVCacheManager:
         if table is None:
             return
         n_full = min(seq.num_computed_tokens // self.block_size, len(seq.block_hashes))
+        run = -1  # first block of the current run of newly registered blocks (events)
         for i in range(seq.num_cached_blocks, n_full):
             new = table[i].block_hash is None
-            if self.pool.cache(table[i], seq.block_hashes[i]) and new and self.tiers is not None:
-                self.tiers.on_cached(seq.block_hashes[i])
+            if self.pool.cache(table[i], seq.block_hashes[i]) and new:
+                if self.tiers is not None:
+                    self.tiers.on_cached(seq.block_hashes[i])
+                if run < 0:
+                    run = i
+            elif run >= 0:
+                self._report_stored(seq, run, i)
+                run = -1
+        if run >= 0:
+            self._report_stored(seq, run, n_full)
         seq.num_cached_blocks = max(seq.num_cached_blocks, n_full)
+
+    def _report_stored(self, seq: SeqLike, start: int, end: int) -> None:
+        """BlockStored(device) for the sequence's blocks [start, end), newly registered."""
+        if self.events is None:
+            return
+        bs = self.block_size
+        parent = seq.block_hashes[start - 1] if start > 0 else None
+        self.events.stored(
+            seq.block_hashes[start:end], parent, seq.token_ids[start * bs : end * bs], "device"
+        )
 
     def fork(self, parent: SeqLike, child: SeqLike) -> None:
         """The child shares every block of the parent (copy-on-write on the partial tail)."""
@@ -259,6 +290,8 @@ class KVCacheManager:
     def _on_evict(self, block: Block, block_hash: BlockHash) -> None:
         if block.block_id in self.pins:
             raise AssertionError(f"pinned {block} reached the free queue")
+        if self.events is not None:
+            self.events.removed(block_hash, "device")
         if self.tiers is not None:
             self.tiers.on_device_evict(block.block_id, block_hash, self.plan)
 
@@ -287,7 +320,12 @@ class KVCacheManager:
     def reset(self) -> bool:
         """Drops every cached hash (only when no sequence holds blocks). Returns success."""
         self.expire_pins(float("inf"))
-        return self.pool.reset()
+        dropped = list(self.pool.cached) if self.events is not None else []
+        if not self.pool.reset():
+            return False
+        if self.events is not None:
+            self.events.removed_many(dropped, "device")
+        return True
 
     def check_integrity(self) -> None:
         self.pool.check_integrity()

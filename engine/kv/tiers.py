@@ -40,6 +40,9 @@ Rules:
   the disk index holds is never queued: each hash is written once across tiers.
 - A disk tier whose files failed (read-only or full directory) is off: `find` stops probing and
   nothing more is queued (engine/kv_io/disk.py turns it off, with a warning and a counter).
+- KV events (`events`, engine/kv/events.py): a hash entering the CPU tier (spill, swap-out,
+  warm start) is `BlockStored(cpu)`, one leaving it `BlockRemoved(cpu)`; the disk index reports
+  its own; a disk tier that turned itself off reports all its hashes removed at `end_step`.
 """
 
 from __future__ import annotations
@@ -52,6 +55,7 @@ from typing import Protocol
 from engine.kv.block_pool import Block, BlockPool
 from engine.kv.counters import TierCounters
 from engine.kv.disk_index import DiskIndex
+from engine.kv.events import KVEventBuffer
 from engine.kv.hashing import BlockHash
 from engine.kv.plan import KVPlan
 from engine.stats import TierStats
@@ -153,6 +157,7 @@ class TieredCache:
         max_pinned_fraction: float = 0.5,
         write_policy: str = "write-back",
         min_hits: int = 2,
+        events: KVEventBuffer | None = None,
     ) -> None:
         if (disk is None) != (disk_io is None):
             raise ValueError("the disk tier needs both its index and its file reader")
@@ -181,6 +186,12 @@ class TieredCache:
         self._hits: OrderedDict[BlockHash, int] = OrderedDict()
         """Prefix hits per hash (selective policy), least recently hit first, bounded."""
         self._max_hit_entries = max(4096, 8 * num_cpu_blocks)
+        self.events = events
+        """Where CPU-tier stores and removals are reported (the disk index reports its own)."""
+        self._disk_reported_on = disk is not None
+        """The disk tier was on at the last `end_step` (its turning off is reported once)."""
+        if disk is not None and events is not None:
+            disk.events = events
 
     # -- LowerTiers ----------------------------------------------------------------------------
     def find(self, block_hash: BlockHash) -> str | None:
@@ -243,6 +254,8 @@ class TieredCache:
             self.counters.dropped_spills += 1
             return
         self.cpu.cache(c, block_hash)
+        if self.events is not None:
+            self.events.stored_one(block_hash, "cpu")
         self._hold_new_for_step(c)
         plan.spill.append((block_id, c.block_id))
         self._step.spill_dst.add(c.block_id)
@@ -256,6 +269,10 @@ class TieredCache:
         self.cpu.free(step.refs)
         if self.disk_io is not None:
             self.disk_io.end_step()
+            if self._disk_reported_on and not self.disk_io.enabled and self.disk is not None:
+                self._disk_reported_on = False
+                if self.events is not None:
+                    self.events.removed_many(list(self.disk.entries), "disk")
 
     def on_cached(self, block_hash: BlockHash) -> None:
         """A newly computed full device block: write-through queues it for disk."""
@@ -317,7 +334,7 @@ class TieredCache:
     def forget_write(self, block_hash: BlockHash) -> None:
         """A taken write did not reach the writer (refused there, and counted there)."""
         if self.disk is not None:
-            self.disk.entries.pop(block_hash, None)
+            self.disk.remove(block_hash)
 
     # -- warm start and republishing -----------------------------------------------------------
     def warm_target(self, block_hash: BlockHash) -> int | None:
@@ -337,6 +354,8 @@ class TieredCache:
         (b,) = self.cpu.allocate(1)
         self.cpu.cache(b, block_hash)
         self.cpu.free([b])
+        if self.events is not None:
+            self.events.stored_one(block_hash, "cpu")
         self.counters.warm_blocks += 1
         return b.block_id
 
@@ -356,6 +375,13 @@ class TieredCache:
                 if h not in seen:
                     seen.add(h)
                     out.append(h)
+        return out
+
+    def held_by_medium(self) -> list[tuple[str, list[BlockHash]]]:
+        """Every hash the CPU tier and the disk index hold now (a KV-event snapshot)."""
+        out = [("cpu", list(self.cpu.cached))]
+        if self.disk is not None and self._disk_on():
+            out.append(("disk", list(self.disk.entries)))
         return out
 
     # -- swap preemption -----------------------------------------------------------------------
@@ -382,6 +408,8 @@ class TieredCache:
                 assert b is not None
                 h = seq.block_hashes[i]
                 self.cpu.cache(b, h)
+                if self.events is not None:
+                    self.events.stored_one(h, "cpu")
                 plan.spill.append((device_block_ids[i], b.block_id))
                 self._step.spill_dst.add(b.block_id)
                 self.counters.device_spills += 1
@@ -564,6 +592,8 @@ class TieredCache:
     def _on_cpu_evict(self, block: Block, block_hash: BlockHash) -> None:
         if block_hash in self._pinned_blocks:
             raise AssertionError(f"pinned CPU {block} reached the free queue")
+        if self.events is not None:
+            self.events.removed(block_hash, "cpu")
         if self.disk is None or not self._disk_on():
             return
         if block_hash in self.disk:

@@ -22,6 +22,7 @@ import torch
 from cuda.tier_copy import copy_blocks_between
 from engine.config import CacheConfig
 from engine.kv.disk_index import DiskIndex
+from engine.kv.events import KVEventBuffer
 from engine.kv.hashing import BlockHash
 from engine.kv.plan import KVPlan
 from engine.kv.tiers import DiskWrites, TieredCache
@@ -118,7 +119,7 @@ class KVOffload:
         if disk is None or index is None:
             return
         for h in disk.take_budget_deletes():
-            index.entries.pop(h, None)
+            index.remove(h)
         if disk.warming:
             self._insert_warm(tiers)
         writes = tiers.take_writes(disk.room(), device_lookup)
@@ -242,6 +243,8 @@ def build_tiers(
     model_path: str,
     kv_cache: torch.Tensor,
     block_bytes: int,
+    *,
+    events: KVEventBuffer | None = None,
 ) -> tuple[TieredCache, KVOffload] | None:
     """The CPU tier (and the disk tier when `disk_dir` is set) of one engine, or None when off.
 
@@ -314,5 +317,6 @@ def build_tiers(
         max_pinned_fraction=cache.max_pinned_fraction,
         write_policy=cache.disk_write_policy,
         min_hits=cache.disk_write_min_hits,
+        events=events,
     )
     return tiers, KVOffload(cpu_cache, files, index)

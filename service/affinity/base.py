@@ -7,9 +7,12 @@ Three kinds of record live in the store:
   that stops heartbeating drops out of `list_replicas` on its own.
 - **session affinity**: `session_id -> replica_id`, refreshed on every turn, expiring after `ttl_s`.
 - **prefix records**: which block hashes (the engine's process-stable hashes from
-  `engine.kv.hashing`) a replica holds, each with its own expiry. Hashes are chained, so holding
-  block `i` implies holding blocks `0..i`; a record may therefore be sparse and still answers
-  "how long a prefix does replica R hold".
+  `engine.kv.hashing`) a replica holds, each with its own expiry and the tier that holds it
+  ("device", "cpu" or "disk"; a record written without one is a device record). Hashes are
+  chained, so holding block `i` implies holding blocks `0..i`; a record may therefore be sparse
+  and still answers "how long a prefix does replica R hold". A block without a record inside a
+  replica's prefix counts in the tier of the next deeper record (earlier blocks are at least as
+  hot: the engine evicts a prompt's tail first).
 
 Rules every implementation keeps:
 
@@ -24,10 +27,13 @@ Rules every implementation keeps:
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from engine.kv.hashing import BlockHash
+
+TIERS = ("device", "cpu", "disk")
+TIER_INDEX = {t: i for i, t in enumerate(TIERS)}
 
 
 class AffinityStoreError(RuntimeError):
@@ -105,13 +111,37 @@ class AffinityStore(ABC):
 
     @abstractmethod
     async def record_prefix(
-        self, replica_id: str, block_hashes: Sequence[BlockHash], ttl_s: float
+        self,
+        replica_id: str,
+        block_hashes: Sequence[BlockHash],
+        ttl_s: float,
+        tier: str = "device",
     ) -> None:
-        """Records that the replica holds these blocks (a chain, possibly sparse)."""
+        """Records that the replica holds these blocks (a chain, possibly sparse) in `tier`,
+        replacing the tier of earlier records of the same blocks."""
 
     @abstractmethod
     async def remove_prefix(self, replica_id: str, block_hashes: Sequence[BlockHash]) -> None:
         """Forgets blocks the replica is known to have evicted (best effort)."""
+
+    @abstractmethod
+    async def write_prefixes(
+        self, replica_id: str, tiers: Mapping[BlockHash, str | None], ttl_s: float
+    ) -> None:
+        """Sets each block's record of the replica to its tier, or removes it (None), in one
+        round trip (Redis: one pipeline). For a background writer that keeps what failed and
+        retries: a failure raises AffinityStoreError but does not mark the store unavailable."""
+
+    @abstractmethod
+    async def clear_prefixes(self, replica_id: str) -> None:
+        """Forgets every prefix record of the replica (its engine cleared or restarted)."""
+
+    @abstractmethod
+    async def longest_prefix_tiers(
+        self, block_hashes: Sequence[BlockHash]
+    ) -> dict[str, tuple[int, int, int]]:
+        """For the chain `block_hashes` of one prompt: replica id -> its leading blocks (as
+        `longest_prefix` counts them) split by tier as (device, cpu, disk)."""
 
     @abstractmethod
     async def longest_prefix(self, block_hashes: Sequence[BlockHash]) -> dict[str, int]:

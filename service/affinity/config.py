@@ -28,6 +28,9 @@ class AffinityConfig:
     """How long `session_id -> replica` outlives the session's last turn."""
     prefix_ttl_s: float = 1800.0
     """How long a prefix record outlives its last refresh."""
+    prefix_flush_s: float = 0.15
+    """The replica agent writes the prefix changes of KV events at most this often; a burst of
+    engine steps in between costs one write."""
     max_blocks_per_record: int = 256
     """Most block hashes one request records (the first ones and the last one beyond that)."""
 
@@ -45,6 +48,7 @@ class AffinityConfig:
             "replica_ttl_s",
             "session_ttl_s",
             "prefix_ttl_s",
+            "prefix_flush_s",
         ):
             check(getattr(self, name) > 0, f"{name} must be > 0")
         check(self.max_connections >= 1, "max_connections must be >= 1")

@@ -3,16 +3,18 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 from engine.kv.hashing import BlockHash
 from service.affinity.base import (
+    TIER_INDEX,
     AffinityStore,
     AffinityStoreError,
     ReplicaInfo,
     ReplicaLoad,
     ReplicaStatus,
 )
+from service.affinity.prefix import leading_tiers
 
 
 class MemoryAffinityStore(AffinityStore):
@@ -26,8 +28,10 @@ class MemoryAffinityStore(AffinityStore):
         self._clock = clock
         self._replicas: dict[str, tuple[ReplicaStatus, float]] = {}
         self._sessions: dict[str, tuple[str, float]] = {}
-        self._blocks: dict[BlockHash, dict[str, float]] = {}
-        """block hash -> replica id -> expiry time."""
+        self._blocks: dict[BlockHash, dict[str, tuple[float, int]]] = {}
+        """block hash -> replica id -> (expiry time, tier index)."""
+        self._by_replica: dict[str, set[BlockHash]] = {}
+        """replica id -> the hashes it has records of (what `clear_prefixes` drops)."""
         self._writes = 0
         self._sweep_every = sweep_every
         self._closed = False
@@ -72,22 +76,61 @@ class MemoryAffinityStore(AffinityStore):
         return entry[0]
 
     async def record_prefix(
-        self, replica_id: str, block_hashes: Sequence[BlockHash], ttl_s: float
+        self,
+        replica_id: str,
+        block_hashes: Sequence[BlockHash],
+        ttl_s: float,
+        tier: str = "device",
     ) -> None:
         self._check_open()
-        expiry = self._clock() + ttl_s
+        entry = (self._clock() + ttl_s, TIER_INDEX[tier])
+        mine = self._by_replica.setdefault(replica_id, set())
         for h in block_hashes:
-            self._blocks.setdefault(h, {})[replica_id] = expiry
+            self._blocks.setdefault(h, {})[replica_id] = entry
+            mine.add(h)
         self._count_write()
 
     async def remove_prefix(self, replica_id: str, block_hashes: Sequence[BlockHash]) -> None:
         self._check_open()
+        self._forget(replica_id, block_hashes)
+
+    def _forget(self, replica_id: str, block_hashes: Sequence[BlockHash]) -> None:
+        mine = self._by_replica.get(replica_id, set())
         for h in block_hashes:
+            mine.discard(h)
             holders = self._blocks.get(h)
             if holders is not None:
                 holders.pop(replica_id, None)
                 if not holders:
                     del self._blocks[h]
+
+    async def write_prefixes(
+        self, replica_id: str, tiers: Mapping[BlockHash, str | None], ttl_s: float
+    ) -> None:
+        self._check_open()
+        expiry = self._clock() + ttl_s
+        mine = self._by_replica.setdefault(replica_id, set())
+        for h, tier in tiers.items():
+            if tier is not None:
+                self._blocks.setdefault(h, {})[replica_id] = (expiry, TIER_INDEX[tier])
+                mine.add(h)
+        self._forget(replica_id, [h for h, tier in tiers.items() if tier is None])
+        self._count_write()
+
+    async def clear_prefixes(self, replica_id: str) -> None:
+        self._check_open()
+        self._forget(replica_id, list(self._by_replica.pop(replica_id, ())))
+
+    async def longest_prefix_tiers(
+        self, block_hashes: Sequence[BlockHash]
+    ) -> dict[str, tuple[int, int, int]]:
+        self._check_open()
+        now = self._clock()
+        held = [
+            {rid: t for rid, (exp, t) in self._blocks.get(h, {}).items() if exp > now}
+            for h in block_hashes
+        ]
+        return leading_tiers(held)
 
     async def longest_prefix(self, block_hashes: Sequence[BlockHash]) -> dict[str, int]:
         self._check_open()
@@ -98,7 +141,7 @@ class MemoryAffinityStore(AffinityStore):
             holders = self._blocks.get(block_hashes[i])
             if not holders:
                 continue
-            for rid, expiry in holders.items():
+            for rid, (expiry, _) in holders.items():
                 if expiry > now and rid not in out:
                     out[rid] = i + 1
         return out
@@ -111,6 +154,7 @@ class MemoryAffinityStore(AffinityStore):
         self._replicas.clear()
         self._sessions.clear()
         self._blocks.clear()
+        self._by_replica.clear()
 
     def _count_write(self) -> None:
         self._writes += 1
@@ -122,7 +166,9 @@ class MemoryAffinityStore(AffinityStore):
         for sid in [s for s, (_, exp) in self._sessions.items() if exp <= now]:
             del self._sessions[sid]
         for h in list(self._blocks):
-            holders = {rid: exp for rid, exp in self._blocks[h].items() if exp > now}
+            holders = {rid: e for rid, e in self._blocks[h].items() if e[0] > now}
+            for rid in self._blocks[h].keys() - holders.keys():
+                self._by_replica.get(rid, set()).discard(h)
             if holders:
                 self._blocks[h] = holders
             else:

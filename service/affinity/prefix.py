@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 from engine.kv.hashing import BlockHash
 
@@ -18,3 +18,18 @@ def bounded_chain(block_hashes: Sequence[BlockHash], limit: int) -> list[BlockHa
     if limit == 1:
         return [block_hashes[-1]]
     return [*block_hashes[: limit - 1], block_hashes[-1]]
+
+
+def leading_tiers(held: Sequence[Mapping[str, int]]) -> dict[str, tuple[int, int, int]]:
+    """`held[i]`: replica id -> tier index (0 device, 1 cpu, 2 disk) of its record of block i.
+
+    Each replica's leading blocks, up to its deepest record, counted by tier; a block without a
+    record takes the tier of the next deeper one (see service/affinity/base.py).
+    """
+    counts: dict[str, list[int]] = {}
+    current: dict[str, int] = {}
+    for i in range(len(held) - 1, -1, -1):
+        current.update(held[i])
+        for rid, t in current.items():
+            counts.setdefault(rid, [0, 0, 0])[t] += 1
+    return {rid: (c[0], c[1], c[2]) for rid, c in counts.items()}

@@ -5,6 +5,10 @@ Keys, all under `key_prefix`:
     replicas         zset   replica_id -> expiry (unix s); the index `list_replicas` reads
     s:{session_id}   string replica_id; PX ttl
     b:{hash hex}     zset   replica_id -> expiry (unix s); PEXPIRE ttl (refreshed on record)
+    t:{hash hex}     hash   replica_id -> tier, for records not on the device (no field: device,
+                            which is also what records written before tiers existed read as)
+    p:{replica_id}   zset   block hash (raw bytes) -> expiry: the replica's records, for
+                            `clear_prefixes`; trimmed on write
 
 Per-member expiry lives in zset scores because Redis 7.0 has no per-field TTL; readers ignore
 members whose score is in the past and writers trim them. Expiry compares the writer's and the
@@ -13,7 +17,9 @@ reader's wall clocks, so clocks must agree to well within the TTLs (NTP is plent
 Failure handling: every call runs under `op_timeout_s` with no client-side retries. A connection
 error or timeout marks the store unavailable; from then on calls fail fast with
 `AffinityStoreError` (no added latency on the request path) while a background task pings Redis
-every `reconnect_interval_s` and clears the mark once it answers.
+every `reconnect_interval_s` and clears the mark once it answers. `write_prefixes` is the
+exception: its caller (the replica agent's KV-event writer) keeps what failed and retries, so its
+failures only raise.
 """
 
 from __future__ import annotations
@@ -22,10 +28,11 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import TypeVar
 
 from redis.asyncio import BlockingConnectionPool, Redis
+from redis.asyncio.client import Pipeline
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.exceptions import DataError, RedisError, ResponseError
@@ -33,17 +40,21 @@ from redis.typing import EncodableT, FieldT
 
 from engine.kv.hashing import BlockHash
 from service.affinity.base import (
+    TIER_INDEX,
     AffinityStore,
     AffinityStoreError,
     ReplicaInfo,
     ReplicaLoad,
     ReplicaStatus,
 )
+from service.affinity.prefix import leading_tiers
 
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
+_CLEAR_BATCH = 1024
+"""Records removed per pipeline by `clear_prefixes` (each pipeline within op_timeout_s)."""
 _ERRORS = (RedisError, OSError, TimeoutError)
 """What a call may raise; all but data errors (ResponseError, DataError) put the connection in
 doubt and mark the store down. redis-py's ConnectionError and TimeoutError are RedisErrors;
@@ -90,7 +101,12 @@ class RedisAffinityStore(AffinityStore):
     def _block_key(self, h: BlockHash) -> bytes:
         return self._prefix + b"b:" + h.hex().encode()
 
-    async def _call(self, what: str, fn: Callable[[], Awaitable[T]]) -> T:
+    def _tier_key(self, h: BlockHash) -> bytes:
+        return self._prefix + b"t:" + h.hex().encode()
+
+    async def _call(
+        self, what: str, fn: Callable[[], Awaitable[T]], *, mark_down: bool = True
+    ) -> T:
         if self._closed:
             raise AffinityStoreError("affinity store is closed")
         if self._down_reason is not None:
@@ -105,7 +121,7 @@ class RedisAffinityStore(AffinityStore):
                 # error; cancellation must win, or loops that are being stopped never stop.
                 raise asyncio.CancelledError from e
             detail = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
-            if not isinstance(e, ResponseError | DataError):
+            if mark_down and not isinstance(e, ResponseError | DataError):
                 self._mark_down(f"{what}: {detail}")
             raise AffinityStoreError(f"redis {what} failed: {detail}") from e
 
@@ -209,22 +225,75 @@ class RedisAffinityStore(AffinityStore):
     # Prefix records.
 
     async def record_prefix(
-        self, replica_id: str, block_hashes: Sequence[BlockHash], ttl_s: float
+        self,
+        replica_id: str,
+        block_hashes: Sequence[BlockHash],
+        ttl_s: float,
+        tier: str = "device",
     ) -> None:
         if not block_hashes:
             return
+        if tier not in TIER_INDEX:
+            raise ValueError(f"tier must be one of {tuple(TIER_INDEX)}, got {tier!r}")
         now = self._clock()
+        index = self._key(b"p:", replica_id)
 
         async def run() -> None:
             pipe = self._redis.pipeline(transaction=False)
             for h in block_hashes:
-                key = self._block_key(h)
-                pipe.zremrangebyscore(key, "-inf", now)
-                pipe.zadd(key, {replica_id: now + ttl_s})
-                pipe.pexpire(key, _ms(ttl_s))
+                self._pipe_record(pipe, replica_id, h, tier, now, ttl_s)
+            pipe.zadd(index, {h: now + ttl_s for h in block_hashes})
+            pipe.zremrangebyscore(index, "-inf", now)
+            pipe.pexpire(index, _ms(ttl_s))
             await pipe.execute()
 
         await self._call("record_prefix", run)
+
+    def _pipe_record(
+        self, pipe: Pipeline, replica_id: str, h: BlockHash, tier: str, now: float, ttl_s: float
+    ) -> None:
+        key = self._block_key(h)
+        pipe.zremrangebyscore(key, "-inf", now)
+        pipe.zadd(key, {replica_id: now + ttl_s})
+        pipe.pexpire(key, _ms(ttl_s))
+        if tier == "device":
+            pipe.hdel(self._tier_key(h), replica_id)
+        else:
+            pipe.hset(self._tier_key(h), replica_id, tier)
+            pipe.pexpire(self._tier_key(h), _ms(ttl_s))
+
+    async def write_prefixes(
+        self, replica_id: str, tiers: Mapping[BlockHash, str | None], ttl_s: float
+    ) -> None:
+        if not tiers:
+            return
+        for tier in tiers.values():
+            if tier is not None and tier not in TIER_INDEX:
+                raise ValueError(f"tier must be one of {tuple(TIER_INDEX)}, got {tier!r}")
+        now = self._clock()
+        index = self._key(b"p:", replica_id)
+        held = {h: now + ttl_s for h, tier in tiers.items() if tier is not None}
+        gone = [h for h, tier in tiers.items() if tier is None]
+
+        async def run() -> None:
+            pipe = self._redis.pipeline(transaction=False)
+            for h, tier in tiers.items():
+                if tier is None:
+                    pipe.zrem(self._block_key(h), replica_id)
+                    pipe.hdel(self._tier_key(h), replica_id)
+                else:
+                    self._pipe_record(pipe, replica_id, h, tier, now, ttl_s)
+            if held:
+                pipe.zadd(index, held)
+                pipe.pexpire(index, _ms(ttl_s))
+            if gone:
+                pipe.zrem(index, *gone)
+            pipe.zremrangebyscore(index, "-inf", now)
+            await pipe.execute()
+
+        # NOTE: a background writer retries; one slow pipeline must not cut off the
+        # registrations and sessions of this process for a reconnect interval.
+        await self._call("write_prefixes", run, mark_down=False)
 
     async def remove_prefix(self, replica_id: str, block_hashes: Sequence[BlockHash]) -> None:
         if not block_hashes:
@@ -234,9 +303,53 @@ class RedisAffinityStore(AffinityStore):
             pipe = self._redis.pipeline(transaction=False)
             for h in block_hashes:
                 pipe.zrem(self._block_key(h), replica_id)
+                pipe.hdel(self._tier_key(h), replica_id)
+            pipe.zrem(self._key(b"p:", replica_id), *block_hashes)
             await pipe.execute()
 
         await self._call("remove_prefix", run)
+
+    async def clear_prefixes(self, replica_id: str) -> None:
+        index = self._key(b"p:", replica_id)
+        while True:
+
+            async def run() -> int:
+                raw = await self._redis.zrange(index, 0, _CLEAR_BATCH - 1)
+                hashes = [h for h in raw if isinstance(h, bytes)]
+                if not hashes:
+                    return 0
+                pipe = self._redis.pipeline(transaction=False)
+                for h in hashes:
+                    pipe.zrem(self._block_key(h), replica_id)
+                    pipe.hdel(self._tier_key(h), replica_id)
+                pipe.zrem(index, *hashes)
+                await pipe.execute()
+                return len(hashes)
+
+            if await self._call("clear_prefixes", run) < _CLEAR_BATCH:
+                return
+
+    async def longest_prefix_tiers(
+        self, block_hashes: Sequence[BlockHash]
+    ) -> dict[str, tuple[int, int, int]]:
+        if not block_hashes:
+            return {}
+        now = self._clock()
+
+        async def run() -> dict[str, tuple[int, int, int]]:
+            pipe = self._redis.pipeline(transaction=False)
+            for h in block_hashes:
+                pipe.zrangebyscore(self._block_key(h), f"({now!r}", "+inf")
+                pipe.hgetall(self._tier_key(h))
+            rows = await pipe.execute()
+            held: list[dict[str, int]] = []
+            for i in range(0, len(rows), 2):
+                tiers = {k.decode(): v.decode() for k, v in rows[i + 1].items()}
+                rids = [r.decode() for r in rows[i]]
+                held.append({rid: TIER_INDEX.get(tiers.get(rid, ""), 0) for rid in rids})
+            return leading_tiers(held)
+
+        return await self._call("longest_prefix_tiers", run)
 
     async def longest_prefix(self, block_hashes: Sequence[BlockHash]) -> dict[str, int]:
         if not block_hashes:

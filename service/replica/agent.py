@@ -2,15 +2,26 @@
 
 `ReplicaAgent.start()` registers the replica and heartbeats every `heartbeat_s` with its current
 load (from `get_stats()`); `record()` is called after each finished Generate and writes, in the
-background, `session_id -> this replica` and the prompt's block hashes (the engine's own chain,
-bounded per request). The agent also keeps a local LRU of the hashes it recorded, sized like the
-replica's KV tiers; a hash pushed out of it has most likely been evicted by the engine too, so its
-record is removed (best effort: the engine does not publish evictions).
+background, `session_id -> this replica`.
 
-Republishing: given the engine's `cached_block_hashes` (an async callable), `start()` also
-publishes, in the background, the block hashes the engine already holds (after a restart: those
-the disk tier's index rebuilt, most recently used first, as many as the local LRU holds), so
-routers send sessions back to a restarted replica before it has served them again.
+Prefix records from KV events (`kv_events`, what `deja serve` passes: the replica's event ring,
+service/replica/kv_events.py): the agent subscribes from 0, so it first gets a snapshot, and
+hands every batch to its `KvRecordWriter` (service/replica/kv_records.py): a block stored in a
+tier is recorded with the best tier that holds it (device, then cpu, then disk), a block no tier
+holds any more is removed, and AllBlocksCleared drops every record of this replica
+(`clear_prefixes`) before the snapshot that follows republishes them. After a restart the stale
+records of the replica's previous life are therefore gone once the first snapshot is applied.
+The writer applies batches in memory and writes the netted changes in its own task at most every
+`prefix_flush_s`, retrying what failed, so the store sees a few writes a second whatever the
+step rate, and a slow or failed write never holds up the heartbeat (its own task) or the event
+stream. Held records are re-recorded every `prefix_ttl_s / 2` so they do not expire. The agent
+resubscribes from 0 (a fresh snapshot) only when applying events failed.
+
+Without `kv_events` (the cluster simulator, bench/sim/), `record()` also writes the prompt's block
+hashes (the engine's own chain, bounded per request) and the agent keeps a local LRU of them,
+sized like the replica's KV tiers; a hash pushed out of it has most likely been evicted by the
+engine too, so its record is removed (an estimate). Given the engine's `cached_block_hashes`,
+`start()` then also republishes the block hashes the engine already holds.
 
 The store is an optimisation: every failure is logged (rate limited) and counted in
 `deja_affinity_store_errors_total`, and never reaches a request.
@@ -24,19 +35,26 @@ import logging
 import socket
 import time
 from collections import OrderedDict
-from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from dataclasses import dataclass, replace
 
 from prometheus_client import CollectorRegistry, Counter
 
 from engine.kv.hashing import BlockHash
 from engine.prompt import prompt_block_hashes
 from engine.stats import EngineStats, ModelInfo
-from service.affinity.base import AffinityStore, AffinityStoreError, ReplicaInfo, ReplicaLoad
+from service.affinity.base import (
+    AffinityStore,
+    AffinityStoreError,
+    ReplicaInfo,
+    ReplicaLoad,
+)
 from service.affinity.config import AffinityConfig
 from service.affinity.flags import add_affinity_args, affinity_config_from_args
 from service.affinity.prefix import bounded_chain
 from service.common.flags import add_flag
+from service.replica.kv_events import KvBatch
+from service.replica.kv_records import KvRecordWriter
 
 log = logging.getLogger(__name__)
 
@@ -49,6 +67,9 @@ _REPUBLISH_TIMEOUT_S = 30.0
 
 CachedHashes = Callable[[int], Awaitable[list[BlockHash]]]
 """`limit -> the engine's cached block hashes, most recently used first` (AsyncEngine's)."""
+KvEventSource = Callable[[int], AsyncIterator[KvBatch]]
+"""`start_sequence_number -> the replica's KV-event batches` (KvEventRing.subscribe)."""
+_RESUBSCRIBE_PAUSE_S = 1.0
 
 
 def load_from_stats(stats: EngineStats) -> ReplicaLoad:
@@ -77,9 +98,21 @@ class ReplicaAgent:
         capacity_blocks: int,
         registry: CollectorRegistry | None = None,
         cached_hashes: CachedHashes | None = None,
+        kv_events: KvEventSource | None = None,
     ) -> None:
         self.store = store
         self._cached_hashes = cached_hashes
+        self._kv_events = kv_events
+        self.kv_records = KvRecordWriter(
+            store,
+            info.replica_id,
+            self._try,
+            ttl_s=config.prefix_ttl_s,
+            flush_s=config.prefix_flush_s,
+            retry_s=config.reconnect_interval_s,
+        )
+        """The prefix records of KV events (used with `kv_events` only)."""
+        self._followers: list[asyncio.Task[None]] = []
         self.info = info
         self._get_stats = get_stats
         self._config = config
@@ -110,7 +143,13 @@ class ReplicaAgent:
         await self.heartbeat_once()
         loop = asyncio.get_running_loop()
         self._heartbeat = loop.create_task(self._heartbeat_loop())
-        if self._cached_hashes is not None:
+        if self._kv_events is not None:
+            self._followers = [
+                loop.create_task(self._follow_events()),
+                loop.create_task(self.kv_records.run()),
+                loop.create_task(self._refresh_loop()),
+            ]
+        elif self._cached_hashes is not None:
             task = loop.create_task(self.republish())
             self._pending.add(task)
             task.add_done_callback(self._pending.discard)
@@ -149,6 +188,11 @@ class ReplicaAgent:
             self._heartbeat.cancel()
             await asyncio.wait([self._heartbeat], timeout=2.0)
             self._heartbeat = None
+        for task in self._followers:
+            task.cancel()
+        if self._followers:
+            await asyncio.wait(self._followers, timeout=2.0)
+        self._followers = []
         await self.flush(timeout_s=1.0)
         if deregister:
             await self._try("deregister", self.store.deregister(self.info.replica_id))
@@ -203,7 +247,7 @@ class ReplicaAgent:
         hashes = prompt_block_hashes(
             prompt_token_ids, self.info.block_size, self.info.model_id, cache_salt
         )
-        if hashes:
+        if hashes and self._kv_events is None:  # with events, the engine says what it holds
             chain = bounded_chain(hashes, self._config.max_blocks_per_record)
             ok &= await self._try(
                 "record_prefix",
@@ -221,6 +265,31 @@ class ReplicaAgent:
         """Waits for records scheduled so far (tests, shutdown)."""
         if self._pending:
             await asyncio.wait(list(self._pending), timeout=timeout_s)
+
+    # KV events.
+
+    async def _follow_events(self) -> None:
+        """Hands the replica's KV-event batches to the record writer, from a snapshot on;
+        resubscribes from 0 (a new snapshot) when applying one failed."""
+        assert self._kv_events is not None
+        while not self._stopping:
+            batches = self._kv_events(0)
+            try:
+                async for batch in batches:
+                    self.kv_records.apply(batch)
+                else:
+                    return  # the ring was closed: the replica is stopping
+            except Exception:
+                log.exception("applying KV events failed; resubscribing")
+            finally:
+                await batches.aclose()  # type: ignore[attr-defined]
+            await asyncio.sleep(_RESUBSCRIBE_PAUSE_S)
+
+    async def _refresh_loop(self) -> None:
+        """Re-records every held hash before its record expires."""
+        while not self._stopping:
+            await asyncio.sleep(self._config.prefix_ttl_s / 2)
+            self.kv_records.refresh()
 
     def _touch(self, chain: Sequence[BlockHash]) -> list[BlockHash]:
         """Marks the chain most recently used; returns the hashes pushed out of the local LRU."""
@@ -264,10 +333,18 @@ def add_replica_agent_args(parser: argparse.ArgumentParser) -> None:
         help="host:port routers use to reach this replica (default: --host or the hostname, "
         "and the bound port).",
     )
+    add_flag(
+        parser,
+        "--kv-event-flush",
+        type=float,
+        default=AffinityConfig().prefix_flush_s,
+        help="Write the prefix changes of KV events at most this often (s).",
+    )
 
 
 def agent_settings_from_args(args: argparse.Namespace) -> AgentSettings:
-    return AgentSettings(affinity_config_from_args(args), args.advertise_address or None)
+    affinity = replace(affinity_config_from_args(args), prefix_flush_s=args.kv_event_flush)
+    return AgentSettings(affinity, args.advertise_address or None)
 
 
 def advertised_address(settings: AgentSettings, host: str, port: int) -> str:
@@ -288,6 +365,7 @@ async def start_replica_agent(
     get_stats: Callable[[], EngineStats],
     registry: CollectorRegistry | None = None,
     cached_hashes: CachedHashes | None = None,
+    kv_events: KvEventSource | None = None,
 ) -> ReplicaAgent:
     """Builds the store and the agent of one replica and starts heartbeating (never raises for
     an unreachable store: the heartbeat keeps trying)."""
@@ -307,6 +385,7 @@ async def start_replica_agent(
         capacity_blocks=cache_capacity_blocks(model_info.num_device_blocks, get_stats()),
         registry=registry,
         cached_hashes=cached_hashes,
+        kv_events=kv_events,
     )
     await agent.start()
     log.info("registered as %s at %s (%s)", replica_id, info.address, settings.affinity.redis_url)

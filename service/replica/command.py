@@ -157,7 +157,7 @@ async def serve_until_signal(
             model_info=engine.model_info,
             get_stats=engine.get_stats,
             registry=replica.metrics.registry,
-            cached_hashes=engine.cached_block_hashes,
+            kv_events=replica.servicer.kv_events.subscribe,
         )
         replica.servicer.on_finished = agent.record
     stop = asyncio.Event()

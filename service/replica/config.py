@@ -42,13 +42,17 @@ class ServiceConfig:
     console_tracing: bool = False
     """Print finished spans on stdout."""
     redis_url: str | None = None
-    """Affinity store shared with the router (unused by the replica itself for now)."""
+    """Affinity store shared with the router (the replica agent writes it)."""
+    kv_event_ring_batches: int = 1024
+    """KV-event batches (one per engine step with events) kept for SubscribeKvEvents to resume
+    from; a subscriber further behind gets a snapshot."""
 
     def __post_init__(self) -> None:
         check_port("port", self.port)
         check(self.max_queued_requests >= 1, "max_queued_requests must be >= 1")
         check(self.stream_buffer >= 1, "stream_buffer must be >= 1")
         check(self.grace_period_s >= 0, "grace_period_s must be >= 0")
+        check(self.kv_event_ring_batches >= 1, "kv_event_ring_batches must be >= 1")
         check(
             (self.tls_cert is None) == (self.tls_key is None),
             "TLS needs both a certificate and a key",
@@ -121,6 +125,13 @@ def add_service_args(parser: argparse.ArgumentParser) -> list[argparse.Action]:
             g, "--console-tracing", default=d.console_tracing, help="Print spans on stdout."
         ),
         add_flag(g, "--redis-url", help="Affinity store shared with the router."),
+        add_flag(
+            g,
+            "--kv-event-ring-batches",
+            type=int,
+            default=d.kv_event_ring_batches,
+            help="KV-event batches kept for SubscribeKvEvents subscribers to resume from.",
+        ),
     ]
 
 
@@ -135,4 +146,5 @@ def service_config_from_args(args: argparse.Namespace) -> ServiceConfig:
         tls_key=args.tls_key,
         redis_url=args.redis_url,
         **server_settings_from_args(args),
+        kv_event_ring_batches=args.kv_event_ring_batches,
     )

@@ -5,11 +5,13 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from engine.kv.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 from engine.outputs import CompletionOutput, RequestOutput
 from engine.sampling_params import SamplingParams
 from engine.stats import EngineStats, ModelInfo
 from engine.structured.spec import ResponseFormat
 from service.api.deja.v1 import inference_pb2 as pb
+from service.replica.kv_events import KvBatch
 
 FINISH_REASONS: dict[str | None, pb.FinishReason] = {
     None: pb.FINISH_REASON_UNSPECIFIED,
@@ -237,3 +239,74 @@ def cache_stats_message(stats: EngineStats, info: ModelInfo, replica_id: str) ->
             )
         )
     return msg
+
+
+KV_MESSAGE_BLOCKS = 16384
+"""Block hashes per KvEventBatch message at most (~0.6 MB), well under gRPC's 4 MiB default."""
+
+
+def kv_batch_messages(
+    batch: KvBatch, *, with_tokens: bool, max_blocks: int = KV_MESSAGE_BLOCKS
+) -> list[pb.KvEventBatch]:
+    """One batch as one message, or as several with its sequence number when it holds more than
+    `max_blocks` hashes (a snapshot). Without `with_tokens`, stores carry no token ids."""
+    out: list[pb.KvEventBatch] = []
+    msg, n = None, max_blocks
+    for ev in _split_events(batch.events, max_blocks):
+        size = 0 if isinstance(ev, AllBlocksCleared) else len(ev.block_hashes)
+        if msg is None or n + size > max_blocks:
+            msg = pb.KvEventBatch(
+                sequence_number=batch.sequence_number,
+                timestamp=batch.timestamp,
+                dropped=batch.dropped,
+            )
+            out.append(msg)
+            n = 0
+        msg.events.append(_kv_event_message(ev, with_tokens))
+        n += size
+    if not out:
+        out.append(
+            pb.KvEventBatch(
+                sequence_number=batch.sequence_number,
+                timestamp=batch.timestamp,
+                dropped=batch.dropped,
+            )
+        )
+    return out
+
+
+def _split_events(events: list[KVEvent], max_blocks: int) -> list[KVEvent]:
+    """Events with more than `max_blocks` hashes cut into chained pieces."""
+    out: list[KVEvent] = []
+    for ev in events:
+        if isinstance(ev, AllBlocksCleared) or len(ev.block_hashes) <= max_blocks:
+            out.append(ev)
+            continue
+        hs = ev.block_hashes
+        for i in range(0, len(hs), max_blocks):
+            part = hs[i : i + max_blocks]
+            if isinstance(ev, BlockRemoved):
+                out.append(BlockRemoved(part, ev.medium))
+                continue
+            bs = ev.block_size
+            parent = hs[i - 1] if i else ev.parent_block_hash
+            tokens = ev.token_ids[i * bs : (i + len(part)) * bs]
+            out.append(BlockStored(part, parent, tokens, bs, ev.medium))
+    return out
+
+
+def _kv_event_message(ev: KVEvent, with_tokens: bool) -> pb.KvEvent:
+    if isinstance(ev, BlockStored):
+        stored = pb.BlockStored(
+            block_hashes=ev.block_hashes, block_size=ev.block_size, medium=ev.medium
+        )
+        if ev.parent_block_hash is not None:
+            stored.parent_block_hash = ev.parent_block_hash
+        if with_tokens:
+            stored.token_ids.extend(ev.token_ids)
+        return pb.KvEvent(block_stored=stored)
+    if isinstance(ev, BlockRemoved):
+        return pb.KvEvent(
+            block_removed=pb.BlockRemoved(block_hashes=ev.block_hashes, medium=ev.medium)
+        )
+    return pb.KvEvent(all_blocks_cleared=pb.AllBlocksCleared())

@@ -11,6 +11,9 @@ maps failures to status codes:
     engine failure                                       INTERNAL, health turns NOT_SERVING
     engine core died under an open stream                INTERNAL + trailer (common/failover.py)
 
+SubscribeKvEvents streams the engine's KV events from the replica's ring
+(service/replica/kv_events.py) under the same auth rules; with auth on, stores carry no token ids.
+
 A cancelled call or a passed deadline aborts the engine request (and frees its blocks) within one
 engine step: leaving the engine's output generator aborts it, and a done-callback on the call
 aborts it too in case the handler is cancelled while gRPC is writing.
@@ -38,6 +41,7 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.trace import Span
 
 from engine.errors import EngineDeadError, StreamOverflowError
+from engine.kv.events import KVEventBatch, KVSnapshot
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
 from engine.stats import EngineStats, ModelInfo
@@ -48,6 +52,7 @@ from service.common.rpc import SERVICE_NAME, abort
 from service.common.tracing import end_request_span, extract_context, get_tracer, start_request_span
 from service.replica import convert
 from service.replica.config import ServiceConfig
+from service.replica.kv_events import KvEventRing
 from service.replica.metrics import ServiceMetrics
 
 log = logging.getLogger(__name__)
@@ -89,6 +94,10 @@ class Engine(Protocol):
     def shutdown(self, flush_timeout_s: float | None = None) -> None: ...
 
     async def cached_block_hashes(self, limit: int) -> list[bytes]: ...
+
+    async def kv_snapshot(self) -> KVSnapshot: ...
+
+    def set_kv_event_sink(self, sink: Callable[[KVEventBatch], None] | None) -> None: ...
 
 
 @dataclass(slots=True)
@@ -177,6 +186,9 @@ class InferenceServicer:
         self.on_finished: Callable[[str, list[int], str | None], None] | None = None
         """Called as (session_id, prompt_token_ids, cache_salt) after each request that finished
         normally; `deja serve --redis-url` sets it to the replica agent's `record`."""
+        self.kv_events = KvEventRing(engine.kv_snapshot, config.kv_event_ring_batches)
+        """The engine's last KV-event batches (SubscribeKvEvents, the replica agent)."""
+        engine.set_kv_event_sink(self.kv_events.publish)
 
     # -- helpers -------------------------------------------------------------------------------
 
@@ -484,6 +496,18 @@ class InferenceServicer:
                 aborted.append(rid)
         return pb.AbortResponse(aborted=aborted)
 
+    async def SubscribeKvEvents(
+        self, request: pb.SubscribeKvEventsRequest | _BadMessage, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.KvEventBatch]:
+        await self._check_request(request, context)
+        assert isinstance(request, pb.SubscribeKvEventsRequest)
+        with_tokens = not self._auth.enabled
+        batches = self.kv_events.subscribe(request.start_sequence_number)
+        async with contextlib.aclosing(batches):  # type: ignore[type-var]
+            async for batch in batches:
+                for msg in convert.kv_batch_messages(batch, with_tokens=with_tokens):
+                    yield msg
+
 
 # -- registration ------------------------------------------------------------------------------
 
@@ -543,6 +567,7 @@ class Replica:
         to `grace_period_s`, abort the rest (their streams end with finish_reason ABORT), stop."""
         s = self.servicer
         s.draining = True
+        s.kv_events.close()
         await self.health.enter_graceful_shutdown()
         deadline = time.monotonic() + grace_period_s
         while s.streams and time.monotonic() < deadline:

@@ -154,6 +154,7 @@ class RouterServicer(pb_grpc.InferenceServicer):
         if not healthy:
             raise NoReplicaError("no healthy replica")
         store_ok, session_replica, prefix, prompt_tokens = True, None, None, 0
+        tiers: dict[str, tuple[int, int, int]] | None = None
         if cfg.policy != "round_robin":
             if cfg.policy in ("affinity", "cost") and request.session_id:
                 store_ok, session_replica = await self._store_call(
@@ -165,7 +166,7 @@ class RouterServicer(pb_grpc.InferenceServicer):
                 sticky = False  # the session counts only through what its replica holds
                 prompt_tokens = await prompt.num_tokens()
             if store_ok and not sticky:
-                prefix = {}
+                prefix, tiers = {}, {}
                 groups: dict[tuple[str, int], list[str]] = {}
                 for h in healthy:
                     if h.model_id is not None and h.block_size is not None and h.replica_id:
@@ -175,16 +176,17 @@ class RouterServicer(pb_grpc.InferenceServicer):
                     if not chain:
                         continue
                     ok, held = await self._store_call(
-                        "longest_prefix", self._store.longest_prefix(chain)
+                        "longest_prefix", self._store.longest_prefix_tiers(chain)
                     )
                     store_ok &= ok
-                    prefix.update({rid: n for rid, n in (held or {}).items() if rid in ids})
+                    tiers.update({rid: t for rid, t in (held or {}).items() if rid in ids})
+                prefix = {rid: sum(t) for rid, t in tiers.items()}
         # NOTE: read the candidates' loads after the awaits and count the stream before the next
         # await, so concurrent arrivals see each other's choices.
         healthy = self._pool.healthy(exclude)
         if not healthy:
             raise NoReplicaError("no healthy replica")
-        inputs = RouteInputs(key, session_replica, prefix, store_ok, prompt_tokens)
+        inputs = RouteInputs(key, session_replica, prefix, store_ok, prompt_tokens, tiers)
         decision = decide(
             cfg.policy,
             [h.candidate() for h in healthy],

@@ -68,3 +68,27 @@ async def test_slower_than_the_timeout_is_bounded_then_recovers(redis_proc: Redi
     finally:
         await store.close()
         await proxy.close()
+
+
+async def test_a_slow_prefix_write_does_not_mark_the_store_down(redis_proc: RedisProcess) -> None:
+    # The replica agent's background writes retry on their own; one that times out must not
+    # stop the same process's heartbeats for a reconnect interval.
+    proxy = DelayProxy(redis_proc.port)
+    await proxy.start()
+    store = RedisAffinityStore(proxy.url, key_prefix="slow:", op_timeout_s=OP_TIMEOUT_S)
+    info = ReplicaInfo("a", "127.0.0.1:1", "m", 16)
+    try:
+        await store.register(info, ReplicaLoad(), ttl_s=60)
+        proxy.delay_s = 2.0
+        t0 = time.monotonic()
+        with pytest.raises(AffinityStoreError):
+            await store.write_prefixes("a", {bytes(32): "device"}, ttl_s=60)
+        assert time.monotonic() - t0 < OP_TIMEOUT_S + 0.3
+        assert store.available
+        proxy.delay_s = 0.0
+        await store.register(info, ReplicaLoad(), ttl_s=60)
+        await store.write_prefixes("a", {bytes(32): "cpu"}, ttl_s=60)
+        assert await store.longest_prefix_tiers([bytes(32)]) == {"a": (0, 1, 0)}
+    finally:
+        await store.close()
+        await proxy.close()

@@ -110,6 +110,56 @@ async def test_longest_prefix(store_and_clock: tuple[AffinityStore, FakeClock]) 
     assert await store.longest_prefix(p2) == {"b": 5}
 
 
+async def test_prefix_tiers(store_and_clock: tuple[AffinityStore, FakeClock]) -> None:
+    store, clock = store_and_clock
+    p = chain(list(range(24)))  # 6 blocks
+    await store.record_prefix("a", p[:2], ttl_s=10)  # tier-less: device
+    await store.record_prefix("a", p[2:4], ttl_s=10, tier="cpu")
+    await store.record_prefix("a", [p[5]], ttl_s=10, tier="disk")  # block 4 has no record
+    await store.record_prefix("b", p[:3], ttl_s=10, tier="cpu")
+    assert await store.longest_prefix_tiers(p) == {"a": (2, 2, 2), "b": (0, 3, 0)}
+    assert await store.longest_prefix(p) == {"a": 6, "b": 3}
+    assert await store.longest_prefix_tiers([]) == {}
+
+    # A new record of a block replaces its tier; a removal drops it.
+    await store.record_prefix("a", [p[2]], ttl_s=10)
+    await store.remove_prefix("a", [p[5]])
+    assert (await store.longest_prefix_tiers(p))["a"] == (3, 1, 0)
+
+    # Clearing one replica leaves the others.
+    await store.clear_prefixes("a")
+    assert await store.longest_prefix_tiers(p) == {"b": (0, 3, 0)}
+    await store.clear_prefixes("nobody")
+
+    clock.now += 11
+    assert await store.longest_prefix_tiers(p) == {}
+
+
+async def test_write_prefixes_sets_and_removes_in_one_call(
+    store_and_clock: tuple[AffinityStore, FakeClock],
+) -> None:
+    store, clock = store_and_clock
+    p = chain(list(range(24)))  # 6 blocks
+    await store.record_prefix("a", p, ttl_s=10)
+    await store.write_prefixes(
+        "a", {p[1]: "cpu", p[2]: "disk", p[4]: None, p[5]: None, p[3]: "device"}, ttl_s=10
+    )
+    assert await store.longest_prefix_tiers(p) == {"a": (2, 1, 1)}
+    await store.write_prefixes("a", {}, ttl_s=10)
+    await store.write_prefixes("b", {p[0]: None}, ttl_s=10)  # nothing to remove
+    assert await store.longest_prefix_tiers(p) == {"a": (2, 1, 1)}
+
+    # Written records are the replica's: a clear drops them.
+    await store.write_prefixes("a", {p[5]: "cpu"}, ttl_s=10)
+    assert await store.longest_prefix(p) == {"a": 6}
+    await store.clear_prefixes("a")
+    assert await store.longest_prefix(p) == {}
+
+    await store.write_prefixes("b", {p[0]: "device"}, ttl_s=10)
+    clock.now += 11
+    assert await store.longest_prefix(p) == {}
+
+
 def _reconnecting_store(redis_proc: RedisProcess, op_timeout_s: float) -> RedisAffinityStore:
     """A store that gives up on a call after `op_timeout_s` and retries its connection often."""
     return RedisAffinityStore(

@@ -395,3 +395,57 @@ class AbortResponse(_message.Message):
     ABORTED_FIELD_NUMBER: _ClassVar[int]
     aborted: _containers.RepeatedScalarFieldContainer[str]
     def __init__(self, aborted: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class SubscribeKvEventsRequest(_message.Message):
+    __slots__ = ("start_sequence_number",)
+    START_SEQUENCE_NUMBER_FIELD_NUMBER: _ClassVar[int]
+    start_sequence_number: int
+    def __init__(self, start_sequence_number: _Optional[int] = ...) -> None: ...
+
+class KvEventBatch(_message.Message):
+    __slots__ = ("sequence_number", "timestamp", "events", "dropped")
+    SEQUENCE_NUMBER_FIELD_NUMBER: _ClassVar[int]
+    TIMESTAMP_FIELD_NUMBER: _ClassVar[int]
+    EVENTS_FIELD_NUMBER: _ClassVar[int]
+    DROPPED_FIELD_NUMBER: _ClassVar[int]
+    sequence_number: int
+    timestamp: float
+    events: _containers.RepeatedCompositeFieldContainer[KvEvent]
+    dropped: bool
+    def __init__(self, sequence_number: _Optional[int] = ..., timestamp: _Optional[float] = ..., events: _Optional[_Iterable[_Union[KvEvent, _Mapping]]] = ..., dropped: _Optional[bool] = ...) -> None: ...
+
+class KvEvent(_message.Message):
+    __slots__ = ("block_stored", "block_removed", "all_blocks_cleared")
+    BLOCK_STORED_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_REMOVED_FIELD_NUMBER: _ClassVar[int]
+    ALL_BLOCKS_CLEARED_FIELD_NUMBER: _ClassVar[int]
+    block_stored: BlockStored
+    block_removed: BlockRemoved
+    all_blocks_cleared: AllBlocksCleared
+    def __init__(self, block_stored: _Optional[_Union[BlockStored, _Mapping]] = ..., block_removed: _Optional[_Union[BlockRemoved, _Mapping]] = ..., all_blocks_cleared: _Optional[_Union[AllBlocksCleared, _Mapping]] = ...) -> None: ...
+
+class BlockStored(_message.Message):
+    __slots__ = ("block_hashes", "parent_block_hash", "token_ids", "block_size", "medium")
+    BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    PARENT_BLOCK_HASH_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    MEDIUM_FIELD_NUMBER: _ClassVar[int]
+    block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
+    parent_block_hash: bytes
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    block_size: int
+    medium: str
+    def __init__(self, block_hashes: _Optional[_Iterable[bytes]] = ..., parent_block_hash: _Optional[bytes] = ..., token_ids: _Optional[_Iterable[int]] = ..., block_size: _Optional[int] = ..., medium: _Optional[str] = ...) -> None: ...
+
+class BlockRemoved(_message.Message):
+    __slots__ = ("block_hashes", "medium")
+    BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    MEDIUM_FIELD_NUMBER: _ClassVar[int]
+    block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
+    medium: str
+    def __init__(self, block_hashes: _Optional[_Iterable[bytes]] = ..., medium: _Optional[str] = ...) -> None: ...
+
+class AllBlocksCleared(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...

@@ -64,6 +64,11 @@ class InferenceStub:
                 request_serializer=deja_dot_v1_dot_inference__pb2.AbortRequest.SerializeToString,
                 response_deserializer=deja_dot_v1_dot_inference__pb2.AbortResponse.FromString,
                 _registered_method=True)
+        self.SubscribeKvEvents = channel.unary_stream(
+                '/deja.v1.Inference/SubscribeKvEvents',
+                request_serializer=deja_dot_v1_dot_inference__pb2.SubscribeKvEventsRequest.SerializeToString,
+                response_deserializer=deja_dot_v1_dot_inference__pb2.KvEventBatch.FromString,
+                _registered_method=True)
 
 
 class InferenceServicer:
@@ -112,6 +117,14 @@ class InferenceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def SubscribeKvEvents(self, request, context):
+        """Streams what the replica's KV cache stores and drops, per tier (vLLM's KV event shapes),
+        one batch per engine step, resumable by sequence number. See SubscribeKvEventsRequest.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_InferenceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -144,6 +157,11 @@ def add_InferenceServicer_to_server(servicer, server):
                     servicer.Abort,
                     request_deserializer=deja_dot_v1_dot_inference__pb2.AbortRequest.FromString,
                     response_serializer=deja_dot_v1_dot_inference__pb2.AbortResponse.SerializeToString,
+            ),
+            'SubscribeKvEvents': grpc.unary_stream_rpc_method_handler(
+                    servicer.SubscribeKvEvents,
+                    request_deserializer=deja_dot_v1_dot_inference__pb2.SubscribeKvEventsRequest.FromString,
+                    response_serializer=deja_dot_v1_dot_inference__pb2.KvEventBatch.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -308,6 +326,33 @@ class Inference:
             '/deja.v1.Inference/Abort',
             deja_dot_v1_dot_inference__pb2.AbortRequest.SerializeToString,
             deja_dot_v1_dot_inference__pb2.AbortResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SubscribeKvEvents(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/deja.v1.Inference/SubscribeKvEvents',
+            deja_dot_v1_dot_inference__pb2.SubscribeKvEventsRequest.SerializeToString,
+            deja_dot_v1_dot_inference__pb2.KvEventBatch.FromString,
             options,
             channel_credentials,
             insecure,
