@@ -18,7 +18,7 @@ import argparse
 import asyncio
 import json
 import time
-from collections.abc import AsyncGenerator, Generator, Iterator, Sequence
+from collections.abc import AsyncGenerator, Callable, Generator, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -195,6 +195,15 @@ class GenerateResult:
                     self.choices.append(Choice(index=len(self.choices)))
                 self.choices[end.index].finish_reason = FINISH_REASONS[end.finish_reason]
         self.total_s = elapsed_s
+
+
+def _collector(
+    kwargs: dict[str, Any],
+) -> tuple[GenerateResult, Callable[[pb.GenerateResponse], None]]:
+    """What `complete` returns, and the function that adds each streamed message to it."""
+    result = GenerateResult(response_model=_schema_model(kwargs))
+    t0 = time.monotonic()
+    return result, lambda msg: result.add(msg, elapsed_s=time.monotonic() - t0)
 
 
 def _is_retryable(err: grpc.RpcError) -> bool:
@@ -411,10 +420,9 @@ class DejaClient(_Base):
         **kwargs: Any,
     ) -> GenerateResult:
         """Runs one request to the end and returns it collected (`.parse()` reads JSON output)."""
-        result = GenerateResult(response_model=_schema_model(kwargs))
-        t0 = time.monotonic()
+        result, add = _collector(kwargs)
         for msg in self.generate(prompt, timeout=timeout, **kwargs):
-            result.add(msg, elapsed_s=time.monotonic() - t0)
+            add(msg)
         return result
 
     def tokenize(
@@ -495,10 +503,9 @@ class AsyncDejaClient(_Base):
         timeout: float | None = None,
         **kwargs: Any,
     ) -> GenerateResult:
-        result = GenerateResult(response_model=_schema_model(kwargs))
-        t0 = time.monotonic()
+        result, add = _collector(kwargs)
         async for msg in self.generate(prompt, timeout=timeout, **kwargs):
-            result.add(msg, elapsed_s=time.monotonic() - t0)
+            add(msg)
         return result
 
     async def tokenize(

@@ -22,6 +22,7 @@ from bench.sim.profile import PROFILES
 from bench.sim.report import HEADER, Summary, summarise, table_rows
 from bench.sim.workload import Workload, chat, llmd
 from service.common.flags import add_bool_flag, add_flag
+from service.router.config import add_cost_args, cost_weights_from_args
 from service.router.cost import CostWeights
 from service.router.policy import POLICIES
 
@@ -41,13 +42,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_flag(
         c, "--active-weight", type=float, default=d.active_weight, help="Cost policy balance term."
     )
-    add_flag(c, "--load-bound", type=float, default=d.load_bound, help="Cost policy bound.")
-    add_flag(
-        c, "--prefix-bound", type=float, default=d.prefix_bound, help="Cost policy prefix bound."
-    )
-    add_flag(
-        c, "--stickiness", type=float, default=d.stickiness_s, help="Cost policy bonus cap (s)."
-    )
+    add_cost_args(c)
     w = parser.add_argument_group("workload")
     add_flag(w, "--workloads", default="chat,chat-skewed", help=f"Among {','.join(WORKLOADS)}.")
     add_flag(w, "--utilisation", type=float, default=0.7, help="Of no-cache cluster capacity.")
@@ -118,6 +113,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"policies among {POLICIES}, workloads among {WORKLOADS}", file=sys.stderr)
         return 2
     print(f"cost model {model.name}: {json.dumps(model.as_dict())}")
+    weights = cost_weights_from_args(args, active_weight=args.active_weight)
     results: dict[str, list[Summary]] = {}
     rows: list[str] = []
     for name in names:
@@ -131,12 +127,7 @@ def run(args: argparse.Namespace) -> int:
                 policy,
                 num_routers=args.num_routers,
                 poll_interval_s=args.poll_interval,
-                weights=CostWeights(
-                    active_weight=args.active_weight,
-                    stickiness_s=args.stickiness,
-                    load_bound=args.load_bound,
-                    prefix_bound=args.prefix_bound,
-                ),
+                weights=weights,
                 seed=args.seed,
             )
             s = summarise(policy, cluster.run(wl))

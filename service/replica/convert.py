@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+from google.protobuf.message import Message
 
 from engine.kv.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 from engine.outputs import CompletionOutput, RequestOutput
@@ -12,6 +15,8 @@ from engine.stats import EngineStats, ModelInfo
 from engine.structured.spec import ResponseFormat
 from service.api.deja.v1 import inference_pb2 as pb
 from service.replica.kv_events import KvBatch
+
+_M = TypeVar("_M", bound=Message)
 
 FINISH_REASONS: dict[str | None, pb.FinishReason] = {
     None: pb.FINISH_REASON_UNSPECIFIED,
@@ -184,61 +189,25 @@ def final_message(out: RequestOutput, tally: StreamTally, *, replica_id: str) ->
     return final
 
 
+def _from_fields(cls: type[_M], src: object, **given: Any) -> _M:
+    """A `cls` message: the fields in `given`, each other one from `src`'s attribute so named."""
+    names = [f.name for f in cls.DESCRIPTOR.fields if f.name not in given]
+    return cls(**{name: getattr(src, name) for name in names}, **given)
+
+
 def model_info_message(info: ModelInfo, replica_id: str) -> pb.ModelInfo:
-    return pb.ModelInfo(
-        model_id=info.model_id,
-        family=info.family,
-        architecture=info.architecture,
-        max_model_len=info.max_model_len,
-        block_size=info.block_size,
-        dtype=info.dtype,
-        vocab_size=info.vocab_size,
-        num_device_blocks=info.num_device_blocks,
-        kv_capacity_tokens=info.kv_capacity_tokens,
-        eos_token_ids=list(info.eos_token_ids),
-        replica_id=replica_id,
-        has_chat_template=info.has_chat_template,
-    )
+    return _from_fields(pb.ModelInfo, info, replica_id=replica_id)
 
 
 def cache_stats_message(stats: EngineStats, info: ModelInfo, replica_id: str) -> pb.CacheStats:
-    msg = pb.CacheStats(
+    return _from_fields(
+        pb.CacheStats,
+        stats,
         replica_id=replica_id,
-        free_device_blocks=stats.free_device_blocks,
         total_device_blocks=info.num_device_blocks,
-        prefix_queries=stats.prefix_queries,
-        prefix_hits=stats.prefix_hits,
+        tiers=[_from_fields(pb.TierStats, t) for t in stats.tiers],
+        buffers=[_from_fields(pb.BufferStats, b) for b in stats.buffers],
     )
-    for t in stats.tiers:
-        msg.tiers.append(
-            pb.TierStats(
-                name=t.name,
-                num_blocks=t.num_blocks,
-                used_blocks=t.used_blocks,
-                cached_blocks=t.cached_blocks,
-                pinned_blocks=t.pinned_blocks,
-                queries=t.queries,
-                hits=t.hits,
-                spills=t.spills,
-                swap_ins=t.swap_ins,
-                evictions=t.evictions,
-                bytes_moved=t.bytes_moved,
-                dropped_writes=t.dropped_writes,
-                write_errors=t.write_errors,
-                disabled=t.disabled,
-            )
-        )
-    for b in stats.buffers:
-        msg.buffers.append(
-            pb.BufferStats(
-                name=b.name,
-                entries=b.entries,
-                bytes=b.bytes,
-                max_entries=b.max_entries,
-                max_bytes=b.max_bytes,
-            )
-        )
-    return msg
 
 
 KV_MESSAGE_BLOCKS = 16384

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 from dataclasses import dataclass, field
+from typing import Any
 
 from engine.config import check, check_one_of, check_port
 from service.affinity.config import AffinityConfig
@@ -82,6 +83,43 @@ class RouterConfig:
         )
 
 
+def add_cost_args(group: argparse._ArgumentGroup) -> None:
+    """The cost policy's bounds and stickiness (--load-bound, --prefix-bound, --stickiness)."""
+    dc = CostWeights()
+    add_flag(
+        group,
+        "--load-bound",
+        type=float,
+        default=dc.load_bound,
+        help="New sessions only go to replicas within this x the mean load (0: no bound).",
+    )
+    add_flag(
+        group,
+        "--prefix-bound",
+        type=float,
+        default=dc.prefix_bound,
+        help="A replica within this x the mean load still wins when its estimate is under "
+        "half the best one within --load-bound (a large cached prefix; 0: off).",
+    )
+    add_flag(
+        group,
+        "--stickiness",
+        type=float,
+        default=dc.stickiness_s,
+        help="Most seconds of estimate a session's last replica is favoured by.",
+    )
+
+
+def cost_weights_from_args(args: argparse.Namespace, **given: Any) -> CostWeights:
+    """The CostWeights of add_cost_args' flags, with the other weights in `given`."""
+    return CostWeights(
+        stickiness_s=args.stickiness,
+        load_bound=args.load_bound,
+        prefix_bound=args.prefix_bound,
+        **given,
+    )
+
+
 def add_router_args(parser: argparse.ArgumentParser) -> None:
     d = RouterConfig(replicas=("x:1",))
     g = parser.add_argument_group("router")
@@ -126,29 +164,8 @@ def add_router_args(parser: argparse.ArgumentParser) -> None:
         help="Prefix matches ignored on replicas this much busier than the least loaded.",
     )
     k = parser.add_argument_group("cost policy")
+    add_cost_args(k)
     dc = d.cost
-    add_flag(
-        k,
-        "--load-bound",
-        type=float,
-        default=dc.load_bound,
-        help="New sessions only go to replicas within this x the mean load (0: no bound).",
-    )
-    add_flag(
-        k,
-        "--prefix-bound",
-        type=float,
-        default=dc.prefix_bound,
-        help="A replica within this x the mean load still wins when its estimate is under "
-        "half the best one within --load-bound (a large cached prefix; 0: off).",
-    )
-    add_flag(
-        k,
-        "--stickiness",
-        type=float,
-        default=dc.stickiness_s,
-        help="Most seconds of estimate a session's last replica is favoured by.",
-    )
     add_flag(
         k,
         "--tier-credits",
@@ -167,6 +184,7 @@ def parse_tier_credits(spec: str) -> tuple[float, float, float]:
 
 
 def router_config_from_args(args: argparse.Namespace) -> RouterConfig:
+    dev, cpu, disk = parse_tier_credits(args.tier_credits)
     return RouterConfig(
         host=args.host,
         port=args.port,
@@ -180,12 +198,7 @@ def router_config_from_args(args: argparse.Namespace) -> RouterConfig:
             max_inflight=args.max_inflight,
             max_imbalance=args.max_imbalance,
         ),
-        cost=CostWeights(
-            *parse_tier_credits(args.tier_credits),
-            stickiness_s=args.stickiness,
-            load_bound=args.load_bound,
-            prefix_bound=args.prefix_bound,
-        ),
+        cost=cost_weights_from_args(args, device_credit=dev, cpu_credit=cpu, disk_credit=disk),
         model=args.model,
         cache_dir=args.cache_dir,
         affinity=affinity_config_from_args(args),

@@ -1,4 +1,4 @@
-"""Rules both allocator state machines share: forking and freeing a live sequence."""
+"""Rules both allocator state machines share: decoding, forking and freeing a live sequence."""
 
 from __future__ import annotations
 
@@ -35,3 +35,25 @@ class LiveSequenceRules(RuleBasedStateMachine):
     def free(self, data: st.DataObject) -> None:
         """The sequence finishes (or is aborted) and frees its blocks."""
         self.kv.free(self.live.pop(self.pick(data).seq_id))
+
+    @precondition(lambda self: bool(self.live))
+    @rule(data=st.data(), n=st.integers(1, 6))
+    def decode(self, data: st.DataObject, n: int) -> None:
+        """Up to `n` one-token steps of a live sequence; stops when no block is left for one."""
+        seq = self.pick(data)
+        for _ in range(n):
+            seq.token_ids.append(7)
+            seq.block_hashes = FakeSeq(0, seq.token_ids, extra=seq.extra).block_hashes
+            if not self.kv.allocate(seq, 1):
+                seq.token_ids.pop()
+                seq.block_hashes = FakeSeq(0, seq.token_ids, extra=seq.extra).block_hashes
+                self.decode_stopped()
+                return
+            self.decoded(seq)
+
+    def decoded(self, seq: FakeSeq) -> None:
+        """The step after `seq`'s new token got its slot: compute the token."""
+        raise NotImplementedError
+
+    def decode_stopped(self) -> None:
+        """A decode step found no block for the new token."""

@@ -39,18 +39,9 @@ class AllocatorMachine(LiveSequenceRules):
         else:
             assert self.kv.num_free_blocks == free_before
 
-    @precondition(lambda self: bool(self.live))
-    @rule(data=st.data(), n=st.integers(1, 6))
-    def decode(self, data: st.DataObject, n: int) -> None:
-        seq = self.pick(data)
-        for _ in range(n):
-            seq.token_ids.append(7)
-            if not self.kv.allocate(seq, 1):
-                seq.token_ids.pop()
-                return
-            seq.num_computed_tokens += 1
-            seq.block_hashes = FakeSeq(0, seq.token_ids, extra=seq.extra).block_hashes
-            self.kv.cache_blocks(seq)
+    def decoded(self, seq: FakeSeq) -> None:
+        seq.num_computed_tokens += 1
+        self.kv.cache_blocks(seq)
         self.kv.take_plan()
 
     @precondition(lambda self: bool(self.live))

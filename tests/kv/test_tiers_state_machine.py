@@ -182,19 +182,11 @@ class TiersMachine(LiveSequenceRules):
         for seq, _, _ in items:
             self.live[seq.seq_id] = seq
 
-    @precondition(lambda self: bool(self.live))
-    @rule(data=st.data(), n=st.integers(1, 6))
-    def decode(self, data: st.DataObject, n: int) -> None:
-        seq = self.pick(data)
-        for _ in range(n):
-            seq.token_ids.append(7)
-            seq.block_hashes = FakeSeq(0, seq.token_ids, extra=seq.extra).block_hashes
-            if not self.kv.allocate(seq, 1):
-                seq.token_ids.pop()
-                seq.block_hashes = FakeSeq(0, seq.token_ids, extra=seq.extra).block_hashes
-                self.run_step([])
-                return
-            self.run_step([(seq, seq.num_computed_tokens, 1)])
+    def decoded(self, seq: FakeSeq) -> None:
+        self.run_step([(seq, seq.num_computed_tokens, 1)])
+
+    def decode_stopped(self) -> None:
+        self.run_step([])
 
     @precondition(lambda self: bool(self.live))
     @rule(data=st.data())
