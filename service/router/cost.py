@@ -20,7 +20,7 @@ For every healthy, not overloaded replica the router estimates
 Among the replicas under the load bound (`CostWeights.load_bound`: outstanding requests and
 recent utilisation at most `load_bound` x the mean, as in consistent hashing with bounded loads;
 default 1.0, i.e. new sessions go to replicas no busier than average) and the session's own
-replica, the least estimate wins. A replica that has not measured its rates yet is priced at its peers' mean. Session affinity and prefix overlap act only through
+replica, the least estimate wins. Session affinity and prefix overlap act only through
 `uncached`: a session's replica wins because it holds the history, not by rule, so a hot
 replica loses its sessions as soon as its queue costs more than recomputing them elsewhere. The
 session's last replica gets a bounded bonus (`stickiness_frac` of its estimate, at most

@@ -20,7 +20,7 @@ only through the prompt tokens the replica would not have to compute.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from service.affinity.rendezvous import rendezvous_order
 from service.router.cost import (
@@ -175,7 +175,6 @@ def _decide_cost(
     # which the estimate weighs against its queue. The bound places new sessions.
     if inputs.session_replica in loads:
         allowed.add(inputs.session_replica)
-    pool = _with_measured_rates(pool)
     costs = {c.replica_id: _estimate(c, inputs, w) for c in pool}
     best_cost = cheapest([costs[r] for r in allowed], rank)
     if w.prefix_bound > 0 and w.load_bound > 0:
@@ -193,27 +192,6 @@ def _decide_cost(
         best_cost.uncached_tokens,
         best_cost.ttft_s,
     )
-
-
-def _with_measured_rates(pool: Sequence[Candidate]) -> list[Candidate]:
-    """Replicas that have not measured a step cost yet get the mean of those that have: a fresh
-    replica is assumed as fast as its peers, not as fast as a default (with the default, a
-    replica that had not prefilled yet looked 20x faster than one that had, and took the whole
-    first wave of sessions)."""
-    rates = [c.prefill_tokens_per_s for c in pool if c.prefill_tokens_per_s > 0]
-    decode = [c.decode_seq_s for c in pool if c.decode_seq_s > 0]
-    if not rates and not decode:
-        return list(pool)
-    rate = sum(rates) / len(rates) if rates else 0.0
-    seq_s = sum(decode) / len(decode) if decode else 0.0
-    return [
-        replace(
-            c,
-            prefill_tokens_per_s=c.prefill_tokens_per_s or rate,
-            decode_seq_s=c.decode_seq_s or seq_s,
-        )
-        for c in pool
-    ]
 
 
 def _estimate(c: Candidate, inputs: RouteInputs, w: CostWeights) -> ReplicaCost:

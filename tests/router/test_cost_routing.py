@@ -105,19 +105,6 @@ def test_bounded_loads_spread_new_sessions_but_keep_histories() -> None:
     assert decide("cost", cands, inputs, GUARD, weights=w).replica_id == "r0"
 
 
-def test_a_replica_without_a_measured_rate_is_priced_like_its_peers() -> None:
-    """With the 2,000 tokens/s default a fresh replica looked 20x faster than a measured one
-    and took every new session, queued or not."""
-    measured = Candidate("r0", prefill_tokens_per_s=100.0, block_size=16)
-    fresh = Candidate("r1", block_size=16, pending_prefill_tokens=640, inflight=2)
-    inputs = RouteInputs("s", None, {}, prompt_tokens=320)
-    w = CostWeights(load_bound=0)
-    assert decide("cost", [measured, fresh], inputs, GUARD, weights=w).replica_id == "r0"
-    # Nobody measured yet: the default rate for all, the queue decides.
-    unmeasured = Candidate("r0", block_size=16)
-    assert decide("cost", [unmeasured, fresh], inputs, GUARD, weights=w).replica_id == "r0"
-
-
 def test_prefix_bound_lets_a_large_cached_prefix_outweigh_a_small_excess_load() -> None:
     # r0 holds 60 of the prompt's 62 blocks and has one request more than the others.
     inputs = RouteInputs("new", None, {"r0": 60}, prompt_tokens=1000)
