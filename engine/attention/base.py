@@ -62,7 +62,6 @@ class AttentionBackend(ABC):
         pass; a backend that needs nothing per step keeps this no-op.
         """
 
-    @abstractmethod
     def forward(
         self,
         q: torch.Tensor,
@@ -76,7 +75,24 @@ class AttentionBackend(ABC):
 
         Each new token attends causally: to its sequence's cached context and to the new tokens
         at or before its own position. Hq is a multiple of Hkv (grouped-query attention).
+        `write_kv` runs first, then `attend`.
         """
+        self.write_kv(k, v, kv_cache, meta)
+        return self.attend(q, kv_cache, meta, scale)
+
+    @abstractmethod
+    def write_kv(
+        self, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata
+    ) -> None:
+        """Writes the new K/V (k/v: [T, Hkv, D]) into their slots of kv_cache: [2, NB, BS, Hkv, D];
+        padding tokens (negative slots) are skipped."""
+
+    @abstractmethod
+    def attend(
+        self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float
+    ) -> torch.Tensor:
+        """q: [T, Hq, D] over kv_cache (new K/V already written) -> out [T, Hq, D]; padding
+        tokens after the last sequence get zeros."""
 
     def copy_blocks(self, kv_cache: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None:
         """Copies whole blocks src[i] -> dst[i] in every layer (copy-on-write, swaps).

@@ -69,23 +69,25 @@ class CupyAttentionBackend(AttentionBackend):
         """Whether the kernels cover this model / cache configuration."""
         return attention_supports(head_dim, block_size, dtype)
 
-    def forward(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        kv_cache: torch.Tensor,
-        meta: AttentionMetadata,
-        scale: float,
-    ) -> torch.Tensor:
-        num_tokens, num_heads, head_dim = q.shape
-        if not self.supports(head_dim, kv_cache.shape[2], q.dtype):
-            return self._unsupported(q, kv_cache).forward(q, k, v, kv_cache, meta, scale)
-        q = _kernel_rows(q)
+    def write_kv(
+        self, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata
+    ) -> None:
+        fallback = self._fallback_for(k, kv_cache)
+        if fallback is not None:
+            fallback.write_kv(k, v, kv_cache, meta)
+            return
         reshape_and_cache.reshape_and_cache(
             _kernel_rows(k), _kernel_rows(v), kv_cache, meta.slot_mapping
         )
 
+    def attend(
+        self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float
+    ) -> torch.Tensor:
+        fallback = self._fallback_for(q, kv_cache)
+        if fallback is not None:
+            return fallback.attend(q, kv_cache, meta, scale)
+        num_tokens, num_heads, head_dim = q.shape
+        q = _kernel_rows(q)
         out = torch.empty((num_tokens, num_heads, head_dim), dtype=q.dtype, device=q.device)
         num_seqs = meta.num_seqs
         num_queries = sum(meta.query_lens_cpu)
@@ -118,13 +120,16 @@ class CupyAttentionBackend(AttentionBackend):
             out[num_queries:].zero_()  # padding tokens after the last sequence
         return out
 
-    def _unsupported(self, q: torch.Tensor, kv_cache: torch.Tensor) -> AttentionBackend:
-        """The torch fallback for a shape the kernels do not cover (warned once); raises
-        ValueError without one."""
+    def _fallback_for(self, x: torch.Tensor, kv_cache: torch.Tensor) -> AttentionBackend | None:
+        """None when the kernels cover x: [T, H, D] (q, or k for the cache write) and this cache;
+        else the torch fallback (warned once), or ValueError without one."""
+        head_dim = x.shape[2]
+        if self.supports(head_dim, kv_cache.shape[2], x.dtype):
+            return None
         message = (
             f"the CUDA kernels cover head_dim {ATTENTION_HEAD_SIZES}, block_size "
             f"{ATTENTION_BLOCK_SIZES} and float16/bfloat16/float32; got head_dim "
-            f"{q.shape[2]}, block_size {kv_cache.shape[2]}, {q.dtype}"
+            f"{head_dim}, block_size {kv_cache.shape[2]}, {x.dtype}"
         )
         if self._fallback is None:
             raise ValueError(message)

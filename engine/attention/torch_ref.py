@@ -115,18 +115,11 @@ class TorchAttentionBackend(AttentionBackend):
             self._plan = plan
         return plan
 
-    def forward(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        kv_cache: torch.Tensor,
-        meta: AttentionMetadata,
-        scale: float,
-    ) -> torch.Tensor:
+    def write_kv(
+        self, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata
+    ) -> None:
         num_kv_heads, head_dim = k.shape[1], k.shape[2]
         plan = self._plan_for(meta)
-
         # cache: [2, NB * BS, Hkv, D] view of this layer's K and V
         cache = kv_cache.view(2, -1, num_kv_heads, head_dim)
         for i, new in enumerate((k, v)):  # [T, Hkv, D] each
@@ -134,6 +127,10 @@ class TorchAttentionBackend(AttentionBackend):
                 new = new[plan.write_tokens]  # [W, Hkv, D]
             cache[i].index_copy_(0, plan.write_slots, new.to(cache.dtype))
 
+    def attend(
+        self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float
+    ) -> torch.Tensor:
+        plan = self._plan_for(meta)
         rows = [_attend(q, kv_cache, g, scale) for g in plan.groups]
         out = rows[0] if len(rows) == 1 else torch.cat(rows)  # [sum Sg * Q, Hq, D]
         if plan.token_row is not None:
