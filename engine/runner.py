@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import KW_ONLY, dataclass, field
 from typing import Any, Protocol
 
 import numpy as np
@@ -51,31 +51,26 @@ class _SamplingPlan:
     """Each row's static token filter or None."""
 
 
+@dataclass(eq=False, repr=False)
 class ModelRunner:
-    def __init__(
-        self,
-        model: Any,
-        backend: AttentionBackend,
-        kv_cache: torch.Tensor,
-        sampler: Sampler,
-        block_size: int,
-        eos_token_ids: tuple[int, ...],
-        device: torch.device,
-        *,
-        offload: Offload | None = None,
-    ) -> None:
-        self.model = model
-        self.backend = backend
-        self.kv_cache = kv_cache
-        """[num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]"""
-        self.sampler = sampler
-        self.block_size = block_size
-        self.eos_token_ids = eos_token_ids
-        self.device = device
-        self.offload = offload
-        """Carries out a plan's CPU and disk copies (engine/kv_io/offload.py); None: no tiers."""
-        self.masks = TokenMaskFiller(sampler.vocab_size, unpack_on_host=device.type == "cpu")
-        """Fills the structured-output token mask while the forward runs."""
+    model: Any
+    backend: AttentionBackend
+    kv_cache: torch.Tensor
+    """[num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]"""
+    sampler: Sampler
+    block_size: int
+    eos_token_ids: tuple[int, ...]
+    device: torch.device
+    _: KW_ONLY
+    offload: Offload | None = None
+    """Carries out a plan's CPU and disk copies (engine/kv_io/offload.py); None: no tiers."""
+    masks: TokenMaskFiller = field(init=False)
+    """Fills the structured-output token mask while the forward runs."""
+
+    def __post_init__(self) -> None:
+        self.masks = TokenMaskFiller(
+            self.sampler.vocab_size, unpack_on_host=self.device.type == "cpu"
+        )
 
     def apply_plan(self, plan: KVPlan) -> None:
         if self.offload is not None and (
