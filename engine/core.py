@@ -38,6 +38,7 @@ import pickle
 import signal
 import sys
 import time
+from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from typing import Any
 
@@ -104,23 +105,24 @@ def unpack_output(packed: PackedOutput, prompt_token_ids: list[int]) -> RequestO
     )
 
 
+@dataclass(eq=False, repr=False)
 class EngineCore:
     """Drives one LLMEngine from pipe commands until shutdown or the parent's death."""
 
-    def __init__(
-        self, engine: Any, inputs: Connection, outputs: Connection, parent_pid: int
-    ) -> None:
-        self.engine = engine
-        self._in = inputs
-        self._out = outputs
-        self._parent_pid = parent_pid
-        self._stats_dirty = True
-        """Something changed since the last stats sent (sent when the core goes idle)."""
-        self._stats_urgent = False
-        """A request arrived or finished: blocks changed hands; send stats with the next batch."""
-        self._stats_sent_at = 0.0
-        self._stopping = False
-        self._flush_timeout_s: float | None = None
+    engine: Any
+    inputs: Connection
+    """Commands from the client (read by `_drain`)."""
+    outputs: Connection
+    """Messages to the client (written by `_send`)."""
+    parent_pid: int
+    """The API server's pid; the core shuts down when its parent is no longer this process."""
+    _stats_dirty: bool = field(default=True, init=False)
+    """Something changed since the last stats sent (sent when the core goes idle)."""
+    _stats_urgent: bool = field(default=False, init=False)
+    """A request arrived or finished: blocks changed hands; send stats with the next batch."""
+    _stats_sent_at: float = field(default=0.0, init=False)
+    _stopping: bool = field(default=False, init=False)
+    _flush_timeout_s: float | None = field(default=None, init=False)
 
     def run(self) -> None:
         """The busy loop: drain commands, step, send; returns after shutdown (queues flushed)."""
@@ -134,7 +136,7 @@ class EngineCore:
                 eng.trim_host_memory()
                 if self._stats_dirty:
                     self._send_outputs([], force_stats=True)
-                if os.getppid() != self._parent_pid:
+                if os.getppid() != self.parent_pid:
                     log.warning("the API server exited; engine core shutting down")
                     self._stopping, self._flush_timeout_s = True, 10.0
                 continue
@@ -149,10 +151,10 @@ class EngineCore:
         self._send_outputs([], force_stats=True)
 
     def _drain(self, timeout_s: float) -> None:
-        if timeout_s and not self._in.poll(timeout_s):
+        if timeout_s and not self.inputs.poll(timeout_s):
             return
-        while self._in.poll():
-            self._handle(pickle.loads(self._in.recv_bytes()))
+        while self.inputs.poll():
+            self._handle(pickle.loads(self.inputs.recv_bytes()))
 
     def _handle(self, msg: tuple[Any, ...]) -> None:
         eng = self.engine
@@ -192,7 +194,7 @@ class EngineCore:
             self._send(("outputs", [pack_output(o) for o in outs], stats, kv_events))
 
     def _send(self, msg: tuple[Any, ...]) -> None:
-        self._out.send_bytes(pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL))
+        self.outputs.send_bytes(pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL))
 
 
 def run_engine_core(
