@@ -23,6 +23,7 @@ import asyncio
 import itertools
 import logging
 from collections.abc import Awaitable, Callable
+from dataclasses import KW_ONLY, dataclass, field
 from typing import NamedTuple
 
 from engine.kv.events import AllBlocksCleared, BlockStored
@@ -64,39 +65,31 @@ def best_tier(mask: int) -> int | None:
     return 2 if mask & 4 else None
 
 
+@dataclass(eq=False, repr=False)
 class KvRecordWriter:
-    def __init__(
-        self,
-        store: AffinityStore,
-        replica_id: str,
-        attempt: Attempt,
-        *,
-        ttl_s: float,
-        flush_s: float,
-        retry_s: float,
-        max_pending: int = _MAX_PENDING,
-    ) -> None:
-        self._store = store
-        self._replica_id = replica_id
-        self._attempt = attempt
-        self._ttl_s = ttl_s
-        self._flush_s = flush_s
-        self._retry_s = retry_s
-        self._max_pending = max_pending
-        self._media: dict[BlockHash, int] = {}
-        """hash -> the tiers holding it (_MEDIUM_BIT bits), as last applied."""
-        self._pending: dict[BlockHash, _Change] = {}
-        """Unwritten changes, oldest first; `tier` is always the best tier in `_media`."""
-        self._clear = False
-        """The next flush starts with clear_prefixes."""
-        self._epoch = 0
-        """Counts clears, so a write that fails across one does not bring back what it dropped."""
-        self._write_blocks = _MAX_WRITE_BLOCKS
-        self._wake = asyncio.Event()
-        self.last_sequence_number = 0
-        """The last KV-event batch applied."""
-        self.num_writes = 0
-        """Store calls made (write_prefixes and clear_prefixes), failed ones included."""
+    store: AffinityStore
+    replica_id: str
+    attempt: Attempt
+    _: KW_ONLY
+    ttl_s: float
+    """TTL of the records written."""
+    flush_s: float
+    retry_s: float
+    max_pending: int = _MAX_PENDING
+    _media: dict[BlockHash, int] = field(default_factory=dict, init=False)
+    """hash -> the tiers holding it (_MEDIUM_BIT bits), as last applied."""
+    _pending: dict[BlockHash, _Change] = field(default_factory=dict, init=False)
+    """Unwritten changes, oldest first; `tier` is always the best tier in `_media`."""
+    _clear: bool = field(default=False, init=False)
+    """The next flush starts with clear_prefixes."""
+    _epoch: int = field(default=0, init=False)
+    """Counts clears, so a write that fails across one does not bring back what it dropped."""
+    _write_blocks: int = field(default=_MAX_WRITE_BLOCKS, init=False)
+    _wake: asyncio.Event = field(default_factory=asyncio.Event, init=False)
+    last_sequence_number: int = field(default=0, init=False)
+    """The last KV-event batch applied."""
+    num_writes: int = field(default=0, init=False)
+    """Store calls made (write_prefixes and clear_prefixes), failed ones included."""
 
     @property
     def num_held(self) -> int:
@@ -127,7 +120,7 @@ class KvRecordWriter:
                     del media[h]
                 self._change(h, best_tier(old), best_tier(new))
         self.last_sequence_number = batch.sequence_number
-        if len(self._pending) > len(media) + self._max_pending:
+        if len(self._pending) > len(media) + self.max_pending:
             self._start_over()
         self._wake_if_pending()
 
@@ -142,7 +135,7 @@ class KvRecordWriter:
         while True:
             await self._wake.wait()
             self._wake.clear()
-            await asyncio.sleep(self._flush_s)
+            await asyncio.sleep(self.flush_s)
             try:
                 ok = await self.flush()
             except Exception:  # a bug, not a store failure (those are attempts): keep writing
@@ -151,7 +144,7 @@ class KvRecordWriter:
             if self._pending or self._clear:
                 self._wake.set()
                 if not ok:
-                    await asyncio.sleep(self._retry_s)
+                    await asyncio.sleep(self.retry_s)
 
     async def flush(self) -> bool:
         """Writes a pending clear and up to one call's worth of pending changes; True when
@@ -159,9 +152,7 @@ class KvRecordWriter:
         if self._clear:
             epoch = self._epoch
             self.num_writes += 1
-            if not await self._attempt(
-                "clear_prefixes", self._store.clear_prefixes(self._replica_id)
-            ):
+            if not await self.attempt("clear_prefixes", self.store.clear_prefixes(self.replica_id)):
                 return False
             self._clear = epoch != self._epoch  # another clear came in meanwhile
         if not self._pending:
@@ -172,8 +163,8 @@ class KvRecordWriter:
         epoch = self._epoch
         tiers = {h: None if c.tier is None else TIERS[c.tier] for h, c in batch.items()}
         self.num_writes += 1
-        if await self._attempt(
-            "write_prefixes", self._store.write_prefixes(self._replica_id, tiers, self._ttl_s)
+        if await self.attempt(
+            "write_prefixes", self.store.write_prefixes(self.replica_id, tiers, self.ttl_s)
         ):
             self._write_blocks = min(_MAX_WRITE_BLOCKS, self._write_blocks * 2)
             return True
