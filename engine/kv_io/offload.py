@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import importlib.util
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -41,6 +42,7 @@ def _pairs(pairs: list[tuple[int, int]], device: torch.device) -> tuple[torch.Te
     return a, b
 
 
+@dataclass(eq=False, repr=False)
 class KVOffload:
     """Carries out the CPU and disk parts of a KVPlan, in the plan's order (the runner's offload).
 
@@ -51,24 +53,22 @@ class KVOffload:
     the CPU tensor through a host-side scatter.
     """
 
-    def __init__(
-        self,
-        cpu_cache: torch.Tensor,
-        disk: DiskFiles | None = None,
-        disk_index: DiskIndex | None = None,
-    ) -> None:
-        self.cpu_cache = cpu_cache
-        """[num_layers, 2, num_cpu_blocks, block_size, num_kv_heads, head_dim]"""
-        self.disk = disk
-        self.disk_index = disk_index
-        L, two, _, bs, h, d = cpu_cache.shape
+    cpu_cache: torch.Tensor
+    """[num_layers, 2, num_cpu_blocks, block_size, num_kv_heads, head_dim]"""
+    disk: DiskFiles | None = None
+    disk_index: DiskIndex | None = None
+    block_shape: tuple[int, ...] = field(init=False)
+    """cpu_cache's shape without the block axis: (num_layers, 2, block_size, Hkv, D)."""
+    _stream: Any = field(default=None, init=False)
+    _inflight: list[torch.Tensor] = field(default_factory=list, init=False)
+    """Host staging tensors of the last CUDA copies (kept alive until they are done)."""
+    direct_copies: bool = field(default_factory=kv_cache_direct_copies_available, init=False)
+    """CUDA: spills and swap-ins move blocks straight between the pinned CPU tier and the
+    device (cuda/tier_copy.py, CuPy); False: gather, staging tensor, scatter (torch only)."""
+
+    def __post_init__(self) -> None:
+        L, two, _, bs, h, d = self.cpu_cache.shape
         self.block_shape = (L, two, bs, h, d)
-        self._stream: Any = None
-        self._inflight: list[torch.Tensor] = []
-        """Host staging tensors of the last CUDA copies (kept alive until they are done)."""
-        self.direct_copies = kv_cache_direct_copies_available()
-        """CUDA: spills and swap-ins move blocks straight between the pinned CPU tier and the
-        device (cuda/tier_copy.py, CuPy); False: gather, staging tensor, scatter (torch only)."""
 
     def apply(self, plan: KVPlan, kv_cache: torch.Tensor) -> None:
         if kv_cache.is_cuda:
