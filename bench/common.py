@@ -63,6 +63,40 @@ def add_common_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def add_num_requests_argument(parser: argparse.ArgumentParser, full: int, quick: int) -> None:
+    """--num-requests, unset (None) meaning the workload's `full` (or `quick`) count."""
+    parser.add_argument(
+        "--num-requests", type=int, default=None, help=f"default {full} ({quick} with --quick)"
+    )
+
+
+def add_range_argument(
+    parser: argparse.ArgumentParser, flag: str, what: str, default: tuple[int, int]
+) -> None:
+    """`flag MIN MAX`: lengths drawn uniformly from an inclusive range; unset (None) meaning
+    `default`."""
+    parser.add_argument(
+        flag,
+        type=int,
+        nargs=2,
+        default=None,
+        metavar=("MIN", "MAX"),
+        help=f"{what}, uniform, inclusive (default {default[0]} {default[1]})",
+    )
+
+
+def resolve_workload(
+    args: argparse.Namespace, full: dict[str, Any], quick: dict[str, Any]
+) -> dict[str, Any]:
+    """`quick` (with --quick) or `full`, each entry replaced by the flag of the same name when
+    that is given (not None or 0); a MIN MAX pair becomes a tuple."""
+    work: dict[str, Any] = {}
+    for key, value in (quick if args.quick else full).items():
+        given = getattr(args, key) or value
+        work[key] = tuple(given) if isinstance(given, list) else given
+    return work
+
+
 def setup_torch(threads: int) -> None:
     """Fixes the thread count (before any model is loaded) and silences HF progress output."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")

@@ -52,28 +52,12 @@ QUICK: dict[str, Any] = {
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     common.add_common_arguments(parser)
-    parser.add_argument(
-        "--num-requests", type=int, default=None, help="default 64 (8 with --quick)"
-    )
+    common.add_num_requests_argument(parser, FULL["num_requests"], QUICK["num_requests"])
     parser.add_argument(
         "--batch-size", type=int, default=None, help="transformers generate batch (default 8)"
     )
-    parser.add_argument(
-        "--prompt-len",
-        type=int,
-        nargs=2,
-        default=None,
-        metavar=("MIN", "MAX"),
-        help="prompt lengths, uniform, inclusive (default 32 512)",
-    )
-    parser.add_argument(
-        "--output-len",
-        type=int,
-        nargs=2,
-        default=None,
-        metavar=("MIN", "MAX"),
-        help="output lengths, uniform, inclusive (default 16 128)",
-    )
+    common.add_range_argument(parser, "--prompt-len", "prompt lengths", FULL["prompt_len"])
+    common.add_range_argument(parser, "--output-len", "output lengths", FULL["output_len"])
     parser.add_argument(
         "--skip-generate", action="store_true", help="leave out transformers generate"
     )
@@ -423,21 +407,11 @@ def check_parity(
 
 
 # -- the benchmark -----------------------------------------------------------------------------
-def resolve_workload(args: argparse.Namespace) -> dict[str, Any]:
-    base = QUICK if args.quick else FULL
-    return {
-        "num_requests": args.num_requests or base["num_requests"],
-        "prompt_len": tuple(args.prompt_len or base["prompt_len"]),
-        "output_len": tuple(args.output_len or base["output_len"]),
-        "batch_size": args.batch_size or base["batch_size"],
-    }
-
-
 def run(args: argparse.Namespace) -> int:
     common.setup_torch(args.threads)
     model_path = common.resolve_model(args.model, args.cache_dir)
     info = common.machine_info(args.threads)
-    work = resolve_workload(args)
+    work = common.resolve_workload(args, FULL, QUICK)
     ids, _ = common.allowed_token_ids(model_path)
     requests = common.make_requests(
         args.seed, ids, work["num_requests"], work["prompt_len"], work["output_len"]

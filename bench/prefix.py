@@ -36,18 +36,9 @@ QUICK: dict[str, Any] = {
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     common.add_common_arguments(parser)
-    parser.add_argument(
-        "--num-requests", type=int, default=None, help="default 32 (4 with --quick)"
-    )
+    common.add_num_requests_argument(parser, FULL["num_requests"], QUICK["num_requests"])
     parser.add_argument("--prefix-len", type=int, default=None, help="shared prefix (default 1024)")
-    parser.add_argument(
-        "--suffix-len",
-        type=int,
-        nargs=2,
-        default=None,
-        metavar=("MIN", "MAX"),
-        help="distinct suffix lengths, uniform, inclusive (default 16 32)",
-    )
+    common.add_range_argument(parser, "--suffix-len", "distinct suffix lengths", FULL["suffix_len"])
     parser.add_argument(
         "--max-tokens", type=int, default=None, help="tokens per request (default 8)"
     )
@@ -64,16 +55,6 @@ class Sample:
     cached: int
     """Prompt tokens served from the prefix cache."""
     tokens: list[int]
-
-
-def resolve_workload(args: argparse.Namespace) -> dict[str, Any]:
-    base = QUICK if args.quick else FULL
-    return {
-        "num_requests": args.num_requests or base["num_requests"],
-        "prefix_len": args.prefix_len or base["prefix_len"],
-        "suffix_len": tuple(args.suffix_len or base["suffix_len"]),
-        "max_tokens": args.max_tokens or base["max_tokens"],
-    }
 
 
 def make_prompts(seed: int, ids: list[int], work: dict[str, Any]) -> list[list[int]]:
@@ -108,7 +89,7 @@ def run(args: argparse.Namespace) -> int:
 
     model_path = common.resolve_model(args.model, args.cache_dir)
     info = common.machine_info(args.threads)
-    work = resolve_workload(args)
+    work = common.resolve_workload(args, FULL, QUICK)
     if work["num_requests"] < 2:
         raise SystemExit("--num-requests must be at least 2 (request 1 warms the cache)")
     ids, _ = common.allowed_token_ids(model_path)

@@ -40,6 +40,12 @@ class AffinityStoreError(RuntimeError):
     """The store could not answer in time or at all; route without it."""
 
 
+def check_tier(tier: str) -> None:
+    """Raises ValueError unless `tier` is one of `TIERS`."""
+    if tier not in TIER_INDEX:
+        raise ValueError(f"tier must be one of {TIERS}, got {tier!r}")
+
+
 @dataclass(frozen=True, slots=True)
 class ReplicaInfo:
     """What a replica is; fixed for its lifetime."""
@@ -109,7 +115,6 @@ class AffinityStore(ABC):
 
     # Prefix records.
 
-    @abstractmethod
     async def record_prefix(
         self,
         replica_id: str,
@@ -118,7 +123,16 @@ class AffinityStore(ABC):
         tier: str = "device",
     ) -> None:
         """Records that the replica holds these blocks (a chain, possibly sparse) in `tier`,
-        replacing the tier of earlier records of the same blocks."""
+        replacing the tier of earlier records of the same blocks. A tier not in `TIERS` raises
+        ValueError."""
+        check_tier(tier)
+        await self._record_prefix(replica_id, block_hashes, ttl_s, tier)
+
+    @abstractmethod
+    async def _record_prefix(
+        self, replica_id: str, block_hashes: Sequence[BlockHash], ttl_s: float, tier: str
+    ) -> None:
+        """`record_prefix` once its tier is checked."""
 
     @abstractmethod
     async def remove_prefix(self, replica_id: str, block_hashes: Sequence[BlockHash]) -> None:

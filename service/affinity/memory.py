@@ -75,12 +75,8 @@ class MemoryAffinityStore(AffinityStore):
             return None
         return entry[0]
 
-    async def record_prefix(
-        self,
-        replica_id: str,
-        block_hashes: Sequence[BlockHash],
-        ttl_s: float,
-        tier: str = "device",
+    async def _record_prefix(
+        self, replica_id: str, block_hashes: Sequence[BlockHash], ttl_s: float, tier: str
     ) -> None:
         self._check_open()
         entry = (self._clock() + ttl_s, TIER_INDEX[tier])

@@ -46,6 +46,7 @@ from service.affinity.base import (
     ReplicaInfo,
     ReplicaLoad,
     ReplicaStatus,
+    check_tier,
 )
 from service.affinity.prefix import leading_tiers
 
@@ -224,17 +225,11 @@ class RedisAffinityStore(AffinityStore):
 
     # Prefix records.
 
-    async def record_prefix(
-        self,
-        replica_id: str,
-        block_hashes: Sequence[BlockHash],
-        ttl_s: float,
-        tier: str = "device",
+    async def _record_prefix(
+        self, replica_id: str, block_hashes: Sequence[BlockHash], ttl_s: float, tier: str
     ) -> None:
         if not block_hashes:
             return
-        if tier not in TIER_INDEX:
-            raise ValueError(f"tier must be one of {tuple(TIER_INDEX)}, got {tier!r}")
         now = self._clock()
         index = self._key(b"p:", replica_id)
 
@@ -268,8 +263,8 @@ class RedisAffinityStore(AffinityStore):
         if not tiers:
             return
         for tier in tiers.values():
-            if tier is not None and tier not in TIER_INDEX:
-                raise ValueError(f"tier must be one of {tuple(TIER_INDEX)}, got {tier!r}")
+            if tier is not None:
+                check_tier(tier)
         now = self._clock()
         index = self._key(b"p:", replica_id)
         held = {h: now + ttl_s for h, tier in tiers.items() if tier is not None}

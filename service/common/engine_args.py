@@ -8,7 +8,9 @@ converted once into the cache folder).
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any, NamedTuple
 
 from engine.config import (
     ATTENTION_BACKENDS,
@@ -27,6 +29,104 @@ DEFAULT_MODEL = "demo"
 DEFAULT_CACHE_DIR = "~/.cache/deja"
 _CACHE = CacheConfig()
 _SCHED = SchedulerConfig()
+
+
+class _Flag(NamedTuple):
+    """A flag that sets the config field `name` (`--name-with-dashes` unless `flag` is given);
+    its default is the field's default. A `bool` type makes a --flag/--no-flag pair."""
+
+    name: str
+    type: Callable[[str], Any]
+    help: str = ""
+    choices: Sequence[Any] | None = None
+    flag: str | None = None
+
+    @property
+    def option(self) -> str:
+        return self.flag or "--" + self.name.replace("_", "-")
+
+    @property
+    def dest(self) -> str:
+        """The flag's attribute in the parsed namespace."""
+        return self.option[2:].replace("-", "_")
+
+
+_CACHE_FLAGS = (
+    _Flag("block_size", int, choices=(8, 16, 32, 64)),
+    _Flag("num_device_blocks", int, "Device KV blocks (overrides --device-memory-gib)."),
+    _Flag("device_memory_gib", float, "KV pool budget on the device."),
+    _Flag(
+        "enable_prefix_caching",
+        bool,
+        "Reuse KV of shared prompt prefixes.",
+        flag="--prefix-caching",
+    ),
+    _Flag("cpu_swap_gib", float, "CPU cache tier size (0: off)."),
+    _Flag("disk_dir", str, "Folder of the persistent disk tier (unset: off)."),
+    _Flag("disk_gib", float, "Disk tier budget (replicas sharing --disk-dir respect it together)."),
+    _Flag(
+        "disk_write_policy",
+        str,
+        "write-through: every new full block goes to disk once; selective: blocks hit "
+        "--disk-write-min-hits times and pinned prefixes; write-back: CPU-tier evictions.",
+        DISK_WRITE_POLICIES,
+    ),
+    _Flag("disk_write_min_hits", int, "Prefix hits before the selective policy writes a block."),
+    _Flag(
+        "disk_write_queue_blocks", int, "Disk writes queued at most (more are dropped and counted)."
+    ),
+    _Flag(
+        "disk_write_queue_mib",
+        float,
+        "MiB of block payloads queued for disk writes at most (and a quarter of the "
+        "disk tier at most).",
+    ),
+    _Flag(
+        "disk_read_cache_mib",
+        float,
+        "MiB of disk blocks kept in memory after their read (and an eighth of the disk "
+        "tier at most).",
+    ),
+    _Flag(
+        "warm_start_blocks", int, "Most recently used disk blocks read into the CPU tier at start."
+    ),
+    _Flag("preemption_mode", str, "What happens to a preempted request's KV.", PREEMPTION_MODES),
+    _Flag("max_pinned_fraction", float, "Largest share of each tier that TTL pins may hold."),
+)
+"""The CacheConfig fields set by flags, in --help order."""
+_SCHED_FLAGS = (
+    _Flag("max_num_seqs", int, "Most sequences per step."),
+    _Flag("max_num_batched_tokens", int, "Token budget of one step."),
+    _Flag(
+        "max_num_partial_prefills",
+        int,
+        "Most prompts in prefill in one step (0: as many as the budget holds).",
+    ),
+    _Flag("max_n", int, "Largest n per request."),
+    _Flag("max_logprobs", int, "Largest logprobs per request."),
+)
+"""The SchedulerConfig fields set by flags, in --help order."""
+
+
+def _add_config_flags(
+    g: argparse._ArgumentGroup, config: object, flags: Sequence[_Flag]
+) -> list[argparse.Action]:
+    """The `flags` of one config, each defaulting to the field's value in `config`."""
+    acts = []
+    for f in flags:
+        default = getattr(config, f.name)
+        if f.type is bool:
+            acts.append(add_bool_flag(g, f.option, default=default, help=f.help))
+        else:
+            acts.append(
+                add_flag(g, f.option, type=f.type, default=default, help=f.help, choices=f.choices)
+            )
+    return acts
+
+
+def _config_values(args: argparse.Namespace, flags: Sequence[_Flag]) -> dict[str, Any]:
+    """Config keyword arguments: each field of `flags` with its flag's parsed value."""
+    return {f.name: getattr(args, f.dest) for f in flags}
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> list[argparse.Action]:
@@ -49,129 +149,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> list[argparse.Action]:
             g, "--threads", type=int, help="torch intra-op threads of the engine (one per core)."
         ),
         add_flag(g, "--max-model-len", type=int, help="Prompt + output limit (checkpoint's)."),
-        add_flag(g, "--block-size", type=int, default=_CACHE.block_size, choices=(8, 16, 32, 64)),
-        add_flag(
-            g,
-            "--num-device-blocks",
-            type=int,
-            help="Device KV blocks (overrides --device-memory-gib).",
-        ),
-        add_flag(
-            g,
-            "--device-memory-gib",
-            type=float,
-            default=_CACHE.device_memory_gib,
-            help="KV pool budget on the device.",
-        ),
-        add_bool_flag(
-            g,
-            "--prefix-caching",
-            default=_CACHE.enable_prefix_caching,
-            help="Reuse KV of shared prompt prefixes.",
-        ),
-        add_flag(
-            g,
-            "--cpu-swap-gib",
-            type=float,
-            default=_CACHE.cpu_swap_gib,
-            help="CPU cache tier size (0: off).",
-        ),
-        add_flag(g, "--disk-dir", help="Folder of the persistent disk tier (unset: off)."),
-        add_flag(
-            g,
-            "--disk-gib",
-            type=float,
-            default=_CACHE.disk_gib,
-            help="Disk tier budget (replicas sharing --disk-dir respect it together).",
-        ),
-        add_flag(
-            g,
-            "--disk-write-policy",
-            default=_CACHE.disk_write_policy,
-            choices=DISK_WRITE_POLICIES,
-            help="write-through: every new full block goes to disk once; selective: blocks hit "
-            "--disk-write-min-hits times and pinned prefixes; write-back: CPU-tier evictions.",
-        ),
-        add_flag(
-            g,
-            "--disk-write-min-hits",
-            type=int,
-            default=_CACHE.disk_write_min_hits,
-            help="Prefix hits before the selective policy writes a block.",
-        ),
-        add_flag(
-            g,
-            "--disk-write-queue-blocks",
-            type=int,
-            default=_CACHE.disk_write_queue_blocks,
-            help="Disk writes queued at most (more are dropped and counted).",
-        ),
-        add_flag(
-            g,
-            "--disk-write-queue-mib",
-            type=float,
-            default=_CACHE.disk_write_queue_mib,
-            help="MiB of block payloads queued for disk writes at most (and a quarter of the "
-            "disk tier at most).",
-        ),
-        add_flag(
-            g,
-            "--disk-read-cache-mib",
-            type=float,
-            default=_CACHE.disk_read_cache_mib,
-            help="MiB of disk blocks kept in memory after their read (and an eighth of the disk "
-            "tier at most).",
-        ),
-        add_flag(
-            g,
-            "--warm-start-blocks",
-            type=int,
-            default=_CACHE.warm_start_blocks,
-            help="Most recently used disk blocks read into the CPU tier at start.",
-        ),
-        add_flag(
-            g,
-            "--preemption-mode",
-            default=_CACHE.preemption_mode,
-            choices=PREEMPTION_MODES,
-            help="What happens to a preempted request's KV.",
-        ),
-        add_flag(
-            g,
-            "--max-pinned-fraction",
-            type=float,
-            default=_CACHE.max_pinned_fraction,
-            help="Largest share of each tier that TTL pins may hold.",
-        ),
-        add_flag(
-            g,
-            "--max-num-seqs",
-            type=int,
-            default=_SCHED.max_num_seqs,
-            help="Most sequences per step.",
-        ),
-        add_flag(
-            g,
-            "--max-num-batched-tokens",
-            type=int,
-            default=_SCHED.max_num_batched_tokens,
-            help="Token budget of one step.",
-        ),
-        add_flag(
-            g,
-            "--max-num-partial-prefills",
-            type=int,
-            default=_SCHED.max_num_partial_prefills,
-            help="Most prompts in prefill in one step (0: as many as the budget holds).",
-        ),
-        add_flag(g, "--max-n", type=int, default=_SCHED.max_n, help="Largest n per request."),
-        add_flag(
-            g,
-            "--max-logprobs",
-            type=int,
-            default=_SCHED.max_logprobs,
-            help="Largest logprobs per request.",
-        ),
+        *_add_config_flags(g, _CACHE, _CACHE_FLAGS),
+        *_add_config_flags(g, _SCHED, _SCHED_FLAGS),
         add_flag(g, "--seed", type=int, default=0, help="Seed for requests without their own."),
     ]
     return acts
@@ -199,30 +178,8 @@ def engine_config_from_args(
             max_model_len=args.max_model_len,
             model_id=args.model_id,
         ),
-        cache=CacheConfig(
-            block_size=args.block_size,
-            num_device_blocks=args.num_device_blocks,
-            device_memory_gib=args.device_memory_gib,
-            enable_prefix_caching=args.prefix_caching,
-            cpu_swap_gib=args.cpu_swap_gib,
-            disk_dir=args.disk_dir,
-            disk_gib=args.disk_gib,
-            disk_write_policy=args.disk_write_policy,
-            disk_write_min_hits=args.disk_write_min_hits,
-            disk_write_queue_blocks=args.disk_write_queue_blocks,
-            disk_write_queue_mib=args.disk_write_queue_mib,
-            disk_read_cache_mib=args.disk_read_cache_mib,
-            warm_start_blocks=args.warm_start_blocks,
-            preemption_mode=args.preemption_mode,
-            max_pinned_fraction=args.max_pinned_fraction,
-        ),
-        scheduler=SchedulerConfig(
-            max_num_seqs=args.max_num_seqs,
-            max_num_batched_tokens=args.max_num_batched_tokens,
-            max_num_partial_prefills=args.max_num_partial_prefills,
-            max_n=args.max_n,
-            max_logprobs=args.max_logprobs,
-        ),
+        cache=CacheConfig(**_config_values(args, _CACHE_FLAGS)),
+        scheduler=SchedulerConfig(**_config_values(args, _SCHED_FLAGS)),
         device=args.device,
         attention_backend=args.attention_backend,
         seed=args.seed,

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import threading
+from collections.abc import Sequence
 from wsgiref.simple_server import WSGIServer
 
-from prometheus_client import CollectorRegistry, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
 
 class MetricsEndpoint:
@@ -15,6 +16,18 @@ class MetricsEndpoint:
         self.registry = CollectorRegistry()
         self._http: WSGIServer | None = None
         self._thread: threading.Thread | None = None
+
+    def counter(self, name: str, doc: str, labels: Sequence[str] = ()) -> Counter:
+        """A Counter on `registry` (exported as `<name>_total`)."""
+        return Counter(name, doc, labels, registry=self.registry)
+
+    def gauge(self, name: str, doc: str, labels: Sequence[str] = ()) -> Gauge:
+        """A Gauge on `registry`."""
+        return Gauge(name, doc, labels, registry=self.registry)
+
+    def histogram(self, name: str, doc: str, buckets: Sequence[float]) -> Histogram:
+        """A Histogram on `registry` with these bucket upper bounds (seconds)."""
+        return Histogram(name, doc, buckets=buckets, registry=self.registry)
 
     def start_http(self, host: str, port: int) -> int:
         """Serves /metrics on a daemon thread; returns the bound port."""

@@ -8,11 +8,13 @@ from dataclasses import dataclass
 
 from engine.config import check, check_port
 from service.common.flags import add_bool_flag, add_flag, add_list_flag
-from service.common.server_args import server_settings_from_args
+from service.common.server_args import ServerSettings, server_settings_from_args
 
 
 @dataclass(frozen=True, slots=True)
-class ServiceConfig:
+class ServiceConfig(ServerSettings):
+    """The replica's settings; the server fields both servers share are in ServerSettings."""
+
     host: str = "127.0.0.1"
     """Interface to listen on (0.0.0.0 for every interface)."""
     port: int = 50051
@@ -23,24 +25,9 @@ class ServiceConfig:
     """Generate calls admitted but not yet producing tokens; beyond: RESOURCE_EXHAUSTED."""
     stream_buffer: int = 1024
     """Engine outputs buffered per stream before a slow reader's request is aborted."""
-    auth_tokens: tuple[tuple[str, str], ...] = ()
-    """(bearer token, tenant) pairs; empty turns auth off."""
-    allow_client_cache_salt: bool = False
-    """With auth on, also honour a client's cache_salt (inside the tenant's own cache)."""
     tls_cert: str | None = None
     """PEM certificate chain file; with tls_key, serve TLS instead of plaintext."""
     tls_key: str | None = None
-    reflection: bool = True
-    """Serve grpc.reflection.v1alpha (what grpcurl `list` uses)."""
-    grace_period_s: float = 30.0
-    """On SIGTERM/SIGINT, how long running streams may finish before they are aborted."""
-    metrics_port: int | None = None
-    """Prometheus text endpoint port; None: off."""
-    metrics_host: str = "127.0.0.1"
-    otlp_endpoint: str | None = None
-    """OTLP/gRPC collector address (e.g. http://localhost:4317); None: no OTLP export."""
-    console_tracing: bool = False
-    """Print finished spans on stdout."""
     redis_url: str | None = None
     """Affinity store shared with the router (the replica agent writes it)."""
     kv_event_ring_batches: int = 1024

@@ -199,6 +199,20 @@ def model_info_message(info: ModelInfo, replica_id: str) -> pb.ModelInfo:
     return _from_fields(pb.ModelInfo, info, replica_id=replica_id)
 
 
+def load_message(stats: EngineStats, replica_id: str, **given: Any) -> pb.Load:
+    """The Load message of an engine snapshot; `given` holds the server's own fields (streams,
+    draining)."""
+    return _from_fields(
+        pb.Load,
+        stats,
+        replica_id=replica_id,
+        running=stats.num_running,
+        waiting=stats.num_waiting,
+        decoding=stats.num_decoding,
+        **given,
+    )
+
+
 def cache_stats_message(stats: EngineStats, info: ModelInfo, replica_id: str) -> pb.CacheStats:
     return _from_fields(
         pb.CacheStats,

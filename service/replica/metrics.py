@@ -11,7 +11,6 @@ from __future__ import annotations
 import threading
 from collections.abc import Iterator
 
-from prometheus_client import Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -134,49 +133,33 @@ class ServiceMetrics(MetricsEndpoint):
 
     def __init__(self, model: str) -> None:
         super().__init__()
-        r = self.registry
-        self.requests = Counter(
-            "deja_requests", "Generate calls by outcome.", ["outcome"], registry=r
+        self.requests = self.counter("deja_requests", "Generate calls by outcome.", ["outcome"])
+        self.prompt_tokens = self.counter("deja_prompt_tokens", "Prompt tokens processed.")
+        self.generation_tokens = self.counter("deja_generation_tokens", "Tokens generated.")
+        self.cached_prompt_tokens = self.counter(
+            "deja_cached_prompt_tokens", "Prompt tokens served from a cache tier.", ["tier"]
         )
-        self.prompt_tokens = Counter("deja_prompt_tokens", "Prompt tokens processed.", registry=r)
-        self.generation_tokens = Counter("deja_generation_tokens", "Tokens generated.", registry=r)
-        self.cached_prompt_tokens = Counter(
-            "deja_cached_prompt_tokens",
-            "Prompt tokens served from a cache tier.",
-            ["tier"],
-            registry=r,
+        self.ttft = self.histogram(
+            "deja_time_to_first_token_seconds", "Time to first token.", _LATENCY_BUCKETS
         )
-        self.ttft = Histogram(
-            "deja_time_to_first_token_seconds",
-            "Time to first token.",
-            buckets=_LATENCY_BUCKETS,
-            registry=r,
+        self.itl = self.histogram(
+            "deja_inter_token_latency_seconds", "Time between output tokens.", _ITL_BUCKETS
         )
-        self.itl = Histogram(
-            "deja_inter_token_latency_seconds",
-            "Time between output tokens.",
-            buckets=_ITL_BUCKETS,
-            registry=r,
+        self.e2e = self.histogram(
+            "deja_e2e_request_latency_seconds", "Request latency, arrival to finish.", _E2E_BUCKETS
         )
-        self.e2e = Histogram(
-            "deja_e2e_request_latency_seconds",
-            "Request latency, arrival to finish.",
-            buckets=_E2E_BUCKETS,
-            registry=r,
-        )
-        self.queue_time = Histogram(
+        self.queue_time = self.histogram(
             "deja_request_queue_time_seconds",
             "Time waiting before first scheduled.",
-            buckets=_LATENCY_BUCKETS,
-            registry=r,
+            _LATENCY_BUCKETS,
         )
-        self.active_streams = Gauge("deja_active_streams", "Open Generate streams.", registry=r)
-        self.queued_streams = Gauge(
-            "deja_queued_streams", "Streams admitted but without a first token.", registry=r
+        self.active_streams = self.gauge("deja_active_streams", "Open Generate streams.")
+        self.queued_streams = self.gauge(
+            "deja_queued_streams", "Streams admitted but without a first token."
         )
         self._engine = _EngineStatsCollector(model)
-        r.register(self._engine)
-        register_process_metrics(r)
+        self.registry.register(self._engine)
+        register_process_metrics(self.registry)
 
     def update_engine_stats(self, stats: EngineStats) -> None:
         self._engine.set(stats)

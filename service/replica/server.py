@@ -457,23 +457,12 @@ class InferenceServicer:
         self, request: pb.GetLoadRequest | _BadMessage, context: grpc.aio.ServicerContext
     ) -> pb.Load:
         await self._check_request(request, context, allow_draining=True)
-        s = self._engine.get_stats()
-        return pb.Load(
-            replica_id=self.replica_id,
-            running=s.num_running,
-            waiting=s.num_waiting,
-            kv_usage=s.kv_usage,
-            prefix_hit_rate=s.prefix_hit_rate,
+        return convert.load_message(
+            self._engine.get_stats(),
+            self.replica_id,
             active_streams=len(self.streams),
             queued_streams=self.num_queued,
             draining=self.draining,
-            queued_prefill_tokens=s.queued_prefill_tokens,
-            decoding=s.num_decoding,
-            active_tokens=s.active_tokens,
-            prefill_tokens_per_s=s.prefill_tokens_per_s,
-            decode_seq_s=s.decode_seq_s,
-            step_tokens=s.step_tokens,
-            utilisation=s.utilisation,
         )
 
     async def GetCacheStats(

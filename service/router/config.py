@@ -10,7 +10,7 @@ from engine.config import check, check_one_of, check_port
 from service.affinity.config import AffinityConfig
 from service.affinity.flags import add_affinity_args, affinity_config_from_args
 from service.common.flags import add_bool_flag, add_flag, add_list_flag
-from service.common.server_args import server_settings_from_args
+from service.common.server_args import ServerSettings, server_settings_from_args
 from service.router.cost import CostWeights
 from service.router.policy import POLICIES, OverloadGuard
 
@@ -32,7 +32,9 @@ def parse_replicas(specs: list[str]) -> tuple[str, ...]:
 
 
 @dataclass(frozen=True, slots=True)
-class RouterConfig:
+class RouterConfig(ServerSettings):
+    """The router's settings; the server fields both servers share are in ServerSettings."""
+
     host: str = "127.0.0.1"
     port: int = 50050
     """gRPC port; 0 picks a free one."""
@@ -60,15 +62,6 @@ class RouterConfig:
     """Consecutive poll timeouts before a replica counts as down (refused connections: one)."""
     max_attempts: int = 3
     """Replicas tried for one Generate while they answer UNAVAILABLE before the first message."""
-    auth_tokens: tuple[tuple[str, str], ...] = ()
-    """The replicas' TOKEN:TENANT list, only to hash prompts with the tenant's cache salt."""
-    allow_client_cache_salt: bool = False
-    reflection: bool = True
-    grace_period_s: float = 30.0
-    metrics_port: int | None = None
-    metrics_host: str = "127.0.0.1"
-    otlp_endpoint: str | None = None
-    console_tracing: bool = False
 
     def __post_init__(self) -> None:
         check_port("port", self.port)
