@@ -74,6 +74,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_flag(w, "--input-len", type=int, default=64, help="User message tokens per turn.")
     add_flag(w, "--output-len", type=int, default=16, help="Generated tokens per turn.")
     add_flag(w, "--max-concurrency", type=int, default=8, help="Requests in flight (0: no cap).")
+    add_flag(
+        w,
+        "--request-rate",
+        type=float,
+        default=math.inf,
+        help="Poisson arrivals per second over all sessions (a turn still waits for its previous "
+        "turn's answer); inf: a closed loop, each finished request lets the next one in.",
+    )
     add_flag(w, "--dataset-seed", type=int, default=0)
     add_flag(w, "--warmup-requests", type=int, default=2, help="Unmeasured requests first.")
     add_flag(
@@ -135,7 +143,12 @@ async def _drive(
             await run_workload(backend, warm, max_concurrency=cap)
         progress = Progress(workload.num_requests, label, enabled=args.progress)
         records, duration = await run_workload(
-            backend, workload.sessions, max_concurrency=cap, progress=progress
+            backend,
+            workload.sessions,
+            max_concurrency=cap,
+            request_rate=args.request_rate,
+            seed=args.dataset_seed,
+            progress=progress,
         )
         runs.records += records
         runs.duration_s += duration
@@ -298,6 +311,7 @@ def run(args: argparse.Namespace) -> int:
         "dataset": dataclasses.asdict(_spec(args)),
         "num_replicas": args.num_replicas,
         "max_concurrency": args.max_concurrency,
+        "request_rate": None if math.isinf(args.request_rate) else args.request_rate,
         "repeat": args.repeat,
         "results": results,
         "comparison": compare(results),

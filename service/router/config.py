@@ -77,7 +77,8 @@ class RouterConfig(ServerSettings):
 
 
 def add_cost_args(group: argparse._ArgumentGroup) -> None:
-    """The cost policy's bounds and stickiness (--load-bound, --prefix-bound, --stickiness)."""
+    """The cost policy's bounds, stickiness and recompute weight (--load-bound, --prefix-bound,
+    --stickiness, --recompute-weight)."""
     dc = CostWeights()
     add_flag(
         group,
@@ -101,12 +102,21 @@ def add_cost_args(group: argparse._ArgumentGroup) -> None:
         default=dc.stickiness_s,
         help="Most seconds of estimate a session's last replica is favoured by.",
     )
+    add_flag(
+        group,
+        "--recompute-weight",
+        type=float,
+        default=dc.recompute_weight,
+        help="Weight of the prefill time a request adds to a replica (the wait of the requests "
+        "after it) next to its own estimated TTFT; 0: its own TTFT alone.",
+    )
 
 
 def cost_weights_from_args(args: argparse.Namespace, **given: Any) -> CostWeights:
     """The CostWeights of add_cost_args' flags, with the other weights in `given`."""
     return CostWeights(
         stickiness_s=args.stickiness,
+        recompute_weight=args.recompute_weight,
         load_bound=args.load_bound,
         prefix_bound=args.prefix_bound,
         **given,

@@ -20,9 +20,11 @@ For every healthy, not overloaded replica the router estimates
 Among the replicas under the load bound (`CostWeights.load_bound`: outstanding requests and
 recent utilisation at most `load_bound` x the mean, as in consistent hashing with bounded loads;
 default 1.0, i.e. new sessions go to replicas no busier than average) and the session's own
-replica, the least estimate wins. Session affinity and prefix overlap act only through
-`uncached`: a session's replica wins because it holds the history, not by rule, so a hot
-replica loses its sessions as soon as its queue costs more than recomputing them elsewhere. The
+replica, the least score wins: the estimate plus `recompute_weight` x the prefill time this
+prompt adds there (the wait it imposes on later arrivals). Session affinity and prefix overlap
+act only through `uncached`: a session's replica wins because it holds the history, not by
+rule, so a hot replica loses its sessions once its queue costs more than recomputing them
+elsewhere, counted for this request and (weighted) for the ones after it. The
 session's last replica gets a bounded bonus (`stickiness_frac` of its estimate, at most
 `stickiness_s`) so near-ties do not make a session flap. Ties go to the rendezvous rank of the
 key, so routers with the same view agree. Optionally (`CostWeights.prefix_bound`) a replica
@@ -67,6 +69,12 @@ class CostWeights:
     docs/routing.md)."""
     prefix_gain: float = 0.5
     """See `prefix_bound`."""
+    recompute_weight: float = 1.0
+    """The choice minimises the estimate plus this x the seconds of prefill the request adds
+    there (`uncached / prefill_rate`): work a replica takes on is work the requests after it
+    wait behind, so recomputing a history elsewhere costs the cluster more than this request's
+    own time to first token (llm-d weighs its prefix scorer 2:1 against queue depth; 1.0 here is
+    the same 2:1). 0: this request's estimate alone. The estimate reported stays the TTFT."""
     active_weight: float = 0.0
     """Seconds of estimate per second it would take to prefill the KV tokens of the replica's
     running sequences (Dynamo counts active decode blocks like prefill blocks, weight 1): the
@@ -87,8 +95,8 @@ class CostWeights:
             )
         if not 0.0 < self.prefix_gain <= 1.0:
             raise ValueError(f"prefix_gain must be in (0, 1], got {self.prefix_gain}")
-        if self.active_weight < 0:
-            raise ValueError(f"active_weight must be >= 0, got {self.active_weight}")
+        if self.active_weight < 0 or self.recompute_weight < 0:
+            raise ValueError("active_weight and recompute_weight must be >= 0")
         if self.stickiness_s < 0 or self.default_prefill_tokens_per_s <= 0:
             raise ValueError("stickiness_s must be >= 0 and the default prefill rate > 0")
         if self.default_step_tokens < 1:
@@ -111,6 +119,8 @@ class ReplicaCost:
     """Prompt tokens it would compute (after tier credits)."""
     queued_tokens: int
     """Prefill tokens ahead of this prompt there."""
+    score_s: float = 0.0
+    """What the choice minimises: `ttft_s` plus `recompute_weight` x this prompt's prefill time."""
 
 
 def estimate(
@@ -141,7 +151,8 @@ def estimate(
     ttft += weights.active_weight * max(0, active_tokens) / rate
     if sticky:
         ttft -= min(weights.stickiness_s, weights.stickiness_frac * ttft)
-    return ReplicaCost(replica_id, ttft, uncached, max(0, queued_tokens))
+    score = ttft + weights.recompute_weight * uncached / rate
+    return ReplicaCost(replica_id, ttft, uncached, max(0, queued_tokens), score)
 
 
 def held_blocks(
@@ -175,5 +186,5 @@ def within_bound(
 
 
 def cheapest(costs: Sequence[ReplicaCost], rank: Mapping[str, int]) -> ReplicaCost:
-    """The least estimate; ties (within a microsecond) by rendezvous rank."""
-    return min(costs, key=lambda c: (round(c.ttft_s, 6), rank[c.replica_id]))
+    """The least score; ties (within a microsecond) by rendezvous rank."""
+    return min(costs, key=lambda c: (round(c.score_s, 6), rank[c.replica_id]))

@@ -182,7 +182,7 @@ def _decide_cost(
         # the lowest (a large cached prefix): the bound keeps sessions from piling onto
         # whoever computed a prefix first, not a replica from using what it holds.
         wider = within_bound(loads, utils, w.prefix_bound) - allowed
-        clear = [costs[r] for r in wider if costs[r].ttft_s < w.prefix_gain * best_cost.ttft_s]
+        clear = [costs[r] for r in wider if costs[r].score_s < w.prefix_gain * best_cost.score_s]
         if clear:
             best_cost = cheapest(clear, rank)
     return RouteDecision(

@@ -72,6 +72,23 @@ def test_cached_history_wins_until_its_queue_costs_more_than_recomputing() -> No
     assert own.replica_id == "r1"
 
 
+def test_recompute_weight_charges_the_work_a_move_adds() -> None:
+    # r0 holds 960 of 1,000 tokens and has 1,500 queued: 1.54 s there, 1.0 s recomputing on r1.
+    inputs = RouteInputs("s1", "r0", {"r0": 60}, prompt_tokens=1000)
+    cands = [_c("r0", queued_prefill_tokens=1500), _c("r1")]
+    own_ttft = decide("cost", cands, inputs, GUARD, weights=CostWeights(recompute_weight=0))
+    assert own_ttft.replica_id == "r1"
+    # Weighted, the move costs r1's later arrivals the 1.0 s of prefill it adds: 2.0 > 1.58.
+    weighted = decide("cost", cands, inputs, GUARD)
+    # (the estimate reported is the TTFT, less the 0.05 s stickiness bonus)
+    assert (weighted.replica_id, weighted.est_ttft_s) == ("r0", pytest.approx(1.49))
+    # The weight only raises the bar: a queue that costs more than both still moves the session.
+    cands = [_c("r0", queued_prefill_tokens=2500), _c("r1")]
+    assert decide("cost", cands, inputs, GUARD).replica_id == "r1"
+    with pytest.raises(ValueError):
+        CostWeights(recompute_weight=-1)
+
+
 def test_stickiness_is_bounded() -> None:
     w = CostWeights(stickiness_s=0.05, stickiness_frac=0.2)
     # Equal estimates: the session's replica wins the near-tie.
