@@ -126,9 +126,9 @@ class _Runs:
 async def _drive(
     target: str, args: argparse.Namespace, label: str, workload: Any, runs: _Runs
 ) -> Any:
-    from clients.bench_workload import Progress, Workload, run_workload
+    from clients.bench_workload import Workload
     from clients.client import AsyncDejaClient
-    from clients.loadgen import GrpcBackend
+    from clients.loadgen import GrpcBackend, run_measured
 
     client = AsyncDejaClient(target, retries=0)
     try:
@@ -136,20 +136,7 @@ async def _drive(
         info = await client.model_info()
         if workload is None:
             workload = Workload.build(_spec(args), info.vocab_size, info.eos_token_ids)
-        backend = GrpcBackend(client)
-        cap = args.max_concurrency or None
-        if args.warmup_requests:
-            warm = workload.warmup(args.warmup_requests, args.dataset_seed)
-            await run_workload(backend, warm, max_concurrency=cap)
-        progress = Progress(workload.num_requests, label, enabled=args.progress)
-        records, duration = await run_workload(
-            backend,
-            workload.sessions,
-            max_concurrency=cap,
-            request_rate=args.request_rate,
-            seed=args.dataset_seed,
-            progress=progress,
-        )
+        records, duration = await run_measured(GrpcBackend(client), workload, args, label)
         runs.records += records
         runs.duration_s += duration
         runs.model = info.model_id

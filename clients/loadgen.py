@@ -42,6 +42,7 @@ from clients.bench_workload import (
     DATASETS,
     DatasetSpec,
     Progress,
+    Record,
     Workload,
     run_workload,
     summarize_by_turn,
@@ -184,15 +185,17 @@ class EngineBackend:
             yield ids, (out.num_cached_tokens if out.finished else None)
 
 
-async def _bench(
+async def run_measured(
     backend: Any, workload: Workload, args: argparse.Namespace, label: str
-) -> dict[str, Any]:
+) -> tuple[list[Record], float]:
+    """The unmeasured warmup requests, then the workload at the flags' concurrency and rate;
+    returns its records and wall time (`deja bench serve` and `deja bench router`)."""
     cap = args.max_concurrency or None
     if args.warmup_requests:
         warm = workload.warmup(args.warmup_requests, args.dataset_seed)
         await run_workload(backend, warm, max_concurrency=cap)
     progress = Progress(workload.num_requests, label, enabled=args.progress)
-    records, duration = await run_workload(
+    return await run_workload(
         backend,
         workload.sessions,
         max_concurrency=cap,
@@ -200,7 +203,12 @@ async def _bench(
         seed=args.dataset_seed,
         progress=progress,
     )
-    return summarize_by_turn(records, duration)
+
+
+async def _bench(
+    backend: Any, workload: Workload, args: argparse.Namespace, label: str
+) -> dict[str, Any]:
+    return summarize_by_turn(*await run_measured(backend, workload, args, label))
 
 
 async def _bench_target(
