@@ -92,6 +92,11 @@ _CACHE_FLAGS = (
     ),
     _Flag("preemption_mode", str, "What happens to a preempted request's KV.", PREEMPTION_MODES),
     _Flag("max_pinned_fraction", float, "Largest share of each tier that TTL pins may hold."),
+    _Flag(
+        "kv_events_max_blocks",
+        int,
+        "KV-event block hashes buffered per step at most (past it: cleared + snapshot; 0: off).",
+    ),
 )
 """The CacheConfig fields set by flags, in --help order."""
 _SCHED_FLAGS = (

@@ -62,8 +62,10 @@ def test_engine_config_from_args_and_to_argv(monkeypatch: pytest.MonkeyPatch) ->
     monkeypatch.setenv("DEJA_MAX_NUM_SEQS", "5")
     p = argparse.ArgumentParser()
     actions = add_engine_args(p)
-    args = p.parse_args(["--block-size", "32", "--no-prefix-caching", "--num-device-blocks", "64"])
+    flags = ["--block-size", "32", "--no-prefix-caching", "--num-device-blocks", "64"]
+    args = p.parse_args([*flags, "--kv-events-max-blocks", "128"])
     cfg = engine_config_from_args(args, model_path="/models/x")
+    assert cfg.cache.kv_events_max_blocks == 128
     assert cfg.model.path == "/models/x"
     assert cfg.cache.block_size == 32 and cfg.cache.num_device_blocks == 64
     assert cfg.cache.enable_prefix_caching is False
