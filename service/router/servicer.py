@@ -150,51 +150,18 @@ class RouterServicer(pb_grpc.InferenceServicer):
     ) -> tuple[RouteDecision, ReplicaHandle]:
         """Picks a healthy replica and counts the stream on it; raises NoReplicaError."""
         cfg = self._config
-        healthy = self._pool.healthy(exclude)
-        if not healthy:
+        if not self._pool.healthy(exclude):
             raise NoReplicaError("no healthy replica")
-        store_ok, session_replica, prefix, prompt_tokens = True, None, None, 0
-        tiers: dict[str, tuple[int, int, int]] | None = None
+        inputs = RouteInputs(key)
         if cfg.policy != "round_robin":
-            if cfg.policy in ("affinity", "cost") and request.session_id:
-                store_ok, session_replica = await self._store_call(
-                    "get_session", self._store.get_session(request.session_id)
-                )
-            own = self._pool.by_id(session_replica) if session_replica else None
-            sticky = own is not None and own.healthy and not cfg.guard.overloaded(own.candidate())
-            if cfg.policy == "cost":
-                sticky = False  # the session counts only through what its replica holds
-                prompt_tokens = await prompt.num_tokens()
-            if store_ok and not sticky:
-                prefix, tiers = {}, {}
-                groups: dict[tuple[str, int], list[str]] = {}
-                for h in healthy:
-                    if h.model_id is not None and h.block_size is not None and h.replica_id:
-                        groups.setdefault((h.model_id, h.block_size), []).append(h.replica_id)
-                for (model_id, block_size), ids in groups.items():
-                    chain = await prompt.chain(model_id, block_size)
-                    if not chain:
-                        continue
-                    ok, held = await self._store_call(
-                        "longest_prefix", self._store.longest_prefix_tiers(chain)
-                    )
-                    store_ok &= ok
-                    tiers.update({rid: t for rid, t in (held or {}).items() if rid in ids})
-                prefix = {rid: sum(t) for rid, t in tiers.items()}
+            inputs = await self._lookup(request, key, prompt, exclude)
         # NOTE: read the candidates' loads after the awaits and count the stream before the next
         # await, so concurrent arrivals see each other's choices.
         healthy = self._pool.healthy(exclude)
         if not healthy:
             raise NoReplicaError("no healthy replica")
-        inputs = RouteInputs(key, session_replica, prefix, store_ok, prompt_tokens, tiers)
-        decision = decide(
-            cfg.policy,
-            [h.candidate() for h in healthy],
-            inputs,
-            cfg.guard,
-            next(self._rr),
-            cfg.cost,
-        )
+        candidates = [h.candidate() for h in healthy]
+        decision = decide(cfg.policy, candidates, inputs, cfg.guard, next(self._rr), cfg.cost)
         if decision.reason == "fallback":
             self._metrics.fallback.inc()
         handle = self._pool.by_id(decision.replica_id)
@@ -203,12 +170,49 @@ class RouterServicer(pb_grpc.InferenceServicer):
             log.debug(
                 "route %s -> %s (%s) est %.3fs uncached %d prompt %d | %s",
                 key, decision.replica_id, decision.reason, decision.est_ttft_s,
-                decision.uncached_tokens, prompt_tokens,
-                " ".join(_describe(h.candidate()) for h in healthy),
+                decision.uncached_tokens, inputs.prompt_tokens,
+                " ".join(_describe(c) for c in candidates),
             )  # fmt: skip
         handle.inflight += 1
         handle.pending_prefill_tokens += decision.uncached_tokens
         return decision, handle
+
+    async def _lookup(
+        self, request: pb.GenerateRequest, key: str, prompt: PromptChains, exclude: set[str]
+    ) -> RouteInputs:
+        """What the store knows of this request: its session's replica and, per replica, the
+        leading prompt blocks held in each tier (skipped when the session's replica decides
+        alone, as under affinity)."""
+        cfg = self._config
+        store_ok, session_replica, prompt_tokens = True, None, 0
+        prefix: dict[str, int] | None = None
+        tiers: dict[str, tuple[int, int, int]] | None = None
+        if cfg.policy in ("affinity", "cost") and request.session_id:
+            store_ok, session_replica = await self._store_call(
+                "get_session", self._store.get_session(request.session_id)
+            )
+        own = self._pool.by_id(session_replica) if session_replica else None
+        sticky = own is not None and own.healthy and not cfg.guard.overloaded(own.candidate())
+        if cfg.policy == "cost":
+            sticky = False  # the session counts only through what its replica holds
+            prompt_tokens = await prompt.num_tokens()
+        if store_ok and not sticky:
+            prefix, tiers = {}, {}
+            groups: dict[tuple[str, int], list[str]] = {}
+            for h in self._pool.healthy(exclude):
+                if h.model_id is not None and h.block_size is not None and h.replica_id:
+                    groups.setdefault((h.model_id, h.block_size), []).append(h.replica_id)
+            for (model_id, block_size), ids in groups.items():
+                chain = await prompt.chain(model_id, block_size)
+                if not chain:
+                    continue
+                ok, held = await self._store_call(
+                    "longest_prefix", self._store.longest_prefix_tiers(chain)
+                )
+                store_ok &= ok
+                tiers.update({rid: t for rid, t in (held or {}).items() if rid in ids})
+            prefix = {rid: sum(t) for rid, t in tiers.items()}
+        return RouteInputs(key, session_replica, prefix, store_ok, prompt_tokens, tiers)
 
     async def _record(
         self, request: pb.GenerateRequest, replica_id: str, prompt: PromptChains
