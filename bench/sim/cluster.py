@@ -63,6 +63,7 @@ class _Router:
     policy: str
     rr: itertools.count[int] = field(default_factory=itertools.count)
     pending: dict[str, int] = field(default_factory=dict)
+    pending_requests: dict[str, int] = field(default_factory=dict)
     inflight: dict[str, int] = field(default_factory=dict)
 
 
@@ -222,6 +223,7 @@ class Cluster:
                     inflight=router.inflight.get(rid, 0),
                     queued_prefill_tokens=snap.queued_prefill_tokens,
                     pending_prefill_tokens=own,
+                    pending_requests=router.pending_requests.get(rid, 0),
                     decoding=snap.decoding,
                     active_tokens=snap.active_tokens,
                     prefill_tokens_per_s=snap.prefill_tokens_per_s,
@@ -240,6 +242,7 @@ class Cluster:
         self.records.append(rec)
         uncached = d.uncached_tokens or len(turn.prompt)
         router.pending[d.replica_id] = router.pending.get(d.replica_id, 0) + uncached
+        router.pending_requests[d.replica_id] = router.pending_requests.get(d.replica_id, 0) + 1
         router.inflight[d.replica_id] = router.inflight.get(d.replica_id, 0) + 1
         self._by_id[seq.request_id] = (rec, session, index, seq, router)
         self._uncached[seq.request_id] = uncached
@@ -267,6 +270,7 @@ class Cluster:
         rec.cached_tokens = seq.cached_tokens
         rid = rec.replica_id
         router.pending[rid] -= self._uncached.pop(seq.request_id)
+        router.pending_requests[rid] -= 1
 
     def _finished(self, seq: SimSeq, now: float) -> None:
         rec, session, index, _, router = self._by_id.pop(seq.request_id)

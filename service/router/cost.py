@@ -20,8 +20,9 @@ For every healthy, not overloaded replica the router estimates
 Among the replicas under the load bound (`CostWeights.load_bound`: outstanding requests and
 recent utilisation at most `load_bound` x the mean, as in consistent hashing with bounded loads;
 default 1.0, i.e. new sessions go to replicas no busier than average) and the session's own
-replica, the least score wins: the estimate plus `recompute_weight` x the prefill time this
-prompt adds there (the wait it imposes on later arrivals). Session affinity and prefix overlap
+replica, the least score wins: the estimate plus the prefill time this prompt adds there,
+weighted by `recompute_weight` (the wait it imposes on later arrivals) + `packing_weight` x the
+requests there still waiting for a first token (which share its prefill step). Session affinity and prefix overlap
 act only through `uncached`: a session's replica wins because it holds the history, not by
 rule, so a hot replica loses its sessions once its queue costs more than recomputing them
 elsewhere, counted for this request and (weighted) for the ones after it. The
@@ -75,6 +76,12 @@ class CostWeights:
     wait behind, so recomputing a history elsewhere costs the cluster more than this request's
     own time to first token (llm-d weighs its prefix scorer 2:1 against queue depth; 1.0 here is
     the same 2:1). 0: this request's estimate alone. The estimate reported stays the TTFT."""
+    packing_weight: float = 1.0
+    """... plus this x the same prefill time per request this router sent there that has no first
+    token yet: the engine packs waiting prompts into one step, and where a step's time grows
+    with its tokens (a CPU) each of them waits for this prompt too. It splits a group of turns
+    that arrive together at their sessions' replica (closed loops make such groups). 0 for an
+    engine whose steps cost the same with one prompt or several."""
     active_weight: float = 0.0
     """Seconds of estimate per second it would take to prefill the KV tokens of the replica's
     running sequences (Dynamo counts active decode blocks like prefill blocks, weight 1): the
@@ -95,8 +102,8 @@ class CostWeights:
             )
         if not 0.0 < self.prefix_gain <= 1.0:
             raise ValueError(f"prefix_gain must be in (0, 1], got {self.prefix_gain}")
-        if self.active_weight < 0 or self.recompute_weight < 0:
-            raise ValueError("active_weight and recompute_weight must be >= 0")
+        if min(self.active_weight, self.recompute_weight, self.packing_weight) < 0:
+            raise ValueError("active_weight, recompute_weight and packing_weight must be >= 0")
         if self.stickiness_s < 0 or self.default_prefill_tokens_per_s <= 0:
             raise ValueError("stickiness_s must be >= 0 and the default prefill rate > 0")
         if self.default_step_tokens < 1:
@@ -120,7 +127,8 @@ class ReplicaCost:
     queued_tokens: int
     """Prefill tokens ahead of this prompt there."""
     score_s: float = 0.0
-    """What the choice minimises: `ttft_s` plus `recompute_weight` x this prompt's prefill time."""
+    """What the choice minimises: `ttft_s` plus (`recompute_weight` + `packing_weight` x pending
+    requests) x this prompt's prefill time there."""
 
 
 def estimate(
@@ -130,6 +138,7 @@ def estimate(
     block_size: int,
     held: tuple[int, int, int],
     queued_tokens: int,
+    pending_requests: int = 0,
     decoding: int,
     active_tokens: int,
     prefill_tokens_per_s: float,
@@ -151,7 +160,10 @@ def estimate(
     ttft += weights.active_weight * max(0, active_tokens) / rate
     if sticky:
         ttft -= min(weights.stickiness_s, weights.stickiness_frac * ttft)
-    score = ttft + weights.recompute_weight * uncached / rate
+    # NOTE: the request's own work, charged again for those it delays: the ones after it, and
+    # the ones it will share a prefill step with.
+    behind = weights.recompute_weight + weights.packing_weight * max(0, pending_requests)
+    score = ttft + behind * uncached / rate
     return ReplicaCost(replica_id, ttft, uncached, max(0, queued_tokens), score)
 
 

@@ -57,6 +57,8 @@ class Candidate:
     """Prompt tokens the engine has still to prefill, as of the last load poll."""
     pending_prefill_tokens: int = 0
     """Uncached prompt tokens this router sent there still waiting for a first token (exact)."""
+    pending_requests: int = 0
+    """Requests this router sent there still waiting for a first token (exact)."""
     decoding: int = 0
     """Running sequences past their prefill, as of the last load poll."""
     active_tokens: int = 0
@@ -202,6 +204,7 @@ def _estimate(c: Candidate, inputs: RouteInputs, w: CostWeights) -> ReplicaCost:
         block_size=c.block_size,
         held=held_blocks(c.replica_id, inputs.prefix_blocks or {}, inputs.prefix_tiers),
         queued_tokens=max(c.queued_prefill_tokens, c.pending_prefill_tokens),
+        pending_requests=c.pending_requests,
         decoding=c.decoding,
         active_tokens=c.active_tokens,
         prefill_tokens_per_s=c.prefill_tokens_per_s,

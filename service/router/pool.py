@@ -55,6 +55,8 @@ class ReplicaHandle:
     """Generate streams this router has open to the replica."""
     pending_prefill_tokens: int = 0
     """Uncached prompt tokens of those streams that have not produced a first token yet."""
+    pending_requests: int = 0
+    """Those streams."""
     last_listed: float = 0.0
     """time.monotonic() of the last registry listing that named this replica."""
 
@@ -68,6 +70,7 @@ class ReplicaHandle:
             inflight=self.inflight,
             queued_prefill_tokens=self.load.queued_prefill_tokens,
             pending_prefill_tokens=self.pending_prefill_tokens,
+            pending_requests=self.pending_requests,
             decoding=self.load.decoding,
             active_tokens=self.load.active_tokens,
             prefill_tokens_per_s=self.load.prefill_tokens_per_s,

@@ -175,6 +175,7 @@ class RouterServicer(pb_grpc.InferenceServicer):
             )  # fmt: skip
         handle.inflight += 1
         handle.pending_prefill_tokens += decision.uncached_tokens
+        handle.pending_requests += 1
         return decision, handle
 
     async def _lookup(
@@ -321,7 +322,7 @@ class RouterServicer(pb_grpc.InferenceServicer):
         rec.got_first = False
         # The prompt's uncached tokens count as this replica's pending prefill until the first
         # message (the cost policy reads it between load polls).
-        pending = d.uncached_tokens
+        pending, waiting = d.uncached_tokens, 1
         call = handle.stub.Generate(
             rec.request, timeout=context.time_remaining(), metadata=rec.metadata
         )
@@ -330,7 +331,8 @@ class RouterServicer(pb_grpc.InferenceServicer):
                 if not rec.got_first:
                     rec.got_first = True
                     handle.pending_prefill_tokens -= pending
-                    pending = 0
+                    handle.pending_requests -= waiting
+                    pending, waiting = 0, 0
                     self._metrics.ttft.observe(time.monotonic() - rec.t0)
                     log.debug(
                         "first token %s on %s after %.3fs (est %.3fs)",
@@ -343,6 +345,7 @@ class RouterServicer(pb_grpc.InferenceServicer):
                 yield resp
         finally:
             handle.pending_prefill_tokens -= pending
+            handle.pending_requests -= waiting
             call.cancel()
 
     def _retry(
@@ -489,5 +492,6 @@ def _describe(c: Candidate) -> str:
     """One candidate's load as the policy saw it (debug log)."""
     return (
         f"{c.replica_id}[load {c.load} q {c.queued_prefill_tokens} pend {c.pending_prefill_tokens}"
+        f"/{c.pending_requests}"
         f" dec {c.decoding} rate {c.prefill_tokens_per_s:.0f} util {c.utilisation:.2f}]"
     )

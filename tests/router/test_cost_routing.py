@@ -89,6 +89,35 @@ def test_recompute_weight_charges_the_work_a_move_adds() -> None:
         CostWeights(recompute_weight=-1)
 
 
+def _group(inputs: RouteInputs, n: int, w: CostWeights | None = None) -> list[str]:
+    """Where n requests like `inputs`, arriving together, go (this router's pending counts)."""
+    placed: list[str] = []
+    tokens, requests = {"r0": 0, "r1": 0}, {"r0": 0, "r1": 0}
+    for _ in range(n):
+        cands = [
+            _c(r, pending_requests=requests[r], pending_prefill_tokens=tokens[r]) for r in tokens
+        ]
+        d = decide("cost", cands, inputs, GUARD, weights=w)
+        placed.append(d.replica_id)
+        tokens[d.replica_id] += d.uncached_tokens
+        requests[d.replica_id] += 1
+    return placed
+
+
+def test_packing_weight_splits_a_group_of_turns_arriving_together() -> None:
+    # Sessions whose histories live on r0 send their next turns at once. Every request still
+    # waiting there for a first token shares the newcomer's prefill step, so the newcomer's
+    # prefill counts once more per such request.
+    light = RouteInputs("s1", "r0", {"r0": 60}, prompt_tokens=1000)  # 40 new tokens on r0
+    assert _group(light, 4) == ["r0"] * 4  # recomputing 1,000 tokens costs far more
+    heavy = RouteInputs("s1", "r0", {"r0": 40}, prompt_tokens=1000)  # 360 new tokens on r0
+    assert _group(heavy, 4) == ["r0", "r0", "r1", "r0"]  # the third goes where it waits alone
+    # Without it the whole group queues on r0.
+    assert _group(heavy, 4, CostWeights(packing_weight=0)) == ["r0"] * 4
+    with pytest.raises(ValueError):
+        CostWeights(packing_weight=-1)
+
+
 def test_stickiness_is_bounded() -> None:
     w = CostWeights(stickiness_s=0.05, stickiness_frac=0.2)
     # Equal estimates: the session's replica wins the near-tie.
