@@ -77,8 +77,8 @@ class RouterConfig(ServerSettings):
 
 
 def add_cost_args(group: argparse._ArgumentGroup) -> None:
-    """The cost policy's bounds, stickiness and recompute weight (--load-bound, --prefix-bound,
-    --stickiness, --recompute-weight)."""
+    """The cost policy's bounds, stickiness and weights (--load-bound, --prefix-bound,
+    --stickiness, --recompute-weight, --packing-weight)."""
     dc = CostWeights()
     add_flag(
         group,
@@ -110,6 +110,15 @@ def add_cost_args(group: argparse._ArgumentGroup) -> None:
         help="Weight of the prefill time a request adds to a replica (the wait of the requests "
         "after it) next to its own estimated TTFT; 0: its own TTFT alone.",
     )
+    add_flag(
+        group,
+        "--packing-weight",
+        type=float,
+        default=dc.packing_weight,
+        help="Weight of that prefill time per request still waiting for its first token there "
+        "(they share its prefill step); 0 for engines whose steps cost the same with several "
+        "prompts.",
+    )
 
 
 def cost_weights_from_args(args: argparse.Namespace, **given: Any) -> CostWeights:
@@ -117,6 +126,7 @@ def cost_weights_from_args(args: argparse.Namespace, **given: Any) -> CostWeight
     return CostWeights(
         stickiness_s=args.stickiness,
         recompute_weight=args.recompute_weight,
+        packing_weight=args.packing_weight,
         load_bound=args.load_bound,
         prefix_bound=args.prefix_bound,
         **given,
