@@ -22,10 +22,10 @@ recent utilisation at most `load_bound` x the mean, as in consistent hashing wit
 default 1.0, i.e. new sessions go to replicas no busier than average) and the session's own
 replica, the least score wins: the estimate plus the prefill time this prompt adds there,
 weighted by `recompute_weight` (the wait it imposes on later arrivals) + `packing_weight` x the
-requests there still waiting for a first token (which share its prefill step). Session affinity and prefix overlap
-act only through `uncached`: a session's replica wins because it holds the history, not by
-rule, so a hot replica loses its sessions once its queue costs more than recomputing them
-elsewhere, counted for this request and (weighted) for the ones after it. The
+requests there still waiting for a first token (which share its prefill step). Session affinity
+and prefix overlap act only through `uncached`: a session's replica wins because it holds the
+history, not by rule, so a hot replica loses its sessions once its queue costs more than
+recomputing them elsewhere, counted for this request and (weighted) for the ones after it. The
 session's last replica gets a bounded bonus (`stickiness_frac` of its estimate, at most
 `stickiness_s`) so near-ties do not make a session flap. Ties go to the rendezvous rank of the
 key, so routers with the same view agree. Optionally (`CostWeights.prefix_bound`) a replica

@@ -60,6 +60,16 @@ class ReplicaHandle:
     last_listed: float = 0.0
     """time.monotonic() of the last registry listing that named this replica."""
 
+    def add_pending(self, uncached_tokens: int) -> None:
+        """A stream sent here that has no first token yet (`end_pending` when it has one or
+        ends)."""
+        self.pending_prefill_tokens += uncached_tokens
+        self.pending_requests += 1
+
+    def end_pending(self, uncached_tokens: int) -> None:
+        self.pending_prefill_tokens -= uncached_tokens
+        self.pending_requests -= 1
+
     def candidate(self) -> Candidate:
         assert self.replica_id is not None
         return Candidate(

@@ -174,8 +174,7 @@ class RouterServicer(pb_grpc.InferenceServicer):
                 " ".join(_describe(c) for c in candidates),
             )  # fmt: skip
         handle.inflight += 1
-        handle.pending_prefill_tokens += decision.uncached_tokens
-        handle.pending_requests += 1
+        handle.add_pending(decision.uncached_tokens)
         return decision, handle
 
     async def _lookup(
@@ -320,9 +319,8 @@ class RouterServicer(pb_grpc.InferenceServicer):
         d = rec.decision
         assert d is not None
         rec.got_first = False
-        # The prompt's uncached tokens count as this replica's pending prefill until the first
-        # message (the cost policy reads it between load polls).
-        pending, waiting = d.uncached_tokens, 1
+        # The stream and its prompt's uncached tokens count as pending on this replica until the
+        # first message (the cost policy reads them between load polls).
         call = handle.stub.Generate(
             rec.request, timeout=context.time_remaining(), metadata=rec.metadata
         )
@@ -330,9 +328,7 @@ class RouterServicer(pb_grpc.InferenceServicer):
             async for resp in call:
                 if not rec.got_first:
                     rec.got_first = True
-                    handle.pending_prefill_tokens -= pending
-                    handle.pending_requests -= waiting
-                    pending, waiting = 0, 0
+                    handle.end_pending(d.uncached_tokens)
                     self._metrics.ttft.observe(time.monotonic() - rec.t0)
                     log.debug(
                         "first token %s on %s after %.3fs (est %.3fs)",
@@ -344,8 +340,8 @@ class RouterServicer(pb_grpc.InferenceServicer):
                     await self._record(rec.request, d.replica_id, rec.prompt)
                 yield resp
         finally:
-            handle.pending_prefill_tokens -= pending
-            handle.pending_requests -= waiting
+            if not rec.got_first:
+                handle.end_pending(d.uncached_tokens)
             call.cancel()
 
     def _retry(

@@ -181,6 +181,30 @@ async def test_cancel_reaches_the_replica(setup: Setup) -> None:
     assert setup.router.servicer.inflight == 0
 
 
+async def test_pending_counts_end_with_the_first_token_or_the_stream() -> None:
+    # The cost policy reads the router's pending tokens and requests per replica: a stream
+    # cancelled before its first token and a finished one both leave nothing behind.
+    async for s in make_setup(policy="cost"):
+        await _cancel_then_finish(s)
+
+
+async def _cancel_then_finish(s: Setup) -> None:
+    handles = s.router.pool.handles()
+    for r in s.replicas:
+        r.delay_s = 0.5
+    req = pb.GenerateRequest(token_ids=pb.TokenIds(ids=prompt(0, 0)), request_id="p1")
+    call = s.stub.Generate(req)
+    await wait_until(lambda: sum(h.pending_requests for h in handles) == 1)
+    assert sum(h.pending_prefill_tokens for h in handles) == len(prompt(0, 0))
+    call.cancel()
+    await wait_until(lambda: all(h.pending_requests == 0 for h in handles))
+    assert all(h.pending_prefill_tokens == 0 for h in handles)
+    for r in s.replicas:
+        r.delay_s = 0.0
+    await generate(s.stub, prompt(1, 0), "p2")
+    assert all(h.pending_requests == h.pending_prefill_tokens == 0 for h in handles)
+
+
 async def test_replica_down_moves_its_sessions(setup: Setup) -> None:
     homes = {s: (await generate(setup.stub, prompt(s, 0), f"d{s}")).replica_id for s in range(6)}
     victim = setup.replicas[0]
