@@ -17,7 +17,7 @@ import asyncio
 import itertools
 import random
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -161,10 +161,11 @@ async def chat(
     out: list[Turn],
     *,
     max_tokens: int = 16,
-    between: asyncio.Event | None = None,
+    gates: Mapping[int, asyncio.Event] | None = None,
     history: list[dict[str, str]] | None = None,
 ) -> list[dict[str, str]]:
-    """Runs turns of one conversation; a failed turn is sent again (as a client would)."""
+    """Runs turns of one conversation; a failed turn is sent again (as a client would). Turn t
+    waits for `gates[t]` when there is one."""
     rng = random.Random(seed)
     messages = (
         history
@@ -172,8 +173,8 @@ async def chat(
         else [{"role": "system", "content": "You are a helpful assistant. " + words(rng, 40)}]
     )
     for t in turns:
-        if between is not None and t != turns.start:
-            await between.wait()
+        if gates is not None and t in gates:
+            await gates[t].wait()
         messages.append({"role": "user", "content": words(rng, 20)})
         for _ in range(3):
             turn = Turn(sid, t)
@@ -331,12 +332,13 @@ def test_redis_outage(cluster: Cluster) -> None:
 async def _replica_crash(c: Cluster, victim: str) -> tuple[list[Turn], dict[str, str]]:
     out: list[Turn] = []
     homes: dict[str, str] = {}
-    go = asyncio.Event()
+    go, killed = asyncio.Event(), asyncio.Event()
+    gates = {2: go, 3: killed}
     async with grpc.aio.insecure_channel(c.target("affinity")) as channel:
         stub = pb_grpc.InferenceStub(channel)
         tasks = [
             asyncio.create_task(
-                chat(stub, f"crash-{i}", 600 + i, range(1, 5), out, max_tokens=48, between=go)
+                chat(stub, f"crash-{i}", 600 + i, range(1, 5), out, max_tokens=48, gates=gates)
             )
             for i in range(12)
         ]
@@ -346,6 +348,7 @@ async def _replica_crash(c: Cluster, victim: str) -> tuple[list[Turn], dict[str,
         go.set()
         await asyncio.sleep(0.3)  # turn 2 streams are under way on every replica
         c.group.kill(victim)
+        killed.set()  # turns 3 and 4 start after the crash, whenever turn 2 finished
         await asyncio.gather(*tasks)
     return out, homes
 
