@@ -274,6 +274,9 @@ def run(args: argparse.Namespace) -> int:
     if bad or not policies or args.num_replicas < 1 or args.repeat < 1:
         print(f"deja bench router: policies must be among {POLICIES}", file=sys.stderr)
         return 2
+    if not args.request_rate > 0:
+        print("deja bench router: --request-rate must be > 0 (inf: a closed loop)", file=sys.stderr)
+        return 2
     runs = {policy: _Runs() for policy in policies}
     workload: Any = None
     with tempfile.TemporaryDirectory(prefix="deja-bench-router-") as tmp_dir:

@@ -238,6 +238,8 @@ class _Arrivals:
     """Poisson arrivals: each request waits for its slot (rate = inf: no wait)."""
 
     def __init__(self, rate: float, seed: int) -> None:
+        if not rate > 0:
+            raise ValueError(f"request rate must be > 0 per second (inf: no pacing), got {rate}")
         self.rate = rate
         self.rng = random.Random(seed + 1)
         self.next_t = time.monotonic()

@@ -34,3 +34,11 @@ def test_bench_router_runs_each_policy_on_fresh_replicas(
     assert results["cost"]["routes"] == {"cost": 10.0}  # 9 requests and the warmup one
     assert results["cost"]["turns_2plus"]["prefix_hit_rate"] > 0.4
     assert data["comparison"]["round_robin"]["ttft_p50_ms_turns_2plus"] is not None
+
+
+def test_bench_router_refuses_a_rate_that_is_not_positive(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    args = common.parse_args(router.add_arguments, ["--request-rate", "0", "--no-progress"])
+    assert router.run(args) == 2  # before any process starts
+    assert "--request-rate must be > 0" in capsys.readouterr().err

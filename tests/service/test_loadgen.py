@@ -15,6 +15,7 @@ from clients.bench_workload import (
     Workload,
     build_sessions,
     percentiles,
+    run_workload,
     summarize_by_turn,
 )
 from clients.loadgen import compare
@@ -103,6 +104,12 @@ async def test_bench_serve_poisson_rate(server: Harness, tmp_path: Path) -> None
     assert await asyncio.to_thread(cli.main, argv) == 0
     report = json.loads(out.read_text())
     assert report["request_rate"] == 40 and report["results"]["target"]["failed"] == 0
+
+
+async def test_request_rate_must_be_positive() -> None:
+    for rate in (0.0, -1.0, math.nan):
+        with pytest.raises(ValueError, match="request rate must be > 0"):
+            await run_workload(None, [], max_concurrency=None, request_rate=rate)  # type: ignore[arg-type]
 
 
 @pytest.mark.slow
