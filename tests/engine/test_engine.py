@@ -217,10 +217,15 @@ def test_unknown_engine_option(tiny_llama_path: Path) -> None:
 # -- AsyncEngine ---------------------------------------------------------------------------------
 
 
+STREAM_BUFFER = 32
+
+
 @pytest.fixture(scope="module")
 def aengine(tiny_llama_path: Path) -> object:
     cfg = EngineConfig.from_kwargs(str(tiny_llama_path), num_device_blocks=256)
-    eng = AsyncEngine.from_config(cfg, stream_buffer=4)
+    # Above every output a reading test asks for (a loaded CI machine can run the engine several
+    # steps ahead of the reader), below the slow-reader test's 300 tokens.
+    eng = AsyncEngine.from_config(cfg, stream_buffer=STREAM_BUFFER)
     eng.start()
     yield eng
     eng.shutdown()
@@ -296,7 +301,7 @@ async def test_async_slow_reader_overflows(aengine: AsyncEngine) -> None:
     params = SamplingParams(temperature=0, max_tokens=300, ignore_eos=True)
     agen = aengine.generate(rand_tokens(10, 3), params)
     await agen.__anext__()
-    # The buffer of 4 deltas fills while nobody reads: the engine closes the stream.
+    # The buffer of STREAM_BUFFER deltas fills while nobody reads: the engine closes the stream.
     await wait_until(lambda: any(s.closed for s in aengine._streams.values()), what="overflow")
     with pytest.raises(StreamOverflowError):
         async for _ in agen:
