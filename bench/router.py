@@ -8,7 +8,8 @@ For each policy (cost, affinity, round_robin, prefix_only by default) the comman
 the same multi-turn workload of `deja bench serve` through the router: sessions share a system
 prompt, turn t's prompt is the whole conversation so far. It prints the prefix-cache hit rate and
 time to first token (p50/p99, all turns and turns 2+) per policy, the routing reasons the router
-counted, and each policy's ratios to round robin. Replicas run one torch thread each; with
+counted, each policy's ratios to round robin, and the oracle's hit rate (one replica with an
+unlimited cache: the most any policy can reach on the workload). Replicas run one torch thread each; with
 `--pin-cores 0,1` replica i runs on core i (`os.sched_setaffinity` through `taskset -c`, the list
 wraps around), so replicas do not share a core with each other.
 """
@@ -121,12 +122,14 @@ class _Runs:
     replicas: dict[str, float] = dataclasses.field(default_factory=dict)
     """Requests by replica (warmup included)."""
     model: str = ""
+    oracle_cached: int = 0
+    """Prompt tokens an unlimited cache would have held (`oracle_cached_tokens`), all rounds."""
 
 
 async def _drive(
     target: str, args: argparse.Namespace, label: str, workload: Any, runs: _Runs
 ) -> Any:
-    from clients.bench_workload import Workload
+    from clients.bench_workload import Workload, oracle_cached_tokens
     from clients.client import AsyncDejaClient
     from clients.loadgen import GrpcBackend, run_measured
 
@@ -138,6 +141,7 @@ async def _drive(
             workload = Workload.build(_spec(args), info.vocab_size, info.eos_token_ids)
         records, duration = await run_measured(GrpcBackend(client), workload, args, label)
         runs.records += records
+        runs.oracle_cached += oracle_cached_tokens(workload.sessions, records, info.block_size)
         runs.duration_s += duration
         runs.model = info.model_id
         return workload
@@ -215,6 +219,7 @@ def _row(r: dict[str, Any]) -> dict[str, Any]:
     return {
         "hit_rate": r["prefix_hit_rate"],
         "hit_rate_turns_2plus": later["prefix_hit_rate"],
+        "oracle_hit_rate": r["oracle_hit_rate"],
         "ttft_p50_ms": r["ttft_ms"].get("p50"),
         "ttft_p99_ms": r["ttft_ms"].get("p99"),
         "ttft_p50_ms_turns_2plus": later["ttft_ms"].get("p50"),
@@ -223,8 +228,9 @@ def _row(r: dict[str, Any]) -> dict[str, Any]:
 
 
 def compare(results: dict[str, dict[str, Any]]) -> dict[str, Any]:
-    """Per policy: hit rates, TTFT p50/p99 (all, turns 2+), and ratios to round robin (TTFT:
-    round robin's / this policy's, so > 1 is faster; hit rate: this policy's / round robin's)."""
+    """Per policy: hit rates (and the oracle's, the most any policy can cache), TTFT p50/p99
+    (all, turns 2+), and ratios to round robin (TTFT: round robin's / this policy's, so > 1 is
+    faster; hit rate: this policy's / round robin's)."""
     rows = {policy: _row(r) for policy, r in results.items()}
     base = rows.get("round_robin")
     if base is not None:
@@ -246,7 +252,7 @@ def format_comparison(rows: dict[str, Any]) -> str:
     lines = [
         "== routing policies (TTFT in ms; x = round robin's TTFT / this policy's) ==",
         f"{'policy':<12}{'hit':>7}{'hit 2+':>8}{'p50':>9}{'p99':>9}{'p50 2+':>9}{'p99 2+':>9}"
-        f"{'x p50':>8}{'x p99':>8}{'x p50 2+':>10}",
+        f"{'x p50':>8}{'x p99':>8}{'x p50 2+':>10}{'x hit':>7}{'oracle':>8}",
     ]
     for policy, row in rows.items():
         vs = row.get("vs_round_robin", {})
@@ -260,7 +266,15 @@ def format_comparison(rows: dict[str, Any]) -> str:
             f"{ms(row['ttft_p50_ms'])}{ms(row['ttft_p99_ms'])}"
             f"{ms(row['ttft_p50_ms_turns_2plus'])}{ms(row['ttft_p99_ms_turns_2plus'])}"
             f"{ratio('ttft_p50_ms'):>8}{ratio('ttft_p99_ms'):>8}"
-            f"{ratio('ttft_p50_ms_turns_2plus'):>10}"
+            f"{ratio('ttft_p50_ms_turns_2plus'):>10}{ratio('hit_rate'):>7}"
+            f"{100 * row['oracle_hit_rate']:7.1f}%"
+        )
+    base = rows.get("round_robin")
+    if base is not None and base["hit_rate"]:
+        best = max(row["oracle_hit_rate"] for row in rows.values()) / base["hit_rate"]
+        lines.append(
+            "oracle: one replica with an unlimited cache; no policy's hit rate can exceed it, "
+            f"so none can reach more than {best:.2f}x round robin's here"
         )
     return "\n".join(lines)
 
@@ -294,8 +308,12 @@ def run(args: argparse.Namespace) -> int:
     results: dict[str, dict[str, Any]] = {}
     for policy, measured in runs.items():
         results[policy] = summarize_by_turn(measured.records, measured.duration_s)
+        prompt = results[policy]["prompt_tokens"]
         results[policy].update(
-            model=measured.model, routes=measured.routes, replicas=measured.replicas
+            model=measured.model,
+            routes=measured.routes,
+            replicas=measured.replicas,
+            oracle_hit_rate=measured.oracle_cached / prompt if prompt else 0.0,
         )
     report = {
         "dataset": dataclasses.asdict(_spec(args)),

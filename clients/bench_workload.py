@@ -287,6 +287,45 @@ async def run_workload(
     return records, time.perf_counter() - t0
 
 
+def oracle_cached_tokens(
+    sessions: Sequence[Session], records: Sequence[Record], block_size: int
+) -> int:
+    """Prompt tokens an ideal cluster would have served from cache for these records: one
+    replica with an unlimited prefix cache, taking the turns in order (every session's turn 1,
+    then every turn 2, ...). A prompt reuses every full block an earlier request computed (its
+    prompt and all its output but the last token, whose KV is never written), and, as in the
+    engine, at least its last token is computed. No routing policy caches more; `deja bench sim`
+    reports the same bound. `records` are one run's (session and turn index them); failed ones
+    and the turns after them are left out, as they are of the hit rate."""
+    by_turn = {(r.session, r.turn): r for r in records if r.error is None}
+    histories = [list(s.prefix) for s in sessions]
+    seen: set[int] = set()
+    cached = 0
+    for turn in range(1, max((len(s.turns) for s in sessions), default=0) + 1):
+        for i, s in enumerate(sessions):
+            rec = by_turn.get((i, turn))
+            if rec is None or turn > len(s.turns):
+                continue
+            prompt = histories[i] + s.turns[turn - 1]
+            keys = _block_keys(prompt + rec.output_ids[:-1], block_size)
+            usable = (len(prompt) - 1) // block_size
+            hits = next((n for n, k in enumerate(keys[:usable]) if k not in seen), usable)
+            cached += hits * block_size
+            seen.update(keys)
+            histories[i] = prompt + rec.output_ids
+    return cached
+
+
+def _block_keys(tokens: Sequence[int], block_size: int) -> list[int]:
+    """Chained keys of the full blocks of `tokens` (a block's key covers all tokens before it)."""
+    keys: list[int] = []
+    parent = 0
+    for start in range(0, len(tokens) - block_size + 1, block_size):
+        parent = hash((parent, tuple(tokens[start : start + block_size])))
+        keys.append(parent)
+    return keys
+
+
 # -- statistics ----------------------------------------------------------------------------------
 
 

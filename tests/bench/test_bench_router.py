@@ -34,6 +34,11 @@ def test_bench_router_runs_each_policy_on_fresh_replicas(
     assert results["cost"]["routes"] == {"cost": 10.0}  # 9 requests and the warmup one
     assert results["cost"]["turns_2plus"]["prefix_hit_rate"] > 0.4
     assert data["comparison"]["round_robin"]["ttft_p50_ms_turns_2plus"] is not None
+    # The oracle (one replica, unlimited cache) bounds every policy's hit rate from above.
+    for policy in ("cost", "round_robin"):
+        row = data["comparison"][policy]
+        assert 0 < row["hit_rate"] <= row["oracle_hit_rate"] < 1.0
+    assert re.search(r"^oracle: .* more than \d+\.\d\dx round robin's here$", text, re.M), text
 
 
 def test_bench_router_refuses_a_rate_that_is_not_positive(

@@ -12,8 +12,10 @@ import pytest
 from clients.bench_workload import (
     DatasetSpec,
     Record,
+    Session,
     Workload,
     build_sessions,
+    oracle_cached_tokens,
     percentiles,
     run_workload,
     summarize_by_turn,
@@ -44,6 +46,29 @@ def test_datasets() -> None:
         DatasetSpec("multi-turn", num_sessions=3, num_turns=4, prefix_len=16), 512, []
     )
     assert again == mt  # seeded
+
+
+def test_oracle_cached_tokens() -> None:
+    """Block size 4: the shared prefix is 2 blocks; a turn reuses the blocks its previous turn
+    computed (not the block holding the last output token, whose KV is never written); a prompt
+    that is all cached still computes its last token; failed turns count for nothing."""
+    prefix, user = list(range(1, 9)), [20, 21, 22, 23, 24]
+    sessions = [
+        Session(prefix, [user, [30, 31, 32, 33, 34]], 3),
+        Session(prefix, [[40, 41, 42, 43, 44], [50] * 5], 3),
+        Session(prefix, [user[:4]], 3),
+    ]
+    records = [
+        Record(2, 1, prompt_tokens=12, output_ids=[9, 9, 9]),
+        Record(0, 2, prompt_tokens=21, output_ids=[5, 6, 7]),
+        Record(0, 1, prompt_tokens=13, output_ids=[100, 101, 102]),
+        Record(1, 1, prompt_tokens=13, output_ids=[7, 7, 7]),
+        Record(1, 2, prompt_tokens=21, error="UNAVAILABLE"),
+    ]
+    # s0 t1: 0; s1 t1: the prefix, 8; s2 t1 (12 tokens): 8, its third block is cached but holds
+    # its last token; s0 t2: 3 blocks of t1's 15 computed tokens, 12; s1 t2 failed.
+    assert oracle_cached_tokens(sessions, records, 4) == 28
+    assert oracle_cached_tokens(sessions, records[:1], 4) == 0
 
 
 def test_statistics() -> None:
