@@ -152,8 +152,9 @@ def serve_command(model_path: str, args: argparse.Namespace, port: int) -> list[
 def run_served(
     model_path: str, args: argparse.Namespace, prompts: list[list[int]], warmup: list[int]
 ) -> SystemResult:
-    from bench.router_cluster import ProcessGroup, free_port, wait_healthy
+    from bench.router_cluster import ProcessGroup, wait_healthy
     from clients.client import DejaClient
+    from service.common.ports import free_port
 
     port = free_port()
     target = f"127.0.0.1:{port}"

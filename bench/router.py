@@ -30,7 +30,6 @@ from typing import Any
 
 from bench.router_cluster import (
     ProcessGroup,
-    free_port,
     route_argv,
     scrape,
     serve_argv,
@@ -38,6 +37,7 @@ from bench.router_cluster import (
     wait_router_replicas,
 )
 from service.common.flags import add_bool_flag, add_flag
+from service.common.ports import free_port
 from service.router.policy import POLICIES
 
 

@@ -16,7 +16,6 @@ from __future__ import annotations
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -25,12 +24,6 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from clients.health import wait_serving
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def deja_argv(*args: str) -> list[str]:

@@ -41,6 +41,7 @@ from clients.bench_workload import token_range
 from clients.client import AsyncDejaClient, add_connection_args, build_request
 from clients.loadgen import stop_server
 from service.common.flags import add_flag
+from service.common.ports import free_port
 
 KINDS = ("random", "shared", "multi_turn", "n", "logprobs", "pin", "cancel", "deadline")
 DEFAULT_MIX = "random=3,shared=3,multi_turn=4,n=1,logprobs=1,pin=1,cancel=2,deadline=2"
@@ -396,16 +397,8 @@ async def soak(
     return 0 if verdict.ok else 1
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _spawn(args: argparse.Namespace, tmp: Path) -> tuple[subprocess.Popen[bytes], str, str]:
-    port, mport = _free_port(), _free_port()
+    port, mport = free_port(), free_port()
     argv = [
         sys.executable, "-m", "service.cli", "serve", "--host", "127.0.0.1", "--port", str(port),
         "--metrics-host", "127.0.0.1", "--metrics-port", str(mport), *shlex.split(args.serve_args),

@@ -29,7 +29,6 @@ import math
 import os
 import shlex
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -51,6 +50,7 @@ from clients.client import AsyncDejaClient, add_connection_args
 from clients.health import wait_serving
 from service.common.engine_args import add_engine_args
 from service.common.flags import add_bool_flag, add_flag, to_argv
+from service.common.ports import free_port
 
 if TYPE_CHECKING:
     from engine.async_engine import AsyncEngine
@@ -231,12 +231,6 @@ async def _bench_target(
 # -- spawned servers -------------------------------------------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _serve_argv(args: argparse.Namespace, variant: str, port: int) -> list[str]:
     """`deja serve` with this command's engine flags; the variant sets prefix caching."""
     forwarded = [a for a in args._engine_actions if a.dest != "prefix_caching"]
@@ -282,7 +276,7 @@ def spawn_server(
 ) -> tuple[subprocess.Popen[bytes], str]:
     """Starts `deja serve` (this command's engine flags + the variant) on a free port and waits
     until it is healthy; returns the process (stop it with `stop_server`) and its target."""
-    port = _free_port()
+    port = free_port()
     log = tmp / f"serve-{variant}.log"
     argv = _serve_argv(args, variant, port)
     print(f"starting {variant}: {shlex.join(argv[1:])}", file=sys.stderr)

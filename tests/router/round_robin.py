@@ -7,12 +7,12 @@ from dataclasses import dataclass, field
 
 from bench.router_cluster import (
     ProcessGroup,
-    free_port,
     route_argv,
     serve_argv,
     wait_healthy,
     wait_router_replicas,
 )
+from service.common.ports import free_port
 
 REPLICAS = ("r0", "r1")
 

@@ -26,7 +26,6 @@ import pytest
 
 from bench.router_cluster import (
     ProcessGroup,
-    free_port,
     metric_value,
     route_argv,
     scrape,
@@ -36,6 +35,7 @@ from bench.router_cluster import (
 )
 from service.api.deja.v1 import inference_pb2 as pb
 from service.api.deja.v1 import inference_pb2_grpc as pb_grpc
+from service.common.ports import free_port
 
 from .redis_proc import RedisProcess
 

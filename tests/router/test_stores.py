@@ -216,7 +216,7 @@ async def test_slow_redis_is_bounded_and_recovers(redis_proc: RedisProcess) -> N
 
 
 async def test_redis_unreachable_is_bounded_in_time() -> None:
-    from .redis_proc import free_port
+    from service.common.ports import free_port
 
     store = RedisAffinityStore(f"redis://127.0.0.1:{free_port()}/0", op_timeout_s=0.2)
     try:

@@ -4,7 +4,6 @@ as `deja serve` runs it — real grpc.aio servers on free ports, and real client
 from __future__ import annotations
 
 import asyncio
-import socket
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass
@@ -30,12 +29,6 @@ ENGINE_KWARGS: dict[str, Any] = {
     "cpu_swap_gib": 0.0,
 }
 """The tiny test engine (also what offline comparisons use)."""
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 Engine = AsyncEngine | EngineCoreClient

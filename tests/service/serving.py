@@ -16,8 +16,8 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from service.common.ports import free_port
 from service.common.rpc import SERVICE_NAME
-from tests.service.conftest import free_port
 from tests.waiting import wait_until_sync
 
 SERVING = health_pb2.HealthCheckResponse.SERVING

@@ -163,7 +163,7 @@ async def test_abort_rpc_ends_stream_with_abort(server: Harness) -> None:
 
 
 async def test_retry_on_unavailable_before_first_message(start_server: StartServer) -> None:
-    from tests.service.conftest import free_port
+    from service.common.ports import free_port
 
     port = free_port()
     client = AsyncDejaClient(f"127.0.0.1:{port}", retries=6, retry_backoff_s=0.1)
