@@ -9,9 +9,9 @@ the same multi-turn workload of `deja bench serve` through the router: sessions 
 prompt, turn t's prompt is the whole conversation so far. It prints the prefix-cache hit rate and
 time to first token (p50/p99, all turns and turns 2+) per policy, the routing reasons the router
 counted, each policy's ratios to round robin, and the oracle's hit rate (one replica with an
-unlimited cache: the most any policy can reach on the workload). Replicas run one torch thread each; with
-`--pin-cores 0,1` replica i runs on core i (`os.sched_setaffinity` through `taskset -c`, the list
-wraps around), so replicas do not share a core with each other.
+unlimited cache: the most any policy can reach on the workload). Replicas run one torch thread
+each; with `--pin-cores 0,1` replica i runs on core i (`os.sched_setaffinity` through `taskset
+-c`, the list wraps around), so replicas do not share a core with each other.
 """
 
 from __future__ import annotations

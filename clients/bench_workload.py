@@ -307,6 +307,11 @@ def oracle_cached_tokens(
             if rec is None or turn > len(s.turns):
                 continue
             prompt = histories[i] + s.turns[turn - 1]
+            if len(prompt) != rec.prompt_tokens:
+                raise ValueError(
+                    f"session {i} turn {turn}: the record's prompt has {rec.prompt_tokens} "
+                    f"tokens, its history and turn {len(prompt)}: not this workload's record"
+                )
             keys = _block_keys(prompt + rec.output_ids[:-1], block_size)
             usable = (len(prompt) - 1) // block_size
             hits = next((n for n, k in enumerate(keys[:usable]) if k not in seen), usable)

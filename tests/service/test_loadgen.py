@@ -69,6 +69,8 @@ def test_oracle_cached_tokens() -> None:
     # its last token; s0 t2: 3 blocks of t1's 15 computed tokens, 12; s1 t2 failed.
     assert oracle_cached_tokens(sessions, records, 4) == 28
     assert oracle_cached_tokens(sessions, records[:1], 4) == 0
+    with pytest.raises(ValueError, match="not this workload's record"):
+        oracle_cached_tokens(sessions, [Record(0, 1, prompt_tokens=14)], 4)
 
 
 def test_statistics() -> None:
