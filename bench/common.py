@@ -259,6 +259,12 @@ def finish_info(info: dict[str, Any]) -> str:
     return f"load avg at end {load}{note}"
 
 
+def finish_line(info: dict[str, Any]) -> str:
+    """`finish_info`'s line, with the load average at the start (`info["load_avg_at_start"]`)."""
+    start = ", ".join(f"{x:.2f}" for x in info["load_avg_at_start"])
+    return f"{finish_info(info)} (at start {start})"
+
+
 def print_header(title: str, model_path: str, info: dict[str, Any]) -> None:
     print(f"== {title} ==")
     print(f"model: {model_path}")

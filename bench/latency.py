@@ -361,8 +361,7 @@ def _run(args: argparse.Namespace) -> int:
     results = checks(served, offline, hf)
     for c in results:
         print(f"{c.name}: {c.value:.2f} (target {c.target}) {'PASS' if c.ok else 'FAIL'}")
-    end_line = common.finish_info(info)
-    print(f"{end_line} (at start {', '.join(f'{x:.2f}' for x in info['load_avg_at_start'])})")
+    print(common.finish_line(info))
     common.write_json(
         args.json,
         {

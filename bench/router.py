@@ -28,6 +28,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from bench import common
 from bench.router_cluster import (
     ProcessGroup,
     route_argv,
@@ -292,6 +293,7 @@ def run(args: argparse.Namespace) -> int:
         print("deja bench router: --request-rate must be > 0 (inf: a closed loop)", file=sys.stderr)
         return 2
     runs = {policy: _Runs() for policy in policies}
+    info: dict[str, Any] = {"load_avg_at_start": common.load_avg()}
     workload: Any = None
     with tempfile.TemporaryDirectory(prefix="deja-bench-router-") as tmp_dir:
         tmp = args.logs_dir or tmp_dir
@@ -323,7 +325,9 @@ def run(args: argparse.Namespace) -> int:
         "repeat": args.repeat,
         "results": results,
         "comparison": compare(results),
+        "machine": info,
     }
+    end_line = common.finish_line(info)
     if args.output:
         Path(args.output).write_text(json.dumps(report, indent=2, default=_json) + "\n")
     if args.json:
@@ -335,6 +339,7 @@ def run(args: argparse.Namespace) -> int:
                 counts = ", ".join(f"{k} {int(v)}" for k, v in sorted(r[key].items()))
                 print(f"  {key}: {counts}")
         print(format_comparison(report["comparison"]))
+        print(end_line)
     return 0 if all(r["failed"] == 0 for r in results.values()) else 1
 
 

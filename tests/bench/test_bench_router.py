@@ -38,6 +38,8 @@ def test_bench_router_runs_each_policy_on_fresh_replicas(
     for policy in ("cost", "round_robin"):
         row = data["comparison"][policy]
         assert 0 < row["hit_rate"] <= row["oracle_hit_rate"] < 1.0
+    assert re.search(r"^load avg at end [\d.]+, .*\(at start [\d.]+, ", text, re.M), text
+    assert len(data["machine"]["load_avg_at_start"]) == 3
     assert re.search(r"^oracle: .* more than \d+\.\d\dx round robin's here$", text, re.M), text
 
 
