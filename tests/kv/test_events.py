@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import time
-
 from engine.kv.disk_index import DiskIndex
 from engine.kv.events import (
     AllBlocksCleared,
@@ -163,23 +161,26 @@ def test_overflow_drops_everything_until_take() -> None:
     assert isinstance(ev, BlockStored) and ev.block_hashes == d.block_hashes
 
 
-def test_per_step_cost_is_small() -> None:
-    """Allocator work with events on stays within a small factor of the work with them off."""
+def test_events_per_step_do_not_grow_with_blocks() -> None:
+    """A prefill that evicts and stores a run of blocks reports two events, not one per block.
 
-    def run(with_events: bool) -> float:
-        events = KVEventBuffer(1 << 20, BS) if with_events else None
-        kv = KVCacheManager(256, BS, events=events)
-        seqs = [FakeSeq(i, [(i * 7919 + j) % 50000 for j in range(64)]) for i in range(400)]
-        t0 = time.perf_counter()
-        for s in seqs:  # 16 blocks stored each; after the pool fills, 16 evicted each
-            run_prefill(kv, s)
+    What the engine pays per step for events is bounded by the number of events it ships, so
+    this checks that number, deterministically (a timing ratio flaked on loaded CI machines;
+    speed is shown by benchmarks, not timed tests).
+    """
+    for blocks in (4, 16, 64):
+        events = KVEventBuffer(1 << 20, BS)
+        kv = KVCacheManager(2 * blocks, BS, events=events)
+        seqs = [FakeSeq(i, [(i * 7919 + j) % 50000 for j in range(blocks * BS)]) for i in range(6)]
+        for n, s in enumerate(seqs):
+            assert run_prefill(kv, s)
             kv.free(s)
-            if events is not None:
-                events.take()
-        return time.perf_counter() - t0
-
-    run(True)  # warm up
-    off = min(run(False) for _ in range(3))
-    on = min(run(True) for _ in range(3))
-    # Per prefill of 16 blocks: a few microseconds more (one event per run of blocks).
-    assert on < off * 1.6 + 0.002, (on, off)
+            out = take(events)
+            removed = [e for e in out if isinstance(e, BlockRemoved)]
+            assert out[-1] == BlockStored(s.block_hashes, None, s.token_ids, BS, "device")
+            if n < 2:  # the pool has room for two prompts: nothing to evict yet
+                assert out == [out[-1]], (blocks, n, out)
+            else:  # the oldest prompt's blocks go in one event, its tail first (freed last)
+                assert len(out) == 2, (blocks, n, out)
+                evicted = seqs[n - 2].block_hashes[::-1]
+                assert removed == [BlockRemoved(evicted, "device")]

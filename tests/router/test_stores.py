@@ -178,7 +178,8 @@ async def test_redis_down_fails_fast_and_reconnects(redis_proc: RedisProcess) ->
         t0 = time.monotonic()
         with pytest.raises(AffinityStoreError):
             await store.list_replicas()
-        assert time.monotonic() - t0 < 0.05, "calls must fail fast while the store is down"
+        # Well under the 0.3 s a call would wait for Redis (room for a loaded CI machine).
+        assert time.monotonic() - t0 < 0.2, "calls must fail fast while the store is down"
 
         redis_proc.start()
         for _ in range(100):
