@@ -248,27 +248,31 @@ def load_avg() -> list[float]:
         return []
 
 
+def format_load(values: Sequence[float]) -> str:
+    """Load averages as the report lines print them: "0.52, 0.61, 0.70"."""
+    return ", ".join(f"{x:.2f}" for x in values)
+
+
 def finish_info(info: dict[str, Any]) -> str:
     """Records the load average at the end in `info`; returns a line saying whether the machine
     was busy with other work during the run (the figures are then noisier)."""
     end = load_avg()
     info["load_avg_at_end"] = end
     busy = bool(end) and end[1] > (os.cpu_count() or 1) + 0.5
-    load = ", ".join(f"{x:.2f}" for x in end)
+    load = format_load(end)
     note = " (busy with other work: figures are noisy)" if busy else ""
     return f"load avg at end {load}{note}"
 
 
 def finish_line(info: dict[str, Any]) -> str:
     """`finish_info`'s line, with the load average at the start (`info["load_avg_at_start"]`)."""
-    start = ", ".join(f"{x:.2f}" for x in info["load_avg_at_start"])
-    return f"{finish_info(info)} (at start {start})"
+    return f"{finish_info(info)} (at start {format_load(info['load_avg_at_start'])})"
 
 
 def print_header(title: str, model_path: str, info: dict[str, Any]) -> None:
     print(f"== {title} ==")
     print(f"model: {model_path}")
-    load = ", ".join(f"{x:.2f}" for x in info["load_avg_at_start"])
+    load = format_load(info["load_avg_at_start"])
     print(
         f"machine: {info['cpu']}, {info['cores']} cores, torch {info['torch']} "
         f"({info['torch_threads']} threads), transformers {info['transformers']}, load avg {load}"

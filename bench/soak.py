@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from bench.common import format_load, load_avg
 from bench.soak_report import EndState, Sample, format_row, format_table, judge
 from clients.bench_workload import token_range
 from clients.client import AsyncDejaClient, add_connection_args, build_request
@@ -393,7 +394,7 @@ async def soak(
     for err in tally.errors:
         print(f"  failed: {err}")
     print(verdict.format())
-    print(f"load average: {' '.join(Path('/proc/loadavg').read_text().split()[:3])}")
+    print(f"load average: {format_load(load_avg())}")
     return 0 if verdict.ok else 1
 
 
