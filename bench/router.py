@@ -99,7 +99,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _spec(args: argparse.Namespace) -> Any:
-    from clients.bench_workload import DatasetSpec
+    from bench.workload import DatasetSpec
 
     return DatasetSpec(
         name="multi-turn",
@@ -130,9 +130,9 @@ class _Runs:
 async def _drive(
     target: str, args: argparse.Namespace, label: str, workload: Any, runs: _Runs
 ) -> Any:
-    from clients.bench_workload import Workload, oracle_cached_tokens
+    from bench.loadgen import GrpcBackend, run_measured
+    from bench.workload import Workload, oracle_cached_tokens
     from clients.client import AsyncDejaClient
-    from clients.loadgen import GrpcBackend, run_measured
 
     client = AsyncDejaClient(target, retries=0)
     try:
@@ -281,8 +281,8 @@ def format_comparison(rows: dict[str, Any]) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    from clients.bench_workload import summarize_by_turn
-    from clients.loadgen import format_result
+    from bench.loadgen import format_result
+    from bench.workload import summarize_by_turn
 
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
     bad = [p for p in policies if p not in POLICIES]

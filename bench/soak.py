@@ -37,10 +37,10 @@ from pathlib import Path
 from typing import Any
 
 from bench.common import format_load, load_avg
+from bench.loadgen import stop_server
 from bench.soak_report import EndState, Sample, format_row, format_table, judge
-from clients.bench_workload import token_range
+from bench.workload import token_range
 from clients.client import AsyncDejaClient, add_connection_args, build_request
-from clients.loadgen import stop_server
 from service.common.flags import add_flag
 from service.common.ports import free_port
 

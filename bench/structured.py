@@ -55,10 +55,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     common.setup_torch(args.threads)
-    from engine.llm import LLM
-    from engine.sampling_params import SamplingParams
-    from engine.structured import ResponseFormat
-    from engine.structured.compiler import GrammarCompilerPool
+    from engine.frontend.llm import LLM
+    from engine.sample.sampling_params import SamplingParams
+    from engine.sample.structured import ResponseFormat
+    from engine.sample.structured.compiler import GrammarCompilerPool
 
     n_req = 8 if args.quick else args.requests
     max_tokens = 24 if args.quick else args.max_tokens

@@ -14,8 +14,9 @@ from typing import TextIO
 
 import grpc
 
-from clients.client import ChatSession, add_connection_args, client_from_args
+from clients.client import add_connection_args, client_from_args
 from clients.generate_cmd import add_sampling_args, sampling_from_args
+from clients.session import ChatSession
 from service.common.flags import add_flag
 
 HELP = "commands: /reset, /usage, /quit"

@@ -568,12 +568,8 @@ def client_from_args(args: argparse.Namespace) -> DejaClient:
     )
 
 
-from clients.session import AsyncChatSession, ChatSession  # noqa: E402  (re-exported)
-
 __all__ = [
-    "AsyncChatSession",
     "AsyncDejaClient",
-    "ChatSession",
     "DejaClient",
     "GenerateResult",
     "build_request",

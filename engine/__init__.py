@@ -6,10 +6,10 @@ from typing import TYPE_CHECKING, Any
 
 from engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from engine.outputs import CompletionOutput, RequestOutput
-from engine.sampling_params import SamplingParams
+from engine.sample.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
-    from engine.llm import LLM
+    from engine.frontend.llm import LLM
 
 __all__ = [
     "LLM",
@@ -26,7 +26,7 @@ __all__ = [
 def __getattr__(name: str) -> Any:
     # LLM pulls in torch and transformers; import it only when asked for.
     if name == "LLM":
-        from engine.llm import LLM
+        from engine.frontend.llm import LLM
 
         return LLM
     raise AttributeError(name)

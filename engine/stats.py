@@ -71,7 +71,7 @@ class TierStats:
 
 @dataclass(slots=True)
 class GrammarCacheStats:
-    """Structured outputs: the engine's grammar compile cache (engine/structured/compiler.py)."""
+    """Structured outputs: the engine's grammar compile cache (engine/sample/structured/compiler.py)."""
 
     entries: int = 0
     """Compiled (or compiling) grammars held in the cache."""
@@ -122,13 +122,13 @@ class EngineStats:
     active_tokens: int = 0
     """KV tokens computed for the running sequences."""
     prefill_tokens_per_s: float = 0.0
-    """Measured (engine/step_rates.py); 0.0 until a prefill step ran."""
+    """Measured (engine/core/step_rates.py); 0.0 until a prefill step ran."""
     decode_seq_s: float = 0.0
     """Measured step seconds per decoding sequence; 0.0 until a decode-only step ran."""
     step_tokens: int = 0
     """The scheduler's token budget per step."""
     utilisation: float = 0.0
-    """Share of the last ~120 s spent in steps (engine/step_rates.py)."""
+    """Share of the last ~120 s spent in steps (engine/core/step_rates.py)."""
 
     @property
     def prefix_hit_rate(self) -> float:

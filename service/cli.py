@@ -1,6 +1,6 @@
 """The `deja` console script: one entry point, one subcommand per module.
 
-Each command module exposes `add_arguments(parser)` and `run(args) -> int` and must be cheap to
+Commands are registered as entry points (group `deja.commands`). Each command module exposes `add_arguments(parser)` and `run(args) -> int` and must be cheap to
 import (no torch at module level), so `deja --help` stays fast. Commands whose module is not
 installed (yet) are left out without breaking the others.
 """
@@ -11,29 +11,21 @@ import argparse
 import importlib
 import sys
 from collections.abc import Sequence
+from importlib.metadata import entry_points
 from types import ModuleType
 
 from service.common.flags import EnvError
 
-COMMANDS: dict[str, str] = {
-    "serve": "service.replica.command",
-    "route": "service.router.command",
-    "chat": "clients.chat",
-    "generate": "clients.generate_cmd",
-    "bench serve": "clients.loadgen",
-    "bench offline": "bench.offline",
-    "bench prefix": "bench.prefix",
-    "bench tiers": "bench.tiers",
-    "bench kernels": "bench.kernels",
-    "bench gpu": "bench.gpu_engine",
-    "bench tiers-gpu": "bench.tiers_gpu",
-    "bench router": "bench.router",
-    "bench latency": "bench.latency",
-    "bench structured": "bench.structured",
-    "bench soak": "bench.soak",
-    "bench sim": "bench.sim.cmd",
-}
-"""Command words -> module. Add an entry to add a command."""
+COMMAND_GROUP = "deja.commands"
+"""The entry-point group that lists the commands (pyproject.toml's
+`[project.entry-points."deja.commands"]`): the name is the command's words joined by dots, the
+value its module. Each package registers its own commands there, so this dispatcher imports none
+of the packages above it (clients/, bench/)."""
+
+
+def commands() -> dict[str, str]:
+    """Command words -> module, in the order the package metadata lists them."""
+    return {ep.name.replace(".", " "): ep.value for ep in entry_points(group=COMMAND_GROUP)}
 
 
 def _load(module_name: str) -> ModuleType | None:
@@ -64,7 +56,7 @@ def build_parser() -> argparse.ArgumentParser:
     groups: dict[tuple[str, ...], argparse._SubParsersAction[argparse.ArgumentParser]] = {
         (): parser.add_subparsers(title="commands", metavar="COMMAND")
     }
-    for name, module_name in COMMANDS.items():
+    for name, module_name in commands().items():
         module = _load(module_name)
         if module is None:
             continue

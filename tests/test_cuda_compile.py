@@ -198,7 +198,7 @@ def test_loaders_import_without_cupy() -> None:
     code = (
         "import sys\n"
         "import cuda.paged_attention, cuda.prefill_attention, cuda.block_copy\n"
-        "import cuda.reshape_and_cache, engine.attention.cupy_backend\n"
+        "import cuda.reshape_and_cache, engine.worker.attention.cupy_backend\n"
         "assert 'cupy' not in sys.modules, 'cupy imported at module import time'\n"
     )
     root = Path(__file__).resolve().parents[1]

@@ -163,7 +163,7 @@ def make_attention_metadata(
     """
     import torch
 
-    from engine.attention.base import AttentionMetadata
+    from engine.worker.attention.base import AttentionMetadata
 
     slots: list[int] = []
     positions: list[int] = []

@@ -26,8 +26,8 @@ def measure(model_path: str, *, num_threads: int = 1) -> dict[str, Any]:
     """Rows of (prefill tokens, decode seqs, decode context tokens, seconds) and the fit."""
 
     from engine.config import EngineConfig
-    from engine.llm_engine import LLMEngine
-    from engine.sampling_params import SamplingParams
+    from engine.frontend.llm_engine import LLMEngine
+    from engine.sample.sampling_params import SamplingParams
 
     eng = LLMEngine(
         EngineConfig.from_kwargs(

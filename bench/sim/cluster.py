@@ -22,8 +22,8 @@ from typing import Any, TypeVar
 from bench.sim.profile import CostModel
 from bench.sim.replica import SimReplica, SimSeq
 from bench.sim.workload import Session, Turn, Workload
+from engine.frontend.prompt import prompt_block_hashes
 from engine.kv.hashing import BlockHash
-from engine.prompt import prompt_block_hashes
 from service.affinity.base import ReplicaInfo
 from service.affinity.config import AffinityConfig
 from service.affinity.memory import MemoryAffinityStore

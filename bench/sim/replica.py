@@ -1,4 +1,4 @@
-"""A simulated replica: engine/scheduler.py's step rule over an LRU prefix cache of block hashes.
+"""A simulated replica: engine/core/scheduler.py's step rule over an LRU prefix cache of block hashes.
 
 Each step: running sequences, oldest first, get one decode token or their next prefill chunk
 while the token budget lasts; then waiting requests are admitted first come, first served, each
@@ -15,8 +15,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from bench.sim.profile import CostModel
+from engine.core.step_rates import StepRates
 from engine.kv.hashing import BlockHash
-from engine.step_rates import StepRates
 
 
 @dataclass(slots=True)

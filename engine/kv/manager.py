@@ -31,7 +31,7 @@ from engine.kv.plan import KVPlan
 
 
 class SeqLike(Protocol):
-    """What the manager reads of a sequence (engine.sequence.Sequence satisfies it)."""
+    """What the manager reads of a sequence (engine.core.sequence.Sequence satisfies it)."""
 
     seq_id: int
     token_ids: list[int]

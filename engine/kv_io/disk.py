@@ -44,8 +44,8 @@ import xxhash
 from engine.kv.hashing import BlockHash
 from engine.kv_io.disk_dir import block_path, enforce_budget, scan, unlink
 from engine.kv_io.disk_warm import WarmStart
-from engine.model_loader import safetensors_files
 from engine.stats import BufferStats
+from engine.worker.model_loader import safetensors_files
 
 log = logging.getLogger(__name__)
 

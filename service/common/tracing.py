@@ -28,7 +28,7 @@ from opentelemetry.trace import Span, SpanKind, Status, StatusCode, Tracer
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
 from engine.outputs import RequestOutput
-from engine.sampling_params import SamplingParams
+from engine.sample.sampling_params import SamplingParams
 
 TRACER_NAME = "deja.service"
 _PROPAGATOR = TraceContextTextMapPropagator()

@@ -40,8 +40,8 @@ from dataclasses import dataclass, replace
 
 from prometheus_client import CollectorRegistry, Counter
 
+from engine.frontend.prompt import prompt_block_hashes
 from engine.kv.hashing import BlockHash
-from engine.prompt import prompt_block_hashes
 from engine.stats import EngineStats, ModelInfo
 from service.affinity.base import (
     AffinityStore,

@@ -9,7 +9,7 @@ streams get --grace-period seconds to finish, the rest are aborted, and the disk
 writes are flushed (within the grace period) before exit.
 
 The engine's step loop runs in a process of its own (`--engine-core process`, the default; see
-engine/core.py); if that process dies, open streams end with INTERNAL, new calls get UNAVAILABLE,
+engine/core/core_process.py); if that process dies, open streams end with INTERNAL, new calls get UNAVAILABLE,
 health turns NOT_SERVING and `deja serve` exits with status 1 so an orchestrator restarts it.
 """
 
@@ -110,10 +110,10 @@ def start_engine(
     """Loads the model and starts the step loop (blocking): in an engine-core process, or in a
     thread of this process. Raises RuntimeError when the engine core cannot start."""
     if mode == "process":
-        from engine.core_client import EngineCoreClient
+        from engine.frontend.core_client import EngineCoreClient
 
         return EngineCoreClient(config, stream_buffer=stream_buffer, log_level=log_level)
-    from engine.async_engine import AsyncEngine
+    from engine.frontend.async_engine import AsyncEngine
 
     engine = AsyncEngine.from_config(config, stream_buffer=stream_buffer)
     engine.start()

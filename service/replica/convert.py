@@ -10,9 +10,9 @@ from google.protobuf.message import Message
 
 from engine.kv.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 from engine.outputs import CompletionOutput, RequestOutput
-from engine.sampling_params import SamplingParams
+from engine.sample.sampling_params import SamplingParams
+from engine.sample.structured.spec import ResponseFormat
 from engine.stats import EngineStats, ModelInfo
-from engine.structured.spec import ResponseFormat
 from service.api.deja.v1 import inference_pb2 as pb
 from service.replica.kv_events import KvBatch
 

@@ -43,7 +43,7 @@ from opentelemetry.trace import Span
 from engine.errors import EngineDeadError, StreamOverflowError
 from engine.kv.events import KVEventBatch, KVSnapshot
 from engine.outputs import RequestOutput
-from engine.sampling_params import SamplingParams
+from engine.sample.sampling_params import SamplingParams
 from engine.stats import EngineStats, ModelInfo
 from service.api.deja.v1 import inference_pb2 as pb
 from service.common.auth import Auth, Unauthenticated, derive_cache_salt
@@ -62,8 +62,8 @@ _NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 
 
 class Engine(Protocol):
-    """What the server needs from an engine: engine.core_client.EngineCoreClient (the engine core
-    in its own process) or engine.async_engine.AsyncEngine (the step loop in a thread)."""
+    """What the server needs from an engine: engine.frontend.core_client.EngineCoreClient (the engine core
+    in its own process) or engine.frontend.async_engine.AsyncEngine (the step loop in a thread)."""
 
     @property
     def model_info(self) -> ModelInfo: ...

@@ -1,6 +1,6 @@
 """The router's view of a prompt: its token ids and block-hash chain, exactly as a replica's.
 
-Both come from `engine/prompt.py`, the one rule the engine uses too, with the replica's model
+Both come from `engine/frontend/prompt.py`, the one rule the engine uses too, with the replica's model
 id, block size and the cache salt the replica will use (`service.common.auth.derive_cache_salt`).
 Without a tokenizer only token-id prompts get a chain.
 """
@@ -13,8 +13,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from engine.frontend.prompt import prompt_block_hashes, tokenize_prompt
 from engine.kv.hashing import BlockHash
-from engine.prompt import prompt_block_hashes, tokenize_prompt
 from service.api.deja.v1 import inference_pb2 as pb
 from service.common.auth import Auth, Unauthenticated, derive_cache_salt
 
@@ -26,7 +26,7 @@ def load_router_tokenizer(model: str | None, cache_dir: str) -> Any | None:
     if not model:
         return None
     from engine.demo import resolve_model_path
-    from engine.model_loader import load_tokenizer
+    from engine.worker.model_loader import load_tokenizer
 
     return load_tokenizer(resolve_model_path(model, Path(cache_dir).expanduser()))
 

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.attention.cupy_backend import CupyAttentionBackend
-from engine.attention.torch_ref import TorchAttentionBackend
+from engine.worker.attention.cupy_backend import CupyAttentionBackend
+from engine.worker.attention.torch_ref import TorchAttentionBackend
 from tests.cuda_emu.emulator import Emulator
 from tests.cuda_emu.test_emulated_kernels import _names
 from tests.kernel_reference import make_case, tolerance
@@ -126,14 +126,14 @@ def test_engine_greedy_tokens_match_torch_backend(
     expected = [o.token_ids for o in torch_llm.generate(prompts, params)]
 
     emulator.install(monkeypatch)
-    import engine.llm_engine
+    import engine.frontend.llm_engine
 
     def emulated_backend(name: str, device: torch.device) -> CupyAttentionBackend:
         b = object.__new__(CupyAttentionBackend)
         b._setup(device, fallback=False)
         return b
 
-    monkeypatch.setattr(engine.llm_engine, "get_attention_backend", emulated_backend)
+    monkeypatch.setattr(engine.frontend.llm_engine, "get_attention_backend", emulated_backend)
     emulator.launches.clear()
     cupy_llm = LLM(model=str(llama64), attention_backend="torch", **kwargs)  # patched factory
     got = [o.token_ids for o in cupy_llm.generate(prompts, params)]

@@ -8,7 +8,7 @@ import random
 import pytest
 import torch
 
-from engine.attention import TorchAttentionBackend, get_attention_backend
+from engine.worker.attention import TorchAttentionBackend, get_attention_backend
 from tests.tiny_models import make_attention_metadata
 
 torch.set_num_threads(2)

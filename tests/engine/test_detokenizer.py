@@ -10,8 +10,8 @@ from hypothesis import strategies as st
 from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
-from engine.detokenizer import IncrementalDetokenizer
-from engine.sampling_params import SamplingParams
+from engine.core.detokenizer import IncrementalDetokenizer
+from engine.sample.sampling_params import SamplingParams
 
 _CORPUS = [
     "the quick brown fox jumps over the lazy dog",

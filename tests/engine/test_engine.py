@@ -9,10 +9,10 @@ from pathlib import Path
 import pytest
 
 from engine import LLM, SamplingParams
-from engine.async_engine import AsyncEngine
 from engine.config import EngineConfig
 from engine.errors import StreamOverflowError
-from engine.llm_engine import LLMEngine
+from engine.frontend.async_engine import AsyncEngine
+from engine.frontend.llm_engine import LLMEngine
 from tests.waiting import wait_until
 
 

@@ -9,8 +9,8 @@ from pathlib import Path
 import torch
 
 from engine import LLM, SamplingParams
-from engine.host_memory import HostMemoryTrimmer
 from engine.kv_io.disk import DiskFiles
+from engine.kv_io.host_memory import HostMemoryTrimmer
 from engine.stats import BufferStats
 from service.replica.convert import cache_stats_message
 

@@ -13,18 +13,18 @@ from typing import Any
 import pytest
 import torch
 
-from engine.attention import TorchAttentionBackend
 from engine.config import ModelConfig
-from engine.model_loader import (
+from engine.frontend.prompt import apply_chat_template
+from engine.worker.attention import TorchAttentionBackend
+from engine.worker.model_loader import (
     eos_token_ids,
     kv_dims,
     load_model,
     load_tokenizer,
     read_hf_config,
 )
-from engine.models import get_model_class, model_family
-from engine.models.llama import LlamaForCausalLM, rope_inv_freq
-from engine.prompt import apply_chat_template
+from engine.worker.models import get_model_class, model_family
+from engine.worker.models.llama import LlamaForCausalLM, rope_inv_freq
 from tests.tiny_models import build_tiny_llama, make_attention_metadata
 
 torch.set_num_threads(2)

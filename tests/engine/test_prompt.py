@@ -1,4 +1,4 @@
-"""engine/prompt.py: the one rule for a prompt's token ids and hash chain (engine and router)."""
+"""engine/frontend/prompt.py: the one rule for a prompt's token ids and hash chain (engine and router)."""
 
 from __future__ import annotations
 
@@ -6,9 +6,9 @@ from pathlib import Path
 
 import pytest
 
+from engine.frontend.prompt import prompt_block_hashes, prompt_hash_extra, tokenize_prompt
 from engine.kv.hashing import extra_keys, hash_blocks
-from engine.model_loader import load_tokenizer
-from engine.prompt import prompt_block_hashes, prompt_hash_extra, tokenize_prompt
+from engine.worker.model_loader import load_tokenizer
 
 MESSAGES = [
     {"role": "system", "content": "You are a helpful assistant."},

@@ -10,10 +10,10 @@ import numpy as np
 import pytest
 import torch
 
-from engine.sampler import Sampler, SamplingRow
-from engine.sampling_params import SamplingParams
-from engine.structured import ResponseFormat
-from engine.structured.bitmask import TokenMask, pack_allowed
+from engine.sample.sampler import Sampler, SamplingRow
+from engine.sample.sampling_params import SamplingParams
+from engine.sample.structured import ResponseFormat
+from engine.sample.structured.bitmask import TokenMask, pack_allowed
 
 V = 32
 EOS = 3

@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from engine.step_rates import StepRates
+from engine.core.step_rates import StepRates
 
 
 def _steps(overhead: float, per_token: float, per_seq: float, n: int, seed: int) -> list:

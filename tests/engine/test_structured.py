@@ -12,12 +12,12 @@ import numpy as np
 import pytest
 import torch
 
-from engine.llm import LLM
-from engine.sampling_params import SamplingParams
-from engine.sequence import Request
-from engine.structured import ResponseFormat
-from engine.structured.bitmask import TokenMask, apply_token_mask, pack_allowed
-from engine.structured.compiler import validate_response_format
+from engine.core.sequence import Request
+from engine.frontend.llm import LLM
+from engine.sample.sampling_params import SamplingParams
+from engine.sample.structured import ResponseFormat
+from engine.sample.structured.bitmask import TokenMask, apply_token_mask, pack_allowed
+from engine.sample.structured.compiler import validate_response_format
 from tests.engine.structured_cases import (
     CHOICES,
     REGEX,
@@ -97,7 +97,7 @@ def test_pack_allowed_matches_a_reference() -> None:
 @pytest.mark.parametrize("subset", [False, True])
 def test_apply_token_mask_matches_a_reference(host_unpacked: bool, subset: bool) -> None:
     """Masked rows get -inf where not allowed; rows outside `rows` stay untouched."""
-    from engine.structured.bitmask import unpack_banned
+    from engine.sample.structured.bitmask import unpack_banned
 
     gen = torch.Generator().manual_seed(0)
     vocab = 100
@@ -122,7 +122,7 @@ def test_mask_filler_fills_copies_filters_and_skips_free_rows() -> None:
     by two rows is copied; free rows get no mask row."""
     import xgrammar as xgr
 
-    from engine.structured.mask_filler import TokenMaskFiller
+    from engine.sample.structured.mask_filler import TokenMaskFiller
 
     vocab = ["a", "b", "c", "</s>"] + [f"t{i}" for i in range(60)]  # 64 tokens, W = 2
     info = xgr.TokenizerInfo(vocab, stop_token_ids=[3])

@@ -12,10 +12,10 @@ from typing import Any
 import pytest
 
 from engine import LLM, SamplingParams
+from engine.core.scheduler import SchedulerOutput
+from engine.frontend.llm_engine import LLMEngine
 from engine.kv.hashing import hash_blocks
-from engine.llm_engine import LLMEngine
 from engine.outputs import RequestOutput
-from engine.scheduler import SchedulerOutput
 
 BS = 16
 MAX_TOKENS = 6

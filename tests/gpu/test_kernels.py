@@ -21,8 +21,8 @@ pytestmark = [
 
 from cuda import block_copy, paged_attention, reshape_and_cache  # noqa: E402
 from cuda.cupy_launch import DTYPES, attention_configs  # noqa: E402
-from engine.attention.cupy_backend import CupyAttentionBackend  # noqa: E402
-from engine.attention.torch_ref import TorchAttentionBackend  # noqa: E402
+from engine.worker.attention.cupy_backend import CupyAttentionBackend  # noqa: E402
+from engine.worker.attention.torch_ref import TorchAttentionBackend  # noqa: E402
 from tests import kernel_reference as kref  # noqa: E402
 from tests.tiny_models import make_attention_metadata  # noqa: E402
 

@@ -14,7 +14,7 @@ from collections.abc import AsyncIterator
 import grpc
 import pytest
 
-from engine.prompt import prompt_block_hashes
+from engine.frontend.prompt import prompt_block_hashes
 from service.affinity import AffinityConfig
 from service.affinity.base import ReplicaInfo
 from service.affinity.redis_store import RedisAffinityStore

@@ -7,10 +7,10 @@ from pathlib import Path
 
 import pytest
 
-from engine.async_engine import AsyncEngine
 from engine.config import EngineConfig
-from engine.prompt import prompt_block_hashes
-from engine.sampling_params import SamplingParams
+from engine.frontend.async_engine import AsyncEngine
+from engine.frontend.prompt import prompt_block_hashes
+from engine.sample.sampling_params import SamplingParams
 from engine.stats import EngineStats
 from service.affinity import AffinityConfig, AffinityStore, ReplicaInfo
 from service.affinity.memory import MemoryAffinityStore

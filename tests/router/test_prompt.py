@@ -1,10 +1,10 @@
-"""The router's view of a request: engine/prompt.py on the proto's input, the replica's salt."""
+"""The router's view of a request: engine/frontend/prompt.py on the proto's input, the replica's salt."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from engine.prompt import prompt_block_hashes, tokenize_prompt
+from engine.frontend.prompt import prompt_block_hashes, tokenize_prompt
 from service.api.deja.v1 import inference_pb2 as pb
 from service.common.auth import derive_cache_salt
 from service.router.prompt import PromptHasher, load_router_tokenizer

@@ -6,7 +6,7 @@ from pathlib import Path
 
 from prometheus_client import CollectorRegistry
 
-from engine.prompt import prompt_block_hashes
+from engine.frontend.prompt import prompt_block_hashes
 from engine.stats import EngineStats
 from service.affinity import AffinityConfig, ReplicaInfo
 from service.affinity.memory import MemoryAffinityStore
@@ -103,8 +103,8 @@ async def test_restarted_replica_republishes_what_its_disk_tier_holds(
     tiny_llama_path: Path, tmp_path: Path
 ) -> None:
     from engine import LLM, SamplingParams
-    from engine.async_engine import AsyncEngine
     from engine.config import EngineConfig
+    from engine.frontend.async_engine import AsyncEngine
 
     prompt = [(7 * i) % 400 + 10 for i in range(200)]  # 12 full blocks of 16
     llm = LLM(

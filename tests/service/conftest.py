@@ -14,9 +14,9 @@ import pytest
 from opentelemetry.sdk.trace import TracerProvider
 
 from clients.client import AsyncDejaClient
-from engine.async_engine import AsyncEngine
 from engine.config import EngineConfig
-from engine.core_client import EngineCoreClient
+from engine.frontend.async_engine import AsyncEngine
+from engine.frontend.core_client import EngineCoreClient
 from service.replica.config import ServiceConfig
 from service.replica.server import Replica, serve
 

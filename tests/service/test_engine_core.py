@@ -14,7 +14,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from clients.client import DejaClient
 from engine import LLM, SamplingParams
-from engine.core_client import EngineCoreClient
+from engine.frontend.core_client import EngineCoreClient
 from service.common.failover import ENGINE_DEAD_KEY, engine_dead_before_output
 from tests.service.conftest import ENGINE_KWARGS, StartServer, make_engine
 from tests.service.serving import NOT_SERVING, alive, health, serving

@@ -14,7 +14,7 @@ import grpc
 import pytest
 
 from clients.client import AsyncDejaClient, build_request
-from engine.async_engine import AsyncEngine
+from engine.frontend.async_engine import AsyncEngine
 from service.api.deja.v1 import inference_pb2 as pb
 from service.api.deja.v1 import inference_pb2_grpc as pb_grpc
 from service.replica import convert

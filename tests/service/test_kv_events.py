@@ -10,7 +10,7 @@ import grpc
 import pytest
 
 from clients.client import AsyncDejaClient
-from engine.prompt import prompt_block_hashes
+from engine.frontend.prompt import prompt_block_hashes
 from service.api.deja.v1 import inference_pb2 as pb
 from tests.service.conftest import Engine, StartServer, make_engine
 from tests.waiting import wait_until

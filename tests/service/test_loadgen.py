@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from clients.bench_workload import (
+from bench.loadgen import compare
+from bench.workload import (
     DatasetSpec,
     Record,
     Session,
@@ -20,7 +21,6 @@ from clients.bench_workload import (
     run_workload,
     summarize_by_turn,
 )
-from clients.loadgen import compare
 from service import cli
 from tests.service.conftest import Harness
 

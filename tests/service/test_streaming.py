@@ -8,7 +8,8 @@ from pathlib import Path
 import grpc
 import pytest
 
-from clients.client import AsyncChatSession, AsyncDejaClient, DejaClient, GenerateResult
+from clients.client import AsyncDejaClient, DejaClient, GenerateResult
+from clients.session import AsyncChatSession
 from engine import LLM, SamplingParams
 from service.api.deja.v1 import inference_pb2 as pb
 from tests.service.conftest import ENGINE_KWARGS, Harness, StartServer

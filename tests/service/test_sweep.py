@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from clients.bench_workload import DatasetSpec, Workload
-from clients.sweep import TARGET_RATIO, offline_closed_loop, parse_levels, sweep_rows
+from bench.sweep import TARGET_RATIO, offline_closed_loop, parse_levels, sweep_rows
+from bench.workload import DatasetSpec, Workload
 from engine import LLM, SamplingParams
 from service import cli
 

@@ -1,0 +1,446 @@
+"""`deja bench serve`: load-test a replica over gRPC (TTFT, TPOT, ITL, e2e, throughput, hits).
+
+    # against a running server
+    deja bench serve --target localhost:50051 --dataset random --num-prompts 64 --input-len 256
+
+    # concurrency sweep: a spawned server vs the offline engine on the same requests, one table
+    deja bench serve --spawn-servers cache-on --sweep-concurrency 1,4,16,64 --compare-offline \\
+        --model demo --dataset random --num-prompts 64 --input-len 256 --output-len 32
+
+    # multi-turn chat: 16 sessions x 4 turns sharing a 512-token system prompt, run against two
+    # local servers (prefix caching on, then off) started by the command itself, plus the engine
+    # in-process on the same requests (gRPC streaming overhead)
+    deja bench serve --spawn-servers cache-on,cache-off --compare-in-process --model demo \\
+        --dataset multi-turn --num-sessions 16 --num-turns 4 --prefix-len 512 \\
+        --input-len 32 --output-len 32 --max-concurrency 4
+
+Requests are token ids (random ordinary tokens), greedy, with ignore_eos so every answer has
+--output-len tokens. Reports percentiles in ms; for multi-turn also turn 1 and turns 2+
+separately. --json prints the results as JSON instead of text.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import json
+import math
+import os
+import shlex
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from bench.workload import (
+    DATASETS,
+    DatasetSpec,
+    Progress,
+    Record,
+    Workload,
+    run_workload,
+    summarize_by_turn,
+)
+from clients.client import AsyncDejaClient, add_connection_args
+from clients.health import wait_serving
+from service.common.engine_args import add_engine_args
+from service.common.flags import add_bool_flag, add_flag, to_argv
+from service.common.ports import free_port
+
+if TYPE_CHECKING:
+    from engine.frontend.async_engine import AsyncEngine
+
+VARIANTS = {"cache-on": ["--prefix-caching"], "cache-off": ["--no-prefix-caching"]}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_connection_args(parser)
+    g = parser.add_argument_group("workload")
+    add_flag(g, "--dataset", default="random", choices=DATASETS, help="What to send.")
+    add_flag(g, "--num-prompts", type=int, default=64, help="random / shared-prefix requests.")
+    add_flag(
+        g,
+        "--input-len",
+        type=int,
+        default=256,
+        help="Prompt tokens (shared-prefix: suffix; multi-turn: user message).",
+    )
+    add_flag(g, "--output-len", type=int, default=32, help="Generated tokens per request.")
+    add_flag(g, "--range-ratio", type=float, default=0.0, help="Input length spread (0-1).")
+    add_flag(
+        g,
+        "--prefix-len",
+        type=int,
+        default=512,
+        help="Shared prefix (shared-prefix) or system prompt (multi-turn) tokens.",
+    )
+    add_flag(g, "--num-groups", type=int, default=4, help="shared-prefix: distinct prefixes.")
+    add_flag(g, "--num-sessions", type=int, default=16, help="multi-turn: conversations.")
+    add_flag(g, "--num-turns", type=int, default=4, help="multi-turn: turns per conversation.")
+    add_flag(g, "--dataset-seed", type=int, default=0)
+    add_flag(g, "--max-concurrency", type=int, default=8, help="Requests in flight (0: no cap).")
+    add_flag(
+        g,
+        "--request-rate",
+        type=float,
+        default=math.inf,
+        help="Poisson arrivals per second (inf: as fast as concurrency allows).",
+    )
+    add_flag(g, "--warmup-requests", type=int, default=2, help="Unmeasured requests first.")
+    add_bool_flag(g, "--json", default=False, help="Print JSON instead of text.")
+    add_flag(g, "--output", help="Also write the JSON results to this file.")
+    add_bool_flag(g, "--progress", default=True, help="Progress bar on stderr.")
+    s = parser.add_argument_group("spawned servers / in-process engine")
+    add_flag(
+        s,
+        "--spawn-servers",
+        help="Comma-separated variants to start locally and bench in turn: cache-on, cache-off. "
+        "They use the engine flags below.",
+    )
+    add_bool_flag(
+        s,
+        "--compare-in-process",
+        default=False,
+        help="Also run the workload on the engine in this process (gRPC overhead).",
+    )
+    add_flag(s, "--server-args", default="", help="Extra `deja serve` flags for spawned servers.")
+    add_flag(
+        s,
+        "--sweep-concurrency",
+        help="Comma-separated concurrency levels (e.g. 1,4,16,64): run the workload at each "
+        "level against --target or the one --spawn-servers variant, print one table. Each level "
+        "gets its own prompts (seed + level index: no prefix-cache hits across levels) and at "
+        "least as many requests as its concurrency. random / shared-prefix datasets only.",
+    )
+    add_bool_flag(
+        s,
+        "--compare-offline",
+        default=False,
+        help="With --sweep-concurrency: also run every level on the offline engine, after the "
+        "server has stopped, on the very same requests. Offline at concurrency c = a closed loop "
+        "in this process's main thread: LLMEngine.add_request keeps c requests in flight, "
+        "step() runs them, a finished request is replaced before the next step (the client's "
+        "discipline, without gRPC, asyncio or threads; same engine flags as the server). "
+        "Target: served output tok/s >= 0.95 x offline at every level.",
+    )
+    add_flag(s, "--server-start-timeout", type=float, default=900.0, help="Seconds to wait.")
+    parser.set_defaults(_engine_actions=add_engine_args(parser))
+
+
+def _spec(args: argparse.Namespace) -> DatasetSpec:
+    return DatasetSpec(
+        name=args.dataset,
+        num_prompts=args.num_prompts,
+        input_len=args.input_len,
+        output_len=args.output_len,
+        range_ratio=args.range_ratio,
+        prefix_len=args.prefix_len,
+        num_groups=args.num_groups,
+        num_sessions=args.num_sessions,
+        num_turns=args.num_turns,
+        seed=args.dataset_seed,
+    )
+
+
+# -- backends --------------------------------------------------------------------------------------
+
+
+class GrpcBackend:
+    def __init__(self, client: AsyncDejaClient) -> None:
+        self.client = client
+
+    async def stream(
+        self, prompt: list[int], output_len: int, session_id: str
+    ) -> AsyncIterator[tuple[list[int], int | None]]:
+        async for msg in self.client.generate(
+            prompt,
+            max_tokens=output_len,
+            temperature=0.0,
+            ignore_eos=True,
+            return_token_ids=True,
+            session_id=session_id,
+        ):
+            ids = [t for c in msg.choices for t in c.token_ids]
+            cached = msg.final.usage.cached_prompt_tokens if msg.HasField("final") else None
+            yield ids, cached
+
+
+class EngineBackend:
+    def __init__(self, engine: AsyncEngine) -> None:
+        self.engine = engine
+
+    async def stream(
+        self, prompt: list[int], output_len: int, session_id: str
+    ) -> AsyncIterator[tuple[list[int], int | None]]:
+        from engine.sample.sampling_params import SamplingParams
+
+        params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
+        async for out in self.engine.generate(prompt, params):
+            ids = [t for c in out.outputs for t in c.token_ids]
+            yield ids, (out.num_cached_tokens if out.finished else None)
+
+
+async def run_measured(
+    backend: Any, workload: Workload, args: argparse.Namespace, label: str
+) -> tuple[list[Record], float]:
+    """The unmeasured warmup requests, then the workload at the flags' concurrency and rate;
+    returns its records and wall time (`deja bench serve` and `deja bench router`)."""
+    cap = args.max_concurrency or None
+    if args.warmup_requests:
+        warm = workload.warmup(args.warmup_requests, args.dataset_seed)
+        await run_workload(backend, warm, max_concurrency=cap)
+    progress = Progress(workload.num_requests, label, enabled=args.progress)
+    return await run_workload(
+        backend,
+        workload.sessions,
+        max_concurrency=cap,
+        request_rate=args.request_rate,
+        seed=args.dataset_seed,
+        progress=progress,
+    )
+
+
+async def _bench(
+    backend: Any, workload: Workload, args: argparse.Namespace, label: str
+) -> dict[str, Any]:
+    return summarize_by_turn(*await run_measured(backend, workload, args, label))
+
+
+async def _bench_target(
+    target: str, args: argparse.Namespace, label: str, workload: Workload | None
+) -> tuple[dict[str, Any], Workload]:
+    client = AsyncDejaClient(target, token=args.token, tls=args.tls, retries=0)
+    try:
+        await client.wait_ready(30)
+        info = await client.model_info()
+        if workload is None:
+            workload = Workload.build(_spec(args), info.vocab_size, info.eos_token_ids)
+        result = await _bench(GrpcBackend(client), workload, args, label)
+        result["model"] = info.model_id
+        result["replica_id"] = info.replica_id
+        return result, workload
+    finally:
+        await client.close()
+
+
+# -- spawned servers -------------------------------------------------------------------------------
+
+
+def _serve_argv(args: argparse.Namespace, variant: str, port: int) -> list[str]:
+    """`deja serve` with this command's engine flags; the variant sets prefix caching."""
+    forwarded = [a for a in args._engine_actions if a.dest != "prefix_caching"]
+    return [
+        sys.executable, "-m", "service.cli", "serve",
+        "--host", "127.0.0.1", "--port", str(port), "--replica-id", variant,
+        *to_argv(forwarded, args), *shlex.split(args.server_args), *VARIANTS[variant],
+    ]  # fmt: skip
+
+
+def _wait_healthy(proc: subprocess.Popen[bytes], target: str, timeout: float, log: Path) -> None:
+    def check_alive() -> None:
+        if proc.poll() is not None:
+            raise RuntimeError(f"`deja serve` exited ({proc.returncode}):\n{_tail(log)}")
+
+    wait_serving(
+        target,
+        timeout,
+        name="`deja serve`",
+        check_alive=check_alive,
+        log_tail=lambda: _tail(log),
+        poll_s=0.5,
+    )
+
+
+def _tail(log: Path, n: int = 30) -> str:
+    return "\n".join(log.read_text(errors="replace").splitlines()[-n:])
+
+
+def stop_server(proc: subprocess.Popen[bytes]) -> None:
+    """SIGTERM (drain), SIGKILL after 60 s."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def spawn_server(
+    args: argparse.Namespace, variant: str, tmp: Path
+) -> tuple[subprocess.Popen[bytes], str]:
+    """Starts `deja serve` (this command's engine flags + the variant) on a free port and waits
+    until it is healthy; returns the process (stop it with `stop_server`) and its target."""
+    port = free_port()
+    log = tmp / f"serve-{variant}.log"
+    argv = _serve_argv(args, variant, port)
+    print(f"starting {variant}: {shlex.join(argv[1:])}", file=sys.stderr)
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+    with open(log, "wb") as f:
+        proc = subprocess.Popen(argv, stdout=f, stderr=subprocess.STDOUT, env=env)
+    try:
+        t0 = time.monotonic()
+        _wait_healthy(proc, f"127.0.0.1:{port}", args.server_start_timeout, log)
+    except BaseException:
+        stop_server(proc)
+        raise
+    print(f"{variant} ready in {time.monotonic() - t0:.1f} s", file=sys.stderr)
+    return proc, f"127.0.0.1:{port}"
+
+
+def _run_spawned(
+    args: argparse.Namespace, variant: str, workload: Workload | None, tmp: Path
+) -> tuple[dict[str, Any], Workload]:
+    proc, target = spawn_server(args, variant, tmp)
+    try:
+        return asyncio.run(_bench_target(target, args, variant, workload))
+    finally:
+        stop_server(proc)
+
+
+def _run_in_process(args: argparse.Namespace, workload: Workload | None) -> dict[str, Any]:
+    from engine.frontend.async_engine import AsyncEngine
+    from service.common.engine_args import engine_config_from_args
+
+    engine = AsyncEngine.from_config(engine_config_from_args(args))
+    engine.start()
+    try:
+        info = engine.model_info
+        if workload is None:
+            workload = Workload.build(_spec(args), info.vocab_size, info.eos_token_ids)
+        result = asyncio.run(_bench(EngineBackend(engine), workload, args, "in-process"))
+        result["model"] = info.model_id
+        return result
+    finally:
+        engine.shutdown()
+
+
+# -- report ----------------------------------------------------------------------------------------
+
+
+def _row(name: str, d: dict[str, float]) -> str:
+    if not d:
+        return f"  {name:<10} -"
+    return f"  {name:<10}" + "".join(f"{d[k]:>10.1f}" for k in ("mean", "p50", "p90", "p99"))
+
+
+def format_result(name: str, r: dict[str, Any]) -> str:
+    lines = [
+        f"== {name} ({r.get('model', '?')}) ==",
+        f"  {r['requests'] - r['failed']}/{r['requests']} requests ok in {r['duration_s']:.1f} s: "
+        f"{r['request_throughput']:.2f} req/s, {r['output_throughput']:.1f} output tok/s, "
+        f"{r['total_token_throughput']:.1f} total tok/s",
+        f"  prefix-cache hit rate {100 * r['prefix_hit_rate']:.1f} % "
+        f"({r['cached_prompt_tokens']}/{r['prompt_tokens']} prompt tokens)",
+        f"  {'(ms)':<10}{'mean':>10}{'p50':>10}{'p90':>10}{'p99':>10}",
+        _row("TTFT", r["ttft_ms"]),
+        _row("TPOT", r["tpot_ms"]),
+        _row("ITL", r["itl_ms"]),
+        _row("E2E", r["e2e_ms"]),
+    ]
+    for key, label in (("turn_1", "turn 1"), ("turns_2plus", "turns 2+")):
+        if key in r:
+            t = r[key]
+            ttft = t["ttft_ms"]
+            lines.append(
+                f"  {label:<9} n={t['requests']:<4} TTFT p50 {ttft.get('p50', 0):.1f} ms, "
+                f"p90 {ttft.get('p90', 0):.1f} ms, hit rate {100 * t['prefix_hit_rate']:.1f} %"
+            )
+    for e in r.get("errors", []):
+        lines.append(f"  error: {e}")
+    return "\n".join(lines)
+
+
+def _ttft_p50(r: dict[str, Any]) -> float | None:
+    part = r.get("turns_2plus", r)
+    return part["ttft_ms"].get("p50")
+
+
+def compare(results: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    on, off = results.get("cache-on"), results.get("cache-off")
+    if on is not None and off is not None:
+        a, b = _ttft_p50(on), _ttft_p50(off)
+        key = "turns_2plus" if "turns_2plus" in on else "all"
+        out["ttft_p50_ms"] = {"scope": key, "cache_on": a, "cache_off": b}
+        if a and b:
+            out["ttft_p50_ms"]["speedup_cache_on"] = b / a
+    inproc = results.get("in-process")
+    grpc_name = next((n for n in ("cache-on", "target", "cache-off") if n in results), None)
+    if inproc is not None and grpc_name is not None:
+        g, e = results[grpc_name]["output_throughput"], inproc["output_throughput"]
+        out["grpc_overhead"] = {
+            "grpc": grpc_name,
+            "grpc_output_tok_s": g,
+            "in_process_output_tok_s": e,
+            "ratio": g / e if e else None,
+        }
+    return out
+
+
+def format_comparison(c: dict[str, Any]) -> str:
+    lines = []
+    if "ttft_p50_ms" in c:
+        t = c["ttft_p50_ms"]
+        scope = "turns 2+" if t["scope"] == "turns_2plus" else "all requests"
+        lines.append(
+            f"TTFT p50 ({scope}): cache-on {t['cache_on']:.1f} ms, cache-off {t['cache_off']:.1f} "
+            f"ms -> {t.get('speedup_cache_on', float('nan')):.2f}x faster with prefix caching"
+        )
+    if "grpc_overhead" in c:
+        o = c["grpc_overhead"]
+        lines.append(
+            f"gRPC streaming: {o['grpc_output_tok_s']:.1f} output tok/s through gRPC ({o['grpc']}) "
+            f"vs {o['in_process_output_tok_s']:.1f} in-process (ratio {o['ratio']:.3f})"
+        )
+    return "\n".join(lines)
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.sweep_concurrency:
+        from bench.sweep import run_sweep
+
+        return run_sweep(args)
+    results: dict[str, dict[str, Any]] = {}
+    workload: Workload | None = None
+    variants = [v.strip() for v in (args.spawn_servers or "").split(",") if v.strip()]
+    for v in variants:
+        if v not in VARIANTS:
+            print(f"deja bench serve: unknown variant {v!r}; use {list(VARIANTS)}", file=sys.stderr)
+            return 2
+    with tempfile.TemporaryDirectory(prefix="deja-bench-") as tmp:
+        try:
+            for v in variants:
+                results[v], workload = _run_spawned(args, v, workload, Path(tmp))
+            if not variants:
+                results["target"], workload = asyncio.run(
+                    _bench_target(args.target, args, "target", workload)
+                )
+        except (RuntimeError, TimeoutError) as e:
+            print(f"deja bench serve: {e}", file=sys.stderr)
+            return 1
+    if args.compare_in_process:
+        results["in-process"] = _run_in_process(args, workload)
+    report = {
+        "dataset": dataclasses.asdict(_spec(args)),
+        "max_concurrency": args.max_concurrency,
+        "request_rate": None if math.isinf(args.request_rate) else args.request_rate,
+        "results": results,
+        "comparison": compare(results),
+    }
+    if args.output:
+        Path(args.output).write_text(json.dumps(report, indent=2) + "\n")
+    if args.json:
+        print(json.dumps(report, indent=2))
+    else:
+        for name, r in results.items():
+            print(format_result(name, r))
+        text = format_comparison(report["comparison"])
+        if text:
+            print("== comparison ==\n" + text)
+    return 0 if all(r["failed"] == 0 for r in results.values()) else 1

@@ -1,0 +1,466 @@
+"""The engine core: scheduler, KV cache manager and model runner, stepped by one thread.
+
+`EngineCore` takes prepared `Request`s (tokenized and validated by the front end's
+`InputProcessor`), and each `step` makes one scheduling decision, runs one forward pass over every
+scheduled token, and returns the streamed deltas of the requests with news. Output processing
+(stop checks, incremental detokenization) runs here, next to the scheduler, because a stop string
+decides when a sequence finishes and frees its blocks.
+
+It runs in the engine-core process (engine/core/core_process.py), in the AsyncEngine's step
+thread, or in the caller's thread for the offline `LLM`; the front end's `LLMEngine` adds
+tokenization on top.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import time
+from concurrent.futures import FIRST_COMPLETED, Future, wait
+from typing import Any
+
+import torch
+
+from engine.config import EngineConfig
+from engine.core.output_processor import OutputProcessor
+from engine.core.scheduler import Scheduler
+from engine.core.sequence import Request, SeqStatus, Sequence
+from engine.core.step_rates import StepRates
+from engine.kv.events import (
+    AllBlocksCleared,
+    KVEvent,
+    KVEventBatch,
+    KVEventBuffer,
+    KVSnapshot,
+    snapshot_events,
+)
+from engine.kv.manager import KVCacheManager
+from engine.kv.tiers import TieredCache
+from engine.kv_io.host_memory import HostMemoryTrimmer
+from engine.kv_io.offload import KVOffload, build_tiers
+from engine.outputs import RequestOutput
+from engine.sample.sampler import Sampler
+from engine.sample.structured.compiler import GrammarCompilerPool
+from engine.stats import EngineStats, ModelInfo, TierStats
+from engine.worker.attention import get_attention_backend
+from engine.worker.model_loader import (
+    eos_token_ids,
+    kv_dims,
+    load_model,
+    load_tokenizer,
+    read_hf_config,
+)
+from engine.worker.model_runner import ModelRunner, StepSamples
+
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device 'cuda' was asked for but CUDA is not available; use --device cpu")
+    return torch.device(name)
+
+
+class EngineCore:
+    """One engine: loads the model and its KV cache, queues requests, steps."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        mc = config.model
+        if config.num_threads is not None:
+            torch.set_num_threads(config.num_threads)
+        self.device = resolve_device(config.device)
+        self.dtype = _DTYPES[mc.dtype]
+        hf_config = read_hf_config(mc.path)
+        max_pos = int(getattr(hf_config, "max_position_embeddings", 2048))
+        if mc.max_model_len is not None and mc.max_model_len > max_pos:
+            raise ValueError(
+                f"max_model_len {mc.max_model_len} exceeds the model's max_position_embeddings {max_pos}"
+            )
+        self.max_model_len = mc.max_model_len or max_pos
+        self.backend = get_attention_backend(config.attention_backend, self.device)
+        self.model, hf_config = load_model(mc, self.device, self.backend)
+        self.tokenizer = load_tokenizer(mc.path)
+        num_layers, num_kv_heads, head_dim = kv_dims(hf_config)
+        cc = config.cache
+        elem = torch.empty((), dtype=self.dtype).element_size()
+        self.block_bytes = num_layers * 2 * cc.block_size * num_kv_heads * head_dim * elem
+        num_blocks = cc.num_device_blocks or max(
+            1, int(cc.device_memory_gib * 2**30) // self.block_bytes
+        )
+        kv_cache = torch.zeros(
+            (num_layers, 2, num_blocks, cc.block_size, num_kv_heads, head_dim),
+            dtype=self.dtype,
+            device=self.device,
+        )
+        self.vocab_size = int(hf_config.vocab_size)
+        eos = eos_token_ids(mc.path, hf_config, self.tokenizer)
+        self.model_info = ModelInfo(
+            model_id=mc.model_id or os.path.basename(os.path.normpath(mc.path)),
+            family="qwen2" if hf_config.model_type == "qwen2" else "llama",
+            architecture=(hf_config.architectures or ["LlamaForCausalLM"])[0],
+            max_model_len=self.max_model_len,
+            block_size=cc.block_size,
+            dtype=mc.dtype,
+            vocab_size=self.vocab_size,
+            num_layers=num_layers,
+            num_kv_heads=num_kv_heads,
+            head_dim=head_dim,
+            num_device_blocks=num_blocks,
+            eos_token_ids=eos,
+            has_chat_template=bool(getattr(self.tokenizer, "chat_template", None)),
+        )
+        self.config = config
+        self.tiers: TieredCache | None = None
+        self.offload: KVOffload | None = None
+        self.kv_events = (
+            KVEventBuffer(cc.kv_events_max_blocks, cc.block_size)
+            if cc.kv_events_max_blocks and cc.enable_prefix_caching
+            else None
+        )
+        """Which hashes each tier started or stopped holding since `take_kv_events`."""
+        self._kv_batches = 0
+        built = build_tiers(
+            cc, self.model_info, mc.path, kv_cache, self.block_bytes, events=self.kv_events
+        )
+        if built is not None:
+            self.tiers, self.offload = built
+        self.kv = KVCacheManager(
+            num_blocks,
+            cc.block_size,
+            enable_caching=cc.enable_prefix_caching,
+            max_pinned_fraction=cc.max_pinned_fraction,
+            tiers=self.tiers,
+            events=self.kv_events,
+        )
+        swap = self.tiers if cc.preemption_mode == "swap" else None
+        self.scheduler = Scheduler(config.scheduler, self.kv, swap=swap)
+        self.step_rates = StepRates()
+        """Measured prefill rate and decode cost, published for the router's cost policy."""
+        sampler = Sampler(self.vocab_size, self.device, config.seed)
+        self.runner = ModelRunner(
+            self.model,
+            self.backend,
+            kv_cache,
+            sampler,
+            cc.block_size,
+            eos,
+            self.device,
+            offload=self.offload,
+        )
+        self.grammars = GrammarCompilerPool(self.tokenizer, self.vocab_size, eos)
+        """Structured outputs: compiles response formats off the step loop, cached per spec."""
+        self._grammar_waits: dict[str, tuple[Request, Future[Any]]] = {}
+        """Queued requests whose grammar is compiling."""
+        self.outputs = OutputProcessor(self.tokenizer, eos, self.max_model_len)
+        """Stop checks, detokenization and stream deltas (engine/core/output_processor.py)."""
+        self.requests: dict[str, Request] = {}
+        self._seq_ids = itertools.count()
+        self._touched: dict[str, Request] = {}
+        """Requests with news since the last step's outputs were built."""
+        self._trimmer = HostMemoryTrimmer()
+        """Gives freed host memory (disk-tier payloads) back to the OS between steps."""
+
+    # -- requests ------------------------------------------------------------------------------
+    def enqueue(self, req: Request) -> None:
+        """Queues a prepared request (the step loop's thread only).
+
+        A request with a response_format starts its grammar's compile (or finds it cached); until
+        it is ready the scheduler steps over the request.
+        """
+        if req.request_id in self.requests:
+            raise ValueError(f"request id {req.request_id!r} is already in use")
+        fmt = req.params.response_format
+        if fmt is not None:
+            fut = self.grammars.submit(fmt)
+            if fut.done() and not fut.cancelled() and fut.exception() is None:
+                req.compiled_grammar = fut.result()
+            else:
+                req.waiting_for_grammar = True
+                self._grammar_waits[req.request_id] = (req, fut)
+        n, seed = req.params.n, req.params.seed
+        req.generators = [None] * n
+        if seed is not None:
+            req.generators = [
+                torch.Generator(device=self.device).manual_seed(seed + i) for i in range(n)
+            ]
+        seq = self._new_seq(req, 0, list(req.prompt_token_ids))
+        self.requests[req.request_id] = req
+        self.scheduler.add(seq)
+
+    def _new_seq(self, req: Request, index: int, token_ids: list[int]) -> Sequence:
+        seq = Sequence(next(self._seq_ids), req, index, token_ids, self.kv.block_size)
+        if req.compiled_grammar is not None:
+            seq.grammar = self.grammars.new_matcher(req.compiled_grammar)
+        self.outputs.add_sample(seq)
+        req.seqs.append(seq)
+        return seq
+
+    def abort(self, request_id: str) -> bool:
+        """Finishes the request with reason "abort" and frees its blocks now."""
+        req = self.requests.get(request_id)
+        if req is None:
+            return False
+        self._grammar_waits.pop(request_id, None)  # a compile in flight is kept for its cache
+        for seq in req.seqs:
+            if seq.status is not SeqStatus.FINISHED:
+                self.scheduler.remove(seq)
+                seq.finish("abort")
+        self._touched[request_id] = req
+        return True
+
+    def close(self, timeout_s: float | None = None) -> bool:
+        """Queues the write policy's last writes, flushes the disk tier's queue (at most
+        `timeout_s`; None waits for all) and stops its threads, then stops the token mask worker and
+        the grammar compiler's (compiles still queued are cancelled); call when done (step thread).
+
+        True when every queued write reached disk; the rest are lost, as after a crash.
+        """
+        try:
+            if self.offload is None:
+                return True
+            self._between_steps()
+            return self.offload.close(timeout_s)
+        finally:
+            self.runner.close()
+            self.grammars.close()
+
+    def cached_block_hashes(self, limit: int) -> list[bytes]:
+        """Up to `limit` block hashes this engine holds (device, then CPU, then disk), most
+        recently used first within a tier (step thread only): what a replica republishes."""
+        pool = self.kv.pool
+        in_use = [b.block_hash for b in pool.blocks if b.ref_cnt and b.block_hash is not None]
+        free = [b.block_hash for b in pool.free_queue if b.block_hash is not None]
+        out = list(dict.fromkeys(in_use + free[::-1]))[:limit]
+        if self.tiers is not None and len(out) < limit:
+            seen = set(out)
+            out += [h for h in self.tiers.cached_hashes(limit) if h not in seen][: limit - len(out)]
+        return out
+
+    def take_kv_events(self) -> KVEventBatch | None:
+        """The KV events since the last call as one numbered batch, or None when there are none
+        (step thread, between steps). After an overflow the batch is AllBlocksCleared followed by
+        a snapshot of every tier, with `dropped` set."""
+        buf = self.kv_events
+        if buf is None or not buf:
+            return None
+        events, overflowed = buf.take()
+        if overflowed:
+            events = [AllBlocksCleared(), *self._held_events()]
+        self._kv_batches += 1
+        return KVEventBatch(self._kv_batches, time.time(), events, overflowed)
+
+    def kv_snapshot(self) -> KVSnapshot:
+        """Every hash each tier holds now, as BlockStored events, with the index of the last
+        batch taken (step thread, between steps). At most device + CPU + disk-index blocks."""
+        return KVSnapshot(self._kv_batches, self._held_events())
+
+    def _held_events(self) -> list[KVEvent]:
+        by_medium = [("device", list(self.kv.pool.cached))]
+        if self.tiers is not None:
+            by_medium += self.tiers.held_by_medium()
+        return snapshot_events(self.kv.block_size, by_medium)
+
+    def load_warm_start(self, timeout_s: float | None = None) -> None:
+        """Waits for warm start's disk reads and moves them into the CPU tier now (step thread;
+        tests and benchmarks; the step loop does this by itself as reads arrive)."""
+        if self.offload is not None and self.offload.disk is not None:
+            self.offload.disk.wait_warm(timeout_s)
+        self._between_steps()
+
+    def _between_steps(self) -> None:
+        """The disk tier's work between steps: policy writes, warm-start blocks, index sync."""
+        # NOTE: only with no plan pending: every cached device block then holds its bytes.
+        if self.offload is not None and self.tiers is not None and not self.kv.plan:
+            self.offload.after_step(self.tiers, self.runner.kv_cache, self._device_block_of)
+
+    def _device_block_of(self, block_hash: bytes) -> int | None:
+        b = self.kv.pool.lookup(block_hash)
+        return None if b is None else b.block_id
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    def expire_pins(self, now: float | None = None) -> bool:
+        """Releases the pins whose TTL has passed (device and CPU tier); True when some were.
+
+        `step` does this; an idle step loop must call it too, or pinned blocks stay held (and
+        counted as used) after their TTL until the next request arrives.
+        """
+        now = time.monotonic() if now is None else now
+        before = len(self.kv.pins) + (len(self.tiers.pins) if self.tiers is not None else 0)
+        if self.kv.pins:
+            self.kv.expire_pins(now)
+        if self.tiers is not None and self.tiers.pins:
+            self.tiers.expire_pins(now)
+        after = len(self.kv.pins) + (len(self.tiers.pins) if self.tiers is not None else 0)
+        return after < before
+
+    def trim_host_memory(self, now: float | None = None) -> bool:
+        """Gives freed host memory back to the OS, at most every few seconds (engine/host_memory);
+        `step` does this; an idle step loop calls it too. True when it trimmed."""
+        return self._trimmer.maybe_trim(now)
+
+    # -- the step ------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """One scheduling decision and one forward pass; returns deltas of requests with news."""
+        if self._grammar_waits:
+            self._poll_grammars()
+        self._between_steps()
+        self.expire_pins()
+        sched = self.scheduler.schedule()
+        scheduled_at = time.monotonic()
+        for seq, message in sched.failed:
+            seq.finish("error")
+            seq.request.error = message
+            self._touched[seq.request.request_id] = seq.request
+        tables = [self.kv.block_ids(item.seq.seq_id) for item in sched.scheduled]
+        try:
+            results = self.runner.execute(sched, tables)
+        finally:
+            self.kv.end_step()
+        now = time.monotonic()
+        if sched.scheduled:
+            decodes = sum(1 for item in sched.scheduled if item.start >= item.seq.num_prompt_tokens)
+            prefill = sum(
+                item.num_new_tokens
+                for item in sched.scheduled
+                if item.start < item.seq.num_prompt_tokens
+            )
+            self.step_rates.observe(prefill, decodes, now - scheduled_at, now)
+        for item in sched.scheduled:
+            seq = item.seq
+            seq.num_computed_tokens += item.num_new_tokens
+            self.kv.cache_blocks(seq)
+            m = seq.request.metrics
+            if m.first_scheduled is None:
+                m.first_scheduled = scheduled_at
+        for res in results:
+            self._process_samples(res, now)
+        self._between_steps()
+        self._trimmer.maybe_trim(now)
+        return self.collect_outputs(now)
+
+    def _poll_grammars(self) -> None:
+        """Releases requests whose grammar finished compiling (or fails them with its error).
+
+        Only when nothing else can run does this wait (briefly) for a compile to finish.
+        """
+        runnable = bool(self.scheduler.running) or any(
+            not s.request.waiting_for_grammar for s in self.scheduler.waiting
+        )
+        if not runnable:
+            futures = [f for _, f in self._grammar_waits.values()]
+            wait(futures, timeout=0.05, return_when=FIRST_COMPLETED)
+        for rid, (req, fut) in list(self._grammar_waits.items()):
+            if not fut.done():
+                continue
+            del self._grammar_waits[rid]
+            if self.requests.get(rid) is not req or req.finished:
+                continue  # aborted while compiling
+            error = "grammar compile cancelled" if fut.cancelled() else fut.exception()
+            if error is not None:
+                req.error = str(error)
+                for seq in req.seqs:
+                    self._finish(seq, "error", None)
+                self._touched[rid] = req
+                continue
+            req.compiled_grammar = fut.result()
+            req.waiting_for_grammar = False
+            for seq in req.seqs:
+                seq.grammar = self.grammars.new_matcher(req.compiled_grammar)
+
+    def _process_samples(self, res: StepSamples, now: float) -> None:
+        seq = res.item.seq
+        req = seq.request
+        self._touched[req.request_id] = req
+        if req.metrics.first_token is None:
+            req.metrics.first_token = now
+        if req.params.pin_ttl_s > 0 and req.pinned is None:
+            req.pinned = self.kv.pin(seq, len(req.prompt_token_ids), now + req.params.pin_ttl_s)
+            if req.pinned and self.tiers is not None:  # best effort within the CPU tier's cap
+                n_full = len(req.prompt_token_ids) // self.kv.block_size
+                self.tiers.pin(seq.block_hashes[:n_full], now + req.params.pin_ttl_s)
+        if len(res.token_ids) > 1:  # first tokens of n samples: fork the prompt's blocks
+            req.forked = True
+            children = [seq]
+            for i in range(1, len(res.token_ids)):
+                child = self._new_seq(req, i, list(req.prompt_token_ids))
+                child.num_computed_tokens = seq.num_computed_tokens
+                self.kv.fork(seq, child)
+                self.scheduler.add_running(child)
+                children.append(child)
+            for child, tok, lp in zip(children, res.token_ids, res.logprobs, strict=True):
+                self._append(child, tok, lp)
+            return
+        if not req.forked:
+            req.forked = True
+        self._append(seq, res.token_ids[0], res.logprobs[0])
+
+    def _append(self, seq: Sequence, token_id: int, logprob: object) -> None:
+        seq.append_token(token_id)
+        end = self.outputs.process_token(seq, token_id, logprob)
+        if end is not None:
+            self._finish(seq, end.reason, end.stop_reason, flush=end.flush)
+
+    def _finish(
+        self, seq: Sequence, reason: str, stop_reason: int | str | None, flush: bool = True
+    ) -> None:
+        if flush:
+            self.outputs.flush(seq)
+        self.scheduler.remove(seq)
+        seq.finish(reason, stop_reason)
+
+    def collect_outputs(self, now: float | None = None) -> list[RequestOutput]:
+        """Deltas of every request with news since the last call (step() calls it)."""
+        now = time.monotonic() if now is None else now
+        outs = self.outputs.make_outputs(self._touched)
+        for out in outs:
+            if out.finished:
+                self.requests.pop(out.request_id).metrics.finished = now
+        self._touched = {}
+        return outs
+
+    # -- stats ---------------------------------------------------------------------------------
+    def get_stats(self) -> EngineStats:
+        kv = self.kv
+        in_use = kv.pool.num_used
+        c = kv.counters
+        tiers = [
+            TierStats(
+                name="device",
+                num_blocks=kv.num_blocks,
+                used_blocks=in_use,
+                cached_blocks=len(kv.pool.cached),
+                pinned_blocks=len(kv.pins),
+                queries=c.device_queries,
+                hits=c.device_hits,
+                evictions=kv.pool.num_evictions,
+            )
+        ]
+        if self.tiers is not None:
+            self.tiers.add_stats(tiers, self.block_bytes)
+        running = self.scheduler.running
+        queued = sum(s.num_uncomputed for s in self.scheduler.waiting) + sum(
+            s.num_uncomputed for s in running if s.num_computed_tokens < s.num_prompt_tokens
+        )
+        return EngineStats(
+            queued_prefill_tokens=queued,
+            num_decoding=sum(1 for s in running if s.num_computed_tokens >= s.num_prompt_tokens),
+            active_tokens=sum(s.num_computed_tokens for s in running),
+            prefill_tokens_per_s=self.step_rates.prefill_tokens_per_s,
+            decode_seq_s=self.step_rates.decode_seq_s,
+            step_tokens=self.config.scheduler.max_num_batched_tokens,
+            utilisation=self.step_rates.utilisation(time.monotonic()),
+            num_running=len(self.scheduler.running),
+            num_waiting=len(self.scheduler.waiting),
+            num_preemptions=self.scheduler.num_preemptions,
+            kv_usage=in_use / kv.num_blocks,
+            prefix_queries=c.device_queries,
+            prefix_hits=c.prefix_hits,
+            free_device_blocks=kv.num_free_blocks,
+            tiers=tiers,
+            grammar_cache=self.grammars.stats(),
+            buffers=self.offload.buffers() if self.offload is not None else [],
+        )

@@ -1,0 +1,148 @@
+"""From sampled tokens to what a caller streams: stop checks, detokenization and deltas.
+
+The anchor is vLLM v1's OutputProcessor: `Sequence` keeps the scheduling state (tokens, blocks,
+status), this keeps each sample's output state (its incremental detokenizer, logprobs, the text
+and tokens already streamed). `LLMEngine` appends a sampled token to the sequence, asks
+`process_token` whether the sample ends with it, and after each step turns the requests with news
+into `RequestOutput` deltas with `make_outputs`.
+
+Stop rules, in order (the first that holds ends the sample):
+    the grammar rejects the token                        error (only with conflicting settings)
+    a stop token id, once min_tokens are out             stop, stop_reason = the token id
+    an EOS token (unless ignore_eos), once min_tokens    stop
+    the grammar has terminated                           stop
+    a stop string completed in the text                  stop, stop_reason = the string
+    max_tokens out, or the sequence reached max_model_len  length
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+from engine.core.detokenizer import IncrementalDetokenizer
+from engine.core.sequence import Request, Sequence
+from engine.outputs import CompletionOutput, RequestOutput, TokenLogprob
+
+
+class StopDecision(NamedTuple):
+    reason: str
+    """stop, length or error."""
+    stop_reason: int | str | None
+    flush: bool
+    """Flush the detokenizer's held-back text (False when a stop string cut the text)."""
+
+
+@dataclass(slots=True)
+class SampleOutput:
+    """What one sample has produced for its stream."""
+
+    detokenizer: IncrementalDetokenizer
+    logprobs: list[TokenLogprob] | None
+    sent_tokens: int = 0
+    sent_logprobs: int = 0
+    final_sent: bool = False
+    """The delta carrying finish_reason has been handed out."""
+    text: str = ""
+    pending_text: str = ""
+    """Text produced since the last streamed delta."""
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer: Any, eos_token_ids: tuple[int, ...], max_model_len: int) -> None:
+        self.tokenizer = tokenizer
+        self.eos_token_ids = eos_token_ids
+        self.max_model_len = max_model_len
+        self._samples: dict[int, SampleOutput] = {}
+        """seq_id -> its output state, from `add_sample` until its request's last delta."""
+
+    def add_sample(self, seq: Sequence) -> None:
+        req = seq.request
+        self._samples[seq.seq_id] = SampleOutput(
+            IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids, req.params),
+            [] if req.params.logprobs is not None else None,
+        )
+
+    def process_token(self, seq: Sequence, token_id: int, logprob: object) -> StopDecision | None:
+        """Records a token already appended to `seq`; returns how the sample ends, if it does."""
+        out = self._samples[seq.seq_id]
+        params = seq.request.params
+        if out.logprobs is not None and logprob is not None:
+            out.logprobs.append(logprob)  # type: ignore[arg-type]
+        n_out = seq.num_output_tokens
+        if seq.grammar is not None and not seq.grammar.accept_token(token_id):
+            # Not expected: the mask allows only what the grammar accepts, and the sampler lifts
+            # min_tokens' ban where it would leave a constrained row no token.
+            seq.request.error = f"token {token_id} does not fit the response_format"
+            return StopDecision("error", None, True)
+        if token_id in params.stop_token_ids and n_out >= params.min_tokens:
+            return StopDecision("stop", token_id, True)
+        if not params.ignore_eos and token_id in self.eos_token_ids and n_out >= params.min_tokens:
+            return StopDecision("stop", None, True)
+        if seq.grammar is not None and seq.grammar.is_terminated():
+            return StopDecision("stop", None, True)  # the grammar ended (with ignore_eos set)
+        detok = out.detokenizer
+        out.pending_text += detok.add(token_id)
+        if detok.stop_string is not None:
+            return StopDecision("stop", detok.stop_string, False)
+        max_tokens = params.max_tokens if params.max_tokens is not None else self.max_model_len
+        if n_out >= max_tokens or len(seq.token_ids) >= self.max_model_len:
+            return StopDecision("length", None, True)
+        return None
+
+    def flush(self, seq: Sequence) -> None:
+        """Moves the detokenizer's held-back text into the sample's next delta (it ends)."""
+        out = self._samples.get(seq.seq_id)
+        if out is not None:
+            out.pending_text += out.detokenizer.flush()
+
+    def make_outputs(self, requests: dict[str, Request]) -> list[RequestOutput]:
+        """One delta per request: each sample's new tokens, text and logprobs since the last."""
+        outs = []
+        for rid, req in requests.items():
+            deltas = [d for seq in req.seqs if (d := self._delta(seq)) is not None]
+            finished = req.finished
+            if finished:
+                for seq in req.seqs:
+                    self._samples.pop(seq.seq_id, None)
+            outs.append(
+                RequestOutput(
+                    request_id=rid,
+                    prompt_token_ids=req.prompt_token_ids,
+                    outputs=deltas,
+                    finished=finished,
+                    num_cached_tokens=req.num_cached_tokens,
+                    cached_tokens=req.cached_tokens,
+                    metrics=req.metrics,
+                    error=req.error,
+                    pinned=req.pinned,
+                )
+            )
+        return outs
+
+    def _delta(self, seq: Sequence) -> CompletionOutput | None:
+        out = self._samples.get(seq.seq_id)
+        if out is None:
+            return None
+        new_tokens = seq.token_ids[seq.num_prompt_tokens + out.sent_tokens :]
+        if not new_tokens and not out.pending_text and seq.finish_reason is None:
+            return None
+        if out.final_sent:
+            return None
+        lps = None
+        if out.logprobs is not None:
+            lps = out.logprobs[out.sent_logprobs :]
+            out.sent_logprobs = len(out.logprobs)
+        delta = CompletionOutput(
+            index=seq.index,
+            text=out.pending_text,
+            token_ids=new_tokens,
+            logprobs=lps,
+            finish_reason=seq.finish_reason,
+            stop_reason=seq.stop_reason,
+        )
+        out.text += out.pending_text
+        out.pending_text = ""
+        out.sent_tokens += len(new_tokens)
+        out.final_sent = seq.finish_reason is not None
+        return delta

@@ -1,0 +1,122 @@
+"""Request and sequence state.
+
+A request holds one prompt and n samples. It starts as one sequence (sample 0) that prefills the
+prompt; when the prompt's last token is computed, n tokens are sampled from its logits and the
+request forks into n sequences that share the prompt's blocks (the partly filled tail block is
+copied on write). From then on every sequence is scheduled on its own.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from engine.kv.hashing import BlockHash, hash_block
+from engine.outputs import CachedTokens, RequestMetrics
+from engine.sample.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    import torch
+    import xgrammar as xgr
+
+    from engine.sample.structured.compiler import Grammar
+
+
+class SeqStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False, slots=True)
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    hash_extra: bytes
+    """Extra keys of this request's block hashes (model identity, cache salt)."""
+    metrics: RequestMetrics
+    generators: list[torch.Generator | None]
+    """One per sample; None for requests without their own seed."""
+    seqs: list[Sequence] = field(default_factory=list)
+    forked: bool = False
+    cached_tokens: CachedTokens = field(default_factory=CachedTokens)
+    error: str | None = None
+    pinned: bool | None = None
+    waiting_for_grammar: bool = False
+    """Its response_format is still compiling: the scheduler skips it (others go ahead)."""
+    compiled_grammar: Grammar | None = None
+    """Set by the engine when the grammar is ready (engine side only; never pickled)."""
+
+    @property
+    def num_cached_tokens(self) -> int:
+        return self.cached_tokens.total
+
+    @property
+    def finished(self) -> bool:
+        if not self.forked and self.params.n > 1:
+            return bool(self.seqs) and self.seqs[0].status is SeqStatus.FINISHED
+        return all(s.status is SeqStatus.FINISHED for s in self.seqs)
+
+
+@dataclass(eq=False, slots=True)
+class Sequence:
+    seq_id: int
+    request: Request
+    index: int
+    """Sample index within the request (0..n-1)."""
+    token_ids: list[int]
+    """Prompt + generated tokens."""
+    block_size: int
+    block_hashes: list[BlockHash] = field(default_factory=list)
+    """Hashes of the full blocks of token_ids, extended as blocks fill."""
+    num_computed_tokens: int = 0
+    """Tokens whose K/V are in the cache (cached prefix, prefill chunks, decode steps)."""
+    num_cached_blocks: int = 0
+    """Leading blocks already registered in the prefix cache."""
+    status: SeqStatus = SeqStatus.WAITING
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    num_preemptions: int = 0
+    grammar: xgr.GrammarMatcher | None = None
+    """This sample's grammar matcher (structured outputs); it has accepted every output token.
+    It outlives preemption: recompute and swap keep the tokens, so the state stays valid."""
+
+    def __post_init__(self) -> None:
+        self.update_hashes()
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.request.prompt_token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def num_uncomputed(self) -> int:
+        return len(self.token_ids) - self.num_computed_tokens
+
+    def update_hashes(self) -> None:
+        """Hashes blocks that became full; each block is hashed once in the sequence's life."""
+        bs = self.block_size
+        while (len(self.block_hashes) + 1) * bs <= len(self.token_ids):
+            i = len(self.block_hashes)
+            parent = self.block_hashes[-1] if self.block_hashes else None
+            tokens = self.token_ids[i * bs : (i + 1) * bs]
+            self.block_hashes.append(hash_block(parent, tokens, self.request.hash_extra))
+
+    def append_token(self, token_id: int) -> None:
+        self.token_ids.append(token_id)
+        if len(self.token_ids) % self.block_size == 0:
+            self.update_hashes()
+
+    def finish(self, reason: str, stop_reason: int | str | None = None) -> None:
+        self.status = SeqStatus.FINISHED
+        self.finish_reason = reason
+        self.stop_reason = stop_reason

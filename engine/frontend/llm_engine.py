@@ -1,0 +1,79 @@
+"""The synchronous engine as a caller uses it: the engine core plus tokenization and validation.
+
+`LLMEngine` is an `EngineCore` (engine/core/engine_core.py) with the front end's
+`InputProcessor` on top: `add_request` tokenizes and validates a prompt, then queues it; `step`
+returns streamed deltas. The offline `LLM` and the AsyncEngine's step thread drive one.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+from engine.config import EngineConfig
+from engine.core.engine_core import EngineCore
+from engine.core.sequence import Request
+from engine.frontend.input_processor import InputProcessor
+from engine.frontend.prompt import Prompt
+from engine.sample.sampling_params import SamplingParams
+
+__all__ = ["LLMEngine", "Prompt"]
+
+
+class LLMEngine(EngineCore):
+    def __init__(self, config: EngineConfig) -> None:
+        super().__init__(config)
+        self.inputs = InputProcessor(self.tokenizer, self.model_info, config.scheduler)
+        """Tokenizes and validates prompts and sampling parameters (engine/frontend)."""
+        self._request_ids = itertools.count()
+
+    def tokenize(
+        self, prompt: Prompt | None = None, messages: list[dict[str, str]] | None = None
+    ) -> list[int]:
+        return self.inputs.tokenize(prompt, messages)
+
+    def prepare_request(
+        self,
+        prompt: Prompt | None,
+        params: SamplingParams | None = None,
+        *,
+        request_id: str | None = None,
+        messages: list[dict[str, str]] | None = None,
+        cache_salt: str | None = None,
+        arrival: float | None = None,
+    ) -> Request:
+        """Validates and tokenizes a request without touching engine state (any thread may call).
+
+        Raises ValueError saying what to fix.
+        """
+        return self.inputs.prepare(
+            prompt,
+            params,
+            request_id=request_id if request_id is not None else f"req-{next(self._request_ids)}",
+            messages=messages,
+            cache_salt=cache_salt,
+            arrival=arrival,
+        )
+
+    def add_request(
+        self,
+        prompt: Prompt | None,
+        params: SamplingParams | None = None,
+        *,
+        request_id: str | None = None,
+        messages: list[dict[str, str]] | None = None,
+        cache_salt: str | None = None,
+        arrival: float | None = None,
+    ) -> Request:
+        """Validates and queues a request. Raises ValueError (saying what to fix) on bad input."""
+        if request_id is not None and request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        req = self.prepare_request(
+            prompt,
+            params,
+            request_id=request_id,
+            messages=messages,
+            cache_salt=cache_salt,
+            arrival=arrival,
+        )
+        self.enqueue(req)
+        return req

@@ -1,0 +1,284 @@
+"""Vectorized sampling over a batch of logits rows (vLLM's semantics).
+
+Order of operations on the [B, V] logits:
+    0. Structured outputs: the batch's token mask (engine/sample/structured/bitmask.py) sets the tokens
+       each constrained row's grammar forbids to -inf, in one op over the constrained rows.
+    1. min_tokens: while a row has fewer than `min_tokens` outputs, its stop_token_ids and (unless
+       ignore_eos) the EOS ids are set to -inf. The grammar wins over min_tokens: a constrained
+       row left with no token (its output is complete and the grammar allows only its end) keeps
+       those tokens, so the sample ends there, valid, with fewer than min_tokens.
+    2. Penalties: repetition (prompt + output tokens; positive logits divided, negative multiplied),
+       then frequency and presence (output tokens only; subtracted).
+    3. Logprobs are taken here: log_softmax of the logits after steps 0-2, before temperature,
+       min_p, top-k and top-p (vLLM's "processed logits" before the sampling transforms). So a
+       grammar's or min_tokens' masked tokens have probability 0: they never appear among the top
+       alternatives, which can then hold fewer than k entries (vLLM's default, raw logprobs
+       before any processing, would list tokens that cannot be sampled).
+    4. Greedy rows (temperature 0) take the argmax.
+    5. Other rows: divide by temperature, min_p, then top-k and top-p, softmax, and sample with
+       the exponential race argmax(probs / q), q ~ Exponential(1). Unseeded rows draw q from the
+       sampler's shared generator (one draw for the batch); a seeded row draws from its own
+       generator, so its tokens do not depend on the rest of the batch.
+Every step is skipped when no row uses it. One host sync per call, after everything is gathered.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from engine.outputs import TokenLogprob
+from engine.sample.sampling_params import SamplingParams
+from engine.sample.structured.bitmask import TokenMask, apply_token_mask
+
+_NEG_INF = float("-inf")
+
+
+@dataclass(slots=True)
+class SamplingRow:
+    """One row of logits to sample (one sequence)."""
+
+    params: SamplingParams
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    """Tokens this sequence has generated so far."""
+    generator: torch.Generator | None
+    """The request's own generator (on the sampler's device); set only when params.seed is set."""
+
+
+@dataclass(slots=True)
+class SamplerOutput:
+    token_ids: list[int]
+    """One sampled token per row."""
+    logprobs: list[TokenLogprob | None]
+    """Per row; None where params.logprobs is None."""
+
+
+class Sampler:
+    """Samples one token per row; see the module docstring for the order of operations."""
+
+    def __init__(self, vocab_size: int, device: torch.device, seed: int) -> None:
+        self.vocab_size = vocab_size
+        self.device = torch.device(device)
+        self.generator = torch.Generator(device=self.device)
+        """Shared by every row without its own seed."""
+        self.generator.manual_seed(seed)
+
+    def __call__(
+        self,
+        logits: torch.Tensor,
+        rows: list[SamplingRow],
+        eos_token_ids: Sequence[int],
+        mask: TokenMask | None = None,
+    ) -> SamplerOutput:
+        """logits: [B, V'] with V' >= vocab_size (padding columns are dropped); B == len(rows).
+
+        mask: the tokens the constrained rows may take (structured outputs), or None.
+        """
+        num_rows = len(rows)
+        if num_rows == 0:
+            return SamplerOutput(token_ids=[], logprobs=[])
+        if logits.shape[0] != num_rows:
+            raise ValueError(f"got {logits.shape[0]} logits rows for {num_rows} sampling rows")
+        # logits: [B, V] float32, our own copy (modified in place below)
+        logits = logits[:, : self.vocab_size].to(dtype=torch.float32, copy=True)
+        if mask is not None:
+            apply_token_mask(logits, mask)
+
+        self._apply_min_tokens(logits, rows, eos_token_ids)
+        logits = self._apply_penalties(logits, rows)
+
+        # Logprobs of the rows that asked for them: [L, V]
+        lp_rows = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
+        lp_index: torch.Tensor | None = None  # [L]
+        logprobs: torch.Tensor | None = None
+        if lp_rows:
+            lp_index = torch.tensor(lp_rows, dtype=torch.int64, device=self.device)
+            logprobs = torch.log_softmax(logits.index_select(0, lp_index), dim=-1)
+
+        token_ids = self._sample(logits, rows)  # [B] int64
+        return self._to_host(rows, token_ids, logprobs, lp_rows, lp_index)
+
+    def _to_host(
+        self,
+        rows: list[SamplingRow],
+        token_ids: torch.Tensor,
+        logprobs: torch.Tensor | None,
+        lp_rows: list[int],
+        lp_index: torch.Tensor | None,
+    ) -> SamplerOutput:
+        """token_ids: [B]; logprobs: [L, V] of the rows `lp_rows` (lp_index: the same as a
+        tensor), or None -> host lists."""
+        num_rows = len(rows)
+        # Everything the host needs, packed into one float64 tensor for a single transfer
+        # (token ids < 2**53 are exact in float64).
+        parts = [token_ids.to(torch.float64)]
+        max_top = 0
+        if logprobs is not None and lp_index is not None:
+            chosen = logprobs.gather(1, token_ids.index_select(0, lp_index).unsqueeze(1))  # [L, 1]
+            parts.append(chosen.squeeze(1).to(torch.float64))
+            max_top = min(max(rows[i].params.logprobs or 0 for i in lp_rows), self.vocab_size)
+            if max_top > 0:
+                top_vals, top_ids = logprobs.topk(max_top, dim=-1)  # [L, K], best first
+                parts.append(top_ids.flatten().to(torch.float64))
+                parts.append(top_vals.flatten().to(torch.float64))
+        host = torch.cat(parts).tolist()  # the one host sync
+
+        tokens = [int(t) for t in host[:num_rows]]
+        out_logprobs: list[TokenLogprob | None] = [None] * num_rows
+        num_lp = len(lp_rows)
+        chosen_lp = host[num_rows : num_rows + num_lp]
+        ids_start = num_rows + num_lp
+        vals_start = ids_start + num_lp * max_top
+        for j, i in enumerate(lp_rows):
+            k = min(rows[i].params.logprobs or 0, self.vocab_size)
+            ids = host[ids_start + j * max_top : ids_start + j * max_top + k]
+            vals = host[vals_start + j * max_top : vals_start + j * max_top + k]
+            out_logprobs[i] = TokenLogprob(
+                token_id=tokens[i],
+                logprob=chosen_lp[j],
+                top=[(int(t), v) for t, v in zip(ids, vals, strict=True) if v != _NEG_INF],
+            )
+        return SamplerOutput(token_ids=tokens, logprobs=out_logprobs)
+
+    def _apply_min_tokens(
+        self, logits: torch.Tensor, rows: list[SamplingRow], eos_token_ids: Sequence[int]
+    ) -> None:
+        row_idx: list[int] = []
+        tok_idx: list[int] = []
+        for i, r in enumerate(rows):
+            if len(r.output_token_ids) >= r.params.min_tokens:
+                continue
+            banned = set(r.params.stop_token_ids)
+            if not r.params.ignore_eos:
+                banned.update(eos_token_ids)
+            banned = {t for t in banned if 0 <= t < self.vocab_size}
+            row_idx.extend([i] * len(banned))
+            tok_idx.extend(banned)
+        if not row_idx:
+            return
+        index = torch.tensor([row_idx, tok_idx], device=self.device)  # [2, N]
+        constrained = sorted({i for i in row_idx if rows[i].params.response_format is not None})
+        if not constrained:
+            logits[index[0], index[1]] = _NEG_INF
+            return
+        kept = logits[index[0], index[1]]  # [N]
+        logits[index[0], index[1]] = _NEG_INF
+        check = torch.tensor(constrained, device=self.device)
+        stuck = torch.zeros(len(rows), dtype=torch.bool, device=self.device)  # [B]
+        stuck[check] = torch.isneginf(logits.index_select(0, check)).all(dim=-1)
+        logits[index[0], index[1]] = torch.where(stuck[index[0]], kept, _NEG_INF)
+
+    def _apply_penalties(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+        num_rows, vocab = logits.shape
+        rep_rows = [i for i, r in enumerate(rows) if r.params.repetition_penalty != 1.0]
+        if rep_rows:
+            # NOTE: the flat index is rebuilt from the token lists every call: O(prompt + output)
+            # host work per penalized row and step.
+            flat = self._flat_index(rows, rep_rows, vocab, with_prompt=True)
+            seen = torch.zeros(num_rows * vocab, dtype=torch.bool, device=self.device)
+            seen[flat] = True
+            rep = self._row_values(rows, lambda p: p.repetition_penalty)  # [B, 1]
+            penalized = torch.where(logits > 0, logits / rep, logits * rep)
+            logits = torch.where(seen.view(num_rows, vocab), penalized, logits)
+
+        pf_rows = [
+            i
+            for i, r in enumerate(rows)
+            if r.params.presence_penalty != 0.0 or r.params.frequency_penalty != 0.0
+        ]
+        if pf_rows:
+            flat = self._flat_index(rows, pf_rows, vocab, with_prompt=False)
+            counts = torch.zeros(num_rows * vocab, dtype=torch.float32, device=self.device)
+            counts.scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.float32))
+            counts = counts.view(num_rows, vocab)  # [B, V] occurrences in the output
+            freq = self._row_values(rows, lambda p: p.frequency_penalty)  # [B, 1]
+            pres = self._row_values(rows, lambda p: p.presence_penalty)  # [B, 1]
+            logits = logits - freq * counts - pres * (counts > 0).to(torch.float32)
+        return logits
+
+    def _flat_index(
+        self, rows: list[SamplingRow], which: list[int], vocab: int, *, with_prompt: bool
+    ) -> torch.Tensor:
+        """[N] int64 indices row * vocab + token over the chosen rows' tokens."""
+        flat: list[int] = []
+        for i in which:
+            base = i * vocab
+            if with_prompt:
+                flat.extend(base + t for t in rows[i].prompt_token_ids if 0 <= t < vocab)
+            flat.extend(base + t for t in rows[i].output_token_ids if 0 <= t < vocab)
+        return torch.tensor(flat, dtype=torch.int64, device=self.device)
+
+    def _row_values(
+        self, rows: list[SamplingRow], get: Callable[[SamplingParams], float]
+    ) -> torch.Tensor:
+        """[B, 1] float32 of one parameter per row."""
+        values = [float(get(r.params)) for r in rows]
+        return torch.tensor(values, dtype=torch.float32, device=self.device).unsqueeze(1)
+
+    def _sample(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+        """[B] int64 token ids."""
+        greedy_ids = logits.argmax(dim=-1)  # [B]
+        if all(r.params.greedy for r in rows):
+            return greedy_ids
+        vocab = logits.shape[1]
+
+        # Greedy rows run through the random path with temperature 1; their result is discarded.
+        temps = self._row_values(rows, lambda p: p.temperature if p.temperature > 0 else 1.0)
+        logits = logits / temps
+
+        if any(r.params.min_p > 0.0 for r in rows):
+            min_p = self._row_values(rows, lambda p: p.min_p)  # [B, 1]
+            probs = logits.softmax(dim=-1)
+            threshold = probs.amax(dim=-1, keepdim=True) * min_p  # [B, 1]
+            logits = logits.masked_fill(probs < threshold, _NEG_INF)
+
+        top_k = [r.params.top_k if 0 < r.params.top_k < vocab else 0 for r in rows]
+        use_top_p = any(r.params.top_p < 1.0 for r in rows)
+        if use_top_p:
+            logits = self._top_k_top_p(logits, rows, top_k)
+        elif any(top_k):
+            logits = self._top_k(logits, top_k)
+
+        probs = logits.softmax(dim=-1)  # [B, V]
+        # Exponential race: argmax(probs / q), q ~ Exp(1), draws token t with probability probs[t].
+        seeded = [i for i, r in enumerate(rows) if r.generator is not None and not r.params.greedy]
+        if len(seeded) < sum(not r.params.greedy for r in rows):
+            q = torch.empty_like(probs).exponential_(generator=self.generator)
+        else:
+            q = torch.ones_like(probs)
+        for i in seeded:
+            q[i].exponential_(generator=rows[i].generator)
+        q.clamp_(min=torch.finfo(torch.float32).tiny)
+        random_ids = (probs / q).argmax(dim=-1)  # [B]
+
+        greedy = torch.tensor([r.params.greedy for r in rows], device=self.device)
+        return torch.where(greedy, greedy_ids, random_ids)
+
+    def _top_k(self, logits: torch.Tensor, top_k: list[int]) -> torch.Tensor:
+        """Keeps each row's k best logits (ties with the k-th included); k = 0 keeps all."""
+        k = torch.tensor(top_k, device=self.device).unsqueeze(1)  # [B, 1]
+        best = logits.topk(max(top_k), dim=-1).values  # [B, max_k], descending
+        kth = best.gather(1, (k - 1).clamp(min=0))  # [B, 1]
+        kth = kth.masked_fill(k == 0, _NEG_INF)
+        return logits.masked_fill(logits < kth, _NEG_INF)
+
+    def _top_k_top_p(
+        self, logits: torch.Tensor, rows: list[SamplingRow], top_k: list[int]
+    ) -> torch.Tensor:
+        """Top-k then top-p with one ascending sort."""
+        vocab = logits.shape[1]
+        sorted_logits, order = logits.sort(dim=-1)  # [B, V] ascending
+        if any(top_k):
+            keep = torch.tensor([k if k else vocab for k in top_k], device=self.device)
+            kth = sorted_logits.gather(1, (vocab - keep).unsqueeze(1))  # [B, 1]
+            sorted_logits = sorted_logits.masked_fill(sorted_logits < kth, _NEG_INF)
+        top_p = self._row_values(rows, lambda p: p.top_p)  # [B, 1]
+        cum = sorted_logits.softmax(dim=-1).cumsum(dim=-1)  # [B, V]
+        # Drop the low tail whose mass is <= 1 - p; the best token always stays.
+        drop = cum <= 1.0 - top_p
+        drop[:, -1] = False
+        sorted_logits = sorted_logits.masked_fill(drop, _NEG_INF)
+        return torch.empty_like(logits).scatter_(1, order, sorted_logits)

@@ -1,0 +1,110 @@
+"""Per-request sampling parameters (the vLLM names and meanings)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from engine.sample.structured.spec import ResponseFormat
+
+
+@dataclass(slots=True)
+class SamplingParams:
+    n: int = 1
+    """Parallel samples of one prompt; they share the prompt's KV blocks."""
+    temperature: float = 1.0
+    """0 means greedy."""
+    top_k: int = 0
+    """0 (or -1) keeps every token."""
+    top_p: float = 1.0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    """> 1 discourages tokens seen in the prompt or output (divides positive logits)."""
+    presence_penalty: float = 0.0
+    """Subtracted once from tokens already generated."""
+    frequency_penalty: float = 0.0
+    """Subtracted per occurrence of tokens already generated."""
+    seed: int | None = None
+    """Same seed, same output, whatever else is in the batch."""
+    max_tokens: int | None = 16
+    """None: up to max_model_len."""
+    min_tokens: int = 0
+    """EOS and stop token ids are suppressed until this many tokens exist. With a response_format
+    the grammar wins: a sample whose output is complete ends there (see response_format)."""
+    stop: list[str] = field(default_factory=list)
+    """Stop strings; matched across token boundaries and left out of the text."""
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    logprobs: int | None = None
+    """None: no logprobs; k >= 0: the chosen token's logprob plus the top k."""
+    skip_special_tokens: bool = True
+    pin_ttl_s: float = 0.0
+    """Keep this prompt's prefix blocks out of eviction for this long (0: no pin)."""
+    response_format: ResponseFormat | None = None
+    """Constrain the output to a JSON schema, JSON object, regex, grammar or choice. EOS is
+    allowed exactly when the grammar accepts; an output cut by max_tokens ends with "length" and
+    holds the partial (invalid) text; when the grammar ends, the sample stops (even with
+    ignore_eos). min_tokens applies while the grammar can go on: once the output is complete and
+    the grammar allows only its end, the sample stops ("stop") even below min_tokens. A choice
+    format rejects a min_tokens above its longest choice's UTF-8 bytes (it can never be met)."""
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        if self.top_k == -1:
+            self.top_k = 0
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    def validate(self, *, vocab_size: int, max_n: int, max_logprobs: int) -> None:
+        """Raises ValueError with a message that says what to fix."""
+        if not 1 <= self.n <= max_n:
+            raise ValueError(f"n must be between 1 and {max_n}, got {self.n}")
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be 0 (off) or positive, got {self.top_k}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+        if self.repetition_penalty <= 0:
+            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        if not -2.0 <= self.presence_penalty <= 2.0:
+            raise ValueError(f"presence_penalty must be in [-2, 2], got {self.presence_penalty}")
+        if not -2.0 <= self.frequency_penalty <= 2.0:
+            raise ValueError(f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}")
+        if self.max_tokens is not None and self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if self.min_tokens < 0:
+            raise ValueError(f"min_tokens must be >= 0, got {self.min_tokens}")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise ValueError(
+                f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})"
+            )
+        if any(not s for s in self.stop):
+            raise ValueError("stop strings must not be empty")
+        for t in self.stop_token_ids:
+            if not 0 <= t < vocab_size:
+                raise ValueError(f"stop token id {t} is outside the vocabulary [0, {vocab_size})")
+        if self.logprobs is not None and not 0 <= self.logprobs <= max_logprobs:
+            raise ValueError(f"logprobs must be between 0 and {max_logprobs}, got {self.logprobs}")
+        if self.pin_ttl_s < 0:
+            raise ValueError(f"pin_ttl_s must be >= 0, got {self.pin_ttl_s}")
+        if self.response_format is not None and not isinstance(
+            self.response_format, ResponseFormat
+        ):
+            raise ValueError(
+                f"response_format must be a ResponseFormat, got {type(self.response_format)}"
+            )
+        fmt = self.response_format
+        if fmt is not None and fmt.kind == "choice":
+            # A token holds at least one byte, so a choice output has at most as many tokens as
+            # its longest choice has bytes: a min_tokens above that can never be met.
+            longest = max(len(c.encode()) for c in fmt.choices)
+            if self.min_tokens > longest:
+                raise ValueError(
+                    f"min_tokens ({self.min_tokens}) cannot be met by a choice response_format: "
+                    f"the longest choice is {longest} bytes, so at most {longest} tokens"
+                )

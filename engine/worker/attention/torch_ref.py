@@ -1,0 +1,278 @@
+"""Reference attention in plain torch: batched over sequences, runs on CPU and CUDA.
+
+Per layer: one `index_copy_` writes the new K/V by slot; then for each group of sequences, one
+indexing op gathers their K/V through the block tables into a padded [S, max_seq_len, Hkv, D]
+tensor and one masked `scaled_dot_product_attention` attends them all; one gather puts the rows
+back into the flat [T, Hq, D] layout. There are at most two groups: decode sequences (one new
+token) and prefill sequences (several), so a long prefill chunk does not pad every decode
+sequence to its length. The index tensors depend only on the metadata: they are built once per
+step (`prepare`) and reused by every layer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from engine.worker.attention.base import AttentionBackend, AttentionMetadata
+
+
+@dataclass(slots=True)
+class _SeqGroup:
+    """Sequences attended by one SDPA call, padded to Q queries and L keys."""
+
+    block_tables: torch.Tensor
+    """[Sg, max_num_blocks] int64: the group's rows of meta.block_tables."""
+    key_pos: torch.Tensor
+    """[L] int64: key positions 0..L-1 (L = the group's longest sequence)."""
+    query_index: torch.Tensor
+    """[Sg, Q] int64: flat token of query j of each sequence (padding queries clamped)."""
+    mask: torch.Tensor
+    """[Sg, Q, L] bool: key p is visible to query j."""
+    all_visible: bool
+    """Every query sees every key (e.g. one decoding sequence): SDPA runs without a mask."""
+    query_identity: bool
+    """query_index is arange(T) (the group is the whole batch, Q queries each): no gather."""
+    block_index_by_block_size: dict[int, torch.Tensor] = field(default_factory=dict)
+    """block_size -> [Sg * C] int64: the first C = ceil(L / BS) block ids of each sequence."""
+    masks_by_group: dict[int, torch.Tensor] = field(default_factory=dict)
+    """G -> [Sg, 1, G * Q, L] additive float mask: `mask` repeated for the G query heads of each
+    KV head."""
+
+    def block_index(self, block_size: int) -> torch.Tensor:
+        idx = self.block_index_by_block_size.get(block_size)
+        if idx is None:
+            # Columns past a sequence's own blocks hold padding ids (0): their keys are at
+            # positions >= seq_len and masked out.
+            cols = -(-self.key_pos.shape[0] // block_size)
+            idx = self.block_tables[:, :cols].reshape(-1)
+            self.block_index_by_block_size[block_size] = idx
+        return idx
+
+    def group_mask(self, group: int, dtype: torch.dtype) -> torch.Tensor | None:
+        """[Sg, 1, G * Q, L] additive mask (0 visible, -inf hidden) in the query dtype; None when
+        every key is visible.
+
+        NOTE: SDPA turns a boolean mask into an additive one on every call; building it once
+        per step saves that conversion in every layer.
+        """
+        if self.all_visible:
+            return None
+        mask = self.masks_by_group.get(group)
+        if mask is None or mask.dtype != dtype:
+            visible = self.mask.repeat(1, group, 1).unsqueeze(1)
+            mask = torch.zeros(visible.shape, dtype=dtype, device=visible.device)
+            mask.masked_fill_(~visible, float("-inf"))
+            self.masks_by_group[group] = mask
+        return mask
+
+
+@dataclass(slots=True)
+class _StepPlan:
+    """Index tensors of one step, shared by all layers."""
+
+    meta: AttentionMetadata
+    """The metadata this plan was built from (kept alive so its id cannot be reused)."""
+    tensors: tuple[torch.Tensor, ...]
+    """meta's tensors at build time; a plan is stale if any of them was replaced."""
+    write_tokens: torch.Tensor | None
+    """[W] int64: tokens with a non-negative slot; None when every token has one."""
+    write_slots: torch.Tensor
+    """[W] int64: their slots."""
+    groups: list[_SeqGroup]
+    """Decode group first (if any), then prefill group (if any)."""
+    token_row: torch.Tensor | None
+    """[T] int64: row of each flat token in the groups' concatenated [sum Sg * Q] outputs;
+    None when that is the identity."""
+    token_valid: torch.Tensor | None
+    """[T, 1, 1] bool: False for padding tokens past the last query; None when there are none."""
+
+
+class TorchAttentionBackend(AttentionBackend):
+    """Batched paged attention with torch ops.
+
+    `prepare(meta)` builds the step's index tensors; the runner calls it once per step, after the
+    metadata is final. Without it, `forward` builds them on the first layer and reuses them for
+    later layers given the same metadata object. NOTE: a runner that edits metadata tensors in
+    place (persistent buffers) must call `prepare` after every edit.
+    """
+
+    name = "torch"
+
+    def __init__(self) -> None:
+        self._plan: _StepPlan | None = None
+
+    def prepare(self, meta: AttentionMetadata) -> None:
+        """Builds and caches the gather/mask/scatter indices of one step."""
+        self._plan = _build_plan(meta)
+
+    def _plan_for(self, meta: AttentionMetadata) -> _StepPlan:
+        plan = self._plan
+        if plan is None or plan.meta is not meta or not _same(plan.tensors, _meta_tensors(meta)):
+            plan = _build_plan(meta)
+            self._plan = plan
+        return plan
+
+    def write_kv(
+        self, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata
+    ) -> None:
+        num_kv_heads, head_dim = k.shape[1], k.shape[2]
+        plan = self._plan_for(meta)
+        # cache: [2, NB * BS, Hkv, D] view of this layer's K and V
+        cache = kv_cache.view(2, -1, num_kv_heads, head_dim)
+        for i, new in enumerate((k, v)):  # [T, Hkv, D] each
+            if plan.write_tokens is not None:
+                new = new[plan.write_tokens]  # [W, Hkv, D]
+            cache[i].index_copy_(0, plan.write_slots, new.to(cache.dtype))
+
+    def attend(
+        self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float
+    ) -> torch.Tensor:
+        plan = self._plan_for(meta)
+        rows = [_attend(q, kv_cache, g, scale) for g in plan.groups]
+        out = rows[0] if len(rows) == 1 else torch.cat(rows)  # [sum Sg * Q, Hq, D]
+        if plan.token_row is not None:
+            out = out[plan.token_row]  # [T, Hq, D]
+        if plan.token_valid is not None:
+            out = out * plan.token_valid
+        return out
+
+
+def _attend(
+    q: torch.Tensor, kv_cache: torch.Tensor, group: _SeqGroup, scale: float
+) -> torch.Tensor:
+    """q: [T, Hq, D]; kv_cache: [2, NB, BS, Hkv, D] -> [Sg * Q, Hq, D] rows (sequence-major)."""
+    num_q_heads, head_dim = q.shape[1], q.shape[2]
+    num_kv_heads, block_size = kv_cache.shape[3], kv_cache.shape[2]
+    g = num_q_heads // num_kv_heads
+    num_seqs, max_q = group.query_index.shape
+    max_len = group.key_pos.shape[0]
+    # Gather whole blocks (contiguous BS * Hkv * D runs), not single slots: one index_select
+    # per K and V. [Sg * C, BS, Hkv, D] -> [Sg, C * BS, Hkv, D] -> first L positions.
+    idx = group.block_index(block_size)
+    k, v = (
+        kv_cache[i]
+        .index_select(0, idx)
+        .view(num_seqs, -1, num_kv_heads, head_dim)[:, :max_len]
+        .to(q.dtype)
+        .transpose(1, 2)  # [Sg, Hkv, L, D]
+        for i in (0, 1)
+    )
+    # [Sg, Q, Hq, D]
+    queries = (
+        q.view(num_seqs, max_q, *q.shape[1:]) if group.query_identity else q[group.query_index]
+    )
+    # fold the G query heads of each KV head into the query axis: [Sg, Hkv, G * Q, D]
+    queries = (
+        queries.view(num_seqs, max_q, num_kv_heads, g, head_dim)
+        .permute(0, 2, 3, 1, 4)
+        .reshape(num_seqs, num_kv_heads, g * max_q, head_dim)
+    )
+    out = F.scaled_dot_product_attention(
+        queries, k, v, attn_mask=group.group_mask(g, queries.dtype), scale=scale
+    )  # [Sg, Hkv, G * Q, D]
+    return (
+        out.view(num_seqs, num_kv_heads, g, max_q, head_dim)
+        .permute(0, 3, 1, 2, 4)
+        .reshape(num_seqs * max_q, num_q_heads, head_dim)
+    )
+
+
+def _meta_tensors(meta: AttentionMetadata) -> tuple[torch.Tensor, ...]:
+    return (meta.slot_mapping, meta.query_start_loc, meta.seq_lens, meta.block_tables)
+
+
+def _same(a: tuple[torch.Tensor, ...], b: tuple[torch.Tensor, ...]) -> bool:
+    return all(x is y for x, y in zip(a, b, strict=True))
+
+
+def _build_group(
+    meta: AttentionMetadata, seqs: list[int], starts: list[int], num_tokens: int
+) -> _SeqGroup:
+    """Index tensors for the sequences `seqs` (indices into the batch)."""
+    device = meta.slot_mapping.device
+    query_lens = [meta.query_lens_cpu[i] for i in seqs]
+    seq_lens = [meta.seq_lens_cpu[i] for i in seqs]
+    max_q = max(max(query_lens), 1)
+    max_len = max(max(seq_lens), 1)
+    seq_index = torch.tensor(seqs, dtype=torch.int64, device=device)
+    if len(seqs) == meta.num_seqs:
+        block_tables = meta.block_tables.to(torch.int64)
+    else:
+        block_tables = meta.block_tables[seq_index].to(torch.int64)
+    lens = torch.tensor(seq_lens, dtype=torch.int64, device=device)  # [Sg]
+    contexts = lens - torch.tensor(query_lens, dtype=torch.int64, device=device)  # [Sg]
+    first = torch.tensor([starts[i] for i in seqs], dtype=torch.int64, device=device)  # [Sg]
+    key_pos = torch.arange(max_len, device=device)  # [L]
+    q_pos = torch.arange(max_q, device=device)  # [Q]
+    query_index = (first[:, None] + q_pos[None, :]).clamp(max=max(num_tokens - 1, 0))
+    # Query j of a sequence sits at position context_len + j; it sees keys p <= that position
+    # and p < seq_len. Padding queries (j >= query_len) see all of the sequence's keys, so no row
+    # is fully masked (which would give NaN).
+    query_abs = contexts[:, None] + q_pos[None, :]  # [Sg, Q]
+    mask = (key_pos[None, None, :] <= query_abs[:, :, None]) & (
+        key_pos[None, None, :] < lens[:, None, None]
+    )  # [Sg, Q, L]
+    # NOTE: the host already knows both facts; no device sync.
+    all_visible = all(q == 1 for q in query_lens) and min(seq_lens) == max_len
+    query_identity = (
+        seqs == list(range(len(seqs)))
+        and all(q == max_q for q in query_lens)
+        and len(seqs) * max_q == num_tokens
+    )
+    return _SeqGroup(block_tables, key_pos, query_index, mask, all_visible, query_identity)
+
+
+def _build_plan(meta: AttentionMetadata) -> _StepPlan:
+    device = meta.slot_mapping.device
+    slot_mapping = meta.slot_mapping.to(torch.int64)
+    num_tokens = slot_mapping.shape[0]
+    query_lens = meta.query_lens_cpu
+    num_queries = sum(query_lens)
+
+    # NOTE: one host sync per step to drop padding slots (index_copy_ cannot skip entries).
+    write_tokens: torch.Tensor | None = None
+    write_slots = slot_mapping
+    valid = slot_mapping >= 0
+    if not bool(valid.all()):
+        write_tokens = valid.nonzero().squeeze(1)
+        write_slots = slot_mapping[write_tokens]
+
+    starts = [0]
+    for n in query_lens:
+        starts.append(starts[-1] + n)
+    decode = [i for i, n in enumerate(query_lens) if n == 1]
+    prefill = [i for i, n in enumerate(query_lens) if n != 1]
+    groups = [_build_group(meta, seqs, starts, num_tokens) for seqs in (decode, prefill) if seqs]
+
+    # row_base[i]: row of sequence i's first query in the concatenated group outputs.
+    row_base = [0] * len(query_lens)
+    for rank, i in enumerate(decode):
+        row_base[i] = rank
+    prefill_q = max((query_lens[i] for i in prefill), default=1)
+    for rank, i in enumerate(prefill):
+        row_base[i] = len(decode) + rank * prefill_q
+
+    token_row: torch.Tensor | None = None
+    identity = not prefill or (len(prefill) == 1 and not decode)
+    if not identity or num_tokens != num_queries:
+        tokens = torch.arange(num_tokens, device=device)  # [T]
+        starts_t = torch.tensor(starts, dtype=torch.int64, device=device)  # [S + 1]
+        seq_of = (torch.searchsorted(starts_t, tokens, right=True) - 1).clamp(0, len(starts) - 2)
+        base = torch.tensor(row_base, dtype=torch.int64, device=device)  # [S]
+        total_rows = len(decode) + len(prefill) * prefill_q
+        token_row = (base[seq_of] + tokens - starts_t[seq_of]).clamp(0, total_rows - 1)
+    token_valid: torch.Tensor | None = None
+    if num_queries < num_tokens:
+        token_valid = (torch.arange(num_tokens, device=device) < num_queries).view(-1, 1, 1)
+    return _StepPlan(
+        meta=meta,
+        tensors=_meta_tensors(meta),
+        write_tokens=write_tokens,
+        write_slots=write_slots,
+        groups=groups,
+        token_row=token_row,
+        token_valid=token_valid,
+    )

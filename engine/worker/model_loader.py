@@ -1,0 +1,131 @@
+"""Loads a local Hugging Face checkpoint folder: config, safetensors weights, tokenizer.
+
+Nothing is downloaded: every transformers call uses `local_files_only=True`.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from engine.config import ModelConfig
+from engine.worker.attention.base import AttentionBackend
+from engine.worker.models import get_model_class
+from engine.worker.models.llama import LlamaForCausalLM
+
+HFConfig = Any
+"""A transformers PretrainedConfig (typed loosely: its attributes depend on the family)."""
+
+_INDEX_FILE = "model.safetensors.index.json"
+_SINGLE_FILE = "model.safetensors"
+
+
+def _check_folder(path: str | Path) -> Path:
+    folder = Path(path).expanduser()
+    if not folder.exists():
+        raise FileNotFoundError(f"model folder {str(folder)!r} does not exist")
+    if not folder.is_dir():
+        raise FileNotFoundError(f"model path {str(folder)!r} is not a folder")
+    return folder
+
+
+def read_hf_config(path: str | Path) -> HFConfig:
+    """The checkpoint's config.json as a transformers config object."""
+    from transformers import AutoConfig
+
+    folder = _check_folder(path)
+    if not (folder / "config.json").is_file():
+        raise FileNotFoundError(f"model folder {str(folder)!r} has no config.json")
+    return AutoConfig.from_pretrained(str(folder), local_files_only=True)
+
+
+def safetensors_files(path: str | Path) -> list[Path]:
+    """The weight files of a checkpoint: the index's shards, model.safetensors, or all files."""
+    folder = _check_folder(path)
+    index = folder / _INDEX_FILE
+    if index.is_file():
+        weight_map: dict[str, str] = json.loads(index.read_text())["weight_map"]
+        files = [folder / name for name in sorted(set(weight_map.values()))]
+        missing = [str(f.name) for f in files if not f.is_file()]
+        if missing:
+            raise FileNotFoundError(f"{index} lists missing weight files: {missing}")
+        return files
+    if (folder / _SINGLE_FILE).is_file():
+        return [folder / _SINGLE_FILE]
+    # NOTE: Mistral-format "consolidated" files use other tensor names; skip them.
+    files = [
+        f for f in sorted(folder.glob("*.safetensors")) if not f.name.startswith("consolidated")
+    ]
+    if not files:
+        raise FileNotFoundError(f"model folder {str(folder)!r} has no *.safetensors weights")
+    return files
+
+
+def iter_weights(path: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) for every tensor of every weight file, read lazily on the CPU."""
+    from safetensors import safe_open
+
+    for file in safetensors_files(path):
+        with safe_open(str(file), framework="pt", device="cpu") as f:
+            for name in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
+                yield name, f.get_tensor(name)
+
+
+def load_model(
+    model_config: ModelConfig, device: torch.device, backend: AttentionBackend
+) -> tuple[LlamaForCausalLM, HFConfig]:
+    """Builds our model for the folder's architecture, loads its weights in model_config.dtype on
+    `device`, in eval mode with gradients off."""
+    hf_config = read_hf_config(model_config.path)
+    model_cls = get_model_class(hf_config)
+    safetensors_files(model_config.path)  # fail on missing weights before building the model
+    dtype: torch.dtype = getattr(torch, model_config.dtype)
+    with torch.no_grad():
+        model = model_cls(hf_config, dtype, backend)
+        model.load_weights(iter_weights(model_config.path))
+        model = model.to(device)
+        if device.type == "cpu":
+            model.use_cpu_layout()
+    model.eval()
+    model.requires_grad_(False)
+    return model, hf_config
+
+
+def kv_dims(hf_config: HFConfig) -> tuple[int, int, int]:
+    """(num_layers, num_kv_heads, head_dim) of the KV cache."""
+    num_heads = hf_config.num_attention_heads
+    num_kv_heads = getattr(hf_config, "num_key_value_heads", None) or num_heads
+    head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // num_heads
+    return int(hf_config.num_hidden_layers), int(num_kv_heads), int(head_dim)
+
+
+def _as_ids(value: Any) -> list[int]:
+    if value is None:
+        return []
+    if isinstance(value, int):
+        return [value]
+    return [int(v) for v in value]
+
+
+def eos_token_ids(path: str | Path, hf_config: HFConfig, tokenizer: Any) -> tuple[int, ...]:
+    """Every token that ends generation: config.json's, generation_config.json's and the
+    tokenizer's eos ids (each may be an int or a list), in that order, without repeats."""
+    ids = _as_ids(getattr(hf_config, "eos_token_id", None))
+    gen_file = Path(path).expanduser() / "generation_config.json"
+    if gen_file.is_file():
+        ids += _as_ids(json.loads(gen_file.read_text()).get("eos_token_id"))
+    if tokenizer is not None:
+        ids += _as_ids(getattr(tokenizer, "eos_token_id", None))
+    return tuple(dict.fromkeys(ids))
+
+
+def load_tokenizer(path: str | Path) -> Any:
+    """The folder's tokenizer (AutoTokenizer, local files only)."""
+    from transformers import AutoTokenizer
+
+    folder = _check_folder(path)
+    return AutoTokenizer.from_pretrained(str(folder), local_files_only=True)

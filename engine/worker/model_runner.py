@@ -1,0 +1,201 @@
+"""Builds the flat batch of a step, carries out the KV plan, runs the model and the sampler."""
+
+from __future__ import annotations
+
+from dataclasses import KW_ONLY, dataclass, field
+from typing import TYPE_CHECKING, Any, Protocol
+
+import numpy as np
+import torch
+
+from engine.kv.plan import KVPlan
+from engine.outputs import TokenLogprob
+from engine.sample.sampler import Sampler, SamplingRow
+from engine.sample.structured.mask_filler import PendingMask, TokenMaskFiller
+from engine.worker.attention.base import AttentionBackend, AttentionMetadata
+
+if TYPE_CHECKING:  # the core's step types; the worker only reads them
+    from engine.core.scheduler import ScheduledSeq, SchedulerOutput
+    from engine.core.sequence import Request
+
+
+class Offload(Protocol):
+    """Carries out the CPU/disk parts of a plan (engine/kv_io/offload.py)."""
+
+    def apply(self, plan: KVPlan, kv_cache: torch.Tensor) -> None: ...
+
+
+def _token_filter(req: Request) -> np.ndarray | None:
+    g = req.compiled_grammar
+    return None if g is None else g.token_filter
+
+
+@dataclass(slots=True)
+class StepSamples:
+    item: ScheduledSeq
+    token_ids: list[int]
+    """One token per sample: n for a request's first token (before it forks), else 1."""
+    logprobs: list[TokenLogprob | None]
+
+
+@dataclass(slots=True)
+class _SamplingPlan:
+    """The rows a step samples, known before its forward pass."""
+
+    rows: list[SamplingRow]
+    row_index: list[int]
+    """Flat token index of each row's logits."""
+    owners: list[tuple[ScheduledSeq, int]]
+    """(item, number of rows), in row order."""
+    matchers: list[Any]
+    """Each row's grammar matcher (structured outputs) or None."""
+    filters: list[np.ndarray | None]
+    """Each row's static token filter or None."""
+
+
+@dataclass(eq=False, repr=False)
+class ModelRunner:
+    model: Any
+    backend: AttentionBackend
+    kv_cache: torch.Tensor
+    """[num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]"""
+    sampler: Sampler
+    block_size: int
+    eos_token_ids: tuple[int, ...]
+    device: torch.device
+    _: KW_ONLY
+    offload: Offload | None = None
+    """Carries out a plan's CPU and disk copies (engine/kv_io/offload.py); None: no tiers."""
+    masks: TokenMaskFiller = field(init=False)
+    """Fills the structured-output token mask while the forward runs."""
+
+    def __post_init__(self) -> None:
+        self.masks = TokenMaskFiller(
+            self.sampler.vocab_size, unpack_on_host=self.device.type == "cpu"
+        )
+
+    def apply_plan(self, plan: KVPlan) -> None:
+        if self.offload is not None and (
+            plan.disk_store or plan.spill or plan.disk_load or plan.swap_in
+        ):
+            self.offload.apply(plan, self.kv_cache)
+        if plan.cow:
+            src = torch.tensor([s for s, _ in plan.cow], dtype=torch.long, device=self.device)
+            dst = torch.tensor([d for _, d in plan.cow], dtype=torch.long, device=self.device)
+            self.backend.copy_blocks(self.kv_cache, src, dst)
+
+    def _build_batch(
+        self, scheduled: list[ScheduledSeq], tables: list[list[int]]
+    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        bs = self.block_size
+        input_ids: list[int] = []
+        qlens: list[int] = []
+        starts: list[int] = []
+        for item in scheduled:
+            s, n = item.start, item.num_new_tokens
+            input_ids.extend(item.seq.token_ids[s : s + n])
+            qlens.append(n)
+            starts.append(s)
+        seq_lens = [s + n for s, n in zip(starts, qlens, strict=True)]
+        max_blocks = max(len(t) for t in tables)
+        # block_tables: [num_seqs, max_blocks]
+        block_tables = torch.tensor(
+            [t + [0] * (max_blocks - len(t)) for t in tables], dtype=torch.int32
+        )
+        qlens_t = torch.tensor(qlens, dtype=torch.int64)
+        qsl = torch.zeros(len(qlens) + 1, dtype=torch.int64)
+        torch.cumsum(qlens_t, 0, out=qsl[1:])
+        num_tokens = len(input_ids)
+        # seq_idx[t]: which sequence token t belongs to; positions[t] = start + offset in chunk.
+        seq_idx = torch.repeat_interleave(torch.arange(len(qlens)), qlens_t)
+        positions = (
+            torch.arange(num_tokens)
+            - qsl[:-1][seq_idx]
+            + torch.tensor(starts, dtype=torch.int64)[seq_idx]
+        )
+        # slot = block_id * block_size + offset within the block
+        slots = block_tables[seq_idx, positions // bs].to(torch.int64) * bs + positions % bs
+        dev = self.device
+        meta = AttentionMetadata(
+            slot_mapping=slots.to(dev, non_blocking=True),
+            query_start_loc=qsl.to(torch.int32).to(dev, non_blocking=True),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32).to(dev, non_blocking=True),
+            block_tables=block_tables.to(dev, non_blocking=True),
+            query_lens_cpu=qlens,
+            seq_lens_cpu=seq_lens,
+            max_query_len=max(qlens),
+            max_seq_len=max(seq_lens),
+        )
+        ids = torch.tensor(input_ids, dtype=torch.int64).to(dev, non_blocking=True)
+        return ids, positions.to(dev, non_blocking=True), meta
+
+    @torch.inference_mode()
+    def execute(self, sched: SchedulerOutput, tables: list[list[int]]) -> list[StepSamples]:
+        """One forward over every scheduled token; samples where a chunk reaches a sequence's end.
+
+        `tables` holds each scheduled sequence's block ids, in `sched.scheduled` order.
+        """
+        self.apply_plan(sched.plan)
+        if not sched.scheduled:
+            return []
+        input_ids, positions, meta = self._build_batch(sched.scheduled, tables)
+        self.backend.prepare(meta)
+        plan = self._sampling_plan(sched.scheduled)
+        # The grammar masks fill on a worker thread while the model runs.
+        pending = self.masks.start(plan.matchers, plan.filters) if plan.rows else None
+        try:
+            hidden = self.model(input_ids, positions, self.kv_cache, meta)  # [T, hidden]
+            if not plan.rows:
+                return []
+            idx = torch.tensor(plan.row_index, dtype=torch.int64, device=hidden.device)
+            logits = self.model.compute_logits(hidden.index_select(0, idx))  # [rows, vocab] fp32
+            mask = pending.result() if pending is not None else None
+        except BaseException:
+            _settle(pending)
+            raise
+        out = self.sampler(logits, plan.rows, self.eos_token_ids, mask)
+        results = []
+        k = 0
+        for item, n in plan.owners:
+            results.append(StepSamples(item, out.token_ids[k : k + n], out.logprobs[k : k + n]))
+            k += n
+        return results
+
+    def _sampling_plan(self, scheduled: list[ScheduledSeq]) -> _SamplingPlan:
+        plan = _SamplingPlan([], [], [], [], [])
+        end = 0
+        for item in scheduled:
+            end += item.num_new_tokens
+            if not item.samples:
+                continue
+            seq, req = item.seq, item.seq.request
+            n = req.params.n if not req.forked and req.params.n > 1 else 1
+            if n > 1:  # the first token of n samples: they fork after it
+                prompt = req.prompt_token_ids
+                plan.rows.extend(
+                    SamplingRow(req.params, prompt, [], req.generators[i]) for i in range(n)
+                )
+            else:
+                plan.rows.append(
+                    SamplingRow(
+                        req.params,
+                        req.prompt_token_ids,
+                        seq.output_token_ids,
+                        req.generators[seq.index],
+                    )
+                )
+            plan.row_index.extend([end - 1] * n)
+            plan.matchers.extend([seq.grammar] * n)
+            plan.filters.extend([_token_filter(req)] * n)
+            plan.owners.append((item, n))
+        return plan
+
+    def close(self) -> None:
+        """Stops the mask worker."""
+        self.masks.close()
+
+
+def _settle(pending: PendingMask | None) -> None:
+    """Lets a fill in flight finish before an error leaves the step (the buffer is reused)."""
+    if pending is not None:
+        pending.wait()
