@@ -126,14 +126,14 @@ def test_engine_greedy_tokens_match_torch_backend(
     expected = [o.token_ids for o in torch_llm.generate(prompts, params)]
 
     emulator.install(monkeypatch)
-    import engine.frontend.llm_engine
+    import engine.core.engine_core
 
     def emulated_backend(name: str, device: torch.device) -> CupyAttentionBackend:
         b = object.__new__(CupyAttentionBackend)
         b._setup(device, fallback=False)
         return b
 
-    monkeypatch.setattr(engine.frontend.llm_engine, "get_attention_backend", emulated_backend)
+    monkeypatch.setattr(engine.core.engine_core, "get_attention_backend", emulated_backend)
     emulator.launches.clear()
     cupy_llm = LLM(model=str(llama64), attention_backend="torch", **kwargs)  # patched factory
     got = [o.token_ids for o in cupy_llm.generate(prompts, params)]
