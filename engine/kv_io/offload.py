@@ -28,7 +28,8 @@ from engine.kv.events import KVEventBuffer
 from engine.kv.hashing import BlockHash
 from engine.kv.plan import KVPlan
 from engine.kv.tiers import TieredCache
-from engine.kv_io.disk import FORMAT, HEADER_BYTES, DiskFiles, model_fingerprint
+from engine.kv_io.disk import DiskFiles
+from engine.kv_io.disk_format import FORMAT, HEADER_BYTES, model_fingerprint
 from engine.stats import BufferStats, ModelInfo
 
 
