@@ -23,11 +23,13 @@ import torch
 from cuda.tier_copy import copy_blocks_between
 from engine.config import CacheConfig
 from engine.kv.disk_index import DiskIndex
+from engine.kv.disk_tier import DiskWrites
 from engine.kv.events import KVEventBuffer
 from engine.kv.hashing import BlockHash
 from engine.kv.plan import KVPlan
-from engine.kv.tiers import DiskWrites, TieredCache
-from engine.kv_io.disk import FORMAT, HEADER_BYTES, DiskFiles, model_fingerprint
+from engine.kv.tiers import TieredCache
+from engine.kv_io.disk import DiskFiles
+from engine.kv_io.disk_format import FORMAT, HEADER_BYTES, model_fingerprint
 from engine.stats import BufferStats, ModelInfo
 
 

@@ -24,7 +24,7 @@ import pytest
 
 from engine import LLM, SamplingParams
 from engine.kv.hashing import extra_keys, hash_blocks
-from engine.kv_io.disk import HEADER_BYTES
+from engine.kv_io.disk_format import HEADER_BYTES
 
 BS = 16
 GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)

@@ -7,7 +7,8 @@ from pathlib import Path
 
 import torch
 
-from engine.kv_io.disk import HEADER_BYTES, DiskFiles
+from engine.kv_io.disk import DiskFiles
+from engine.kv_io.disk_format import HEADER_BYTES
 
 PAYLOAD = 4096
 MANIFEST = {"format": "test"}

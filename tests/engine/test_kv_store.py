@@ -11,7 +11,8 @@ import torch
 
 from engine.kv.disk_index import DiskIndex
 from engine.kv.plan import KVPlan
-from engine.kv_io.disk import HEADER_BYTES, MANIFEST, DiskFiles
+from engine.kv_io.disk import DiskFiles
+from engine.kv_io.disk_format import HEADER_BYTES, MANIFEST
 from engine.kv_io.offload import KVOffload
 
 L, BS, H, D = 2, 4, 2, 8
