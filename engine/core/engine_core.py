@@ -48,6 +48,7 @@ from engine.worker.model_loader import (
     kv_dims,
     load_model,
     load_tokenizer,
+    model_fingerprint,
     read_hf_config,
 )
 from engine.worker.model_runner import ModelRunner, StepSamples
@@ -121,8 +122,9 @@ class EngineCore:
         )
         """Which hashes each tier started or stopped holding since `take_kv_events`."""
         self._kv_batches = 0
+        fingerprint = model_fingerprint(mc.path) if cc.disk_dir else None
         built = build_tiers(
-            cc, self.model_info, mc.path, kv_cache, self.block_bytes, events=self.kv_events
+            cc, self.model_info, fingerprint, kv_cache, self.block_bytes, events=self.kv_events
         )
         if built is not None:
             self.tiers, self.offload = built

@@ -12,7 +12,6 @@ the directory only ever see whole files; where it lives is engine/kv_io/disk_dir
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 import logging
 import os
@@ -25,7 +24,6 @@ import torch
 import xxhash
 
 from engine.kv.hashing import BlockHash
-from engine.worker.model_loader import safetensors_files
 
 log = logging.getLogger(__name__)
 
@@ -46,18 +44,6 @@ class BadBlockFile(Exception):
     def __init__(self, reason: str) -> None:
         super().__init__(reason)
         self.reason = reason
-
-
-def model_fingerprint(model_path: str | Path) -> str:
-    """blake2b over config.json and each weight file's name, size and first MiB (cheap, stable)."""
-    folder = Path(model_path)
-    h = hashlib.blake2b(digest_size=16)
-    h.update((folder / "config.json").read_bytes())
-    for f in safetensors_files(folder):
-        h.update(f"{f.name}:{f.stat().st_size}".encode())
-        with open(f, "rb") as fh:
-            h.update(fh.read(2**20))
-    return h.hexdigest()
 
 
 def claim_directory(root: Path, manifest: dict[str, Any]) -> bool:

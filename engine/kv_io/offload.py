@@ -29,7 +29,7 @@ from engine.kv.hashing import BlockHash
 from engine.kv.plan import KVPlan
 from engine.kv.tiers import TieredCache
 from engine.kv_io.disk import DiskFiles
-from engine.kv_io.disk_format import FORMAT, HEADER_BYTES, model_fingerprint
+from engine.kv_io.disk_format import FORMAT, HEADER_BYTES
 from engine.stats import BufferStats, ModelInfo
 
 
@@ -242,7 +242,7 @@ class KVOffload:
 def build_tiers(
     cache: CacheConfig,
     info: ModelInfo,
-    model_path: str,
+    model_fingerprint: str | None,
     kv_cache: torch.Tensor,
     block_bytes: int,
     *,
@@ -250,7 +250,8 @@ def build_tiers(
 ) -> tuple[TieredCache, KVOffload] | None:
     """The CPU tier (and the disk tier when `disk_dir` is set) of one engine, or None when off.
 
-    The tiers are off with prefix caching off (nothing would find their blocks) or a CPU tier of
+    `model_fingerprint` (worker/model_loader.py) goes into the disk tier's manifest; it is read
+    only when `disk_dir` is set. The tiers are off with prefix caching off (nothing would find their blocks) or a CPU tier of
     0 blocks; the disk tier is filled from CPU-tier evictions, so it needs the CPU tier.
     """
     if cache.num_cpu_blocks is not None:
@@ -284,7 +285,7 @@ def build_tiers(
         manifest = {
             "format": FORMAT,
             "model_id": info.model_id,
-            "model_fingerprint": model_fingerprint(model_path),
+            "model_fingerprint": model_fingerprint,
             "dtype": info.dtype,
             "block_size": bs,
             "layout": "[num_layers, 2, block_size, num_kv_heads, head_dim]",

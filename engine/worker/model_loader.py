@@ -5,6 +5,7 @@ Nothing is downloaded: every transformers call uses `local_files_only=True`.
 
 from __future__ import annotations
 
+import hashlib
 import json
 from collections.abc import Iterator
 from pathlib import Path
@@ -63,6 +64,18 @@ def safetensors_files(path: str | Path) -> list[Path]:
     if not files:
         raise FileNotFoundError(f"model folder {str(folder)!r} has no *.safetensors weights")
     return files
+
+
+def model_fingerprint(model_path: str | Path) -> str:
+    """blake2b over config.json and each weight file's name, size and first MiB (cheap, stable)."""
+    folder = _check_folder(model_path)
+    h = hashlib.blake2b(digest_size=16)
+    h.update((folder / "config.json").read_bytes())
+    for f in safetensors_files(folder):
+        h.update(f"{f.name}:{f.stat().st_size}".encode())
+        with open(f, "rb") as fh:
+            h.update(fh.read(2**20))
+    return h.hexdigest()
 
 
 def iter_weights(path: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
