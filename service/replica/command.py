@@ -30,7 +30,7 @@ from service.replica.config import ServiceConfig, add_service_args, service_conf
 
 if TYPE_CHECKING:
     from engine.config import EngineConfig
-    from service.replica.server import Engine
+    from service.replica.servicer_base import Engine
 
 log = logging.getLogger("deja.serve")
 LOG_LEVELS = ("debug", "info", "warning", "error")

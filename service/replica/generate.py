@@ -1,0 +1,215 @@
+"""The replica's Generate RPC, in named steps: `_admit` (entry checks, engine health, admission
+control), `_open` (engine request, stream, span), `_relay` (engine deltas to response messages),
+`_close` (outcome, usage, span, metrics) and `_fail` (the error status).
+
+A cancelled call or a passed deadline aborts the engine request (and frees its blocks) within one
+engine step: leaving the engine's output generator aborts it, and a done-callback on the call
+aborts it too in case the handler is cancelled while gRPC is writing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+import uuid
+from collections.abc import AsyncGenerator, AsyncIterator
+
+import grpc
+
+from engine.outputs import RequestOutput
+from service.api.deja.v1 import inference_pb2 as pb
+from service.common.auth import derive_cache_salt
+from service.common.tracing import end_request_span, extract_context, start_request_span
+from service.replica import convert
+from service.replica.servicer_base import BadMessage, ServicerBase
+from service.replica.streams import Stream, StreamRecord
+
+
+class GenerateRpc(ServicerBase):
+    """Generate: one engine request streamed back as GenerateResponse messages."""
+
+    async def Generate(
+        self, request: pb.GenerateRequest | BadMessage, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.GenerateResponse]:
+        tenant = await self._admit(request, context)
+        assert isinstance(request, pb.GenerateRequest)
+        rec = await self._open(request, context, tenant)
+        try:
+            async with contextlib.aclosing(self._relay(rec)) as relay:
+                async for resp in relay:
+                    yield resp
+                    rec.sent += 1
+        except asyncio.CancelledError:
+            if context.time_remaining() is not None and context.time_remaining() <= 0:
+                rec.outcome = "deadline_exceeded"
+            raise
+        except Exception as e:
+            rec.failed(e)
+        finally:
+            self._close(rec)
+        if rec.error is not None:
+            await self._fail(context, rec.outcome, rec.error, rec.trailer)
+
+    def _on_call_done(self, stream: Stream) -> None:
+        if not stream.done:
+            stream.done = True
+            self._engine.abort(stream.engine_id)
+
+    async def _admit(
+        self, request: pb.GenerateRequest | BadMessage, context: grpc.aio.ServicerContext
+    ) -> str | None:
+        """Entry checks, engine health and admission control; returns the tenant."""
+        tenant = await self._check_request(request, context)
+        try:
+            self._engine.check_health()
+        except Exception as e:
+            await self.engine_failed_now(e)
+            await self._abort(
+                context,
+                grpc.StatusCode.UNAVAILABLE,
+                f"the engine of replica {self.replica_id} has failed ({e}); retry on another "
+                "replica",
+                "rejected_engine_dead",
+            )
+        if self.num_queued >= self._config.max_queued_requests:
+            await self._abort(
+                context,
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"{self.num_queued} requests are already waiting on replica {self.replica_id} "
+                f"(limit {self._config.max_queued_requests}); retry later or on another replica",
+                "rejected_queue_full",
+            )
+        return tenant
+
+    async def _open(
+        self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext, tenant: str | None
+    ) -> StreamRecord:
+        """Maps the request to engine types, registers the stream and starts its span and its
+        engine request (which runs once the record's outputs are read)."""
+        try:
+            inp = convert.engine_input(request)
+            params = convert.sampling_params(request)
+        except ValueError as e:
+            await self._abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(e), "invalid_argument")
+        client_id = request.request_id or uuid.uuid4().hex
+        engine_id = client_id if tenant is None else f"{tenant}/{client_id}"
+        if engine_id in self.streams:
+            await self._abort(
+                context,
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"request id {client_id!r} is already running; pick a unique id or leave it empty",
+                "invalid_argument",
+            )
+        salt = derive_cache_salt(tenant, request.cache_salt, self._config.allow_client_cache_salt)
+        span = start_request_span(
+            self._tracer,
+            parent=extract_context(context.invocation_metadata()),
+            operation=inp.operation,
+            model=self._model,
+            request_id=client_id,
+            params=params,
+            replica_id=self.replica_id,
+            tenant=tenant,
+        )
+        stream = Stream(engine_id, client_id, tenant)
+        self.streams[engine_id] = stream
+        context.add_done_callback(lambda _ctx: self._on_call_done(stream))
+        self._metrics.active_streams.inc()
+        outputs = self._engine.generate(
+            inp.prompt, params, request_id=engine_id, messages=inp.messages, cache_salt=salt
+        )
+        return StreamRecord(request, stream, salt, span, outputs)
+
+    async def _relay(self, rec: StreamRecord) -> AsyncGenerator[pb.GenerateResponse, None]:
+        """The engine's deltas as response messages, up to the final one (or an engine error)."""
+        async with contextlib.aclosing(rec.outputs):  # type: ignore[type-var]
+            async for out in rec.outputs:
+                rec.stream.queued = False
+                self._observe_itl(rec, rec.tally.add(out))
+                resp = self._delta(rec.request, rec.stream.client_id, out, first=rec.last is None)
+                rec.last = out
+                if out.finished:
+                    rec.stream.done = True
+                    if out.error or "error" in rec.tally.finish_reasons():
+                        rec.outcome, rec.error = "error", out.error or "engine error"
+                        return
+                    resp.final.CopyFrom(
+                        convert.final_message(out, rec.tally, replica_id=self.replica_id)
+                    )
+                    rec.outcome = rec.tally.finish_reasons()[0] if rec.tally.ends else "stop"
+                    if self.on_finished is not None:
+                        self.on_finished(rec.request.session_id, out.prompt_token_ids, rec.salt)
+                yield resp
+
+    def _observe_itl(self, rec: StreamRecord, new_tokens: int) -> None:
+        """Inter-token latency: the gap since the last delta, spread over its new tokens."""
+        if not new_tokens:
+            return
+        now = time.monotonic()
+        if rec.last_token_t is not None:
+            gap = (now - rec.last_token_t) / new_tokens
+            for _ in range(new_tokens):
+                self._metrics.itl.observe(gap)
+        rec.last_token_t = now
+
+    def _close(self, rec: StreamRecord) -> None:
+        """Unregisters the stream and records its outcome, usage and span."""
+        rec.stream.done = True
+        self.streams.pop(rec.stream.engine_id, None)
+        self._metrics.active_streams.dec()
+        if rec.error is None:  # failures are counted by _fail with their status
+            self._metrics.requests.labels(rec.outcome).inc()
+        self._record(rec.last, rec.tally)
+        last = rec.last
+        end_request_span(
+            rec.span,
+            last if last is not None and last.finished else None,
+            completion_tokens=rec.tally.completion_tokens,
+            finish_reasons=rec.tally.finish_reasons(),
+            error=rec.error
+            or (rec.outcome if rec.outcome in ("cancelled", "deadline_exceeded") else None),
+        )
+
+    @staticmethod
+    def _delta(
+        request: pb.GenerateRequest, client_id: str, out: RequestOutput, *, first: bool
+    ) -> pb.GenerateResponse:
+        resp = pb.GenerateResponse(request_id=client_id)
+        if request.return_token_ids and first:
+            resp.prompt_token_ids.extend(out.prompt_token_ids)
+        for c in out.outputs:
+            resp.choices.append(convert.choice_delta(c, return_token_ids=request.return_token_ids))
+        return resp
+
+    async def _fail(
+        self,
+        context: grpc.aio.ServicerContext,
+        outcome: str,
+        error: str,
+        trailer: tuple[tuple[str, str], ...] = (),
+    ) -> None:
+        if outcome == "invalid_argument":
+            await self._abort(context, grpc.StatusCode.INVALID_ARGUMENT, error, outcome)
+        if outcome == "stream_overflow":
+            msg = f"the client read the stream too slowly; request aborted ({error})"
+            await self._abort(context, grpc.StatusCode.RESOURCE_EXHAUSTED, msg, outcome)
+        try:
+            self._engine.check_health()
+        except Exception as e:
+            await self.engine_failed_now(e)
+        await self._abort(context, grpc.StatusCode.INTERNAL, error, "internal", trailer)
+
+    def _record(self, last: RequestOutput | None, tally: convert.StreamTally) -> None:
+        m = self._metrics
+        m.generation_tokens.inc(tally.completion_tokens)
+        if last is None or not last.finished:
+            return
+        m.prompt_tokens.inc(len(last.prompt_token_ids))
+        for tier in ("device", "cpu", "disk"):
+            m.cached_prompt_tokens.labels(tier).inc(getattr(last.cached_tokens, tier))
+        t = last.metrics
+        if t is not None:
+            for hist, value in ((m.ttft, t.ttft), (m.queue_time, t.queue_time), (m.e2e, t.e2e)):
+                if value is not None:
+                    hist.observe(value)
