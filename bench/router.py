@@ -28,7 +28,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench import common
+from bench import report
 from bench.router_cluster import (
     ProcessGroup,
     route_argv,
@@ -293,7 +293,7 @@ def run(args: argparse.Namespace) -> int:
         print("deja bench router: --request-rate must be > 0 (inf: a closed loop)", file=sys.stderr)
         return 2
     runs = {policy: _Runs() for policy in policies}
-    info: dict[str, Any] = {"load_avg_at_start": common.load_avg()}
+    info: dict[str, Any] = {"load_avg_at_start": report.load_avg()}
     workload: Any = None
     with tempfile.TemporaryDirectory(prefix="deja-bench-router-") as tmp_dir:
         tmp = args.logs_dir or tmp_dir
@@ -317,7 +317,7 @@ def run(args: argparse.Namespace) -> int:
             replicas=measured.replicas,
             oracle_hit_rate=measured.oracle_cached / prompt if prompt else 0.0,
         )
-    report = {
+    out = {
         "dataset": dataclasses.asdict(_spec(args)),
         "num_replicas": args.num_replicas,
         "max_concurrency": args.max_concurrency,
@@ -327,18 +327,18 @@ def run(args: argparse.Namespace) -> int:
         "comparison": compare(results),
         "machine": info,
     }
-    end_line = common.finish_line(info)
+    end_line = report.finish_line(info)
     if args.output:
-        Path(args.output).write_text(json.dumps(report, indent=2, default=_json) + "\n")
+        Path(args.output).write_text(json.dumps(out, indent=2, default=_json) + "\n")
     if args.json:
-        print(json.dumps(report, indent=2, default=_json))
+        print(json.dumps(out, indent=2, default=_json))
     else:
         for policy, r in results.items():
             print(format_result(policy, r))
             for key in ("routes", "replicas"):
                 counts = ", ".join(f"{k} {int(v)}" for k, v in sorted(r[key].items()))
                 print(f"  {key}: {counts}")
-        print(format_comparison(report["comparison"]))
+        print(format_comparison(out["comparison"]))
         print(end_line)
     return 0 if all(r["failed"] == 0 for r in results.values()) else 1
 

@@ -36,8 +36,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from bench.common import format_load, load_avg
 from bench.loadgen import stop_server
+from bench.report import format_load, load_avg
 from bench.soak_report import EndState, Sample, format_row, format_table, judge
 from bench.workload import token_range
 from clients.client import AsyncDejaClient, add_connection_args, build_request

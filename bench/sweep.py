@@ -175,7 +175,7 @@ def format_sweep(rows: list[dict[str, Any]]) -> str:
 
 
 def _load() -> list[float]:
-    from bench.common import load_avg
+    from bench.report import load_avg
 
     return load_avg()
 
