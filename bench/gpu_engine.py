@@ -24,6 +24,7 @@ from typing import Any
 
 from bench import common, report
 from bench.common import Request
+from bench.hf_baselines import hf_generate_batch, load_hf_model
 
 
 def make_requests(seed: int, num: int) -> list[Request]:
@@ -59,6 +60,8 @@ LLAMA_32_1B: dict[str, Any] = {
     "initializer_range": 0.02,
 }
 """Llama-3.2-1B's architecture (config.json of meta-llama/Llama-3.2-1B)."""
+PAD = 0
+"""The random checkpoint's pad token (transformers pads its static batches with it)."""
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -92,7 +95,9 @@ def ensure_random_llama(cache_dir: Path, dtype: str) -> Path:
     if (out / "config.json").exists():
         return out
     build_tokenizer(out)
-    config = LlamaConfig(**LLAMA_32_1B, bos_token_id=0, eos_token_id=2, pad_token_id=0, dtype=dtype)
+    config = LlamaConfig(
+        **LLAMA_32_1B, bos_token_id=0, eos_token_id=2, pad_token_id=PAD, dtype=dtype
+    )
     torch.manual_seed(0)
     with torch.device("cuda"):
         model = LlamaForCausalLM(config).to(getattr(torch, dtype))
@@ -139,37 +144,18 @@ def run_deja(
 
 def run_hf(path: str, args: argparse.Namespace, reqs: list[Request]) -> dict[str, Any]:
     import torch
-    from transformers import AutoModelForCausalLM
 
-    model: Any = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, args.dtype))
-    model = model.cuda().eval()
-    pad = 0
-
-    def batch_generate(batch: list[Request]) -> list[list[int]]:
-        width = max(len(r.prompt) for r in batch)
-        ids = torch.tensor([[pad] * (width - len(r.prompt)) + r.prompt for r in batch]).cuda()
-        mask = torch.tensor([[0] * (width - len(r.prompt)) + [1] * len(r.prompt) for r in batch])
-        steps = max(r.max_tokens for r in batch)
-        with torch.inference_mode():
-            out = model.generate(
-                input_ids=ids,
-                attention_mask=mask.cuda(),
-                do_sample=False,
-                max_new_tokens=steps,
-                min_new_tokens=steps,
-                pad_token_id=pad,
-            )
-        return [out[i, width : width + r.max_tokens].tolist() for i, r in enumerate(batch)]
-
-    batch_generate(reqs[: min(4, len(reqs))])  # warmup
-    torch.cuda.synchronize()
-    outputs: list[list[int]] = []
+    model = load_hf_model(path, args.dtype).cuda()
     size = args.hf_batch_size
-    start = time.perf_counter()
-    for i in range(0, len(reqs), size):
-        outputs.extend(batch_generate(reqs[i : i + size]))
-    torch.cuda.synchronize()
-    seconds = time.perf_counter() - start
+    outputs: list[list[int]] = []
+    with torch.inference_mode():
+        hf_generate_batch(model, reqs[: min(4, len(reqs))], PAD)  # warmup
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        for i in range(0, len(reqs), size):
+            outputs.extend(hf_generate_batch(model, reqs[i : i + size], PAD)[0])
+        torch.cuda.synchronize()
+        seconds = time.perf_counter() - start
     n = sum(len(x) for x in outputs)
     return {"seconds": seconds, "output_tokens": n, "tokens_per_s": n / seconds, "outputs": outputs}
 

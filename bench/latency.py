@@ -223,7 +223,7 @@ def _offline_one(engine: Any, prompt: list[int], params: Any) -> Sample:
 def run_transformers(
     model_path: str, args: argparse.Namespace, prompts: list[list[int]], warmup: list[int]
 ) -> SystemResult:
-    from bench.offline import load_hf_model, pad_token_id
+    from bench.hf_baselines import load_hf_model, pad_token_id
 
     model = load_hf_model(model_path, args.dtype)
     pad = pad_token_id(model)
