@@ -152,26 +152,23 @@ def serve_command(model_path: str, args: argparse.Namespace, port: int) -> list[
 def run_served(
     model_path: str, args: argparse.Namespace, prompts: list[list[int]], warmup: list[int]
 ) -> SystemResult:
-    from bench.router_cluster import ProcessGroup, wait_healthy
+    from bench.router_cluster import serving
     from clients.client import DejaClient
     from service.common.ports import free_port
 
     port = free_port()
     target = f"127.0.0.1:{port}"
-    with tempfile.TemporaryDirectory(prefix="deja-bench-latency-") as tmp:
-        # OMP_NUM_THREADS sizes torch's intra-op pool in the server like --threads does here.
-        group = ProcessGroup(Path(tmp), env={"OMP_NUM_THREADS": str(args.threads)})
-        argv = serve_command(model_path, args, port)
-        print(f"starting: {' '.join(argv[1:])}", file=sys.stderr)
-        group.spawn("serve", argv)
-        try:
-            wait_healthy(group, "serve", target, args.server_start_timeout)
-            with DejaClient(target, retries=0) as client:
-                _served_one(client, warmup, args.new_tokens)
-                samples = [_served_one(client, p, args.new_tokens) for p in prompts]
-            group.check_alive("serve")
-        finally:
-            group.stop_all()
+    argv = serve_command(model_path, args, port)
+    timeout = args.server_start_timeout
+    # OMP_NUM_THREADS sizes torch's intra-op pool in the server like --threads does here.
+    with (
+        tempfile.TemporaryDirectory(prefix="deja-bench-latency-") as tmp,
+        serving(Path(tmp), "serve", argv, target, timeout, omp_threads=args.threads) as group,
+    ):
+        with DejaClient(target, retries=0) as client:
+            _served_one(client, warmup, args.new_tokens)
+            samples = [_served_one(client, p, args.new_tokens) for p in prompts]
+        group.check_alive("serve")
     return SystemResult("served (gRPC)", samples)
 
 
