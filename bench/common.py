@@ -1,23 +1,24 @@
-"""Helpers shared by the benchmarks: model resolution, workloads, timing, tables and JSON output.
+"""The benchmarks' harness: flags, model resolution, our engine, workloads, timing, the command.
 
 Every benchmark compares systems inside one process and one run, and reports ratios: on a shared
-machine absolute numbers drift, ratios measured side by side drift much less.
+machine absolute numbers drift, ratios measured side by side drift much less. What they print and
+write (machine and load lines, tables, ratios, JSON) is bench/report.py.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import platform
 import random
 import statistics
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from bench import report
 
 DEFAULT_THREADS = 2
 
@@ -55,11 +56,16 @@ def add_common_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="our engine's KV blocks (default: 1 GiB)",
     )
-    parser.add_argument(
-        "--json", type=Path, default=None, metavar="PATH", help="write results here"
-    )
+    add_json_argument(parser)
     parser.add_argument(
         "--quick", action="store_true", help="a few short requests (smoke test), not a measurement"
+    )
+
+
+def add_json_argument(parser: argparse.ArgumentParser) -> None:
+    """--json PATH: where `report.write_json` writes the results."""
+    parser.add_argument(
+        "--json", type=Path, default=None, metavar="PATH", help="write results here"
     )
 
 
@@ -89,10 +95,10 @@ def resolve_workload(
     args: argparse.Namespace, full: dict[str, Any], quick: dict[str, Any]
 ) -> dict[str, Any]:
     """`quick` (with --quick) or `full`, each entry replaced by the flag of the same name when
-    that is given (not None or 0); a MIN MAX pair becomes a tuple."""
+    the benchmark has that flag and it is given (not None or 0); a MIN MAX pair becomes a tuple."""
     work: dict[str, Any] = {}
     for key, value in (quick if args.quick else full).items():
-        given = getattr(args, key) or value
+        given = getattr(args, key, None) or value
         work[key] = tuple(given) if isinstance(given, list) else given
     return work
 
@@ -110,6 +116,17 @@ def setup_torch(threads: int) -> None:
     transformers.logging.disable_progress_bar()
 
 
+def begin(args: argparse.Namespace, title: str) -> tuple[str, dict[str, Any]]:
+    """What a benchmark on our CPU engine does first: torch set up (--threads), the model
+    resolved (--model, --cache-dir), the machine recorded and the header printed. Returns the
+    model folder and the machine info (`report.finish_info` adds the load at the end)."""
+    setup_torch(args.threads)
+    model_path = resolve_model(args.model, args.cache_dir)
+    info = report.machine_info(args.threads)
+    report.print_header(title, model_path, info)
+    return model_path, info
+
+
 def resolve_model(model: str, cache_dir: Path | None) -> str:
     """'demo' -> the converted demo folder (converted on first use); else an existing folder."""
     from engine.demo import resolve_model_path
@@ -117,18 +134,13 @@ def resolve_model(model: str, cache_dir: Path | None) -> str:
     return resolve_model_path(model, cache_dir or default_cache_dir())
 
 
-def cpu_llm(model_path: str, args: argparse.Namespace, **options: Any) -> Any:
-    """Our engine (engine.LLM) on the CPU with the common flags' --dtype and
-    --max-num-batched-tokens; `options` are further LLM keyword arguments."""
+def our_llm(model_path: str, args: argparse.Namespace, **options: Any) -> Any:
+    """Our engine (engine.LLM) with the common flags' --dtype and --max-num-batched-tokens, on
+    the CPU unless `options` (further LLM keyword arguments) name another device."""
     from engine import LLM
 
-    return LLM(
-        model_path,
-        dtype=args.dtype,
-        device="cpu",
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        **options,
-    )
+    config = {"dtype": args.dtype, "device": "cpu", **options}
+    return LLM(model_path, max_num_batched_tokens=args.max_num_batched_tokens, **config)
 
 
 def allowed_token_ids(model_path: str) -> tuple[list[int], int]:
@@ -181,6 +193,40 @@ class Timing:
     time, but it also counts threads spinning in wait."""
 
 
+@dataclass(slots=True)
+class SystemResult:
+    """One system's run of a whole workload (`deja bench offline`)."""
+
+    name: str
+    seconds: float
+    """Wall-clock seconds of the whole workload."""
+    cpu_seconds: float
+    """CPU seconds of the process meanwhile (all threads)."""
+    useful_tokens: int
+    """Output tokens the requests asked for (padding and overrun of static batches excluded)."""
+    computed_tokens: int
+    """Output tokens actually generated (a static batch runs every row to its longest output)."""
+    outputs: list[list[int]] = field(repr=False)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.useful_tokens / self.seconds
+
+    @property
+    def tokens_per_cpu_s(self) -> float:
+        return self.useful_tokens / self.cpu_seconds
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "seconds": self.seconds,
+            "cpu_seconds": self.cpu_seconds,
+            "tokens_per_cpu_s": self.tokens_per_cpu_s,
+            "useful_output_tokens": self.useful_tokens,
+            "computed_output_tokens": self.computed_tokens,
+            "tokens_per_s": self.tokens_per_s,
+        }
+
+
 @contextmanager
 def timed() -> Iterator[Timing]:
     """`with timed() as t: ...` then t.wall and t.cpu hold the elapsed seconds."""
@@ -201,92 +247,6 @@ def mean(values: Sequence[float]) -> float:
     return float(statistics.fmean(values))
 
 
-def print_table(headers: Sequence[str], rows: Sequence[Sequence[Any]], digits: int = 2) -> None:
-    """A plain left-aligned text table (floats with `digits` decimals)."""
-
-    def fmt(v: Any) -> str:
-        return f"{v:.{digits}f}" if isinstance(v, float) else str(v)
-
-    cells = [[fmt(v) for v in row] for row in rows]
-    widths = [max(len(h), *(len(r[i]) for r in cells)) for i, h in enumerate(headers)]
-    print("  ".join(h.ljust(w) for h, w in zip(headers, widths, strict=True)))
-    print("  ".join("-" * w for w in widths))
-    for r in cells:
-        print("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)))
-
-
-def machine_info(threads: int) -> dict[str, Any]:
-    """What the figures were measured on."""
-    import torch
-    import transformers
-
-    cpu = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    cpu = line.split(":", 1)[1].strip()
-                    break
-    except OSError:
-        pass
-    return {
-        "cpu": cpu,
-        "cores": os.cpu_count(),
-        "torch_threads": threads,
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "transformers": transformers.__version__,
-        "load_avg_at_start": load_avg(),
-    }
-
-
-def load_avg() -> list[float]:
-    """1, 5 and 15 minute load averages (empty where the OS has none)."""
-    try:
-        return list(os.getloadavg())
-    except OSError:
-        return []
-
-
-def format_load(values: Sequence[float]) -> str:
-    """Load averages as the report lines print them: "0.52, 0.61, 0.70"."""
-    return ", ".join(f"{x:.2f}" for x in values)
-
-
-def finish_info(info: dict[str, Any]) -> str:
-    """Records the load average at the end in `info`; returns a line saying whether the machine
-    was busy with other work during the run (the figures are then noisier)."""
-    end = load_avg()
-    info["load_avg_at_end"] = end
-    busy = bool(end) and end[1] > (os.cpu_count() or 1) + 0.5
-    load = format_load(end)
-    note = " (busy with other work: figures are noisy)" if busy else ""
-    return f"load avg at end {load}{note}"
-
-
-def finish_line(info: dict[str, Any]) -> str:
-    """`finish_info`'s line, with the load average at the start (`info["load_avg_at_start"]`)."""
-    return f"{finish_info(info)} (at start {format_load(info['load_avg_at_start'])})"
-
-
-def print_header(title: str, model_path: str, info: dict[str, Any]) -> None:
-    print(f"== {title} ==")
-    print(f"model: {model_path}")
-    load = format_load(info["load_avg_at_start"])
-    print(
-        f"machine: {info['cpu']}, {info['cores']} cores, torch {info['torch']} "
-        f"({info['torch_threads']} threads), transformers {info['transformers']}, load avg {load}"
-    )
-
-
-def write_json(path: Path | None, payload: dict[str, Any]) -> None:
-    if path is None:
-        return
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(payload, indent=2, sort_keys=True) + "\n", encoding="utf-8")
-    print(f"results written to {path}")
-
-
 def parse_args(
     add_arguments: Callable[[argparse.ArgumentParser], None],
     argv: list[str] | None,
@@ -304,7 +264,8 @@ def main(
     doc: str | None,
     add_arguments: Callable[[argparse.ArgumentParser], None],
     run: Callable[[argparse.Namespace], int],
-    argv: list[str] | None,
+    argv: list[str] | None = None,
 ) -> int:
-    """A benchmark's command line: its flags parsed from argv, then `run`."""
+    """A benchmark's command line (`python -m bench.NAME`): its flags parsed from argv, then
+    `run`."""
     return run(parse_args(add_arguments, argv, prog, doc))

@@ -16,20 +16,15 @@ from __future__ import annotations
 
 import argparse
 import gc
-import os
 import random
+import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from bench import common
-
-
-@dataclass(frozen=True, slots=True)
-class Request:
-    prompt: list[int]
-    max_tokens: int
+from bench import common, report
+from bench.common import Request
+from bench.hf_baselines import hf_generate_batch, load_hf_model
 
 
 def make_requests(seed: int, num: int) -> list[Request]:
@@ -40,10 +35,6 @@ def make_requests(seed: int, num: int) -> list[Request]:
         prompt_len, max_tokens = rng.randint(32, 512), rng.randint(16, 128)
         out.append(Request([rng.randrange(10, 128000) for _ in range(prompt_len)], max_tokens))
     return out
-
-
-def default_cache_dir() -> Path:
-    return Path(os.environ.get("DEJA_CACHE_DIR") or Path.home() / ".cache" / "deja")
 
 
 LLAMA_32_1B: dict[str, Any] = {
@@ -69,6 +60,8 @@ LLAMA_32_1B: dict[str, Any] = {
     "initializer_range": 0.02,
 }
 """Llama-3.2-1B's architecture (config.json of meta-llama/Llama-3.2-1B)."""
+PAD = 0
+"""The random checkpoint's pad token (transformers pads its static batches with it)."""
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -88,9 +81,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--skip-hf", action="store_true", help="skip the transformers baseline")
     parser.add_argument("--quick", action="store_true", help="32 requests: a smoke test")
-    parser.add_argument(
-        "--json", type=Path, default=None, metavar="PATH", help="write results here"
-    )
+    common.add_json_argument(parser)
 
 
 def ensure_random_llama(cache_dir: Path, dtype: str) -> Path:
@@ -104,7 +95,9 @@ def ensure_random_llama(cache_dir: Path, dtype: str) -> Path:
     if (out / "config.json").exists():
         return out
     build_tokenizer(out)
-    config = LlamaConfig(**LLAMA_32_1B, bos_token_id=0, eos_token_id=2, pad_token_id=0, dtype=dtype)
+    config = LlamaConfig(
+        **LLAMA_32_1B, bos_token_id=0, eos_token_id=2, pad_token_id=PAD, dtype=dtype
+    )
     torch.manual_seed(0)
     with torch.device("cuda"):
         model = LlamaForCausalLM(config).to(getattr(torch, dtype))
@@ -119,16 +112,15 @@ def run_deja(
 ) -> dict[str, Any]:
     import torch
 
-    from engine import LLM, SamplingParams
+    from engine import SamplingParams
 
-    llm = LLM(
-        model=path,
+    llm = common.our_llm(
+        path,
+        args,
         device="cuda",
-        dtype=args.dtype,
         attention_backend=backend,
         device_memory_gib=args.kv_gib,
         max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
         enable_prefix_caching=False,
     )
 
@@ -152,37 +144,18 @@ def run_deja(
 
 def run_hf(path: str, args: argparse.Namespace, reqs: list[Request]) -> dict[str, Any]:
     import torch
-    from transformers import AutoModelForCausalLM
 
-    model: Any = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, args.dtype))
-    model = model.cuda().eval()
-    pad = 0
-
-    def batch_generate(batch: list[Request]) -> list[list[int]]:
-        width = max(len(r.prompt) for r in batch)
-        ids = torch.tensor([[pad] * (width - len(r.prompt)) + r.prompt for r in batch]).cuda()
-        mask = torch.tensor([[0] * (width - len(r.prompt)) + [1] * len(r.prompt) for r in batch])
-        steps = max(r.max_tokens for r in batch)
-        with torch.inference_mode():
-            out = model.generate(
-                input_ids=ids,
-                attention_mask=mask.cuda(),
-                do_sample=False,
-                max_new_tokens=steps,
-                min_new_tokens=steps,
-                pad_token_id=pad,
-            )
-        return [out[i, width : width + r.max_tokens].tolist() for i, r in enumerate(batch)]
-
-    batch_generate(reqs[: min(4, len(reqs))])  # warmup
-    torch.cuda.synchronize()
-    outputs: list[list[int]] = []
+    model = load_hf_model(path, args.dtype).cuda()
     size = args.hf_batch_size
-    start = time.perf_counter()
-    for i in range(0, len(reqs), size):
-        outputs.extend(batch_generate(reqs[i : i + size]))
-    torch.cuda.synchronize()
-    seconds = time.perf_counter() - start
+    outputs: list[list[int]] = []
+    with torch.inference_mode():
+        hf_generate_batch(model, reqs[: min(4, len(reqs))], PAD)  # warmup
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        for i in range(0, len(reqs), size):
+            outputs.extend(hf_generate_batch(model, reqs[i : i + size], PAD)[0])
+        torch.cuda.synchronize()
+        seconds = time.perf_counter() - start
     n = sum(len(x) for x in outputs)
     return {"seconds": seconds, "output_tokens": n, "tokens_per_s": n / seconds, "outputs": outputs}
 
@@ -194,15 +167,13 @@ def _agreement(a: list[list[int]], b: list[list[int]], first: int = 32) -> float
 
 
 def run(args: argparse.Namespace) -> int:
-    import torch
-
-    if not torch.cuda.is_available():
-        print("bench gpu needs a CUDA GPU; none is available")
+    props = report.cuda_device("bench gpu")
+    if props is None:
         return 2
-    path = args.model or str(ensure_random_llama(args.cache_dir or default_cache_dir(), args.dtype))
+    cache_dir = args.cache_dir or common.default_cache_dir()
+    path = args.model or str(ensure_random_llama(cache_dir, args.dtype))
     n = 32 if args.quick else args.num_requests
     reqs = make_requests(args.seed, n)
-    props = torch.cuda.get_device_properties(0)
     print(f"== deja engine on {props.name}: {n} requests, {args.dtype}, model {path} ==")
 
     results: dict[str, dict[str, Any]] = {}
@@ -215,7 +186,7 @@ def run(args: argparse.Namespace) -> int:
     rows = [
         [name, r["seconds"], r["output_tokens"], r["tokens_per_s"]] for name, r in results.items()
     ]
-    common.print_table(["system", "seconds", "output tokens", "tokens/s"], rows, digits=3)
+    report.print_table(["system", "seconds", "output tokens", "tokens/s"], rows, digits=3)
     ratios: dict[str, float] = {}
     names = list(results)
     for a in names:
@@ -223,7 +194,7 @@ def run(args: argparse.Namespace) -> int:
             if a != b and a.startswith("deja"):
                 ratios[f"{a} / {b}"] = results[a]["tokens_per_s"] / results[b]["tokens_per_s"]
     for k, v in ratios.items():
-        print(f"{k}: {v:.2f}x")
+        print(report.ratio_line(k, v))
     if "deja (cupy)" in results and "deja (torch)" in results:
         agree = _agreement(results["deja (cupy)"]["outputs"], results["deja (torch)"]["outputs"])
         # NOTE: random weights give near-flat logits, so bf16 rounding differences flip near-ties
@@ -232,7 +203,7 @@ def run(args: argparse.Namespace) -> int:
             f"identical greedy outputs cupy vs torch backend (first 32 tokens): {agree:.1%} "
             "(random weights: near-ties, see tests/gpu parity)"
         )
-    common.write_json(
+    report.write_json(
         args.json,
         {
             "device": props.name,
@@ -247,9 +218,5 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
-    return common.main("deja bench gpu", __doc__, add_arguments, run, argv)
-
-
 if __name__ == "__main__":
-    raise SystemExit(main())
+    sys.exit(common.main("deja bench gpu", __doc__, add_arguments, run))

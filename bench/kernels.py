@@ -15,19 +15,17 @@ from __future__ import annotations
 
 import argparse
 import math
+import sys
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
-from bench import common
+from bench import common, report
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--iters", type=int, default=50, help="timed launches per measurement")
     parser.add_argument("--block-size", type=int, default=16, choices=(16, 32))
-    parser.add_argument(
-        "--json", type=Path, default=None, metavar="PATH", help="write results here"
-    )
+    common.add_json_argument(parser)
 
 
 def _time_ms(fn: Callable[[], Any], iters: int) -> float:
@@ -190,15 +188,14 @@ def bench_prefill(args: argparse.Namespace) -> dict[str, Any]:
 def run(args: argparse.Namespace) -> int:
     import torch
 
-    if not torch.cuda.is_available():
-        print("bench kernels needs a CUDA GPU; none is available")
+    props = report.cuda_device("bench kernels")
+    if props is None:
         return 2
     try:
         import cupy  # noqa: F401
     except ImportError:
         print("bench kernels needs CuPy: pip install -e '.[cuda]'")
         return 2
-    props = torch.cuda.get_device_properties(0)
     print(
         f"== deja kernels on {props.name} ({props.multi_processor_count} SMs), torch {torch.__version__} =="
     )
@@ -207,7 +204,7 @@ def run(args: argparse.Namespace) -> int:
     split = bench_split_k(args)
     prefill = bench_prefill(args)
     print(f"device-to-device copy: {bw / 1e9:.0f} GB/s (read + write)")
-    common.print_table(
+    report.print_table(
         ["measurement", "value", "target"],
         [
             ["decode b64 ctx4096 32/8 heads d128 bf16: kernel ms", decode["kernel_ms"], ""],
@@ -230,7 +227,7 @@ def run(args: argparse.Namespace) -> int:
         and split["speedup"] > 1.0
     )
     print("acceptance 2:", "MET" if ok else "NOT MET")
-    common.write_json(
+    report.write_json(
         args.json,
         {
             "device": props.name,
@@ -244,9 +241,5 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
-    return common.main("deja bench kernels", __doc__, add_arguments, run, argv)
-
-
 if __name__ == "__main__":
-    raise SystemExit(main())
+    sys.exit(common.main("deja bench kernels", __doc__, add_arguments, run))

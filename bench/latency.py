@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from bench import common
+from bench import common, report
 
 TARGET_DECODE_VS_OFFLINE = 0.95
 TARGET_DECODE_VS_TRANSFORMERS = 1.2
@@ -152,26 +152,23 @@ def serve_command(model_path: str, args: argparse.Namespace, port: int) -> list[
 def run_served(
     model_path: str, args: argparse.Namespace, prompts: list[list[int]], warmup: list[int]
 ) -> SystemResult:
-    from bench.router_cluster import ProcessGroup, wait_healthy
+    from bench.router_cluster import serving
     from clients.client import DejaClient
     from service.common.ports import free_port
 
     port = free_port()
     target = f"127.0.0.1:{port}"
-    with tempfile.TemporaryDirectory(prefix="deja-bench-latency-") as tmp:
-        # OMP_NUM_THREADS sizes torch's intra-op pool in the server like --threads does here.
-        group = ProcessGroup(Path(tmp), env={"OMP_NUM_THREADS": str(args.threads)})
-        argv = serve_command(model_path, args, port)
-        print(f"starting: {' '.join(argv[1:])}", file=sys.stderr)
-        group.spawn("serve", argv)
-        try:
-            wait_healthy(group, "serve", target, args.server_start_timeout)
-            with DejaClient(target, retries=0) as client:
-                _served_one(client, warmup, args.new_tokens)
-                samples = [_served_one(client, p, args.new_tokens) for p in prompts]
-            group.check_alive("serve")
-        finally:
-            group.stop_all()
+    argv = serve_command(model_path, args, port)
+    timeout = args.server_start_timeout
+    # OMP_NUM_THREADS sizes torch's intra-op pool in the server like --threads does here.
+    with (
+        tempfile.TemporaryDirectory(prefix="deja-bench-latency-") as tmp,
+        serving(Path(tmp), "serve", argv, target, timeout, omp_threads=args.threads) as group,
+    ):
+        with DejaClient(target, retries=0) as client:
+            _served_one(client, warmup, args.new_tokens)
+            samples = [_served_one(client, p, args.new_tokens) for p in prompts]
+        group.check_alive("serve")
     return SystemResult("served (gRPC)", samples)
 
 
@@ -193,7 +190,7 @@ def run_offline(
 ) -> SystemResult:
     from engine import SamplingParams
 
-    llm = common.cpu_llm(
+    llm = common.our_llm(
         model_path, args, num_device_blocks=args.num_device_blocks, cpu_swap_gib=0.0
     )
     params = SamplingParams(temperature=0.0, max_tokens=args.new_tokens, ignore_eos=True)
@@ -223,7 +220,7 @@ def _offline_one(engine: Any, prompt: list[int], params: Any) -> Sample:
 def run_transformers(
     model_path: str, args: argparse.Namespace, prompts: list[list[int]], warmup: list[int]
 ) -> SystemResult:
-    from bench.offline import load_hf_model, pad_token_id
+    from bench.hf_baselines import load_hf_model, pad_token_id
 
     model = load_hf_model(model_path, args.dtype)
     pad = pad_token_id(model)
@@ -320,16 +317,12 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
-    for key, value in (QUICK if args.quick else FULL).items():
-        if getattr(args, key) is None:
-            setattr(args, key, value)
+    vars(args).update(common.resolve_workload(args, FULL, QUICK))
     if args.new_tokens < 2 or args.repeats < 1 or args.prompt_len < 1:
         print("deja bench latency: needs --new-tokens >= 2, --repeats >= 1", file=sys.stderr)
         return 2
-    common.setup_torch(args.threads)
-    model_path = common.resolve_model(args.model, args.cache_dir)
-    info = common.machine_info(args.threads)
-    common.print_header("one-user latency: served vs offline vs transformers", model_path, info)
+    title = "one-user latency: served vs offline vs transformers"
+    model_path, info = common.begin(args, title)
     print(
         f"workload: prompt {args.prompt_len} tokens, {args.new_tokens} new tokens (greedy, EOS "
         f"ignored), {args.repeats} measured requests per system after 1 warm-up, {args.dtype}"
@@ -351,7 +344,7 @@ def _run(args: argparse.Namespace) -> int:
         [s.name, s.ttft_ms, s.decode_tok_s, " ".join(f"{x.decode_tok_s:.1f}" for x in s.samples)]
         for s in systems
     ]
-    common.print_table(
+    report.print_table(
         ["system", "TTFT ms (p50)", "decode tok/s (p50)", "decode tok/s per run"], rows
     )
     same = sum(a.tokens == b.tokens for a, b in zip(served.samples, offline.samples, strict=True))
@@ -361,8 +354,8 @@ def _run(args: argparse.Namespace) -> int:
     results = checks(served, offline, hf)
     for c in results:
         print(f"{c.name}: {c.value:.2f} (target {c.target}) {'PASS' if c.ok else 'FAIL'}")
-    print(common.finish_line(info))
-    common.write_json(
+    print(report.finish_line(info))
+    report.write_json(
         args.json,
         {
             "machine": info,
@@ -377,7 +370,7 @@ def _run(args: argparse.Namespace) -> int:
             "results": {s.name: s.to_json() for s in systems},
             "identical_served_offline": same,
             "checks": {c.name: {"value": c.value, "target": c.target, "ok": c.ok} for c in results},
-            "load_avg_now": common.load_avg(),
+            "load_avg_now": report.load_avg(),
         },
     )
     if same != len(measured):

@@ -24,38 +24,31 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
-import json
 import math
-import os
-import shlex
-import signal
-import subprocess
 import sys
 import tempfile
-import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from bench.workload import (
-    DATASETS,
-    DatasetSpec,
-    Progress,
-    Record,
-    Workload,
-    run_workload,
-    summarize_by_turn,
+from bench.report import emit_report
+from bench.served import (
+    VARIANTS,
+    add_run_flags,
+    bench_target,
+    dataset_spec,
+    format_result,
+    run_measured,
+    spawned_variant,
 )
-from clients.client import AsyncDejaClient, add_connection_args
-from clients.health import wait_serving
+from bench.sweep import run_sweep
+from bench.workload import DATASETS, Workload, summarize_by_turn
+from clients.client import add_connection_args
 from service.common.engine_args import add_engine_args
-from service.common.flags import add_bool_flag, add_flag, to_argv
-from service.common.ports import free_port
+from service.common.flags import add_bool_flag, add_flag
 
 if TYPE_CHECKING:
     from engine.frontend.async_engine import AsyncEngine
-
-VARIANTS = {"cache-on": ["--prefix-caching"], "cache-off": ["--no-prefix-caching"]}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -82,19 +75,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_flag(g, "--num-groups", type=int, default=4, help="shared-prefix: distinct prefixes.")
     add_flag(g, "--num-sessions", type=int, default=16, help="multi-turn: conversations.")
     add_flag(g, "--num-turns", type=int, default=4, help="multi-turn: turns per conversation.")
-    add_flag(g, "--dataset-seed", type=int, default=0)
-    add_flag(g, "--max-concurrency", type=int, default=8, help="Requests in flight (0: no cap).")
-    add_flag(
-        g,
-        "--request-rate",
-        type=float,
-        default=math.inf,
-        help="Poisson arrivals per second (inf: as fast as concurrency allows).",
-    )
-    add_flag(g, "--warmup-requests", type=int, default=2, help="Unmeasured requests first.")
-    add_bool_flag(g, "--json", default=False, help="Print JSON instead of text.")
-    add_flag(g, "--output", help="Also write the JSON results to this file.")
-    add_bool_flag(g, "--progress", default=True, help="Progress bar on stderr.")
+    add_run_flags(g)
     s = parser.add_argument_group("spawned servers / in-process engine")
     add_flag(
         s,
@@ -132,42 +113,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.set_defaults(_engine_actions=add_engine_args(parser))
 
 
-def _spec(args: argparse.Namespace) -> DatasetSpec:
-    return DatasetSpec(
-        name=args.dataset,
-        num_prompts=args.num_prompts,
-        input_len=args.input_len,
-        output_len=args.output_len,
-        range_ratio=args.range_ratio,
-        prefix_len=args.prefix_len,
-        num_groups=args.num_groups,
-        num_sessions=args.num_sessions,
-        num_turns=args.num_turns,
-        seed=args.dataset_seed,
-    )
-
-
-# -- backends --------------------------------------------------------------------------------------
-
-
-class GrpcBackend:
-    def __init__(self, client: AsyncDejaClient) -> None:
-        self.client = client
-
-    async def stream(
-        self, prompt: list[int], output_len: int, session_id: str
-    ) -> AsyncIterator[tuple[list[int], int | None]]:
-        async for msg in self.client.generate(
-            prompt,
-            max_tokens=output_len,
-            temperature=0.0,
-            ignore_eos=True,
-            return_token_ids=True,
-            session_id=session_id,
-        ):
-            ids = [t for c in msg.choices for t in c.token_ids]
-            cached = msg.final.usage.cached_prompt_tokens if msg.HasField("final") else None
-            yield ids, cached
+# -- in process -----------------------------------------------------------------------------------
 
 
 class EngineBackend:
@@ -185,122 +131,17 @@ class EngineBackend:
             yield ids, (out.num_cached_tokens if out.finished else None)
 
 
-async def run_measured(
-    backend: Any, workload: Workload, args: argparse.Namespace, label: str
-) -> tuple[list[Record], float]:
-    """The unmeasured warmup requests, then the workload at the flags' concurrency and rate;
-    returns its records and wall time (`deja bench serve` and `deja bench router`)."""
-    cap = args.max_concurrency or None
-    if args.warmup_requests:
-        warm = workload.warmup(args.warmup_requests, args.dataset_seed)
-        await run_workload(backend, warm, max_concurrency=cap)
-    progress = Progress(workload.num_requests, label, enabled=args.progress)
-    return await run_workload(
-        backend,
-        workload.sessions,
-        max_concurrency=cap,
-        request_rate=args.request_rate,
-        seed=args.dataset_seed,
-        progress=progress,
-    )
-
-
 async def _bench(
     backend: Any, workload: Workload, args: argparse.Namespace, label: str
 ) -> dict[str, Any]:
     return summarize_by_turn(*await run_measured(backend, workload, args, label))
 
 
-async def _bench_target(
-    target: str, args: argparse.Namespace, label: str, workload: Workload | None
-) -> tuple[dict[str, Any], Workload]:
-    client = AsyncDejaClient(target, token=args.token, tls=args.tls, retries=0)
-    try:
-        await client.wait_ready(30)
-        info = await client.model_info()
-        if workload is None:
-            workload = Workload.build(_spec(args), info.vocab_size, info.eos_token_ids)
-        result = await _bench(GrpcBackend(client), workload, args, label)
-        result["model"] = info.model_id
-        result["replica_id"] = info.replica_id
-        return result, workload
-    finally:
-        await client.close()
-
-
-# -- spawned servers -------------------------------------------------------------------------------
-
-
-def _serve_argv(args: argparse.Namespace, variant: str, port: int) -> list[str]:
-    """`deja serve` with this command's engine flags; the variant sets prefix caching."""
-    forwarded = [a for a in args._engine_actions if a.dest != "prefix_caching"]
-    return [
-        sys.executable, "-m", "service.cli", "serve",
-        "--host", "127.0.0.1", "--port", str(port), "--replica-id", variant,
-        *to_argv(forwarded, args), *shlex.split(args.server_args), *VARIANTS[variant],
-    ]  # fmt: skip
-
-
-def _wait_healthy(proc: subprocess.Popen[bytes], target: str, timeout: float, log: Path) -> None:
-    def check_alive() -> None:
-        if proc.poll() is not None:
-            raise RuntimeError(f"`deja serve` exited ({proc.returncode}):\n{_tail(log)}")
-
-    wait_serving(
-        target,
-        timeout,
-        name="`deja serve`",
-        check_alive=check_alive,
-        log_tail=lambda: _tail(log),
-        poll_s=0.5,
-    )
-
-
-def _tail(log: Path, n: int = 30) -> str:
-    return "\n".join(log.read_text(errors="replace").splitlines()[-n:])
-
-
-def stop_server(proc: subprocess.Popen[bytes]) -> None:
-    """SIGTERM (drain), SIGKILL after 60 s."""
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-
-
-def spawn_server(
-    args: argparse.Namespace, variant: str, tmp: Path
-) -> tuple[subprocess.Popen[bytes], str]:
-    """Starts `deja serve` (this command's engine flags + the variant) on a free port and waits
-    until it is healthy; returns the process (stop it with `stop_server`) and its target."""
-    port = free_port()
-    log = tmp / f"serve-{variant}.log"
-    argv = _serve_argv(args, variant, port)
-    print(f"starting {variant}: {shlex.join(argv[1:])}", file=sys.stderr)
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
-    with open(log, "wb") as f:
-        proc = subprocess.Popen(argv, stdout=f, stderr=subprocess.STDOUT, env=env)
-    try:
-        t0 = time.monotonic()
-        _wait_healthy(proc, f"127.0.0.1:{port}", args.server_start_timeout, log)
-    except BaseException:
-        stop_server(proc)
-        raise
-    print(f"{variant} ready in {time.monotonic() - t0:.1f} s", file=sys.stderr)
-    return proc, f"127.0.0.1:{port}"
-
-
 def _run_spawned(
     args: argparse.Namespace, variant: str, workload: Workload | None, tmp: Path
 ) -> tuple[dict[str, Any], Workload]:
-    proc, target = spawn_server(args, variant, tmp)
-    try:
-        return asyncio.run(_bench_target(target, args, variant, workload))
-    finally:
-        stop_server(proc)
+    with spawned_variant(args, variant, tmp) as target:
+        return asyncio.run(bench_target(target, args, variant, workload))
 
 
 def _run_in_process(args: argparse.Namespace, workload: Workload | None) -> dict[str, Any]:
@@ -312,7 +153,7 @@ def _run_in_process(args: argparse.Namespace, workload: Workload | None) -> dict
     try:
         info = engine.model_info
         if workload is None:
-            workload = Workload.build(_spec(args), info.vocab_size, info.eos_token_ids)
+            workload = Workload.build(dataset_spec(args), info.vocab_size, info.eos_token_ids)
         result = asyncio.run(_bench(EngineBackend(engine), workload, args, "in-process"))
         result["model"] = info.model_id
         return result
@@ -321,39 +162,6 @@ def _run_in_process(args: argparse.Namespace, workload: Workload | None) -> dict
 
 
 # -- report ----------------------------------------------------------------------------------------
-
-
-def _row(name: str, d: dict[str, float]) -> str:
-    if not d:
-        return f"  {name:<10} -"
-    return f"  {name:<10}" + "".join(f"{d[k]:>10.1f}" for k in ("mean", "p50", "p90", "p99"))
-
-
-def format_result(name: str, r: dict[str, Any]) -> str:
-    lines = [
-        f"== {name} ({r.get('model', '?')}) ==",
-        f"  {r['requests'] - r['failed']}/{r['requests']} requests ok in {r['duration_s']:.1f} s: "
-        f"{r['request_throughput']:.2f} req/s, {r['output_throughput']:.1f} output tok/s, "
-        f"{r['total_token_throughput']:.1f} total tok/s",
-        f"  prefix-cache hit rate {100 * r['prefix_hit_rate']:.1f} % "
-        f"({r['cached_prompt_tokens']}/{r['prompt_tokens']} prompt tokens)",
-        f"  {'(ms)':<10}{'mean':>10}{'p50':>10}{'p90':>10}{'p99':>10}",
-        _row("TTFT", r["ttft_ms"]),
-        _row("TPOT", r["tpot_ms"]),
-        _row("ITL", r["itl_ms"]),
-        _row("E2E", r["e2e_ms"]),
-    ]
-    for key, label in (("turn_1", "turn 1"), ("turns_2plus", "turns 2+")):
-        if key in r:
-            t = r[key]
-            ttft = t["ttft_ms"]
-            lines.append(
-                f"  {label:<9} n={t['requests']:<4} TTFT p50 {ttft.get('p50', 0):.1f} ms, "
-                f"p90 {ttft.get('p90', 0):.1f} ms, hit rate {100 * t['prefix_hit_rate']:.1f} %"
-            )
-    for e in r.get("errors", []):
-        lines.append(f"  error: {e}")
-    return "\n".join(lines)
 
 
 def _ttft_p50(r: dict[str, Any]) -> float | None:
@@ -403,8 +211,6 @@ def format_comparison(c: dict[str, Any]) -> str:
 
 def run(args: argparse.Namespace) -> int:
     if args.sweep_concurrency:
-        from bench.sweep import run_sweep
-
         return run_sweep(args)
     results: dict[str, dict[str, Any]] = {}
     workload: Workload | None = None
@@ -419,7 +225,7 @@ def run(args: argparse.Namespace) -> int:
                 results[v], workload = _run_spawned(args, v, workload, Path(tmp))
             if not variants:
                 results["target"], workload = asyncio.run(
-                    _bench_target(args.target, args, "target", workload)
+                    bench_target(args.target, args, "target", workload)
                 )
         except (RuntimeError, TimeoutError) as e:
             print(f"deja bench serve: {e}", file=sys.stderr)
@@ -427,17 +233,13 @@ def run(args: argparse.Namespace) -> int:
     if args.compare_in_process:
         results["in-process"] = _run_in_process(args, workload)
     report = {
-        "dataset": dataclasses.asdict(_spec(args)),
+        "dataset": dataclasses.asdict(dataset_spec(args)),
         "max_concurrency": args.max_concurrency,
         "request_rate": None if math.isinf(args.request_rate) else args.request_rate,
         "results": results,
         "comparison": compare(results),
     }
-    if args.output:
-        Path(args.output).write_text(json.dumps(report, indent=2) + "\n")
-    if args.json:
-        print(json.dumps(report, indent=2))
-    else:
+    if not emit_report(report, args.output, args.json):
         for name, r in results.items():
             print(format_result(name, r))
         text = format_comparison(report["comparison"])

@@ -19,7 +19,7 @@ With --compare-disk-write-through, ours also runs with a disk tier (write-throug
 directory per run) on the same requests, alternating with runs without one (`--compare-reps`
 each, the order flipped every repetition); both medians and the on/off throughput ratio (median of
 the paired ratios; target >= 0.97) are printed. Add --skip-generate --skip-generate-batch
---parity 0 to leave transformers out.
+--parity 0 to leave transformers out. The transformers side is bench/hf_baselines.py.
 """
 
 from __future__ import annotations
@@ -31,10 +31,10 @@ import statistics
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, field
 from typing import Any
 
-from bench import common
+from bench import common, report
+from bench.hf_baselines import check_parity, load_hf_model, run_hf_generate, run_hf_generate_batch
 
 FULL: dict[str, Any] = {
     "num_requests": 64,
@@ -105,38 +105,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-@dataclass(slots=True)
-class SystemResult:
-    name: str
-    seconds: float
-    """Wall-clock seconds of the whole workload."""
-    cpu_seconds: float
-    """CPU seconds of the process meanwhile (all threads)."""
-    useful_tokens: int
-    """Output tokens the requests asked for (padding and overrun of static batches excluded)."""
-    computed_tokens: int
-    """Output tokens actually generated (a static batch runs every row to its longest output)."""
-    outputs: list[list[int]] = field(repr=False)
-
-    @property
-    def tokens_per_s(self) -> float:
-        return self.useful_tokens / self.seconds
-
-    @property
-    def tokens_per_cpu_s(self) -> float:
-        return self.useful_tokens / self.cpu_seconds
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "seconds": self.seconds,
-            "cpu_seconds": self.cpu_seconds,
-            "tokens_per_cpu_s": self.tokens_per_cpu_s,
-            "useful_output_tokens": self.useful_tokens,
-            "computed_output_tokens": self.computed_tokens,
-            "tokens_per_s": self.tokens_per_s,
-        }
-
-
 # -- ours --------------------------------------------------------------------------------------
 def run_ours(
     model_path: str,
@@ -144,7 +112,7 @@ def run_ours(
     requests: list[common.Request],
     warmup: list[common.Request],
     disk_dir: str | None = None,
-) -> tuple[SystemResult, int]:
+) -> tuple[common.SystemResult, int]:
     """Returns the result and the prompt tokens served from the prefix cache (expected 0).
 
     `disk_dir`: with a write-through disk tier there (its writes queued during the timed run
@@ -152,7 +120,7 @@ def run_ours(
     """
     from engine import SamplingParams
 
-    llm = common.cpu_llm(
+    llm = common.our_llm(
         model_path,
         args,
         num_device_blocks=args.num_device_blocks,
@@ -182,7 +150,7 @@ def run_ours(
     del llm
     gc.collect()
     n = sum(len(x) for x in tokens)
-    return SystemResult(name, t.wall, t.cpu, n, n, tokens), cached
+    return common.SystemResult(name, t.wall, t.cpu, n, n, tokens), cached
 
 
 def compare_disk_write_through(
@@ -191,12 +159,12 @@ def compare_disk_write_through(
     requests: list[common.Request],
     warmup: list[common.Request],
     reps: int,
-) -> tuple[SystemResult, SystemResult, dict[str, Any]]:
+) -> tuple[common.SystemResult, common.SystemResult, dict[str, Any]]:
     """Ours without and with a write-through disk tier, alternating (off, on / on, off, ...).
 
     Returns the median-throughput run of each and the comparison's figures.
     """
-    runs: dict[bool, list[SystemResult]] = {False: [], True: []}
+    runs: dict[bool, list[common.SystemResult]] = {False: [], True: []}
     for r in range(reps):
         for on in (False, True) if r % 2 == 0 else (True, False):
             disk_dir = tempfile.mkdtemp(prefix="deja-bench-offline-") if on else None
@@ -215,7 +183,7 @@ def compare_disk_write_through(
             )
     paired = [a.tokens_per_s / b.tokens_per_s for a, b in zip(runs[True], runs[False], strict=True)]
 
-    def median_run(rs: list[SystemResult]) -> SystemResult:
+    def median_run(rs: list[common.SystemResult]) -> common.SystemResult:
         return sorted(rs, key=lambda x: x.tokens_per_s)[len(rs) // 2]
 
     off, with_disk = median_run(runs[False]), median_run(runs[True])
@@ -231,186 +199,62 @@ def compare_disk_write_through(
     return off, with_disk, figures
 
 
-# -- transformers generate -------------------------------------------------------------------
-def load_hf_model(model_path: str, dtype: str) -> Any:
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(
-        model_path, dtype=getattr(torch, dtype), local_files_only=True
-    )
-    return model.eval()
-
-
-def pad_token_id(model: Any) -> int:
-    for cand in (model.generation_config.pad_token_id, model.config.pad_token_id):
-        if isinstance(cand, int):
-            return cand
-    eos = model.generation_config.eos_token_id
-    if isinstance(eos, list):
-        eos = eos[0] if eos else None
-    return int(eos) if eos is not None else 0
-
-
-def hf_generate_batch(
-    model: Any, batch: list[common.Request], pad_id: int
-) -> tuple[list[list[int]], int]:
-    """Greedy `generate` on one left-padded batch run to its longest output.
-
-    Returns each request's own tokens and the number of output tokens computed.
-    """
-    import torch
-
-    width = max(len(r.prompt) for r in batch)
-    input_ids = torch.tensor([[pad_id] * (width - len(r.prompt)) + r.prompt for r in batch])
-    mask = torch.tensor([[0] * (width - len(r.prompt)) + [1] * len(r.prompt) for r in batch])
-    steps = max(r.max_tokens for r in batch)
-    # NOTE: min_new_tokens == max_new_tokens keeps EOS from ending any row early (ignore_eos).
-    out = model.generate(
-        input_ids=input_ids,
-        attention_mask=mask,
-        do_sample=False,
-        max_new_tokens=steps,
-        min_new_tokens=steps,
-        pad_token_id=pad_id,
-    )
-    rows = [out[i, width : width + r.max_tokens].tolist() for i, r in enumerate(batch)]
-    return rows, steps * len(batch)
-
-
-def run_hf_generate(
-    model: Any, requests: list[common.Request], warmup: list[common.Request], batch_size: int
-) -> SystemResult:
-    pad_id = pad_token_id(model)
-    hf_generate_batch(model, warmup[:batch_size], pad_id)
-    outputs: list[list[int]] = []
-    computed = 0
-    with common.timed() as t:
-        for i in range(0, len(requests), batch_size):
-            rows, n = hf_generate_batch(model, requests[i : i + batch_size], pad_id)
-            outputs.extend(rows)
-            computed += n
-    useful = sum(len(x) for x in outputs)
-    return SystemResult(
-        f"transformers generate (static batches of {batch_size})",
-        t.wall,
-        t.cpu,
-        useful,
-        computed,
-        outputs,
-    )
-
-
-# -- transformers continuous batching ----------------------------------------------------------
-def run_hf_generate_batch(
-    model: Any,
-    args: argparse.Namespace,
-    requests: list[common.Request],
-    warmup: list[common.Request],
-) -> SystemResult:
-    """transformers' continuous batching, one manager sized for the workload and reused.
-
-    `generate_batch` itself takes one max_new_tokens for all requests and, unless told otherwise,
-    sizes its cache from total memory; the manager it wraps takes per-request max_new_tokens.
-    """
-    from transformers import ContinuousBatchingConfig, GenerationConfig
-
-    page = args.cb_page_size
-    num_blocks = args.cb_num_blocks
-    if num_blocks is None:
-        # Room for every request at once: no request ever waits for cache space.
-        num_blocks = sum(-(-(len(r.prompt) + r.max_tokens) // page) + 1 for r in requests)
-    gen_config = GenerationConfig(
-        max_new_tokens=max(r.max_tokens for r in requests),
-        do_sample=False,
-        eos_token_id=-1,
-        pad_token_id=pad_token_id(model),
-    )
-    cb_config = ContinuousBatchingConfig(
-        page_size=page,
-        num_blocks=num_blocks,
-        max_batch_tokens=args.cb_max_batch_tokens,
-        max_requests_per_batch=args.cb_max_requests or len(requests),
-        seed=args.seed,
-    )
-
-    def solve(reqs: list[common.Request]) -> list[list[int]]:
-        # The first call builds the manager; later calls get it back (kept by stop() below).
-        manager = model.init_continuous_batching(
-            generation_config=gen_config, continuous_batching_config=cb_config
+# -- the report --------------------------------------------------------------------------------
+def print_comparison(
+    ours: common.SystemResult,
+    gen: common.SystemResult | None,
+    cb: common.SystemResult | None,
+    disk_cmp: dict[str, Any],
+    parity: list[dict[str, Any]],
+    num_requests: int,
+) -> tuple[dict[str, float], dict[str, Any]]:
+    """Prints the ratios against the baselines (and the disk tier's), output agreement and
+    parity; returns the ratios and the identical-output counts."""
+    ratios: dict[str, float] = {}
+    if disk_cmp:
+        ratios["ours_disk_write_through_over_without"] = disk_cmp["ratio_with_over_without"]
+        print(
+            "ratio ours with / without the disk tier (write-through): "
+            f"{disk_cmp['ratio_with_over_without']:.3f}x (median of {disk_cmp['reps']} paired "
+            f"runs: {', '.join(f'{x:.3f}' for x in disk_cmp['paired_ratios'])}; target >= 0.97); "
+            f"identical outputs {disk_cmp['identical_outputs']}/{num_requests}"
         )
-        if not manager.warmed_up:
-            manager.warmup()
-        manager.start()
-        try:
-            ids = [
-                manager.add_request(r.prompt, max_new_tokens=r.max_tokens, eos_token_id=-1)
-                for r in reqs
-            ]
-            done: dict[str, list[int]] = {}
-            while len(done) < len(ids):
-                res = manager.get_result(timeout=1)
-                if res is None:
-                    if not manager.is_running():
-                        raise RuntimeError("transformers' generation thread stopped early")
-                    continue
-                if res.is_finished():
-                    if res.error is not None:
-                        raise RuntimeError(f"transformers CB request failed: {res.error}")
-                    done[res.request_id] = list(res.generated_tokens)
-        finally:
-            manager.stop(block=True, keep_for_next_session=True)
-        return [done[i] for i in ids]
-
-    try:
-        solve(warmup)
-        with common.timed() as t:
-            outputs = solve(requests)
-    finally:
-        model.destroy_cached_continuous_batching_manager()
-    n = sum(len(x) for x in outputs)
-    name = f"transformers generate_batch (CB, {num_blocks}x{page} tok, {args.cb_max_batch_tokens}/step)"
-    return SystemResult(name, t.wall, t.cpu, n, n, outputs)
-
-
-# -- parity ------------------------------------------------------------------------------------
-def first_mismatch(a: list[int], b: list[int]) -> int | None:
-    for i, (x, y) in enumerate(zip(a, b, strict=False)):
-        if x != y:
-            return i
-    return None if len(a) == len(b) else min(len(a), len(b))
-
-
-def check_parity(
-    model: Any, requests: list[common.Request], ours: list[list[int]], count: int
-) -> list[dict[str, Any]]:
-    """Ours against unpadded batch-1 transformers `generate` on the `count` cheapest requests."""
-    pad_id = pad_token_id(model)
-    order = sorted(
-        range(len(requests)),
-        key=lambda i: (len(requests[i].prompt) + 8 * requests[i].max_tokens, i),
-    )
-    checks = []
-    for i in sorted(order[:count]):
-        rows, _ = hf_generate_batch(model, [requests[i]], pad_id)
-        mismatch = first_mismatch(ours[i], rows[0])
-        checks.append(
-            {
-                "request": i,
-                "prompt_tokens": len(requests[i].prompt),
-                "output_tokens": requests[i].max_tokens,
-                "identical": mismatch is None,
-                "first_mismatch": mismatch,
-            }
+    for base_name, base in (("generate", gen), ("generate_batch", cb)):
+        if base is not None:
+            key = f"ours_over_{base_name}"
+            ratios[key] = ours.tokens_per_s / base.tokens_per_s
+            ratios[f"{key}_cpu_time"] = ours.tokens_per_cpu_s / base.tokens_per_cpu_s
+            print(report.ratio_line(f"ratio ours / {base_name}", ratios[key]))
+    if ratios:
+        cpu_ratios = [
+            f"{k.removesuffix('_cpu_time')} {v:.2f}x"
+            for k, v in ratios.items()
+            if k.endswith("_cpu_time")
+        ]
+        if cpu_ratios:
+            print(f"(same ratios per CPU second: {', '.join(cpu_ratios)})")
+    agreement: dict[str, Any] = {}
+    for other in (gen, cb):
+        if other is not None:
+            same = sum(a == b for a, b in zip(ours.outputs, other.outputs, strict=True))
+            agreement[other.name] = same
+            print(f"identical outputs, ours vs {other.name}: {same}/{num_requests}")
+    if parity:
+        ok = sum(c["identical"] for c in parity)
+        detail = ", ".join(
+            f"#{c['request']} ({c['prompt_tokens']}+{c['output_tokens']} tok) "
+            + ("same" if c["identical"] else f"differs at {c['first_mismatch']}")
+            for c in parity
         )
-    return checks
+        print(
+            f"greedy parity vs transformers generate (batch 1, unpadded): {ok}/{len(parity)} identical: {detail}"
+        )
+    return ratios, agreement
 
 
 # -- the benchmark -----------------------------------------------------------------------------
 def run(args: argparse.Namespace) -> int:
-    common.setup_torch(args.threads)
-    model_path = common.resolve_model(args.model, args.cache_dir)
-    info = common.machine_info(args.threads)
+    model_path, info = common.begin(args, "deja bench offline")
     work = common.resolve_workload(args, FULL, QUICK)
     ids, _ = common.allowed_token_ids(model_path)
     requests = common.make_requests(
@@ -418,7 +262,6 @@ def run(args: argparse.Namespace) -> int:
     )
     # Different prompts for the warm-up, so nothing of the timed run is in any cache.
     warmup = common.make_requests(args.seed + 1_000_003, ids, 4, work["prompt_len"], (4, 8))
-    common.print_header("deja bench offline", model_path, info)
     print(
         f"workload: {len(requests)} requests, prompt tokens {sum(len(r.prompt) for r in requests)} "
         f"(uniform {work['prompt_len'][0]}..{work['prompt_len'][1]}), output tokens "
@@ -427,7 +270,7 @@ def run(args: argparse.Namespace) -> int:
     )
     sys.stdout.flush()
 
-    results: list[SystemResult] = []
+    results: list[common.SystemResult] = []
     start = time.perf_counter()
     disk_cmp: dict[str, Any] = {}
     if args.compare_disk_write_through:
@@ -444,12 +287,12 @@ def run(args: argparse.Namespace) -> int:
     model = None
     if not (args.skip_generate and args.skip_generate_batch and args.parity == 0):
         model = load_hf_model(model_path, args.dtype)
-    gen: SystemResult | None = None
+    gen: common.SystemResult | None = None
     if not args.skip_generate:
         gen = run_hf_generate(model, requests, warmup, work["batch_size"])
         results.append(gen)
         print(f"  {gen.name}: {gen.seconds:.1f} s", flush=True)
-    cb: SystemResult | None = None
+    cb: common.SystemResult | None = None
     if not args.skip_generate_batch:
         cb = run_hf_generate_batch(model, args, requests, warmup)
         results.append(cb)
@@ -458,7 +301,7 @@ def run(args: argparse.Namespace) -> int:
     total = time.perf_counter() - start
 
     print()
-    common.print_table(
+    report.print_table(
         ["system", "wall s", "cpu s", "useful out tok", "computed out tok", "tok/s", "tok/cpu-s"],
         [
             (
@@ -474,51 +317,11 @@ def run(args: argparse.Namespace) -> int:
         ],
     )
     print()
-    ratios: dict[str, float] = {}
-    if disk_cmp:
-        ratios["ours_disk_write_through_over_without"] = disk_cmp["ratio_with_over_without"]
-        print(
-            "ratio ours with / without the disk tier (write-through): "
-            f"{disk_cmp['ratio_with_over_without']:.3f}x (median of {disk_cmp['reps']} paired "
-            f"runs: {', '.join(f'{x:.3f}' for x in disk_cmp['paired_ratios'])}; target >= 0.97); "
-            f"identical outputs {disk_cmp['identical_outputs']}/{len(requests)}"
-        )
-    if gen is not None:
-        ratios["ours_over_generate"] = ours.tokens_per_s / gen.tokens_per_s
-        ratios["ours_over_generate_cpu_time"] = ours.tokens_per_cpu_s / gen.tokens_per_cpu_s
-        print(f"ratio ours / generate: {ratios['ours_over_generate']:.2f}x")
-    if cb is not None:
-        ratios["ours_over_generate_batch"] = ours.tokens_per_s / cb.tokens_per_s
-        ratios["ours_over_generate_batch_cpu_time"] = ours.tokens_per_cpu_s / cb.tokens_per_cpu_s
-        print(f"ratio ours / generate_batch: {ratios['ours_over_generate_batch']:.2f}x")
-    if ratios:
-        cpu_ratios = [
-            f"{k.removesuffix('_cpu_time')} {v:.2f}x"
-            for k, v in ratios.items()
-            if k.endswith("_cpu_time")
-        ]
-        if cpu_ratios:
-            print(f"(same ratios per CPU second: {', '.join(cpu_ratios)})")
-    agreement: dict[str, Any] = {}
-    for other in (gen, cb):
-        if other is not None:
-            same = sum(a == b for a, b in zip(ours.outputs, other.outputs, strict=True))
-            agreement[other.name] = same
-            print(f"identical outputs, ours vs {other.name}: {same}/{len(requests)}")
-    if parity:
-        ok = sum(c["identical"] for c in parity)
-        detail = ", ".join(
-            f"#{c['request']} ({c['prompt_tokens']}+{c['output_tokens']} tok) "
-            + ("same" if c["identical"] else f"differs at {c['first_mismatch']}")
-            for c in parity
-        )
-        print(
-            f"greedy parity vs transformers generate (batch 1, unpadded): {ok}/{len(parity)} identical: {detail}"
-        )
+    ratios, agreement = print_comparison(ours, gen, cb, disk_cmp, parity, len(requests))
     print(f"total bench time {total:.0f} s")
-    print(common.finish_info(info))
+    print(report.finish_info(info))
 
-    common.write_json(
+    report.write_json(
         args.json,
         {
             "bench": "offline",
@@ -540,9 +343,5 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
-    return common.main("python -m bench.offline", __doc__, add_arguments, run, argv)
-
-
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(common.main("python -m bench.offline", __doc__, add_arguments, run))

@@ -18,7 +18,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from bench import common
+from bench import common, report
 
 FULL: dict[str, Any] = {
     "num_requests": 32,
@@ -84,19 +84,16 @@ def summarize(samples: list[Sample]) -> dict[str, Any]:
 
 
 def run(args: argparse.Namespace) -> int:
-    common.setup_torch(args.threads)
-    from engine import LLM, SamplingParams
-
-    model_path = common.resolve_model(args.model, args.cache_dir)
-    info = common.machine_info(args.threads)
     work = common.resolve_workload(args, FULL, QUICK)
     if work["num_requests"] < 2:
         raise SystemExit("--num-requests must be at least 2 (request 1 warms the cache)")
+    model_path, info = common.begin(args, "deja bench prefix")
+    from engine import SamplingParams
+
     ids, _ = common.allowed_token_ids(model_path)
     prompts = make_prompts(args.seed, ids, work)
     # A warm-up prompt that shares nothing with the measured ones.
     warm_prompt = common.random_prompt(random.Random(args.seed + 1_000_003), ids, 64)
-    common.print_header("deja bench prefix", model_path, info)
     print(
         f"workload: {len(prompts)} requests, shared prefix {work['prefix_len']} tokens + distinct "
         f"suffix {work['suffix_len'][0]}..{work['suffix_len'][1]} tokens, max_tokens "
@@ -108,13 +105,8 @@ def run(args: argparse.Namespace) -> int:
     blocks_per_prompt = -(-(max(len(p) for p in prompts) + work["max_tokens"]) // 16)
     num_blocks = args.num_device_blocks or max(256, 4 * blocks_per_prompt)
     engines = {
-        mode: LLM(
-            model_path,
-            dtype=args.dtype,
-            device="cpu",
-            max_num_batched_tokens=args.max_num_batched_tokens,
-            num_device_blocks=num_blocks,
-            enable_prefix_caching=(mode == "on"),
+        mode: common.our_llm(
+            model_path, args, num_device_blocks=num_blocks, enable_prefix_caching=(mode == "on")
         )
         for mode in ("on", "off")
     }
@@ -138,7 +130,7 @@ def run(args: argparse.Namespace) -> int:
     same = sum(a.tokens == b.tokens for a, b in zip(samples["on"], samples["off"], strict=True))
     n_rest = len(prompts) - 1
     print()
-    common.print_table(
+    report.print_table(
         [
             "prefix cache",
             "TTFT req 1 (ms)",
@@ -164,13 +156,13 @@ def run(args: argparse.Namespace) -> int:
     print()
     ratio_p50 = off["ttft_p50_s"] / on["ttft_p50_s"]
     ratio_mean = off["ttft_mean_s"] / on["ttft_mean_s"]
-    print(f"ratio TTFT off / on (p50, requests 2..{len(prompts)}): {ratio_p50:.2f}x")
-    print(f"ratio TTFT off / on (mean, requests 2..{len(prompts)}): {ratio_mean:.2f}x")
+    for stat, ratio in (("p50", ratio_p50), ("mean", ratio_mean)):
+        print(report.ratio_line(f"ratio TTFT off / on ({stat}, requests 2..{len(prompts)})", ratio))
     print(f"identical outputs cache on vs off: {same}/{len(prompts)}")
     print(f"total bench time {total:.0f} s ({n_rest} measured requests per engine)")
-    print(common.finish_info(info))
+    print(report.finish_info(info))
 
-    common.write_json(
+    report.write_json(
         args.json,
         {
             "bench": "prefix",
@@ -194,9 +186,5 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
-    return common.main("python -m bench.prefix", __doc__, add_arguments, run, argv)
-
-
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(common.main("python -m bench.prefix", __doc__, add_arguments, run))

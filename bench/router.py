@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
-import json
 import math
 import shlex
 import sys
@@ -28,7 +27,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench import common
+from bench import report
 from bench.router_cluster import (
     ProcessGroup,
     route_argv,
@@ -37,7 +36,8 @@ from bench.router_cluster import (
     wait_healthy,
     wait_router_replicas,
 )
-from service.common.flags import add_bool_flag, add_flag
+from bench.served import add_run_flags, dataset_spec, drive, format_result
+from service.common.flags import add_flag
 from service.common.ports import free_port
 from service.router.policy import POLICIES
 
@@ -75,17 +75,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_flag(w, "--prefix-len", type=int, default=512, help="Shared system prompt tokens.")
     add_flag(w, "--input-len", type=int, default=64, help="User message tokens per turn.")
     add_flag(w, "--output-len", type=int, default=16, help="Generated tokens per turn.")
-    add_flag(w, "--max-concurrency", type=int, default=8, help="Requests in flight (0: no cap).")
-    add_flag(
-        w,
-        "--request-rate",
-        type=float,
-        default=math.inf,
-        help="Poisson arrivals per second over all sessions (a turn still waits for its previous "
-        "turn's answer); inf: a closed loop, each finished request lets the next one in.",
-    )
-    add_flag(w, "--dataset-seed", type=int, default=0)
-    add_flag(w, "--warmup-requests", type=int, default=2, help="Unmeasured requests first.")
     add_flag(
         w,
         "--repeat",
@@ -93,23 +82,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=1,
         help="Rounds; each starts every policy's cluster afresh, policies interleaved.",
     )
-    add_bool_flag(w, "--json", default=False, help="Print JSON instead of text.")
-    add_flag(w, "--output", help="Also write the JSON results to this file.")
-    add_bool_flag(w, "--progress", default=True, help="Progress bar on stderr.")
-
-
-def _spec(args: argparse.Namespace) -> Any:
-    from bench.workload import DatasetSpec
-
-    return DatasetSpec(
-        name="multi-turn",
-        input_len=args.input_len,
-        output_len=args.output_len,
-        prefix_len=args.prefix_len,
-        num_sessions=args.num_sessions,
-        num_turns=args.num_turns,
-        seed=args.dataset_seed,
-    )
+    add_run_flags(w)
+    parser.set_defaults(dataset="multi-turn")
 
 
 @dataclasses.dataclass
@@ -130,24 +104,14 @@ class _Runs:
 async def _drive(
     target: str, args: argparse.Namespace, label: str, workload: Any, runs: _Runs
 ) -> Any:
-    from bench.loadgen import GrpcBackend, run_measured
-    from bench.workload import Workload, oracle_cached_tokens
-    from clients.client import AsyncDejaClient
+    from bench.workload import oracle_cached_tokens
 
-    client = AsyncDejaClient(target, retries=0)
-    try:
-        await client.wait_ready(60)
-        info = await client.model_info()
-        if workload is None:
-            workload = Workload.build(_spec(args), info.vocab_size, info.eos_token_ids)
-        records, duration = await run_measured(GrpcBackend(client), workload, args, label)
-        runs.records += records
-        runs.oracle_cached += oracle_cached_tokens(workload.sessions, records, info.block_size)
-        runs.duration_s += duration
-        runs.model = info.model_id
-        return workload
-    finally:
-        await client.close()
+    records, duration, workload, info = await drive(target, args, label, workload, ready_s=60)
+    runs.records += records
+    runs.oracle_cached += oracle_cached_tokens(workload.sessions, records, info.block_size)
+    runs.duration_s += duration
+    runs.model = info.model_id
+    return workload
 
 
 def _route_counts(metrics_text: str, label: str) -> dict[str, float]:
@@ -281,7 +245,6 @@ def format_comparison(rows: dict[str, Any]) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    from bench.loadgen import format_result
     from bench.workload import summarize_by_turn
 
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
@@ -293,7 +256,7 @@ def run(args: argparse.Namespace) -> int:
         print("deja bench router: --request-rate must be > 0 (inf: a closed loop)", file=sys.stderr)
         return 2
     runs = {policy: _Runs() for policy in policies}
-    info: dict[str, Any] = {"load_avg_at_start": common.load_avg()}
+    info: dict[str, Any] = {"load_avg_at_start": report.load_avg()}
     workload: Any = None
     with tempfile.TemporaryDirectory(prefix="deja-bench-router-") as tmp_dir:
         tmp = args.logs_dir or tmp_dir
@@ -317,8 +280,8 @@ def run(args: argparse.Namespace) -> int:
             replicas=measured.replicas,
             oracle_hit_rate=measured.oracle_cached / prompt if prompt else 0.0,
         )
-    report = {
-        "dataset": dataclasses.asdict(_spec(args)),
+    out = {
+        "dataset": dataclasses.asdict(dataset_spec(args)),
         "num_replicas": args.num_replicas,
         "max_concurrency": args.max_concurrency,
         "request_rate": None if math.isinf(args.request_rate) else args.request_rate,
@@ -327,23 +290,13 @@ def run(args: argparse.Namespace) -> int:
         "comparison": compare(results),
         "machine": info,
     }
-    end_line = common.finish_line(info)
-    if args.output:
-        Path(args.output).write_text(json.dumps(report, indent=2, default=_json) + "\n")
-    if args.json:
-        print(json.dumps(report, indent=2, default=_json))
-    else:
+    end_line = report.finish_line(info)
+    if not report.emit_report(out, args.output, args.json):
         for policy, r in results.items():
             print(format_result(policy, r))
             for key in ("routes", "replicas"):
                 counts = ", ".join(f"{k} {int(v)}" for k, v in sorted(r[key].items()))
                 print(f"  {key}: {counts}")
-        print(format_comparison(report["comparison"]))
+        print(format_comparison(out["comparison"]))
         print(end_line)
     return 0 if all(r["failed"] == 0 for r in results.values()) else 1
-
-
-def _json(value: object) -> object:
-    if isinstance(value, float) and math.isinf(value):
-        return None
-    return str(value)

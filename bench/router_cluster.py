@@ -1,4 +1,4 @@
-"""Local deja clusters for router benchmarks and tests: replicas and routers as processes.
+"""Local deja processes for benchmarks and tests: replicas and routers, one or a cluster.
 
     group = ProcessGroup(workdir)
     group.spawn("r0", serve_argv(model, port=p0, replica_id="r0", redis_url=url))
@@ -6,6 +6,10 @@
     wait_healthy(group, "r0", f"127.0.0.1:{p0}")
     ...
     group.stop_all()
+
+    # one replica, healthy for the with-block, drained after it
+    with serving(workdir, "serve", serve_argv(model, port=p, replica_id="a"), target) as group:
+        ...
 
 Every process logs to `workdir/<name>.log`; a process that exits while being waited for raises
 with the tail of its log.
@@ -15,12 +19,14 @@ from __future__ import annotations
 
 import os
 import re
+import shlex
 import signal
 import subprocess
 import sys
 import time
 import urllib.request
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 
 from clients.health import wait_serving
@@ -70,14 +76,21 @@ def route_argv(
 
 
 class ProcessGroup:
-    def __init__(self, workdir: Path, env: dict[str, str] | None = None) -> None:
+    """Processes started with the environment plus HF offline mode, unbuffered output and
+    `omp_threads` (OMP_NUM_THREADS: torch's intra-op threads; None: the environment's), then
+    `env`."""
+
+    def __init__(
+        self, workdir: Path, env: dict[str, str] | None = None, *, omp_threads: int | None = 1
+    ) -> None:
         self.workdir = Path(workdir)
         self.workdir.mkdir(parents=True, exist_ok=True)
+        omp = {"OMP_NUM_THREADS": str(omp_threads)} if omp_threads is not None else {}
         self.env = {
             **os.environ,
             "HF_HUB_OFFLINE": "1",
             "TRANSFORMERS_OFFLINE": "1",
-            "OMP_NUM_THREADS": "1",
+            **omp,
             "PYTHONUNBUFFERED": "1",
             **(env or {}),
         }
@@ -158,6 +171,35 @@ def wait_healthy(group: ProcessGroup, name: str, target: str, timeout_s: float =
         log_tail=lambda: group.tail(name),
         poll_s=0.25,
     )
+
+
+@contextmanager
+def serving(
+    workdir: Path,
+    name: str,
+    argv: list[str],
+    target: str,
+    timeout_s: float,
+    *,
+    omp_threads: int | None = None,
+    drain_s: float = 60.0,
+) -> Iterator[ProcessGroup]:
+    """`argv` (a `deja serve`) started as `name`, healthy at `target` for the with-block (its
+    group holds it: `group.procs[name]`); then SIGTERM (drain), SIGKILL after `drain_s`."""
+    group = ProcessGroup(workdir, omp_threads=omp_threads)
+    print(
+        f"starting {name}: {shlex.join(argv[1:])} (log {group.log_path(name)})",
+        file=sys.stderr,
+        flush=True,
+    )
+    group.spawn(name, argv)
+    try:
+        t0 = time.monotonic()
+        wait_healthy(group, name, target, timeout_s)
+        print(f"{name} ready in {time.monotonic() - t0:.1f} s", file=sys.stderr)
+        yield group
+    finally:
+        group.stop(name, drain_s)
 
 
 def scrape(metrics_port: int) -> str:

@@ -21,23 +21,20 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
 import random
 import re
 import shlex
-import subprocess
 import sys
 import tempfile
 import time
 import urllib.request
 from collections import Counter
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from bench.common import format_load, load_avg
-from bench.loadgen import stop_server
+from bench.report import format_load, load_avg
+from bench.router_cluster import deja_argv, serving
 from bench.soak_report import EndState, Sample, format_row, format_table, judge
 from bench.workload import token_range
 from clients.client import AsyncDejaClient, add_connection_args, build_request
@@ -398,53 +395,24 @@ async def soak(
     return 0 if verdict.ok else 1
 
 
-def _spawn(args: argparse.Namespace, tmp: Path) -> tuple[subprocess.Popen[bytes], str, str]:
-    port, mport = free_port(), free_port()
-    argv = [
-        sys.executable, "-m", "service.cli", "serve", "--host", "127.0.0.1", "--port", str(port),
-        "--metrics-host", "127.0.0.1", "--metrics-port", str(mport), *shlex.split(args.serve_args),
-    ]  # fmt: skip
-    log = tmp / "serve.log"
-    print(f"starting: {shlex.join(argv[1:])} (log {log})", file=sys.stderr, flush=True)
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
-    with open(log, "wb") as f:
-        proc = subprocess.Popen(argv, stdout=f, stderr=subprocess.STDOUT, env=env)
-    return proc, f"127.0.0.1:{port}", f"http://127.0.0.1:{mport}/metrics"
-
-
-async def _wait_serving(
-    proc: subprocess.Popen[bytes], target: str, timeout_s: float, alive: Callable[[], bool]
-) -> None:
-    deadline = time.monotonic() + timeout_s
-    async with AsyncDejaClient(target, retries=0) as client:
-        while True:
-            if not alive():
-                raise RuntimeError(f"`deja serve` exited with {proc.returncode}")
-            try:
-                await client.model_info()
-                return
-            except Exception:
-                if time.monotonic() > deadline:
-                    raise
-                await asyncio.sleep(1.0)
-
-
 def run(args: argparse.Namespace) -> int:
     if not args.serve_args:
         pid = args.pid or listening_pid(args.target)
         return asyncio.run(soak(args, args.target, pid, args.metrics_url))
+    port, mport = free_port(), free_port()
+    target, metrics_url = f"127.0.0.1:{port}", f"http://127.0.0.1:{mport}/metrics"
+    argv = deja_argv(
+        "serve", "--host", "127.0.0.1", "--port", str(port), "--metrics-host", "127.0.0.1",
+        "--metrics-port", str(mport), *shlex.split(args.serve_args),
+    )  # fmt: skip
     with tempfile.TemporaryDirectory(prefix="deja-soak-") as tmp:
-        proc, target, metrics_url = _spawn(args, Path(tmp))
         try:
-            asyncio.run(
-                _wait_serving(proc, target, args.server_start_timeout, lambda: proc.poll() is None)
-            )
-            code = asyncio.run(soak(args, target, proc.pid, metrics_url))
+            with serving(Path(tmp), "serve", argv, target, args.server_start_timeout) as group:
+                proc = group.procs["serve"]
+                code = asyncio.run(soak(args, target, proc.pid, metrics_url))
         except BaseException:
             print((Path(tmp) / "serve.log").read_text(errors="replace")[-4000:], file=sys.stderr)
             raise
-        finally:
-            stop_server(proc)
         if proc.returncode not in (0, None):
             print(f"`deja serve` exited with {proc.returncode}", file=sys.stderr)
             return 1

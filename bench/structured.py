@@ -23,7 +23,7 @@ import statistics
 import time
 from typing import Any
 
-from bench import common
+from bench import common, report
 
 TARGET = 0.9
 """Issue 12's acceptance: schema throughput >= 0.9x of free."""
@@ -54,22 +54,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    common.setup_torch(args.threads)
-    from engine.frontend.llm import LLM
+    model_path, info = common.begin(args, "structured outputs")
     from engine.sample.sampling_params import SamplingParams
     from engine.sample.structured import ResponseFormat
     from engine.sample.structured.compiler import GrammarCompilerPool
 
     n_req = 8 if args.quick else args.requests
     max_tokens = 24 if args.quick else args.max_tokens
-    model_path = common.resolve_model(args.model, args.cache_dir)
-    info = common.machine_info(args.threads)
-    common.print_header("structured outputs", model_path, info)
-    kwargs: dict[str, Any] = {"dtype": args.dtype, "max_num_seqs": args.batch}
-    kwargs["max_num_batched_tokens"] = args.max_num_batched_tokens
-    if args.num_device_blocks:
-        kwargs["num_device_blocks"] = args.num_device_blocks
-    llm = LLM(model_path, **kwargs)
+    llm = common.our_llm(
+        model_path,
+        args,
+        device="auto",
+        max_num_seqs=args.batch,
+        num_device_blocks=args.num_device_blocks or None,
+    )
     fmt = ResponseFormat.json_schema(SCHEMA)
 
     # Compile time on a fresh compiler (the engine's stays untouched until the measured run).
@@ -125,7 +123,7 @@ def run(args: argparse.Namespace) -> int:
     same_lengths = True
     for rep in range(args.reps):
         order = ("json_schema", "free") if rep % 2 == 0 else ("free", "json_schema")
-        load = common.load_avg()[:1]
+        load = report.load_avg()[:1]
         pair: dict[str, Any] = {"order": order[0] + " first", "load_avg_1m": load}
         for name in order:
             if name == "json_schema":
@@ -169,13 +167,13 @@ def run(args: argparse.Namespace) -> int:
         f"grammar compile: cold {cold * 1e3:.1f} ms (tokenizer info + compile), "
         f"new spec on a warm compiler {warm_new * 1e3:.1f} ms, cached {cached * 1e6:.0f} us"
     )
-    print(common.finish_info(info))
+    print(report.finish_info(info))
     verdict = "PASS" if ratio >= TARGET else "FAIL"
     print(
         f"{verdict}: throughput json_schema / free = {ratio:.3f}x, median of {len(pairs)} pairs "
         f"[{' '.join(f'{r:.3f}' for r in ratios)}] (target >= {TARGET}x)"
     )
-    common.write_json(
+    report.write_json(
         args.json,
         {
             "results": results,

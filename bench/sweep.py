@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import sys
 import tempfile
 import time
@@ -27,7 +26,8 @@ from collections import deque
 from pathlib import Path
 from typing import Any
 
-from bench.loadgen import VARIANTS, _bench_target, spawn_server, stop_server
+from bench.report import emit_report, format_load, load_avg
+from bench.served import VARIANTS, bench_target, spawned_variant
 from bench.workload import Record, Session, Workload, summarize
 
 TARGET_RATIO = 0.95
@@ -128,7 +128,7 @@ def run_served(
     workloads: dict[int, Workload] = {}
     for i, c in enumerate(levels):
         results[c], workloads[c] = asyncio.run(
-            _bench_target(target, level_args(args, i, c), f"c={c}", None)
+            bench_target(target, level_args(args, i, c), f"c={c}", None)
         )
     return results, workloads
 
@@ -174,12 +174,6 @@ def format_sweep(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def _load() -> list[float]:
-    from bench.common import load_avg
-
-    return load_avg()
-
-
 def run_sweep(args: argparse.Namespace) -> int:
     """The sweep command: served at every level, then (optionally) offline at every level."""
     try:
@@ -201,19 +195,16 @@ def run_sweep(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
-    load_start = _load()
+    load_start = load_avg()
     with tempfile.TemporaryDirectory(prefix="deja-sweep-") as tmp:
         if variants:
-            proc, target = spawn_server(args, variants[0], Path(tmp))
-            try:
+            with spawned_variant(args, variants[0], Path(tmp)) as target:
                 served, workloads = run_served(args, levels, target)
-            finally:
-                stop_server(proc)
         else:
             served, workloads = run_served(args, levels, args.target)
     offline = run_offline(args, levels, workloads) if args.compare_offline else {}
     rows = sweep_rows(levels, served, offline)
-    load_end = _load()
+    load_end = load_avg()
     report = {
         "dataset": args.dataset,
         "input_len": args.input_len,
@@ -225,19 +216,11 @@ def run_sweep(args: argparse.Namespace) -> int:
         "load_avg_start": load_start,
         "load_avg_end": load_end,
     }
-    if args.output:
-        Path(args.output).write_text(json.dumps(report, indent=2) + "\n")
-    if args.json:
-        print(json.dumps(report, indent=2))
-    else:
+    if not emit_report(report, args.output, args.json):
         print(
             f"== concurrency sweep: {args.dataset}, input {args.input_len}, output {args.output_len} =="
         )
         print(format_sweep(rows))
-        fmt = ", ".join
-        print(
-            f"load avg at start {fmt(f'{x:.2f}' for x in load_start)}, "
-            f"at end {fmt(f'{x:.2f}' for x in load_end)}"
-        )
+        print(f"load avg at start {format_load(load_start)}, at end {format_load(load_end)}")
     failed = sum(r["failed"] for part in (served, offline) for r in part.values())
     return 1 if failed else 0

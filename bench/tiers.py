@@ -23,12 +23,13 @@ import random
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from bench import common
+from bench import common, report
+from bench.tiers_restart import BS, run_restart, tier_llm
 
-BS = 16
 FULL: dict[str, Any] = {
     "prefix_len": 1024,
     "suffix_len": 8,
@@ -86,10 +87,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def _engine(model_path: str, args: argparse.Namespace, **cfg: Any) -> Any:
-    return common.cpu_llm(model_path, args, block_size=BS, **cfg)
-
-
 def _blocks(n_tokens: int) -> int:
     return -(-n_tokens // BS)
 
@@ -117,10 +114,12 @@ def run_ttft(
     # The CPU tier holds the prefix and one block more: one filler's spills push it to disk.
     num_cpu = plen // BS + 1
     disk_dir = tempfile.mkdtemp(prefix="deja-bench-tiers-")
-    tiered = _engine(
+    tiered = tier_llm(
         model_path, args, num_device_blocks=num_device, num_cpu_blocks=num_cpu, disk_dir=disk_dir
     )
-    recompute = _engine(model_path, args, num_device_blocks=num_device, enable_prefix_caching=False)
+    recompute = tier_llm(
+        model_path, args, num_device_blocks=num_device, enable_prefix_caching=False
+    )
     params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
     warm = common.random_prompt(rng, ids, 64)
     tiered.generate([warm], params)
@@ -179,7 +178,7 @@ def run_ttft(
             (tier, 1000 * t, f"{speedup:.1f}x", served["device"], served["cpu"], served["disk"])
         )
     print()
-    common.print_table(
+    report.print_table(
         [
             "served from",
             "TTFT p50 (ms)",
@@ -190,6 +189,8 @@ def run_ttft(
         ],
         rows,
     )
+    cpu = result["cpu"]["speedup_vs_recompute"]
+    print(f"CPU-tier hit vs recompute: {cpu:.1f}x faster to first token (target >= 5x)")
     return {
         "config": {
             "num_device_blocks": num_device,
@@ -234,7 +235,7 @@ def run_multiturn(
         f"  working set {working_set} blocks; device pool {quarter} blocks "
         f"({quarter / working_set:.0%}); unbounded {2 * working_set}"
     )
-    engines = {name: _engine(model_path, args, **cfg) for name, cfg in configs.items()}
+    engines = {name: tier_llm(model_path, args, **cfg) for name, cfg in configs.items()}
     cpu_blocks = engines["cpu on"].engine.tiers.cpu.num_blocks
     computed = {name: _count_computed(llm) for name, llm in engines.items()}
     params = SamplingParams(temperature=0.0, max_tokens=answer, ignore_eos=True)
@@ -302,7 +303,7 @@ def run_multiturn(
         a.answers == b.answers for a, b in zip(state["cpu on"], state["unbounded"], strict=True)
     )
     print()
-    common.print_table(
+    report.print_table(
         [
             "config",
             "hit rate",
@@ -322,6 +323,8 @@ def run_multiturn(
         f"hit rate {100 * on['hit_rate']:.1f}% vs {100 * off['hit_rate']:.1f}% "
         f"({on['hit_rate_vs_unbounded']:.0%} of unbounded)"
     )
+    ratio = on["hit_rate_vs_unbounded"]
+    print(f"hit rate with the CPU tier / unbounded device pool: {ratio:.2f} (target >= 0.90)")
     return {
         "config": {
             "working_set_blocks": working_set,
@@ -349,54 +352,37 @@ def _count_computed(llm: Any) -> list[int]:
     return box
 
 
-def _part(args: argparse.Namespace, name: str, heading: str) -> bool:
-    """Whether --part selects `name`; if so, prints its heading (flushed: a part runs long)."""
-    if args.part not in ("all", name):
-        return False
-    print(f"\n-- {heading} --", flush=True)
-    return True
-
-
 def run(args: argparse.Namespace) -> int:
-    common.setup_torch(args.threads)
-    model_path = common.resolve_model(args.model, args.cache_dir)
-    info = common.machine_info(args.threads)
-    work = dict(QUICK if args.quick else FULL)
-    for key in ("reps", "sessions", "turns"):
-        if getattr(args, key) is not None:
-            work[key] = getattr(args, key)
+    model_path, info = common.begin(args, "deja bench tiers")
+    work = common.resolve_workload(args, FULL, QUICK)
     ids, _ = common.allowed_token_ids(model_path)
-    common.print_header("deja bench tiers", model_path, info)
     out: dict[str, Any] = {"bench": "tiers", "model": model_path, "machine": info, "workload": work}
     start = time.perf_counter()
-    ttft_heading = (
-        f"TTFT of a {work['prefix_len']}-token cached prefix + {work['suffix_len']}-token "
-        f"suffix by tier ({work['reps']} reps, {args.dtype}, max_tokens 1)"
-    )
-    if _part(args, "ttft", ttft_heading):
-        out["ttft"] = run_ttft(args, model_path, ids, work)
-        cpu = out["ttft"]["tiers"]["cpu"]["speedup_vs_recompute"]
-        print(f"CPU-tier hit vs recompute: {cpu:.1f}x faster to first token (target >= 5x)")
-    multiturn_heading = (
-        f"multi-turn: {work['sessions']} sessions x {work['turns']} turns, groups of "
-        f"{work['group']}, answers of {work['answer_len']} tokens"
-    )
-    if _part(args, "multiturn", multiturn_heading):
-        out["multiturn"] = run_multiturn(args, model_path, ids, work)
-        ratio = out["multiturn"]["results"]["cpu on"]["hit_rate_vs_unbounded"]
-        print(f"hit rate with the CPU tier / unbounded device pool: {ratio:.2f} (target >= 0.90)")
-    if _part(args, "restart", "first request after a restart (write-through, graceful close)"):
-        from bench.tiers_restart import run_restart
 
-        out["restart"] = run_restart(args, model_path, ids, args.quick)
+    parts: dict[str, tuple[str, Callable[[], dict[str, Any]]]] = {
+        "ttft": (
+            f"TTFT of a {work['prefix_len']}-token cached prefix + {work['suffix_len']}-token "
+            f"suffix by tier ({work['reps']} reps, {args.dtype}, max_tokens 1)",
+            lambda: run_ttft(args, model_path, ids, work),
+        ),
+        "multiturn": (
+            f"multi-turn: {work['sessions']} sessions x {work['turns']} turns, groups of "
+            f"{work['group']}, answers of {work['answer_len']} tokens",
+            lambda: run_multiturn(args, model_path, ids, work),
+        ),
+        "restart": (
+            "first request after a restart (write-through, graceful close)",
+            lambda: run_restart(args, model_path, ids, args.quick),
+        ),
+    }
+    for name, (heading, part) in parts.items():
+        if args.part in ("all", name):
+            print(f"\n-- {heading} --", flush=True)  # flushed: a part runs long
+            out[name] = part()
     print(f"\ntotal bench time {time.perf_counter() - start:.0f} s")
-    common.write_json(args.json, out)
+    report.write_json(args.json, out)
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
-    return common.main("python -m bench.tiers", __doc__, add_arguments, run, argv)
-
-
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(common.main("python -m bench.tiers", __doc__, add_arguments, run))

@@ -18,11 +18,11 @@ from __future__ import annotations
 
 import argparse
 import random
+import sys
 import time
-from pathlib import Path
 from typing import Any
 
-from bench import common
+from bench import common, report
 
 LAYERS, BLOCK, KV_HEADS, HEAD_DIM = 16, 16, 8, 64
 
@@ -30,9 +30,7 @@ LAYERS, BLOCK, KV_HEADS, HEAD_DIM = 16, 16, 8, 64
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--blocks", type=int, default=512, help="blocks per swap")
     parser.add_argument("--iters", type=int, default=10)
-    parser.add_argument(
-        "--json", type=Path, default=None, metavar="PATH", help="write results here"
-    )
+    common.add_json_argument(parser)
 
 
 def _pairs(n: int, num_src: int, num_dst: int, scattered: bool, seed: int) -> list[tuple[int, int]]:
@@ -49,8 +47,8 @@ def run(args: argparse.Namespace) -> int:
     from engine.kv.plan import KVPlan
     from engine.kv_io.offload import KVOffload
 
-    if not torch.cuda.is_available():
-        print("bench tiers-gpu needs a CUDA GPU; none is available")
+    props = report.cuda_device("bench tiers-gpu")
+    if props is None:
         return 2
     n = args.blocks
     num_blocks = 2 * n
@@ -103,12 +101,11 @@ def run(args: argparse.Namespace) -> int:
                 name = f"{kind} {'direct' if direct else 'staged'} {'scattered' if scattered else 'runs'}"
                 rows.append([name, t * 1e3, bw / 1e9, bw / ref])
                 results[name] = {"ms": t * 1e3, "bytes_per_s": bw, "fraction": bw / ref}
-    props = torch.cuda.get_device_properties(0)
     print(
         f"== CPU tier on {props.name}: {n} blocks of {nbytes // n} bytes = {nbytes / 2**20:.0f} MiB =="
     )
     print(f"torch pinned H2D: {h2d / 1e9:.1f} GB/s, D2H: {d2h / 1e9:.1f} GB/s")
-    common.print_table(
+    report.print_table(
         ["plan (KVOffload.apply, host time)", "ms", "GB/s", "of pinned copy"], rows, digits=3
     )
     ok = results["swap_in direct scattered"]["fraction"] >= 0.5
@@ -117,13 +114,9 @@ def run(args: argparse.Namespace) -> int:
     )
     results["device"] = props.name
     results["acceptance_met"] = ok
-    common.write_json(args.json, results)
+    report.write_json(args.json, results)
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
-    return common.main("deja bench tiers-gpu", __doc__, add_arguments, run, argv)
-
-
 if __name__ == "__main__":
-    raise SystemExit(main())
+    sys.exit(common.main("deja bench tiers-gpu", __doc__, add_arguments, run))

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import random
 import shutil
 import statistics
 import tempfile
@@ -33,8 +34,9 @@ from bench import common
 BS = 16
 
 
-def _engine(model_path: str, args: argparse.Namespace, **cfg: Any) -> Any:
-    return common.cpu_llm(model_path, args, block_size=BS, **cfg)
+def tier_llm(model_path: str, args: argparse.Namespace, **cfg: Any) -> Any:
+    """Our engine on the CPU with blocks of `BS` tokens (`cfg`: its tiers and pools)."""
+    return common.our_llm(model_path, args, block_size=BS, **cfg)
 
 
 def _fetch_clock(llm: Any) -> list[float]:
@@ -117,19 +119,15 @@ def _drop(llm: Any) -> None:
 def run_restart(
     args: argparse.Namespace, model_path: str, ids: list[int], quick: bool
 ) -> dict[str, Any]:
-    import random
-
-    from bench.common import random_prompt
-
     rng = random.Random(args.seed)
     reps = getattr(args, "restart_reps", None) or (1 if quick else 3)
     lengths = getattr(args, "restart_prefixes", None) or ((128, 256) if quick else (1024, 4096))
     out: dict[str, Any] = {"reps": reps}
     for plen in lengths:
-        prefix = random_prompt(rng, ids, plen)
+        prefix = common.random_prompt(rng, ids, plen)
 
         def request() -> list[int]:
-            return prefix + random_prompt(rng, ids, 8)  # noqa: B023 (used in this iteration)
+            return prefix + common.random_prompt(rng, ids, 8)  # noqa: B023 (used in this iteration)
 
         blocks = plen // BS + 2
         disk_dir = tempfile.mkdtemp(prefix="deja-bench-restart-")
@@ -139,32 +137,34 @@ def run_restart(
         warm_s: list[float] = []
         speed: dict[str, float] = {}
         try:
-            common = {"num_device_blocks": blocks + 2, "disk_dir": disk_dir}
-            seed = _engine(model_path, args, num_cpu_blocks=8, **common)
+            shared = {"num_device_blocks": blocks + 2, "disk_dir": disk_dir}
+            seed = tier_llm(model_path, args, num_cpu_blocks=8, **shared)
             _ttft(seed, request())
             _drop(seed)
-            e = _engine(model_path, args, num_device_blocks=blocks + 2, enable_prefix_caching=False)
-            _ttft(e, random_prompt(rng, ids, 16))  # warm up kernels
+            e = tier_llm(
+                model_path, args, num_device_blocks=blocks + 2, enable_prefix_caching=False
+            )
+            _ttft(e, common.random_prompt(rng, ids, 16))  # warm up kernels
             rec = [_ttft(e, request()) for _ in range(reps)]
             _drop(e)
             for r in range(reps):
-                e = _engine(model_path, args, num_cpu_blocks=8, **common)
+                e = tier_llm(model_path, args, num_cpu_blocks=8, **shared)
                 clock = _fetch_clock(e)
-                _ttft(e, random_prompt(rng, ids, 16))
+                _ttft(e, common.random_prompt(rng, ids, 16))
                 disk.append(_ttft(e, request(), clock))
                 if r == 0:
                     store = e.engine.offload
                     hashes = list(store.disk_index.entries)[-(plen // BS) :]
                     speed = load_speed(store.disk, hashes)
                 _drop(e)
-                e = _engine(
-                    model_path, args, num_cpu_blocks=blocks, warm_start_blocks=blocks, **common
+                e = tier_llm(
+                    model_path, args, num_cpu_blocks=blocks, warm_start_blocks=blocks, **shared
                 )
                 t0 = time.perf_counter()
                 e.engine.load_warm_start(timeout_s=300)
                 warm_s.append(time.perf_counter() - t0)
                 clock = _fetch_clock(e)
-                _ttft(e, random_prompt(rng, ids, 16))
+                _ttft(e, common.random_prompt(rng, ids, 16))
                 cpu.append(_ttft(e, request(), clock))
                 _drop(e)
         finally:
