@@ -7,8 +7,8 @@ import socket
 from dataclasses import dataclass
 
 from engine.config import check, check_port
-from service.common.flags import add_bool_flag, add_flag, add_list_flag
-from service.common.server_args import ServerSettings, server_settings_from_args
+from service.common.flags import add_flag
+from service.common.server_args import ServerSettings, add_server_args, server_settings_from_args
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,34 +83,13 @@ def add_service_args(parser: argparse.ArgumentParser) -> list[argparse.Action]:
             default=d.stream_buffer,
             help="Outputs buffered per stream before a slow reader is cut off.",
         ),
-        add_list_flag(
+        *add_server_args(
             g,
-            "--auth-token",
-            metavar="TOKEN[:TENANT]",
-            help="Require `authorization: Bearer TOKEN`; TENANT names the caller's cache.",
-        ),
-        add_bool_flag(
-            g,
-            "--allow-client-cache-salt",
-            default=d.allow_client_cache_salt,
-            help="With auth on, also honour the client's cache_salt.",
+            d,
+            auth_help="Require `authorization: Bearer TOKEN`; TENANT names the caller's cache.",
         ),
         add_flag(g, "--tls-cert", help="PEM certificate chain (with --tls-key: serve TLS)."),
         add_flag(g, "--tls-key", help="PEM private key."),
-        add_bool_flag(g, "--reflection", default=d.reflection, help="gRPC server reflection."),
-        add_flag(
-            g,
-            "--grace-period",
-            type=float,
-            default=d.grace_period_s,
-            help="Seconds running streams may finish after SIGTERM.",
-        ),
-        add_flag(g, "--metrics-port", type=int, help="Prometheus endpoint port (unset: off)."),
-        add_flag(g, "--metrics-host", default=d.metrics_host, help="Prometheus endpoint host."),
-        add_flag(g, "--otlp-endpoint", help="OTLP/gRPC trace collector (unset: no export)."),
-        add_bool_flag(
-            g, "--console-tracing", default=d.console_tracing, help="Print spans on stdout."
-        ),
         add_flag(g, "--redis-url", help="Affinity store shared with the router."),
         add_flag(
             g,
