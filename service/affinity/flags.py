@@ -10,10 +10,10 @@ from service.common.flags import ConfigFlag, add_config_flags, add_flag, config_
 _AFFINITY_FLAGS = (
     ConfigFlag("key_prefix", str, "Prefix of every Redis key.", flag="--redis-key-prefix"),
     ConfigFlag("op_timeout_s", float, "Per call (s).", flag="--redis-timeout"),
-    ConfigFlag("heartbeat_s", float, "Replica heartbeat (s).", flag="--heartbeat"),
-    ConfigFlag("replica_ttl_s", float, "Registration TTL (s).", flag="--replica-ttl"),
-    ConfigFlag("session_ttl_s", float, "Session TTL (s).", flag="--session-ttl"),
-    ConfigFlag("prefix_ttl_s", float, "Prefix record TTL (s).", flag="--prefix-ttl"),
+    ConfigFlag("heartbeat_s", float, "Replica heartbeat (s)."),
+    ConfigFlag("replica_ttl_s", float, "Registration TTL (s)."),
+    ConfigFlag("session_ttl_s", float, "Session TTL (s)."),
+    ConfigFlag("prefix_ttl_s", float, "Prefix record TTL (s)."),
     ConfigFlag("max_blocks_per_record", int, "Block hashes one request records."),
 )
 """The AffinityConfig fields set by flags (besides --redis-url), in --help order."""

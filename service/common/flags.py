@@ -167,17 +167,18 @@ class ConfigFlag:
     it is added for (see `add_config_flags`)."""
 
     name: str
-    """The config field, and the flag's name unless `flag` is given (`--name-with-dashes`)."""
+    """The config field; the flag is `--name-with-dashes`, less the `_s` of a field in seconds
+    (`grace_period_s`: `--grace-period`), unless `flag` is given."""
     type: Callable[[str], Any]
     """Converts the flag's text; `bool` makes a --flag/--no-flag pair."""
     help: str = ""
     choices: Sequence[Any] | None = None
     flag: str | None = None
-    """The option when it is not the field's name with dashes (e.g. --grace-period)."""
+    """The option when it is not the one named after the field (e.g. --redis-timeout)."""
 
     @property
     def option(self) -> str:
-        return self.flag or "--" + self.name.replace("_", "-")
+        return self.flag or "--" + self.name.removesuffix("_s").replace("_", "-")
 
     @property
     def dest(self) -> str:

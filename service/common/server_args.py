@@ -37,12 +37,7 @@ _SERVER_FLAGS = (
         "allow_client_cache_salt", bool, "With auth on, also honour the client's cache_salt."
     ),
     ConfigFlag("reflection", bool, "gRPC server reflection."),
-    ConfigFlag(
-        "grace_period_s",
-        float,
-        "Seconds running streams may finish after SIGTERM.",
-        flag="--grace-period",
-    ),
+    ConfigFlag("grace_period_s", float, "Seconds running streams may finish after SIGTERM."),
     ConfigFlag("metrics_port", int, "Prometheus endpoint port (unset: off)."),
     ConfigFlag("metrics_host", str, "Prometheus endpoint host."),
     ConfigFlag("otlp_endpoint", str, "OTLP/gRPC trace collector (unset: no export)."),

@@ -96,10 +96,7 @@ _COST_FLAGS = (
         "half the best one within --load-bound (a large cached prefix; 0: off).",
     ),
     ConfigFlag(
-        "stickiness_s",
-        float,
-        "Most seconds of estimate a session's last replica is favoured by.",
-        flag="--stickiness",
+        "stickiness_s", float, "Most seconds of estimate a session's last replica is favoured by."
     ),
     ConfigFlag(
         "recompute_weight",
