@@ -16,7 +16,7 @@ import heapq
 import itertools
 import random
 from collections.abc import Callable, Coroutine
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, TypeVar
 
 from bench.sim.profile import CostModel
@@ -214,23 +214,13 @@ class Cluster:
         candidates = []
         for rid, snap in self.snapshots.items():
             own = router.pending.get(rid, 0)
+            # NOTE: the polled snapshot, with what this router knows exactly of its own sends.
             candidates.append(
-                Candidate(
-                    rid,
-                    running=snap.running,
-                    waiting=snap.waiting,
-                    kv_usage=snap.kv_usage,
+                replace(
+                    snap,
                     inflight=router.inflight.get(rid, 0),
-                    queued_prefill_tokens=snap.queued_prefill_tokens,
                     pending_prefill_tokens=own,
                     pending_requests=router.pending_requests.get(rid, 0),
-                    decoding=snap.decoding,
-                    active_tokens=snap.active_tokens,
-                    prefill_tokens_per_s=snap.prefill_tokens_per_s,
-                    decode_seq_s=snap.decode_seq_s,
-                    step_tokens=snap.step_tokens,
-                    block_size=snap.block_size,
-                    utilisation=snap.utilisation,
                 )
             )
         inputs = RouteInputs(

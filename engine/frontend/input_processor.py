@@ -10,7 +10,7 @@ timestamps, never tensors (per-sample torch generators are made by `LLMEngine.en
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import Any, TypedDict
 
 from engine.config import SchedulerConfig
 from engine.core.sequence import Request
@@ -19,6 +19,25 @@ from engine.outputs import RequestMetrics
 from engine.sample.sampling_params import SamplingParams
 from engine.sample.structured.compiler import validate_response_format
 from engine.stats import ModelInfo
+
+
+class PromptOptions(TypedDict, total=False):
+    """What comes with a prompt besides its sampling parameters and request id: keywords of
+    `InputProcessor.prepare` that `LLMEngine.prepare_request` and `add_request` pass on."""
+
+    messages: list[dict[str, str]] | None
+    """Chat messages to render with the chat template, instead of a prompt."""
+    cache_salt: str | None
+    """Mixed into the prompt's block hashes: only requests with the same salt share its cache."""
+    arrival: float | None
+    """time.monotonic() when the request arrived; None: now."""
+
+
+class RequestOptions(PromptOptions, total=False):
+    """The keywords of `LLMEngine.add_request`: the prompt's options and the request id."""
+
+    request_id: str | None
+    """None: the engine names the request."""
 
 
 class InputProcessor:

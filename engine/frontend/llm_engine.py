@@ -8,11 +8,12 @@ returns streamed deltas. The offline `LLM` and the AsyncEngine's step thread dri
 from __future__ import annotations
 
 import itertools
+from typing import Unpack
 
 from engine.config import EngineConfig
 from engine.core.engine_core import EngineCore
 from engine.core.sequence import Request
-from engine.frontend.input_processor import InputProcessor
+from engine.frontend.input_processor import InputProcessor, PromptOptions, RequestOptions
 from engine.frontend.prompt import Prompt
 from engine.sample.sampling_params import SamplingParams
 
@@ -37,43 +38,26 @@ class LLMEngine(EngineCore):
         params: SamplingParams | None = None,
         *,
         request_id: str | None = None,
-        messages: list[dict[str, str]] | None = None,
-        cache_salt: str | None = None,
-        arrival: float | None = None,
+        **options: Unpack[PromptOptions],
     ) -> Request:
         """Validates and tokenizes a request without touching engine state (any thread may call).
 
         Raises ValueError saying what to fix.
         """
-        return self.inputs.prepare(
-            prompt,
-            params,
-            request_id=request_id if request_id is not None else f"req-{next(self._request_ids)}",
-            messages=messages,
-            cache_salt=cache_salt,
-            arrival=arrival,
-        )
+        if request_id is None:
+            request_id = f"req-{next(self._request_ids)}"
+        return self.inputs.prepare(prompt, params, request_id=request_id, **options)
 
     def add_request(
         self,
         prompt: Prompt | None,
         params: SamplingParams | None = None,
-        *,
-        request_id: str | None = None,
-        messages: list[dict[str, str]] | None = None,
-        cache_salt: str | None = None,
-        arrival: float | None = None,
+        **options: Unpack[RequestOptions],
     ) -> Request:
         """Validates and queues a request. Raises ValueError (saying what to fix) on bad input."""
+        request_id = options.get("request_id")
         if request_id is not None and request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
-        req = self.prepare_request(
-            prompt,
-            params,
-            request_id=request_id,
-            messages=messages,
-            cache_salt=cache_salt,
-            arrival=arrival,
-        )
+        req = self.prepare_request(prompt, params, **options)
         self.enqueue(req)
         return req

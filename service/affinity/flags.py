@@ -5,39 +5,32 @@ from __future__ import annotations
 import argparse
 
 from service.affinity.config import AffinityConfig
-from service.common.flags import add_flag
+from service.common.flags import ConfigFlag, add_config_flags, add_flag, config_values
+
+_AFFINITY_FLAGS = (
+    ConfigFlag("key_prefix", str, "Prefix of every Redis key.", flag="--redis-key-prefix"),
+    ConfigFlag("op_timeout_s", float, "Per call (s).", flag="--redis-timeout"),
+    ConfigFlag("heartbeat_s", float, "Replica heartbeat (s)."),
+    ConfigFlag("replica_ttl_s", float, "Registration TTL (s)."),
+    ConfigFlag("session_ttl_s", float, "Session TTL (s)."),
+    ConfigFlag("prefix_ttl_s", float, "Prefix record TTL (s)."),
+    ConfigFlag("max_blocks_per_record", int, "Block hashes one request records."),
+)
+"""The AffinityConfig fields set by flags (besides --redis-url), in --help order."""
 
 
 def add_affinity_args(parser: argparse.ArgumentParser, *, with_url: bool) -> None:
     """Adds the store flags; `with_url=False` where the command already has --redis-url."""
-    d = AffinityConfig()
     a = parser.add_argument_group("affinity store")
     if with_url:
         add_flag(a, "--redis-url", help="Affinity store (unset: in-memory, this process only).")
-    add_flag(a, "--redis-key-prefix", default=d.key_prefix, help="Prefix of every Redis key.")
-    add_flag(a, "--redis-timeout", type=float, default=d.op_timeout_s, help="Per call (s).")
-    add_flag(a, "--heartbeat", type=float, default=d.heartbeat_s, help="Replica heartbeat (s).")
-    add_flag(a, "--replica-ttl", type=float, default=d.replica_ttl_s, help="Registration TTL (s).")
-    add_flag(a, "--session-ttl", type=float, default=d.session_ttl_s, help="Session TTL (s).")
-    add_flag(a, "--prefix-ttl", type=float, default=d.prefix_ttl_s, help="Prefix record TTL (s).")
-    add_flag(
-        a,
-        "--max-blocks-per-record",
-        type=int,
-        default=d.max_blocks_per_record,
-        help="Block hashes one request records.",
-    )
+    add_config_flags(a, AffinityConfig(), _AFFINITY_FLAGS)
 
 
 def affinity_config_from_args(args: argparse.Namespace) -> AffinityConfig:
+    """--redis-timeout bounds the connect as well as each call."""
     return AffinityConfig(
         redis_url=args.redis_url or None,
-        key_prefix=args.redis_key_prefix,
-        op_timeout_s=args.redis_timeout,
         connect_timeout_s=args.redis_timeout,
-        heartbeat_s=args.heartbeat,
-        replica_ttl_s=args.replica_ttl,
-        session_ttl_s=args.session_ttl,
-        prefix_ttl_s=args.prefix_ttl,
-        max_blocks_per_record=args.max_blocks_per_record,
+        **config_values(args, _AFFINITY_FLAGS),
     )

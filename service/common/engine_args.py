@@ -8,9 +8,7 @@ converted once into the cache folder).
 from __future__ import annotations
 
 import argparse
-from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, NamedTuple
 
 from engine.config import (
     ATTENTION_BACKENDS,
@@ -23,7 +21,7 @@ from engine.config import (
     ModelConfig,
     SchedulerConfig,
 )
-from service.common.flags import add_bool_flag, add_flag
+from service.common.flags import ConfigFlag, add_config_flags, add_flag, config_values
 
 DEFAULT_MODEL = "demo"
 DEFAULT_CACHE_DIR = "~/.cache/deja"
@@ -31,68 +29,54 @@ _CACHE = CacheConfig()
 _SCHED = SchedulerConfig()
 
 
-class _Flag(NamedTuple):
-    """A flag that sets the config field `name` (`--name-with-dashes` unless `flag` is given);
-    its default is the field's default. A `bool` type makes a --flag/--no-flag pair."""
-
-    name: str
-    type: Callable[[str], Any]
-    help: str = ""
-    choices: Sequence[Any] | None = None
-    flag: str | None = None
-
-    @property
-    def option(self) -> str:
-        return self.flag or "--" + self.name.replace("_", "-")
-
-    @property
-    def dest(self) -> str:
-        """The flag's attribute in the parsed namespace."""
-        return self.option[2:].replace("-", "_")
-
-
 _CACHE_FLAGS = (
-    _Flag("block_size", int, choices=(8, 16, 32, 64)),
-    _Flag("num_device_blocks", int, "Device KV blocks (overrides --device-memory-gib)."),
-    _Flag("device_memory_gib", float, "KV pool budget on the device."),
-    _Flag(
+    ConfigFlag("block_size", int, choices=(8, 16, 32, 64)),
+    ConfigFlag("num_device_blocks", int, "Device KV blocks (overrides --device-memory-gib)."),
+    ConfigFlag("device_memory_gib", float, "KV pool budget on the device."),
+    ConfigFlag(
         "enable_prefix_caching",
         bool,
         "Reuse KV of shared prompt prefixes.",
         flag="--prefix-caching",
     ),
-    _Flag("cpu_swap_gib", float, "CPU cache tier size (0: off)."),
-    _Flag("disk_dir", str, "Folder of the persistent disk tier (unset: off)."),
-    _Flag("disk_gib", float, "Disk tier budget (replicas sharing --disk-dir respect it together)."),
-    _Flag(
+    ConfigFlag("cpu_swap_gib", float, "CPU cache tier size (0: off)."),
+    ConfigFlag("disk_dir", str, "Folder of the persistent disk tier (unset: off)."),
+    ConfigFlag(
+        "disk_gib", float, "Disk tier budget (replicas sharing --disk-dir respect it together)."
+    ),
+    ConfigFlag(
         "disk_write_policy",
         str,
         "write-through: every new full block goes to disk once; selective: blocks hit "
         "--disk-write-min-hits times and pinned prefixes; write-back: CPU-tier evictions.",
         DISK_WRITE_POLICIES,
     ),
-    _Flag("disk_write_min_hits", int, "Prefix hits before the selective policy writes a block."),
-    _Flag(
+    ConfigFlag(
+        "disk_write_min_hits", int, "Prefix hits before the selective policy writes a block."
+    ),
+    ConfigFlag(
         "disk_write_queue_blocks", int, "Disk writes queued at most (more are dropped and counted)."
     ),
-    _Flag(
+    ConfigFlag(
         "disk_write_queue_mib",
         float,
         "MiB of block payloads queued for disk writes at most (and a quarter of the "
         "disk tier at most).",
     ),
-    _Flag(
+    ConfigFlag(
         "disk_read_cache_mib",
         float,
         "MiB of disk blocks kept in memory after their read (and an eighth of the disk "
         "tier at most).",
     ),
-    _Flag(
+    ConfigFlag(
         "warm_start_blocks", int, "Most recently used disk blocks read into the CPU tier at start."
     ),
-    _Flag("preemption_mode", str, "What happens to a preempted request's KV.", PREEMPTION_MODES),
-    _Flag("max_pinned_fraction", float, "Largest share of each tier that TTL pins may hold."),
-    _Flag(
+    ConfigFlag(
+        "preemption_mode", str, "What happens to a preempted request's KV.", PREEMPTION_MODES
+    ),
+    ConfigFlag("max_pinned_fraction", float, "Largest share of each tier that TTL pins may hold."),
+    ConfigFlag(
         "kv_events_max_blocks",
         int,
         "KV-event block hashes buffered per step at most (past it: cleared + snapshot; 0: off).",
@@ -100,38 +84,17 @@ _CACHE_FLAGS = (
 )
 """The CacheConfig fields set by flags, in --help order."""
 _SCHED_FLAGS = (
-    _Flag("max_num_seqs", int, "Most sequences per step."),
-    _Flag("max_num_batched_tokens", int, "Token budget of one step."),
-    _Flag(
+    ConfigFlag("max_num_seqs", int, "Most sequences per step."),
+    ConfigFlag("max_num_batched_tokens", int, "Token budget of one step."),
+    ConfigFlag(
         "max_num_partial_prefills",
         int,
         "Most prompts in prefill in one step (0: as many as the budget holds).",
     ),
-    _Flag("max_n", int, "Largest n per request."),
-    _Flag("max_logprobs", int, "Largest logprobs per request."),
+    ConfigFlag("max_n", int, "Largest n per request."),
+    ConfigFlag("max_logprobs", int, "Largest logprobs per request."),
 )
 """The SchedulerConfig fields set by flags, in --help order."""
-
-
-def _add_config_flags(
-    g: argparse._ArgumentGroup, config: object, flags: Sequence[_Flag]
-) -> list[argparse.Action]:
-    """The `flags` of one config, each defaulting to the field's value in `config`."""
-    acts = []
-    for f in flags:
-        default = getattr(config, f.name)
-        if f.type is bool:
-            acts.append(add_bool_flag(g, f.option, default=default, help=f.help))
-        else:
-            acts.append(
-                add_flag(g, f.option, type=f.type, default=default, help=f.help, choices=f.choices)
-            )
-    return acts
-
-
-def _config_values(args: argparse.Namespace, flags: Sequence[_Flag]) -> dict[str, Any]:
-    """Config keyword arguments: each field of `flags` with its flag's parsed value."""
-    return {f.name: getattr(args, f.dest) for f in flags}
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> list[argparse.Action]:
@@ -154,8 +117,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> list[argparse.Action]:
             g, "--threads", type=int, help="torch intra-op threads of the engine (one per core)."
         ),
         add_flag(g, "--max-model-len", type=int, help="Prompt + output limit (checkpoint's)."),
-        *_add_config_flags(g, _CACHE, _CACHE_FLAGS),
-        *_add_config_flags(g, _SCHED, _SCHED_FLAGS),
+        *add_config_flags(g, _CACHE, _CACHE_FLAGS),
+        *add_config_flags(g, _SCHED, _SCHED_FLAGS),
         add_flag(g, "--seed", type=int, default=0, help="Seed for requests without their own."),
     ]
     return acts
@@ -183,8 +146,8 @@ def engine_config_from_args(
             max_model_len=args.max_model_len,
             model_id=args.model_id,
         ),
-        cache=CacheConfig(**_config_values(args, _CACHE_FLAGS)),
-        scheduler=SchedulerConfig(**_config_values(args, _SCHED_FLAGS)),
+        cache=CacheConfig(**config_values(args, _CACHE_FLAGS)),
+        scheduler=SchedulerConfig(**config_values(args, _SCHED_FLAGS)),
         device=args.device,
         attention_backend=args.attention_backend,
         seed=args.seed,

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import os
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 ENV_PREFIX = "DEJA_"
@@ -158,6 +159,56 @@ class _ReplaceDefaultAppend(argparse.Action):
         items = [] if current is self.default else list(current)
         items.append(values)
         setattr(namespace, self.dest, items)
+
+
+@dataclass(frozen=True, slots=True)
+class ConfigFlag:
+    """A flag that sets the config field `name`; its default is the field's value in the config
+    it is added for (see `add_config_flags`)."""
+
+    name: str
+    """The config field; the flag is `--name-with-dashes`, less the `_s` of a field in seconds
+    (`grace_period_s`: `--grace-period`), unless `flag` is given."""
+    type: Callable[[str], Any]
+    """Converts the flag's text; `bool` makes a --flag/--no-flag pair."""
+    help: str = ""
+    choices: Sequence[Any] | None = None
+    flag: str | None = None
+    """The option when it is not the one named after the field (e.g. --redis-timeout)."""
+
+    @property
+    def option(self) -> str:
+        return self.flag or "--" + self.name.removesuffix("_s").replace("_", "-")
+
+    @property
+    def dest(self) -> str:
+        """The flag's attribute in the parsed namespace."""
+        return self.option[2:].replace("-", "_")
+
+
+def add_config_flags(
+    parser: argparse.ArgumentParser | argparse._ArgumentGroup,
+    config: object,
+    flags: Sequence[ConfigFlag],
+) -> list[argparse.Action]:
+    """The `flags` of one config, in order, each defaulting to the field's value in `config`."""
+    acts = []
+    for f in flags:
+        default = getattr(config, f.name)
+        if f.type is bool:
+            acts.append(add_bool_flag(parser, f.option, default=default, help=f.help))
+        else:
+            acts.append(
+                add_flag(
+                    parser, f.option, type=f.type, default=default, help=f.help, choices=f.choices
+                )
+            )
+    return acts
+
+
+def config_values(args: argparse.Namespace, flags: Sequence[ConfigFlag]) -> dict[str, Any]:
+    """Config keyword arguments: each field of `flags` with its flag's parsed value."""
+    return {f.name: getattr(args, f.dest) for f in flags}
 
 
 def to_argv(actions: Sequence[argparse.Action], args: argparse.Namespace) -> list[str]:

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from service.common.auth import parse_auth_token
+from service.common.flags import ConfigFlag, add_config_flags, add_list_flag, config_values
 
 
 @dataclass(frozen=True, slots=True)
@@ -31,15 +32,34 @@ class ServerSettings:
     """Print finished spans on stdout."""
 
 
+_SERVER_FLAGS = (
+    ConfigFlag(
+        "allow_client_cache_salt", bool, "With auth on, also honour the client's cache_salt."
+    ),
+    ConfigFlag("reflection", bool, "gRPC server reflection."),
+    ConfigFlag("grace_period_s", float, "Seconds running streams may finish after SIGTERM."),
+    ConfigFlag("metrics_port", int, "Prometheus endpoint port (unset: off)."),
+    ConfigFlag("metrics_host", str, "Prometheus endpoint host."),
+    ConfigFlag("otlp_endpoint", str, "OTLP/gRPC trace collector (unset: no export)."),
+    ConfigFlag("console_tracing", bool, "Print spans on stdout."),
+)
+"""The ServerSettings fields set by flags (all but auth_tokens), in --help order."""
+
+
+def add_server_args(
+    group: argparse._ArgumentGroup, defaults: ServerSettings, *, auth_help: str
+) -> list[argparse.Action]:
+    """The flags of the ServerSettings fields: --auth-token (`auth_help` says what the server
+    does with the tokens), then auth, reflection, shutdown and observability."""
+    return [
+        add_list_flag(group, "--auth-token", metavar="TOKEN[:TENANT]", help=auth_help),
+        *add_config_flags(group, defaults, _SERVER_FLAGS),
+    ]
+
+
 def server_settings_from_args(args: argparse.Namespace) -> dict[str, Any]:
     """The ServerSettings keyword arguments: auth, reflection, shutdown, observability."""
     return {
         "auth_tokens": tuple(parse_auth_token(s) for s in args.auth_token),
-        "allow_client_cache_salt": args.allow_client_cache_salt,
-        "reflection": args.reflection,
-        "grace_period_s": args.grace_period,
-        "metrics_port": args.metrics_port,
-        "metrics_host": args.metrics_host,
-        "otlp_endpoint": args.otlp_endpoint,
-        "console_tracing": args.console_tracing,
+        **config_values(args, _SERVER_FLAGS),
     }

@@ -7,8 +7,8 @@ import socket
 from dataclasses import dataclass
 
 from engine.config import check, check_port
-from service.common.flags import add_bool_flag, add_flag, add_list_flag
-from service.common.server_args import ServerSettings, server_settings_from_args
+from service.common.flags import ConfigFlag, add_config_flags, add_flag, config_values
+from service.common.server_args import ServerSettings, add_server_args, server_settings_from_args
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,6 +62,24 @@ class ServiceConfig(ServerSettings):
         return self.replica_id or f"{socket.gethostname()}:{bound_port}"
 
 
+_SERVICE_FLAGS = (
+    ConfigFlag(
+        "max_queued_requests",
+        int,
+        "Streams waiting for their first token before RESOURCE_EXHAUSTED.",
+    ),
+    ConfigFlag(
+        "stream_buffer", int, "Outputs buffered per stream before a slow reader is cut off."
+    ),
+    ConfigFlag(
+        "kv_event_ring_batches",
+        int,
+        "KV-event batches kept for SubscribeKvEvents subscribers to resume from.",
+    ),
+)
+"""The replica's queue and buffer sizes set by flags, in --help order."""
+
+
 def add_service_args(parser: argparse.ArgumentParser) -> list[argparse.Action]:
     g = parser.add_argument_group("service")
     d = ServiceConfig()
@@ -69,56 +87,15 @@ def add_service_args(parser: argparse.ArgumentParser) -> list[argparse.Action]:
         add_flag(g, "--host", default=d.host, help="Interface to listen on."),
         add_flag(g, "--port", type=int, default=d.port, help="gRPC port (0: a free one)."),
         add_flag(g, "--replica-id", help="Replica name in responses and metrics (host:port)."),
-        add_flag(
+        *add_config_flags(g, d, _SERVICE_FLAGS),
+        *add_server_args(
             g,
-            "--max-queued-requests",
-            type=int,
-            default=d.max_queued_requests,
-            help="Streams waiting for their first token before RESOURCE_EXHAUSTED.",
-        ),
-        add_flag(
-            g,
-            "--stream-buffer",
-            type=int,
-            default=d.stream_buffer,
-            help="Outputs buffered per stream before a slow reader is cut off.",
-        ),
-        add_list_flag(
-            g,
-            "--auth-token",
-            metavar="TOKEN[:TENANT]",
-            help="Require `authorization: Bearer TOKEN`; TENANT names the caller's cache.",
-        ),
-        add_bool_flag(
-            g,
-            "--allow-client-cache-salt",
-            default=d.allow_client_cache_salt,
-            help="With auth on, also honour the client's cache_salt.",
+            d,
+            auth_help="Require `authorization: Bearer TOKEN`; TENANT names the caller's cache.",
         ),
         add_flag(g, "--tls-cert", help="PEM certificate chain (with --tls-key: serve TLS)."),
         add_flag(g, "--tls-key", help="PEM private key."),
-        add_bool_flag(g, "--reflection", default=d.reflection, help="gRPC server reflection."),
-        add_flag(
-            g,
-            "--grace-period",
-            type=float,
-            default=d.grace_period_s,
-            help="Seconds running streams may finish after SIGTERM.",
-        ),
-        add_flag(g, "--metrics-port", type=int, help="Prometheus endpoint port (unset: off)."),
-        add_flag(g, "--metrics-host", default=d.metrics_host, help="Prometheus endpoint host."),
-        add_flag(g, "--otlp-endpoint", help="OTLP/gRPC trace collector (unset: no export)."),
-        add_bool_flag(
-            g, "--console-tracing", default=d.console_tracing, help="Print spans on stdout."
-        ),
         add_flag(g, "--redis-url", help="Affinity store shared with the router."),
-        add_flag(
-            g,
-            "--kv-event-ring-batches",
-            type=int,
-            default=d.kv_event_ring_batches,
-            help="KV-event batches kept for SubscribeKvEvents subscribers to resume from.",
-        ),
     ]
 
 
@@ -127,11 +104,9 @@ def service_config_from_args(args: argparse.Namespace) -> ServiceConfig:
         host=args.host,
         port=args.port,
         replica_id=args.replica_id or "",
-        max_queued_requests=args.max_queued_requests,
-        stream_buffer=args.stream_buffer,
         tls_cert=args.tls_cert,
         tls_key=args.tls_key,
         redis_url=args.redis_url,
+        **config_values(args, _SERVICE_FLAGS),
         **server_settings_from_args(args),
-        kv_event_ring_batches=args.kv_event_ring_batches,
     )

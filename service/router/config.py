@@ -9,8 +9,15 @@ from typing import Any
 from engine.config import check, check_one_of, check_port
 from service.affinity.config import AffinityConfig
 from service.affinity.flags import add_affinity_args, affinity_config_from_args
-from service.common.flags import add_bool_flag, add_flag, add_list_flag
-from service.common.server_args import ServerSettings, server_settings_from_args
+from service.common.flags import (
+    ConfigFlag,
+    add_bool_flag,
+    add_config_flags,
+    add_flag,
+    add_list_flag,
+    config_values,
+)
+from service.common.server_args import ServerSettings, add_server_args, server_settings_from_args
 from service.router.cost import CostWeights
 from service.router.policy import POLICIES, OverloadGuard
 
@@ -76,61 +83,47 @@ class RouterConfig(ServerSettings):
         )
 
 
+_COST_FLAGS = (
+    ConfigFlag(
+        "load_bound",
+        float,
+        "New sessions only go to replicas within this x the mean load (0: no bound).",
+    ),
+    ConfigFlag(
+        "prefix_bound",
+        float,
+        "A replica within this x the mean load still wins when its estimate is under "
+        "half the best one within --load-bound (a large cached prefix; 0: off).",
+    ),
+    ConfigFlag(
+        "stickiness_s", float, "Most seconds of estimate a session's last replica is favoured by."
+    ),
+    ConfigFlag(
+        "recompute_weight",
+        float,
+        "Weight of the prefill time a request adds to a replica (the wait of the requests "
+        "after it) next to its own estimated TTFT; 0: its own TTFT alone.",
+    ),
+    ConfigFlag(
+        "packing_weight",
+        float,
+        "Weight of that prefill time per request still waiting for its first token there "
+        "(they share its prefill step); 0 for engines whose steps cost the same with several "
+        "prompts.",
+    ),
+)
+"""The CostWeights fields set by flags (deja route and deja bench sim), in --help order."""
+
+
 def add_cost_args(group: argparse._ArgumentGroup) -> None:
     """The cost policy's bounds, stickiness and weights (--load-bound, --prefix-bound,
     --stickiness, --recompute-weight, --packing-weight)."""
-    dc = CostWeights()
-    add_flag(
-        group,
-        "--load-bound",
-        type=float,
-        default=dc.load_bound,
-        help="New sessions only go to replicas within this x the mean load (0: no bound).",
-    )
-    add_flag(
-        group,
-        "--prefix-bound",
-        type=float,
-        default=dc.prefix_bound,
-        help="A replica within this x the mean load still wins when its estimate is under "
-        "half the best one within --load-bound (a large cached prefix; 0: off).",
-    )
-    add_flag(
-        group,
-        "--stickiness",
-        type=float,
-        default=dc.stickiness_s,
-        help="Most seconds of estimate a session's last replica is favoured by.",
-    )
-    add_flag(
-        group,
-        "--recompute-weight",
-        type=float,
-        default=dc.recompute_weight,
-        help="Weight of the prefill time a request adds to a replica (the wait of the requests "
-        "after it) next to its own estimated TTFT; 0: its own TTFT alone.",
-    )
-    add_flag(
-        group,
-        "--packing-weight",
-        type=float,
-        default=dc.packing_weight,
-        help="Weight of that prefill time per request still waiting for its first token there "
-        "(they share its prefill step); 0 for engines whose steps cost the same with several "
-        "prompts.",
-    )
+    add_config_flags(group, CostWeights(), _COST_FLAGS)
 
 
 def cost_weights_from_args(args: argparse.Namespace, **given: Any) -> CostWeights:
     """The CostWeights of add_cost_args' flags, with the other weights in `given`."""
-    return CostWeights(
-        stickiness_s=args.stickiness,
-        recompute_weight=args.recompute_weight,
-        packing_weight=args.packing_weight,
-        load_bound=args.load_bound,
-        prefix_bound=args.prefix_bound,
-        **given,
-    )
+    return CostWeights(**config_values(args, _COST_FLAGS), **given)
 
 
 def add_router_args(parser: argparse.ArgumentParser) -> None:
@@ -151,16 +144,7 @@ def add_router_args(parser: argparse.ArgumentParser) -> None:
     )
     add_flag(g, "--poll-timeout", type=float, default=d.poll_timeout_s, help="Poll deadline (s).")
     add_flag(g, "--max-attempts", type=int, default=d.max_attempts, help="Replicas per request.")
-    add_list_flag(
-        g, "--auth-token", metavar="TOKEN[:TENANT]", help="Replicas' tokens (for cache salts)."
-    )
-    add_bool_flag(g, "--allow-client-cache-salt", default=d.allow_client_cache_salt)
-    add_bool_flag(g, "--reflection", default=d.reflection, help="gRPC server reflection.")
-    add_flag(g, "--grace-period", type=float, default=d.grace_period_s, help="Drain time (s).")
-    add_flag(g, "--metrics-port", type=int, help="Prometheus endpoint port (unset: off).")
-    add_flag(g, "--metrics-host", default=d.metrics_host, help="Prometheus endpoint host.")
-    add_flag(g, "--otlp-endpoint", help="OTLP/gRPC trace collector (unset: no export).")
-    add_bool_flag(g, "--console-tracing", default=d.console_tracing, help="Print spans.")
+    add_server_args(g, d, auth_help="Replicas' tokens (for cache salts).")
 
     o = parser.add_argument_group("overload guard")
     gd = d.guard
