@@ -14,7 +14,7 @@ import pytest
 
 from bench.router_cluster import ProcessGroup
 from clients.client import AsyncDejaClient
-from tests.engine.structured_cases import CHOICES, SCHEMAS, check_json
+from tests.engine.sample.structured_cases import CHOICES, SCHEMAS, check_json
 from tests.router.round_robin import REPLICAS, RoundRobinCluster
 
 

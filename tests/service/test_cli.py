@@ -21,7 +21,7 @@ from service.common.auth import parse_auth_token
 from service.common.engine_args import add_engine_args, engine_config_from_args
 from service.common.flags import EnvError, add_bool_flag, add_flag, add_list_flag, env_name, to_argv
 from service.replica.config import ServiceConfig, service_config_from_args
-from tests.engine.structured_cases import CHOICES, SCHEMAS, check_json
+from tests.engine.sample.structured_cases import CHOICES, SCHEMAS, check_json
 from tests.service.conftest import Harness
 
 

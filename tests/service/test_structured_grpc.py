@@ -9,7 +9,7 @@ import grpc
 import pydantic
 import pytest
 
-from tests.engine.structured_cases import CHOICES, SCHEMAS, check_json
+from tests.engine.sample.structured_cases import CHOICES, SCHEMAS, check_json
 from tests.service.conftest import Harness
 
 

@@ -7,7 +7,7 @@ from engine.kv.hashing import BlockHash
 from engine.kv.manager import KVCacheManager
 from engine.kv.plan import KVPlan
 from engine.kv.tiers import TieredCache
-from tests.kv.test_manager import BS, FakeSeq, run_prefill
+from tests.engine.kv.test_manager import BS, FakeSeq, run_prefill
 
 
 class FakeDisk:

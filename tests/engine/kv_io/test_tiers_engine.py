@@ -165,7 +165,7 @@ def test_cpu_tier_serves_a_prefix_larger_than_the_pool_allows(
 
 def _seq_like(llm: LLM, token_ids: list[int]) -> Any:
     """What match_prefix reads of a sequence with these tokens (no request is queued)."""
-    from tests.kv.test_manager import FakeSeq
+    from tests.engine.kv.test_manager import FakeSeq
 
     seq = FakeSeq(-1, token_ids)
     seq.block_hashes = hash_blocks(token_ids, BS, _extra(llm))

@@ -18,7 +18,7 @@ from engine.sample.sampling_params import SamplingParams
 from engine.sample.structured import ResponseFormat
 from engine.sample.structured.bitmask import TokenMask, apply_token_mask, pack_allowed
 from engine.sample.structured.compiler import validate_response_format
-from tests.engine.structured_cases import (
+from tests.engine.sample.structured_cases import (
     CHOICES,
     REGEX,
     SCHEMAS,

@@ -12,8 +12,8 @@ from engine.kv.events import (
 )
 from engine.kv.manager import KVCacheManager
 from engine.kv.tiers import TieredCache
-from tests.kv.test_manager import BS, FakeSeq, run_prefill
-from tests.kv.test_tiers import FakeDisk, step
+from tests.engine.kv.test_manager import BS, FakeSeq, run_prefill
+from tests.engine.kv.test_tiers import FakeDisk, step
 
 
 def make(

@@ -7,8 +7,8 @@ from hypothesis import strategies as st
 from hypothesis.stateful import invariant, precondition, rule
 
 from engine.kv.manager import KVCacheManager
-from tests.kv.live_rules import LiveSequenceRules
-from tests.kv.test_manager import BS, FakeSeq
+from tests.engine.kv.live_rules import LiveSequenceRules
+from tests.engine.kv.test_manager import BS, FakeSeq
 
 NUM_BLOCKS = 12
 # A small alphabet of prompt "stems" so that prompts share prefixes and hit the cache.

@@ -1,9 +1,9 @@
 """A child process for the disk-tier crash and fault tests (run as a script, not collected).
 
-python tests/engine/tier_child.py MODEL DISK_DIR crash
+python tests/engine/kv_io/tier_child.py MODEL DISK_DIR crash
     Serves prompts `rand_tokens(256, i)` for i = 0, 1, ... with write-through until killed;
     prints "done i" after each request.
-python tests/engine/tier_child.py MODEL DISK_DIR full|read-only
+python tests/engine/kv_io/tier_child.py MODEL DISK_DIR full|read-only
     Serves 4 prompts, then breaks the disk directory (full: RLIMIT_FSIZE below one block
     file, so writes fail with EFBIG; read-only: a read-only bind mount, when run inside
     `unshare -r -m`), serves 6 more, and prints one JSON line: outputs, reference outputs

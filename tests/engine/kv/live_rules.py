@@ -6,7 +6,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, precondition, rule
 
 from engine.kv.manager import KVCacheManager
-from tests.kv.test_manager import FakeSeq
+from tests.engine.kv.test_manager import FakeSeq
 
 
 class LiveSequenceRules(RuleBasedStateMachine):

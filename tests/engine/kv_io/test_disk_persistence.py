@@ -28,7 +28,7 @@ from engine.kv_io.disk_format import HEADER_BYTES
 
 BS = 16
 GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 CHILD = Path(__file__).with_name("tier_child.py")
 
 

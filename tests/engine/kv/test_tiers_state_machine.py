@@ -17,8 +17,8 @@ from engine.kv.hashing import BlockHash
 from engine.kv.manager import KVCacheManager
 from engine.kv.plan import KVPlan
 from engine.kv.tiers import TieredCache
-from tests.kv.live_rules import LiveSequenceRules
-from tests.kv.test_manager import BS, FakeSeq
+from tests.engine.kv.live_rules import LiveSequenceRules
+from tests.engine.kv.test_manager import BS, FakeSeq
 
 NUM_DEVICE = 10
 NUM_CPU = 5
