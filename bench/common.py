@@ -31,7 +31,9 @@ def default_cache_dir() -> Path:
 def add_common_arguments(parser: argparse.ArgumentParser) -> None:
     """Flags every benchmark takes."""
     parser.add_argument(
-        "--model", default="demo", help="'demo' (SmolLM2-135M-Instruct) or a local HF folder"
+        "--model",
+        default="demo",
+        help="'demo' (SmolLM2-135M-Instruct), 'tiny' (a 2-layer random Llama) or a local HF folder",
     )
     parser.add_argument(
         "--cache-dir",
@@ -127,11 +129,25 @@ def begin(args: argparse.Namespace, title: str) -> tuple[str, dict[str, Any]]:
     return model_path, info
 
 
+TINY = "tiny"
+"""--model tiny: a random Llama (2 layers, hidden 64, tests/tiny_models.py), where a step's time is
+mostly the engine's host work."""
+
+
 def resolve_model(model: str, cache_dir: Path | None) -> str:
-    """'demo' -> the converted demo folder (converted on first use); else an existing folder."""
+    """'demo' -> the converted demo folder (converted on first use); 'tiny' -> the tiny random
+    Llama (built once, seed 0); else an existing folder."""
     from engine.demo import resolve_model_path
 
-    return resolve_model_path(model, cache_dir or default_cache_dir())
+    cache = cache_dir or default_cache_dir()
+    if model == TINY:
+        from tests.tiny_models import build_tiny_llama
+
+        out = cache / "tiny-llama-seed0"
+        if not (out / "config.json").exists():
+            build_tiny_llama(out)
+        return str(out)
+    return resolve_model_path(model, cache)
 
 
 def our_llm(model_path: str, args: argparse.Namespace, **options: Any) -> Any:

@@ -1,0 +1,226 @@
+"""`deja bench step`: where one engine step's time goes, at batch 1, 16, 64 and 256 (decode).
+
+For each batch size B, B requests (32-token random prompts, ignore_eos) are prefilled, a few decode
+steps warm up, then `--steps` pure-decode steps are timed one by one, split into:
+  schedule  the scheduler's decision (Scheduler.schedule)
+  prepare   the step's inputs: KV plan copies, the flat batch, the attention plan, the sampling rows
+  forward   the model (every layer) and the LM head; on a GPU also its device time (CUDA events)
+  sample    the sampler (penalties, temperature, top-k/p, the chosen ids back on the host)
+  output    the rest: appending tokens, caching full blocks, stop checks, detokenization, deltas
+The baseline in the same run is the forward pass itself: `host outside forward` (schedule +
+prepare + sample + output) is what the engine adds around the model, and `step / forward` how
+much slower a step is than its model call. On a GPU, `GPU idle` is 1 - device time / step time.
+The default model is a tiny random Llama (2 layers, hidden 64), where the forward costs little and
+a step's time is mostly host work; `--model demo` or a folder measures a real one.
+
+    deja bench step [--model tiny|demo|DIR] [--batches 1,16,64,256] [--steps 64] [--device cpu]
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+from bench import common, report
+
+PHASES = ("schedule", "prepare", "forward", "sample", "output")
+HOST_TARGET_MS = {1: 0.25, 256: 1.5}
+"""The engine issue's bounds on host work outside the forward, per step, at these batch sizes."""
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    common.add_common_arguments(parser)
+    parser.set_defaults(model="tiny")
+    parser.add_argument("--batches", default="1,16,64,256", help="decode batch sizes")
+    parser.add_argument("--steps", type=int, default=64, help="timed decode steps per batch")
+    parser.add_argument("--warmup", type=int, default=8, help="decode steps before timing")
+    parser.add_argument("--prompt-len", type=int, default=32, help="prompt tokens per request")
+    parser.add_argument("--device", default="cpu", help="cpu, cuda or auto")
+    parser.add_argument(
+        "--attention-backend", default="torch", help="torch (reference) or cupy (CUDA kernels)"
+    )
+
+
+class _PhaseClock:
+    """Accumulates wall time per phase of the current step (and CUDA event pairs on a GPU)."""
+
+    def __init__(self, cuda: bool) -> None:
+        self.totals = dict.fromkeys(PHASES, 0.0)
+        self.cuda = cuda
+        self.events: list[tuple[Any, Any]] = []
+
+    def wrap(self, obj: Any, attr: str, phase: str) -> None:
+        """Replaces obj.attr (a method or a callable object) by a timed call of it."""
+        fn: Callable[..., Any] = getattr(obj, attr)
+
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            start = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.totals[phase] += time.perf_counter() - start
+
+        setattr(obj, attr, timed)
+
+    def wrap_forward(self, model: Any) -> None:
+        """Times model.forward on the host and, on a GPU, on the device."""
+        self.wrap(model, "compute_logits", "forward")
+        forward = model.forward
+
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            if not self.cuda:
+                return forward(*args, **kwargs)
+            import torch
+
+            begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            begin.record()
+            try:
+                return forward(*args, **kwargs)
+            finally:
+                end.record()
+                self.events.append((begin, end))
+
+        model.forward = timed
+        self.wrap(model, "forward", "forward")
+
+    def take(self) -> tuple[dict[str, float], float]:
+        """This step's seconds per phase (output still 0) and device seconds; resets."""
+        out, self.totals = self.totals, dict.fromkeys(PHASES, 0.0)
+        device_s = 0.0
+        if self.events:
+            self.events[-1][1].synchronize()
+            device_s = sum(b.elapsed_time(e) for b, e in self.events) / 1000
+            self.events = []
+        return out, device_s
+
+
+class _TimedCall:
+    """A callable object (the sampler) whose calls count towards one phase."""
+
+    def __init__(self, inner: Any, clock: _PhaseClock, phase: str) -> None:
+        self.inner, self.clock, self.phase = inner, clock, phase
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        start = time.perf_counter()
+        try:
+            return self.inner(*args, **kwargs)
+        finally:
+            self.clock.totals[self.phase] += time.perf_counter() - start
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+
+def _instrument(engine: Any, clock: _PhaseClock) -> None:
+    runner = engine.runner
+    clock.wrap(engine.scheduler, "schedule", "schedule")
+    for attr in ("apply_plan", "_build_batch", "_sampling_plan"):
+        if hasattr(runner, attr):
+            clock.wrap(runner, attr, "prepare")
+    clock.wrap(runner.backend, "prepare", "prepare")
+    clock.wrap_forward(runner.model)
+    runner.sampler = _TimedCall(runner.sampler, clock, "sample")
+
+
+def measure_batch(model_path: str, args: argparse.Namespace, batch: int) -> dict[str, Any]:
+    """Mean milliseconds per phase over `args.steps` decode steps of `batch` sequences."""
+    from engine import SamplingParams
+
+    block_size = 16
+    per_seq_blocks = -(-(args.prompt_len + args.warmup + args.steps + 2) // block_size)
+    llm = common.our_llm(
+        model_path,
+        args,
+        device=args.device,
+        attention_backend=args.attention_backend,
+        max_num_seqs=batch,
+        num_device_blocks=batch * per_seq_blocks + 8,
+        block_size=block_size,
+    )
+    engine = llm.engine
+    rng = random.Random(args.seed)
+    ids, _ = common.allowed_token_ids(model_path)
+    params = SamplingParams(
+        temperature=0.0, max_tokens=args.warmup + args.steps + 2, ignore_eos=True
+    )
+    for _ in range(batch):
+        engine.add_request(common.random_prompt(rng, ids, args.prompt_len), params)
+    while any(not r.seqs or not r.seqs[0].output_token_ids for r in engine.requests.values()):
+        engine.step()  # prefill
+    for _ in range(args.warmup):
+        engine.step()
+    clock = _PhaseClock(cuda=engine.device.type == "cuda")
+    _instrument(engine, clock)
+    sums = dict.fromkeys((*PHASES, "step", "device"), 0.0)
+    for _ in range(args.steps):
+        start = time.perf_counter()
+        engine.step()
+        step_s = time.perf_counter() - start
+        phases, device_s = clock.take()
+        phases["output"] = step_s - sum(phases.values())
+        for name, value in phases.items():
+            sums[name] += value
+        sums["step"] += step_s
+        sums["device"] += device_s
+    while engine.has_unfinished_requests():
+        engine.step()
+    engine.close()
+    ms = {name: 1000 * value / args.steps for name, value in sums.items()}
+    ms["host"] = ms["step"] - ms["forward"]
+    return {"batch": batch, "ms": ms, "cuda": clock.cuda}
+
+
+def _row(r: dict[str, Any]) -> list[Any]:
+    ms = r["ms"]
+    row = [r["batch"], ms["step"], *(ms[p] for p in PHASES), ms["host"]]
+    row += [ms["host"] / ms["step"], ms["step"] / ms["forward"], 1000 / ms["step"]]
+    if r["cuda"]:
+        row += [ms["device"], 1 - ms["device"] / ms["step"]]
+    return row
+
+
+def run(args: argparse.Namespace) -> int:
+    batches = [int(b) for b in str(args.batches).split(",") if b.strip()]
+    if args.quick:
+        batches, args.steps, args.warmup = [1, 4], 8, 2
+    model_path, info = common.begin(args, "deja bench step: one decode step, phase by phase")
+    results = [measure_batch(model_path, args, b) for b in batches]
+    headers = ["batch", "step ms", *(f"{p} ms" for p in PHASES), "host outside fwd ms"]
+    headers += ["host share", "step / forward", "steps/s"]
+    if results and results[0]["cuda"]:
+        headers += ["device ms", "GPU idle"]
+    report.print_table(headers, [_row(r) for r in results], digits=3)
+    checks = {}
+    for r in results:
+        print(
+            report.ratio_line(
+                f"batch {r['batch']}: step / forward", r["ms"]["step"] / r["ms"]["forward"]
+            )
+        )
+        target = HOST_TARGET_MS.get(r["batch"])
+        if target is not None:
+            ok = r["ms"]["host"] <= target
+            checks[r["batch"]] = ok
+            print(
+                f"batch {r['batch']}: host outside forward {r['ms']['host']:.3f} ms "
+                f"(target <= {target} ms): {'MET' if ok else 'NOT MET'}"
+            )
+    print(report.finish_line(info))
+    report.write_json(
+        args.json,
+        {
+            "machine": report.finish_info(info),
+            "model": model_path,
+            "results": results,
+            "targets_met": checks,
+        },
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(common.main("deja bench step", __doc__, add_arguments, run))
