@@ -118,7 +118,9 @@ class _TimedCall:
 def _instrument(engine: Any, clock: _PhaseClock) -> None:
     runner = engine.runner
     clock.wrap(engine.scheduler, "schedule", "schedule")
-    for attr in ("apply_plan", "_build_batch", "_sampling_plan"):
+    if hasattr(runner, "inputs"):
+        clock.wrap(runner.inputs, "build", "prepare")
+    for attr in ("apply_plan", "_build_batch", "_sampling_plan"):  # _build_batch: older runners
         if hasattr(runner, attr):
             clock.wrap(runner, attr, "prepare")
     clock.wrap(runner.backend, "prepare", "prepare")

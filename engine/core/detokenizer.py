@@ -20,6 +20,7 @@ tokens exist.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from engine.sample.sampling_params import SamplingParams
@@ -28,6 +29,36 @@ if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
 _REPLACEMENT = "\ufffd"
+
+
+def make_decode(
+    tokenizer: PreTrainedTokenizerBase, skip_special_tokens: bool
+) -> Callable[[list[int]], str]:
+    """`tokenizer.decode(ids, skip_special_tokens=..., clean_up_tokenization_spaces=False)` as a
+    function of the ids.
+
+    NOTE: for a fast (Rust) tokenizer whose `_decode` is transformers' own, that call is the Rust
+    tokenizer's `decode(ids, skip_special_tokens)` and nothing else; calling it directly gives the
+    same text in about a third of the time (two decodes per generated token add up at batch 256).
+    """
+    from transformers.tokenization_utils_tokenizers import TokenizersBackend
+
+    if type(tokenizer)._decode is TokenizersBackend._decode:
+        backend = tokenizer.backend_tokenizer  # type: ignore[attr-defined]
+
+        def fast(ids: list[int]) -> str:
+            return backend.decode(ids, skip_special_tokens=skip_special_tokens)
+
+        return fast
+
+    def slow(ids: list[int]) -> str:
+        text = tokenizer.decode(
+            ids, skip_special_tokens=skip_special_tokens, clean_up_tokenization_spaces=False
+        )
+        assert isinstance(text, str)
+        return text
+
+    return slow
 
 
 class IncrementalDetokenizer:
@@ -42,6 +73,7 @@ class IncrementalDetokenizer:
         """`prompt_token_ids` are not decoded (see the module docstring)."""
         self.tokenizer = tokenizer
         self.params = params
+        self._decode = make_decode(tokenizer, params.skip_special_tokens)
         self.text = ""
         """All text emitted so far."""
         self.stop_string: str | None = None
@@ -81,15 +113,6 @@ class IncrementalDetokenizer:
         out = self._emit(delta, final=True)
         self._finished = True
         return out
-
-    def _decode(self, ids: list[int]) -> str:
-        text = self.tokenizer.decode(
-            ids,
-            skip_special_tokens=self.params.skip_special_tokens,
-            clean_up_tokenization_spaces=False,
-        )
-        assert isinstance(text, str)
-        return text
 
     def _emit(self, delta: str, *, final: bool) -> str:
         """Adds decoded text; returns what may be emitted now."""

@@ -12,7 +12,8 @@ from engine.kv.plan import KVPlan
 from engine.outputs import TokenLogprob
 from engine.sample.sampler import Sampler, SamplingRow
 from engine.sample.structured.mask_filler import PendingMask, TokenMaskFiller
-from engine.worker.attention.base import AttentionBackend, AttentionMetadata
+from engine.worker.attention.base import AttentionBackend
+from engine.worker.input_batch import InputBatch
 
 if TYPE_CHECKING:  # the core's step types; the worker only reads them
     from engine.core.scheduler import ScheduledSeq, SchedulerOutput
@@ -68,8 +69,11 @@ class ModelRunner:
     """Carries out a plan's CPU and disk copies (engine/kv_io/offload.py); None: no tiers."""
     masks: TokenMaskFiller = field(init=False)
     """Fills the structured-output token mask while the forward runs."""
+    inputs: InputBatch = field(init=False)
+    """The step's flat batch, in buffers that persist across steps."""
 
     def __post_init__(self) -> None:
+        self.inputs = InputBatch(self.block_size, self.device)
         self.masks = TokenMaskFiller(
             self.sampler.vocab_size, unpack_on_host=self.device.type == "cpu"
         )
@@ -84,51 +88,6 @@ class ModelRunner:
             dst = torch.tensor([d for _, d in plan.cow], dtype=torch.long, device=self.device)
             self.backend.copy_blocks(self.kv_cache, src, dst)
 
-    def _build_batch(
-        self, scheduled: list[ScheduledSeq], tables: list[list[int]]
-    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
-        bs = self.block_size
-        input_ids: list[int] = []
-        qlens: list[int] = []
-        starts: list[int] = []
-        for item in scheduled:
-            s, n = item.start, item.num_new_tokens
-            input_ids.extend(item.seq.token_ids[s : s + n])
-            qlens.append(n)
-            starts.append(s)
-        seq_lens = [s + n for s, n in zip(starts, qlens, strict=True)]
-        max_blocks = max(len(t) for t in tables)
-        # block_tables: [num_seqs, max_blocks]
-        block_tables = torch.tensor(
-            [t + [0] * (max_blocks - len(t)) for t in tables], dtype=torch.int32
-        )
-        qlens_t = torch.tensor(qlens, dtype=torch.int64)
-        qsl = torch.zeros(len(qlens) + 1, dtype=torch.int64)
-        torch.cumsum(qlens_t, 0, out=qsl[1:])
-        num_tokens = len(input_ids)
-        # seq_idx[t]: which sequence token t belongs to; positions[t] = start + offset in chunk.
-        seq_idx = torch.repeat_interleave(torch.arange(len(qlens)), qlens_t)
-        positions = (
-            torch.arange(num_tokens)
-            - qsl[:-1][seq_idx]
-            + torch.tensor(starts, dtype=torch.int64)[seq_idx]
-        )
-        # slot = block_id * block_size + offset within the block
-        slots = block_tables[seq_idx, positions // bs].to(torch.int64) * bs + positions % bs
-        dev = self.device
-        meta = AttentionMetadata(
-            slot_mapping=slots.to(dev, non_blocking=True),
-            query_start_loc=qsl.to(torch.int32).to(dev, non_blocking=True),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32).to(dev, non_blocking=True),
-            block_tables=block_tables.to(dev, non_blocking=True),
-            query_lens_cpu=qlens,
-            seq_lens_cpu=seq_lens,
-            max_query_len=max(qlens),
-            max_seq_len=max(seq_lens),
-        )
-        ids = torch.tensor(input_ids, dtype=torch.int64).to(dev, non_blocking=True)
-        return ids, positions.to(dev, non_blocking=True), meta
-
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput, tables: list[list[int]]) -> list[StepSamples]:
         """One forward over every scheduled token; samples where a chunk reaches a sequence's end.
@@ -138,7 +97,8 @@ class ModelRunner:
         self.apply_plan(sched.plan)
         if not sched.scheduled:
             return []
-        input_ids, positions, meta = self._build_batch(sched.scheduled, tables)
+        step = self.inputs.build(sched.scheduled, tables)
+        input_ids, positions, meta = step.input_ids, step.positions, step.meta
         self.backend.prepare(meta)
         plan = self._sampling_plan(sched.scheduled)
         # The grammar masks fill on a worker thread while the model runs.

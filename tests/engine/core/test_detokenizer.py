@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
-from engine.core.detokenizer import IncrementalDetokenizer
+from engine.core.detokenizer import IncrementalDetokenizer, make_decode
 from engine.sample.sampling_params import SamplingParams
 
 _CORPUS = [
@@ -264,3 +264,28 @@ def test_random_stop_strings(tokenizer: PreTrainedTokenizerBase, data: st.DataOb
         assert detok.stop_string is None
         assert out == full
     assert all("\ufffd" not in d for d in deltas)
+
+
+@pytest.mark.parametrize("skip", [True, False])
+def test_direct_decode_is_the_tokenizers_decode(
+    tokenizer: PreTrainedTokenizerBase, skip: bool
+) -> None:
+    """The fast path (the Rust tokenizer called directly) gives tokenizer.decode's text, and a
+    tokenizer class with its own _decode keeps going through tokenizer.decode."""
+    ids = [*_encode(tokenizer, _FALLBACK_TEXT), tokenizer.eos_token_id or 0]
+    expected = tokenizer.decode(ids, skip_special_tokens=skip, clean_up_tokenization_spaces=False)
+    decode = make_decode(tokenizer, skip)
+    assert decode.__name__ == "fast"
+    assert decode(ids) == expected
+    calls: list[list[int]] = []
+
+    class OwnDecode(type(tokenizer)):  # type: ignore[misc]
+        def _decode(self, token_ids: list[int], **kwargs: object) -> str:
+            calls.append(list(token_ids))
+            return "own"
+
+    own = object.__new__(OwnDecode)
+    own.__dict__.update(tokenizer.__dict__)
+    slow = make_decode(own, skip)
+    assert slow.__name__ == "slow"
+    assert slow(ids) == "own" and calls == [ids]

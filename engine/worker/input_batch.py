@@ -1,0 +1,133 @@
+"""Persistent buffers for a step's flat batch (vLLM V1's InputBatch / CpuGpuBuffer idea).
+
+A step's inputs (token ids, positions, slot mapping, query start locations, sequence lengths,
+block tables) are written with numpy into host buffers allocated once and grown only when a step
+needs more room; on a CUDA device the host buffers are pinned and each goes to its device twin
+with one non-blocking copy. On the CPU the model reads the host buffers themselves (no copy).
+
+NOTE: the tensors `build` returns are views of the persistent buffers: they hold this step's
+values until the next `build` overwrites them. The runner and the attention backends use them
+within the step only.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+from engine.worker.attention.base import AttentionMetadata
+
+if TYPE_CHECKING:  # the core's step type; the worker only reads it
+    from engine.core.scheduler import ScheduledSeq
+
+
+class _Buffer:
+    """One host array (numpy view of a torch tensor, pinned for CUDA) and its device twin."""
+
+    def __init__(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> None:
+        on_cuda = device.type == "cuda"
+        self.cpu = torch.zeros(shape, dtype=dtype, pin_memory=on_cuda)
+        self.np = self.cpu.numpy()
+        self.dev = torch.zeros(shape, dtype=dtype, device=device) if on_cuda else self.cpu
+
+    def to_device(self, rows: int) -> torch.Tensor:
+        """The first `rows` rows on the device: one non-blocking copy on CUDA, a view on CPU."""
+        if self.dev is self.cpu:
+            return self.cpu[:rows]
+        return self.dev[:rows].copy_(self.cpu[:rows], non_blocking=True)
+
+
+@dataclass(slots=True)
+class StepInputs:
+    """What the model reads in one step."""
+
+    input_ids: torch.Tensor
+    """[T] int64 token ids of every scheduled token, sequence after sequence."""
+    positions: torch.Tensor
+    """[T] int64 position of each token in its sequence."""
+    meta: AttentionMetadata
+
+
+class InputBatch:
+    """Builds each step's `StepInputs` into buffers that persist across steps."""
+
+    def __init__(self, block_size: int, device: torch.device) -> None:
+        self.block_size = block_size
+        self.device = device
+        self._tokens = 0
+        self._seqs = 0
+        self._blocks = 0
+        self._alloc(256, 16, 16)
+
+    def _alloc(self, tokens: int, seqs: int, blocks: int) -> None:
+        dev = self.device
+        if tokens > self._tokens:
+            self.input_ids = _Buffer((tokens,), torch.int64, dev)
+            self.positions = _Buffer((tokens,), torch.int64, dev)
+            self.slot_mapping = _Buffer((tokens,), torch.int64, dev)
+            self._tokens = tokens
+        if seqs > self._seqs or blocks > self._blocks:
+            seqs, blocks = max(seqs, self._seqs), max(blocks, self._blocks)
+            self.query_start_loc = _Buffer((seqs + 1,), torch.int32, dev)
+            self.seq_lens = _Buffer((seqs,), torch.int32, dev)
+            # block_tables: [seqs, blocks], right-padded with block 0
+            self.block_tables = _Buffer((seqs, blocks), torch.int32, dev)
+            self._seqs, self._blocks = seqs, blocks
+
+    def build(self, scheduled: Sequence[ScheduledSeq], tables: list[list[int]]) -> StepInputs:
+        """The flat batch of `scheduled` (each item's new tokens) with its block `tables`."""
+        num_seqs = len(scheduled)
+        qlens = [item.num_new_tokens for item in scheduled]
+        starts = [item.start for item in scheduled]
+        num_tokens = sum(qlens)
+        max_blocks = max(len(t) for t in tables)
+        if num_tokens > self._tokens or num_seqs > self._seqs or max_blocks > self._blocks:
+            self._alloc(2 * num_tokens, 2 * num_seqs, 2 * max_blocks)
+        ids, pos = self.input_ids.np, self.positions.np
+        starts_np = np.asarray(starts, dtype=np.int64)
+        qlens_np = np.asarray(qlens, dtype=np.int64)
+        if num_tokens == num_seqs:  # decode only: one token per sequence
+            ids[:num_seqs] = [item.seq.token_ids[item.start] for item in scheduled]
+            pos[:num_seqs] = starts_np
+            seq_idx = np.arange(num_seqs)
+        else:
+            t = 0
+            for item, s, n in zip(scheduled, starts, qlens, strict=True):
+                ids[t : t + n] = item.seq.token_ids[s : s + n]
+                t += n
+            seq_idx = np.repeat(np.arange(num_seqs), qlens_np)
+            # position of token t = its sequence's start + its offset in the chunk
+            qsl_prefix = np.cumsum(qlens_np) - qlens_np  # [S] first token of each sequence
+            pos[:num_tokens] = np.arange(num_tokens) - qsl_prefix[seq_idx] + starts_np[seq_idx]
+        qsl = self.query_start_loc.np
+        qsl[0] = 0
+        np.cumsum(qlens_np, out=qsl[1 : num_seqs + 1])
+        seq_lens = starts_np + qlens_np
+        self.seq_lens.np[:num_seqs] = seq_lens
+        bt = self.block_tables.np
+        bt[:num_seqs] = 0
+        for i, table in enumerate(tables):
+            bt[i, : len(table)] = table
+        # slot = block_id * block_size + offset within the block
+        p = pos[:num_tokens]
+        bs = self.block_size
+        self.slot_mapping.np[:num_tokens] = bt[seq_idx, p // bs].astype(np.int64) * bs + p % bs
+        seq_lens_list = seq_lens.tolist()
+        meta = AttentionMetadata(
+            slot_mapping=self.slot_mapping.to_device(num_tokens),
+            query_start_loc=self.query_start_loc.to_device(num_seqs + 1),
+            seq_lens=self.seq_lens.to_device(num_seqs),
+            # whole rows (contiguous, as the CUDA kernels read them): width >= max_blocks
+            block_tables=self.block_tables.to_device(num_seqs),
+            query_lens_cpu=qlens,
+            seq_lens_cpu=seq_lens_list,
+            max_query_len=max(qlens),
+            max_seq_len=max(seq_lens_list),
+        )
+        return StepInputs(
+            self.input_ids.to_device(num_tokens), self.positions.to_device(num_tokens), meta
+        )
