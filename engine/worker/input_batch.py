@@ -61,6 +61,8 @@ class InputBatch:
         self._tokens = 0
         self._seqs = 0
         self._blocks = 0
+        self._copied: torch.cuda.Event | None = None
+        """Recorded after the last step's host-to-device copies (CUDA only)."""
         self._alloc(256, 16, 16)
 
     def _alloc(self, tokens: int, seqs: int, blocks: int) -> None:
@@ -85,6 +87,10 @@ class InputBatch:
         starts = [item.start for item in scheduled]
         num_tokens = sum(qlens)
         max_blocks = max(len(t) for t in tables)
+        if self._copied is not None:
+            # NOTE: a step without sampling rows does not sync; the last step's copies may still
+            # be reading the pinned buffers that are about to be overwritten.
+            self._copied.synchronize()
         if num_tokens > self._tokens or num_seqs > self._seqs or max_blocks > self._blocks:
             self._alloc(2 * num_tokens, 2 * num_seqs, 2 * max_blocks)
         ids, pos = self.input_ids.np, self.positions.np
@@ -128,6 +134,10 @@ class InputBatch:
             max_query_len=max(qlens),
             max_seq_len=max(seq_lens_list),
         )
-        return StepInputs(
+        step = StepInputs(
             self.input_ids.to_device(num_tokens), self.positions.to_device(num_tokens), meta
         )
+        if self.device.type == "cuda":
+            self._copied = torch.cuda.Event()
+            self._copied.record()
+        return step

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from bench import common, offline, prefix
+from bench import common, offline, prefix, step
 
 
 def test_offline_quick(
@@ -46,3 +46,26 @@ def test_prefix_quick(
     assert data["cache_on"]["cached_tokens_min"] == 128
     assert data["cache_off"]["cached_tokens_max"] == 0
     assert data["identical_outputs"] == 4
+
+
+def test_step_quick(
+    tiny_llama_path: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out_json = tmp_path / "step.json"
+    args = common.parse_args(
+        step.add_arguments, ["--model", str(tiny_llama_path), "--quick", "--json", str(out_json)]
+    )
+    assert step.run(args) == 0
+    text = capsys.readouterr().out
+    assert re.search(r"^batch 1: step / forward: \d+\.\d+x$", text, re.M), text
+    assert re.search(
+        r"^batch 1: host outside forward \d+\.\d+ ms \(target <= 0\.25 ms\)", text, re.M
+    )
+    data = json.loads(out_json.read_text())
+    assert [r["batch"] for r in data["results"]] == [1, 4]
+    for r in data["results"]:
+        ms = r["ms"]
+        phases = sum(ms[p] for p in step.PHASES)
+        assert abs(phases - ms["step"]) < 1e-6 * max(1.0, ms["step"])
+        assert ms["forward"] > 0 and ms["schedule"] > 0 and ms["prepare"] > 0 and ms["sample"] > 0
+        assert ms["host"] == ms["step"] - ms["forward"]
