@@ -24,8 +24,10 @@ Every step is skipped when no row uses it. One host sync per call, after everyth
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import itertools
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from typing import overload
 
 import torch
 
@@ -36,14 +38,41 @@ from engine.sample.structured.bitmask import TokenMask, apply_token_mask
 _NEG_INF = float("-inf")
 
 
+class OutputTokens(Sequence[int]):
+    """A sequence's generated tokens as a view of its token list, without copying them.
+
+    NOTE: the runner builds one per row per step; copying the output (`token_ids[prompt:]`) each
+    step made a long generation quadratic, though only penalties and min_tokens read it.
+    """
+
+    __slots__ = ("_start", "_tokens")
+
+    def __init__(self, token_ids: list[int], num_prompt_tokens: int) -> None:
+        self._tokens = token_ids
+        self._start = num_prompt_tokens
+
+    def __len__(self) -> int:
+        return len(self._tokens) - self._start
+
+    def __iter__(self) -> Iterator[int]:
+        return itertools.islice(self._tokens, self._start, None)
+
+    @overload
+    def __getitem__(self, i: int) -> int: ...
+    @overload
+    def __getitem__(self, i: slice) -> list[int]: ...
+    def __getitem__(self, i: int | slice) -> int | list[int]:
+        return self._tokens[self._start :][i]
+
+
 @dataclass(slots=True)
 class SamplingRow:
     """One row of logits to sample (one sequence)."""
 
     params: SamplingParams
     prompt_token_ids: list[int]
-    output_token_ids: list[int]
-    """Tokens this sequence has generated so far."""
+    output_token_ids: Sequence[int]
+    """Tokens this sequence has generated so far (read by length and iteration only)."""
     generator: torch.Generator | None
     """The request's own generator (on the sampler's device); set only when params.seed is set."""
 

@@ -10,7 +10,7 @@ import torch
 
 from engine.kv.plan import KVPlan
 from engine.outputs import TokenLogprob
-from engine.sample.sampler import Sampler, SamplingRow
+from engine.sample.sampler import OutputTokens, Sampler, SamplingRow
 from engine.sample.structured.mask_filler import PendingMask, TokenMaskFiller
 from engine.worker.attention.base import AttentionBackend
 from engine.worker.input_batch import InputBatch
@@ -140,7 +140,7 @@ class ModelRunner:
                     SamplingRow(
                         req.params,
                         req.prompt_token_ids,
-                        seq.output_token_ids,
+                        OutputTokens(seq.token_ids, seq.num_prompt_tokens),
                         req.generators[seq.index],
                     )
                 )

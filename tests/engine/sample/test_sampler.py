@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from engine.sample.sampler import Sampler, SamplingRow
+from engine.sample.sampler import OutputTokens, Sampler, SamplingRow
 from engine.sample.sampling_params import SamplingParams
 from engine.sample.structured import ResponseFormat
 from engine.sample.structured.bitmask import TokenMask, pack_allowed
@@ -170,6 +170,20 @@ def test_penalties_match_reference() -> None:
     assert out.token_ids[3] == int(expected[3].argmax())
     # Unpenalized rows and tokens are untouched.
     torch.testing.assert_close(expected[4], torch.log_softmax(logits[4], -1))
+
+
+def test_output_tokens_view_reads_like_the_list() -> None:
+    tokens = [1, 5, 5, 9, 9, 2, 2, 2]
+    view = OutputTokens(tokens, 4)
+    assert len(view) == 4 and list(view) == [9, 2, 2, 2] and view[0] == 9 and view[1:] == [2, 2, 2]
+    tokens.append(7)  # the sequence grows: the view sees it without being rebuilt
+    assert len(view) == 5 and list(view)[-1] == 7
+    # Penalties and min_tokens read a view as they read a list.
+    params = SamplingParams(repetition_penalty=1.7, frequency_penalty=0.5, min_tokens=6, logprobs=V)
+    logits = _logits(1, seed=5)
+    as_list = Sampler(V, CPU, 0)(logits, [_row(params, tokens[:4], tokens[4:])], [EOS])
+    as_view = Sampler(V, CPU, 0)(logits, [_row(params, tokens[:4], view)], [EOS])  # type: ignore[arg-type]
+    assert as_list == as_view
 
 
 def test_min_tokens_masks_eos_and_stop_ids() -> None:
