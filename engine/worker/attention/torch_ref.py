@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -191,23 +192,27 @@ def _same(a: tuple[torch.Tensor, ...], b: tuple[torch.Tensor, ...]) -> bool:
 def _build_group(
     meta: AttentionMetadata, seqs: list[int], starts: list[int], num_tokens: int
 ) -> _SeqGroup:
-    """Index tensors for the sequences `seqs` (indices into the batch)."""
+    """Index tensors for the sequences `seqs` (indices into the batch).
+
+    NOTE: built with numpy from the host copies of the lengths, then moved once each: a dozen
+    small torch ops per step cost more than the decode step's attention on a small model.
+    """
     device = meta.slot_mapping.device
     query_lens = [meta.query_lens_cpu[i] for i in seqs]
     seq_lens = [meta.seq_lens_cpu[i] for i in seqs]
     max_q = max(max(query_lens), 1)
     max_len = max(max(seq_lens), 1)
-    seq_index = torch.tensor(seqs, dtype=torch.int64, device=device)
     if len(seqs) == meta.num_seqs:
         block_tables = meta.block_tables.to(torch.int64)
     else:
+        seq_index = torch.tensor(seqs, dtype=torch.int64, device=device)
         block_tables = meta.block_tables[seq_index].to(torch.int64)
-    lens = torch.tensor(seq_lens, dtype=torch.int64, device=device)  # [Sg]
-    contexts = lens - torch.tensor(query_lens, dtype=torch.int64, device=device)  # [Sg]
-    first = torch.tensor([starts[i] for i in seqs], dtype=torch.int64, device=device)  # [Sg]
-    key_pos = torch.arange(max_len, device=device)  # [L]
-    q_pos = torch.arange(max_q, device=device)  # [Q]
-    query_index = (first[:, None] + q_pos[None, :]).clamp(max=max(num_tokens - 1, 0))
+    lens = np.asarray(seq_lens, dtype=np.int64)  # [Sg]
+    contexts = lens - np.asarray(query_lens, dtype=np.int64)  # [Sg]
+    first = np.asarray([starts[i] for i in seqs], dtype=np.int64)  # [Sg]
+    key_pos = np.arange(max_len)  # [L]
+    q_pos = np.arange(max_q)  # [Q]
+    query_index = np.minimum(first[:, None] + q_pos[None, :], max(num_tokens - 1, 0))
     # Query j of a sequence sits at position context_len + j; it sees keys p <= that position
     # and p < seq_len. Padding queries (j >= query_len) see all of the sequence's keys, so no row
     # is fully masked (which would give NaN).
@@ -222,7 +227,14 @@ def _build_group(
         and all(q == max_q for q in query_lens)
         and len(seqs) * max_q == num_tokens
     )
-    return _SeqGroup(block_tables, key_pos, query_index, mask, all_visible, query_identity)
+    return _SeqGroup(
+        block_tables,
+        torch.from_numpy(key_pos).to(device),
+        torch.from_numpy(query_index).to(device),
+        torch.from_numpy(mask).to(device),
+        all_visible,
+        query_identity,
+    )
 
 
 def _build_plan(meta: AttentionMetadata) -> _StepPlan:
@@ -258,15 +270,18 @@ def _build_plan(meta: AttentionMetadata) -> _StepPlan:
     token_row: torch.Tensor | None = None
     identity = not prefill or (len(prefill) == 1 and not decode)
     if not identity or num_tokens != num_queries:
-        tokens = torch.arange(num_tokens, device=device)  # [T]
-        starts_t = torch.tensor(starts, dtype=torch.int64, device=device)  # [S + 1]
-        seq_of = (torch.searchsorted(starts_t, tokens, right=True) - 1).clamp(0, len(starts) - 2)
-        base = torch.tensor(row_base, dtype=torch.int64, device=device)  # [S]
+        tokens = np.arange(num_tokens)  # [T]
+        starts_np = np.asarray(starts, dtype=np.int64)  # [S + 1]
+        seq_of = np.clip(np.searchsorted(starts_np, tokens, side="right") - 1, 0, len(starts) - 2)
+        base = np.asarray(row_base, dtype=np.int64)  # [S]
         total_rows = len(decode) + len(prefill) * prefill_q
-        token_row = (base[seq_of] + tokens - starts_t[seq_of]).clamp(0, total_rows - 1)
+        rows = np.clip(base[seq_of] + tokens - starts_np[seq_of], 0, total_rows - 1)
+        token_row = torch.from_numpy(rows).to(device)
     token_valid: torch.Tensor | None = None
     if num_queries < num_tokens:
-        token_valid = (torch.arange(num_tokens, device=device) < num_queries).view(-1, 1, 1)
+        token_valid = (
+            torch.from_numpy(np.arange(num_tokens) < num_queries).to(device).view(-1, 1, 1)
+        )
     return _StepPlan(
         meta=meta,
         tensors=_meta_tensors(meta),
