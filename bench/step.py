@@ -212,15 +212,8 @@ def run(args: argparse.Namespace) -> int:
                 f"(target <= {target} ms): {'MET' if ok else 'NOT MET'}"
             )
     print(report.finish_line(info))
-    report.write_json(
-        args.json,
-        {
-            "machine": report.finish_info(info),
-            "model": model_path,
-            "results": results,
-            "targets_met": checks,
-        },
-    )
+    payload = {"machine": info, "model": model_path, "results": results, "targets_met": checks}
+    report.write_json(args.json, payload)
     return 0
 
 

@@ -5,26 +5,33 @@ from __future__ import annotations
 import json
 import re
 from pathlib import Path
+from types import ModuleType
+from typing import Any
 
 import pytest
 
 from bench import common, offline, prefix, step
 
 
+def _run_quick(
+    module: ModuleType, model: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], *extra: str
+) -> tuple[str, dict[str, Any]]:
+    """Runs a benchmark module with --quick on `model`; returns what it printed and its JSON."""
+    out_json = tmp_path / "result.json"
+    args = common.parse_args(
+        module.add_arguments, ["--model", str(model), "--quick", *extra, "--json", str(out_json)]
+    )
+    assert module.run(args) == 0
+    return capsys.readouterr().out, json.loads(out_json.read_text())
+
+
 def test_offline_quick(
     tiny_llama_path: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    out_json = tmp_path / "offline.json"
-    args = common.parse_args(
-        offline.add_arguments,
-        ["--model", str(tiny_llama_path), "--quick", "--parity", "2", "--json", str(out_json)],
-    )
-    assert offline.run(args) == 0
-    text = capsys.readouterr().out
+    text, data = _run_quick(offline, tiny_llama_path, tmp_path, capsys, "--parity", "2")
     assert re.search(r"^ratio ours / generate: \d+\.\d+x$", text, re.M), text
     assert re.search(r"^ratio ours / generate_batch: \d+\.\d+x$", text, re.M), text
     assert "greedy parity vs transformers generate (batch 1, unpadded): 2/2 identical" in text
-    data = json.loads(out_json.read_text())
     assert data["ratios"]["ours_over_generate"] > 0
     assert data["prefix_cache_hit_tokens"] == 0
     (ours,) = (v for k, v in data["results"].items() if k.startswith("deja"))
@@ -34,14 +41,8 @@ def test_offline_quick(
 def test_prefix_quick(
     tiny_llama_path: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    out_json = tmp_path / "prefix.json"
-    args = common.parse_args(
-        prefix.add_arguments, ["--model", str(tiny_llama_path), "--quick", "--json", str(out_json)]
-    )
-    assert prefix.run(args) == 0
-    text = capsys.readouterr().out
+    text, data = _run_quick(prefix, tiny_llama_path, tmp_path, capsys)
     assert re.search(r"^ratio TTFT off / on \(p50, requests 2\.\.4\): \d+\.\d+x$", text, re.M), text
-    data = json.loads(out_json.read_text())
     # Requests 2..4 reuse the whole 128-token shared prefix (8 full blocks) with the cache on.
     assert data["cache_on"]["cached_tokens_min"] == 128
     assert data["cache_off"]["cached_tokens_max"] == 0
@@ -51,17 +52,11 @@ def test_prefix_quick(
 def test_step_quick(
     tiny_llama_path: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    out_json = tmp_path / "step.json"
-    args = common.parse_args(
-        step.add_arguments, ["--model", str(tiny_llama_path), "--quick", "--json", str(out_json)]
-    )
-    assert step.run(args) == 0
-    text = capsys.readouterr().out
+    text, data = _run_quick(step, tiny_llama_path, tmp_path, capsys)
     assert re.search(r"^batch 1: step / forward: \d+\.\d+x$", text, re.M), text
     assert re.search(
         r"^batch 1: host outside forward \d+\.\d+ ms \(target <= 0\.25 ms\)", text, re.M
     )
-    data = json.loads(out_json.read_text())
     assert [r["batch"] for r in data["results"]] == [1, 4]
     for r in data["results"]:
         ms = r["ms"]
