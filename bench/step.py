@@ -55,16 +55,7 @@ class _PhaseClock:
 
     def wrap(self, obj: Any, attr: str, phase: str) -> None:
         """Replaces obj.attr (a method or a callable object) by a timed call of it."""
-        fn: Callable[..., Any] = getattr(obj, attr)
-
-        def timed(*args: Any, **kwargs: Any) -> Any:
-            start = time.perf_counter()
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                self.totals[phase] += time.perf_counter() - start
-
-        setattr(obj, attr, timed)
+        setattr(obj, attr, _TimedCall(getattr(obj, attr), self, phase))
 
     def wrap_forward(self, model: Any) -> None:
         """Times model.forward on the host and, on a GPU, on the device."""
@@ -99,9 +90,10 @@ class _PhaseClock:
 
 
 class _TimedCall:
-    """A callable object (the sampler) whose calls count towards one phase."""
+    """A method or callable object whose calls count towards one phase; other attributes are the
+    wrapped object's (the sampler's vocab_size, say)."""
 
-    def __init__(self, inner: Any, clock: _PhaseClock, phase: str) -> None:
+    def __init__(self, inner: Callable[..., Any], clock: _PhaseClock, phase: str) -> None:
         self.inner, self.clock, self.phase = inner, clock, phase
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -125,7 +117,7 @@ def _instrument(engine: Any, clock: _PhaseClock) -> None:
             clock.wrap(runner, attr, "prepare")
     clock.wrap(runner.backend, "prepare", "prepare")
     clock.wrap_forward(runner.model)
-    runner.sampler = _TimedCall(runner.sampler, clock, "sample")
+    clock.wrap(runner, "sampler", "sample")
 
 
 def measure_batch(model_path: str, args: argparse.Namespace, batch: int) -> dict[str, Any]:
