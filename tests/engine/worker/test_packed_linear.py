@@ -1,0 +1,33 @@
+"""PackedLinear (oneDNN-packed CPU weights) computes what nn.Linear computes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from engine.worker.models.llama import PackedLinear
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("bias", [False, True])
+def test_packed_linear_matches_linear(dtype: torch.dtype, bias: bool) -> None:
+    torch.manual_seed(0)
+    linear = nn.Linear(96, 160, bias=bias, dtype=dtype)
+    packed = PackedLinear(linear)
+    # One row (decode), a few rows, many rows, a 3-D batch and a non-contiguous view.
+    inputs = [
+        torch.randn(1, 96, dtype=dtype),
+        torch.randn(7, 96, dtype=dtype),
+        torch.randn(300, 96, dtype=dtype),
+        torch.randn(2, 5, 96, dtype=dtype),
+        torch.randn(9, 200, dtype=dtype)[:, 50:146],
+    ]
+    tol = {"atol": 1e-5, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 2e-2, "rtol": 2e-2}
+    with torch.no_grad():
+        for x in inputs:
+            got = packed(x)
+            assert got.shape == (*x.shape[:-1], 160)
+            assert got.dtype == dtype
+            torch.testing.assert_close(got, linear(x), **tol)
+    assert not list(packed.parameters()), "the packed weight must not be a Parameter"
