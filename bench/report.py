@@ -36,8 +36,26 @@ def machine_info(threads: int) -> dict[str, Any]:
         "python": platform.python_version(),
         "torch": torch.__version__,
         "transformers": transformers.__version__,
+        "cpu_flags": cpu_flags(),
         "load_avg_at_start": load_avg(),
     }
+
+
+SPEED_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_tile", "amx_bf16")
+"""The CPU features that decide which kernels oneDNN can use (bfloat16 units above all)."""
+
+
+def cpu_flags() -> str:
+    """Which of SPEED_FLAGS the CPU has, e.g. "avx2 avx512f avx512_bf16" ("" if unknown)."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    have = set(line.split(":", 1)[1].split())
+                    return " ".join(flag for flag in SPEED_FLAGS if flag in have)
+    except OSError:
+        pass
+    return ""
 
 
 def cuda_device(command: str) -> Any | None:
@@ -88,6 +106,7 @@ def print_header(title: str, model_path: str, info: dict[str, Any]) -> None:
         f"machine: {info['cpu']}, {info['cores']} cores, torch {info['torch']} "
         f"({info['torch_threads']} threads), transformers {info['transformers']}, load avg {load}"
     )
+    print(f"cpu flags: {info.get('cpu_flags') or 'unknown'}")
 
 
 # -- figures -----------------------------------------------------------------------------------

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import json
 import re
+import sys
 from pathlib import Path
 from types import ModuleType
 from typing import Any
 
 import pytest
 
-from bench import common, offline, prefix, step
+from bench import common, offline, peer, prefix, step
 
 
 def _run_quick(
@@ -64,3 +65,32 @@ def test_step_quick(
         assert abs(phases - ms["step"]) < 1e-6 * max(1.0, ms["step"])
         assert ms["forward"] > 0 and ms["schedule"] > 0 and ms["prepare"] > 0 and ms["sample"] > 0
         assert ms["host"] == ms["step"] - ms["forward"]
+
+
+def test_peer_quick(
+    tiny_llama_path: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """deja's side of `deja bench peer` (no vLLM here), with the bf16 agreement check."""
+    text, data = _run_quick(
+        peer, tiny_llama_path, tmp_path, capsys, "--dtype", "bfloat16", "--agreement", "2"
+    )
+    assert "cpu flags:" in text
+    for key, *_ in peer.COLUMNS:
+        assert data["deja"][key] > 0, key
+    agree = data["agreement"]
+    assert agree["tokens"] == 128
+    assert 0 <= agree["free_running"] <= 1 and 0 <= agree["teacher_forced"] <= 1
+    # The tiny random model's logits are nearly flat, so only the bounds are certain; on the demo
+    # model the teacher-forced agreement is ~98%.
+    assert re.search(r"teacher-forced \d+\.\d%", text), text
+
+
+def test_peer_without_vllm_says_so(tiny_llama_path: Path, tmp_path: Path) -> None:
+    """A --vllm-python whose environment lacks vLLM fails with a message, not a wrong table."""
+    args = common.parse_args(
+        peer.add_arguments,
+        ["--model", str(tiny_llama_path), "--quick", "--vllm-python", sys.executable],
+    )
+    job = peer.make_job(str(tiny_llama_path), args)
+    with pytest.raises(RuntimeError, match="vLLM's probe failed"):
+        peer.run_vllm(job, args)
