@@ -2,11 +2,16 @@
 
 Per layer: one `index_copy_` writes the new K/V by slot; then for each group of sequences, one
 indexing op gathers their K/V through the block tables into a padded [S, max_seq_len, Hkv, D]
-tensor and one masked `scaled_dot_product_attention` attends them all; one gather puts the rows
-back into the flat [T, Hq, D] layout. There are at most two groups: decode sequences (one new
-token) and prefill sequences (several), so a long prefill chunk does not pad every decode
-sequence to its length. The index tensors depend only on the metadata: they are built once per
-step (`prepare`) and reused by every layer.
+tensor and one attention call attends them all; one gather puts the rows back into the flat
+[T, Hq, D] layout. There are at most two groups: decode sequences (one new token) and prefill
+sequences (several), so a long prefill chunk does not pad every decode sequence to its length.
+The index tensors depend only on the metadata: they are built once per step (`prepare`) and
+reused by every layer.
+
+The attention call per group: a masked `scaled_dot_product_attention`; plain causal SDPA (no
+mask) when every sequence of the group is new and of one length (a cold prompt); and on the CPU
+in 16 bits, from EAGER_DECODE_MIN_SEQS decoding sequences, two batched matmuls around a float32
+softmax, which the CPU runs faster than SDPA's flash kernel does at one query per sequence.
 """
 
 from __future__ import annotations
@@ -31,11 +36,14 @@ class _SeqGroup:
     query_index: torch.Tensor
     """[Sg, Q] int64: flat token of query j of each sequence (padding queries clamped)."""
     mask: torch.Tensor
-    """[Sg, Q, L] bool: key p is visible to query j."""
+    """[Sg, Q, L] bool: key p is visible to query j (empty for a causal group)."""
     all_visible: bool
     """Every query sees every key (e.g. one decoding sequence): SDPA runs without a mask."""
     query_identity: bool
     """query_index is arange(T) (the group is the whole batch, Q queries each): no gather."""
+    causal: bool
+    """Every sequence has Q new tokens and no context (Q == L): plain causal attention, which
+    SDPA runs without a mask and skipping the hidden half (1.3-1.6x faster from ~768 tokens)."""
     block_index_by_block_size: dict[int, torch.Tensor] = field(default_factory=dict)
     """block_size -> [Sg * C] int64: the first C = ceil(L / BS) block ids of each sequence."""
     masks_by_group: dict[int, torch.Tensor] = field(default_factory=dict)
@@ -150,6 +158,8 @@ def _attend(
     g = num_q_heads // num_kv_heads
     num_seqs, max_q = group.query_index.shape
     max_len = group.key_pos.shape[0]
+    eager = max_q == 1 and num_seqs >= EAGER_DECODE_MIN_SEQS and q.dtype in _EAGER_DTYPES
+    eager = eager and q.device.type == "cpu"
     # Gather whole blocks (contiguous BS * Hkv * D runs), not single slots: one index_select
     # per K and V. [Sg * C, BS, Hkv, D] -> [Sg, C * BS, Hkv, D] -> first L positions.
     idx = group.block_index(block_size)
@@ -165,20 +175,52 @@ def _attend(
     queries = (
         q.view(num_seqs, max_q, *q.shape[1:]) if group.query_identity else q[group.query_index]
     )
+    if group.causal:
+        out = F.scaled_dot_product_attention(
+            queries.transpose(1, 2), k, v, is_causal=True, scale=scale, enable_gqa=True
+        )  # [Sg, Hq, Q, D]
+        return out.transpose(1, 2).reshape(num_seqs * max_q, num_q_heads, head_dim)
     # fold the G query heads of each KV head into the query axis: [Sg, Hkv, G * Q, D]
     queries = (
         queries.view(num_seqs, max_q, num_kv_heads, g, head_dim)
         .permute(0, 2, 3, 1, 4)
         .reshape(num_seqs, num_kv_heads, g * max_q, head_dim)
     )
-    out = F.scaled_dot_product_attention(
-        queries, k, v, attn_mask=group.group_mask(g, queries.dtype), scale=scale
-    )  # [Sg, Hkv, G * Q, D]
+    mask = group.group_mask(g, queries.dtype)
+    if eager:
+        out = _eager_attention(queries, k, v, mask, scale)
+    else:
+        out = F.scaled_dot_product_attention(
+            queries, k, v, attn_mask=mask, scale=scale
+        )  # [Sg, Hkv, G * Q, D]
     return (
         out.view(num_seqs, num_kv_heads, g, max_q, head_dim)
         .permute(0, 3, 1, 2, 4)
         .reshape(num_seqs * max_q, num_q_heads, head_dim)
     )
+
+
+EAGER_DECODE_MIN_SEQS = 8
+"""From this many decoding sequences on, 16-bit decode attention on the CPU runs as two batched
+matmuls around a float32 softmax (`_eager_attention`): SDPA's CPU flash kernel, parallel over
+(sequence, KV head, query block), has one short block per KV head here and ran 2.2-2.4x slower
+(16 x 300 keys: 0.25 vs 0.14 ms per layer; 48 x 640: 1.6 vs 0.7 ms)."""
+_EAGER_DTYPES = (torch.bfloat16, torch.float16)
+
+
+def _eager_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float
+) -> torch.Tensor:
+    """q: [S, Hkv, G, D], k/v: [S, Hkv, L, D], mask: [S, 1, G, L] additive -> [S, Hkv, G, D].
+
+    NOTE: transformers' eager attention, step for step: scores in the 16-bit dtype, softmax in
+    float32, cast back, then the product with V.
+    """
+    scores = torch.matmul(q, k.transpose(-1, -2)).float() * scale  # [S, Hkv, G, L]
+    if mask is not None:
+        scores = scores + mask
+    probs = torch.softmax(scores, dim=-1).to(q.dtype)
+    return torch.matmul(probs, v)
 
 
 def _meta_tensors(meta: AttentionMetadata) -> tuple[torch.Tensor, ...]:
@@ -216,10 +258,14 @@ def _build_group(
     # Query j of a sequence sits at position context_len + j; it sees keys p <= that position
     # and p < seq_len. Padding queries (j >= query_len) see all of the sequence's keys, so no row
     # is fully masked (which would give NaN).
-    query_abs = contexts[:, None] + q_pos[None, :]  # [Sg, Q]
-    mask = (key_pos[None, None, :] <= query_abs[:, :, None]) & (
-        key_pos[None, None, :] < lens[:, None, None]
-    )  # [Sg, Q, L]
+    causal = max_q > 1 and all(q == max_q for q in query_lens) and int(contexts.max()) == 0
+    if causal:
+        mask = np.zeros((0, 0, 0), dtype=bool)  # SDPA's is_causal does the masking
+    else:
+        query_abs = contexts[:, None] + q_pos[None, :]  # [Sg, Q]
+        mask = (key_pos[None, None, :] <= query_abs[:, :, None]) & (
+            key_pos[None, None, :] < lens[:, None, None]
+        )  # [Sg, Q, L]
     # NOTE: the host already knows both facts; no device sync.
     all_visible = all(q == 1 for q in query_lens) and min(seq_lens) == max_len
     query_identity = (
@@ -234,6 +280,7 @@ def _build_group(
         torch.from_numpy(mask).to(device),
         all_visible,
         query_identity,
+        causal,
     )
 
 

@@ -75,6 +75,11 @@ CASES = {
     "decode": ([10, 33, 64, 0, 5], [1, 1, 1, 1, 1], 0),
     "prefill": ([0, 0], [40, 7], 0),
     "decode_padded": ([9, 30], [1, 1], 2),
+    # equal query lengths and no context: SDPA's is_causal path, no mask
+    "prefill_causal": ([0, 0], [24, 24], 0),
+    "prefill_one": ([0], [40], 2),
+    # enough decoding sequences for the eager (matmul) path in 16 bits
+    "decode_many": ([10, 33, 64, 0, 5, 17, 2, 40, 21], [1] * 9, 1),
 }
 
 
@@ -113,6 +118,46 @@ def test_torch_backend_matches_reference(
     # every non-padding slot written, nothing else touched
     assert torch.equal(got_cache, want_cache)
     assert torch.equal(q, q_in) and torch.equal(k, k_in) and torch.equal(v, v_in)
+
+
+@pytest.mark.parametrize("case", ["decode_many", "prefill_causal", "mixed"])
+def test_torch_backend_16bit(case: str) -> None:
+    """bfloat16 through the paths chosen for 16 bits on the CPU (eager decode from
+    EAGER_DECODE_MIN_SEQS sequences, is_causal prefill) against the float32 reference on the same
+    rounded inputs."""
+    from engine.worker.attention.torch_ref import EAGER_DECODE_MIN_SEQS
+
+    context_lens, query_lens, padding = CASES[case]
+    if case == "decode_many":
+        assert len(query_lens) >= EAGER_DECODE_MIN_SEQS
+    rng = random.Random(f"bf16-{case}")
+    gen = torch.Generator().manual_seed(rng.randrange(1 << 30))
+    seq_lens = [c + q for c, q in zip(context_lens, query_lens, strict=True)]
+    tables, num_blocks = _random_tables(rng, seq_lens, 16)
+    meta, _ = make_attention_metadata(context_lens, query_lens, tables, 16, padding)
+    num_tokens = sum(query_lens) + padding
+    q, k, v = (
+        torch.randn(num_tokens, heads, HEAD_DIM, generator=gen).to(torch.bfloat16)
+        for heads in (4, 2, 2)
+    )
+    cache = torch.randn(2, num_blocks, 16, 2, HEAD_DIM, generator=gen).to(torch.bfloat16)
+    scale = HEAD_DIM**-0.5
+    want, _ = _reference(
+        q.float(),
+        k.float(),
+        v.float(),
+        cache.float(),
+        context_lens,
+        query_lens,
+        tables,
+        meta.slot_mapping.tolist(),
+        scale,
+    )
+    got = TorchAttentionBackend().forward(q, k, v, cache, meta, scale)
+    real = sum(query_lens)
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got[:real].float(), want[:real], atol=3e-2, rtol=3e-2)
+    assert torch.equal(got[real:], torch.zeros_like(got[real:]))
 
 
 def test_prepare_is_optional_and_plans_are_not_stale() -> None:
