@@ -23,11 +23,11 @@ def test_packed_linear_matches_linear(dtype: torch.dtype, bias: bool) -> None:
         torch.randn(2, 5, 96, dtype=dtype),
         torch.randn(9, 200, dtype=dtype)[:, 50:146],
     ]
-    tol = {"atol": 1e-5, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 2e-2, "rtol": 2e-2}
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
     with torch.no_grad():
         for x in inputs:
             got = packed(x)
             assert got.shape == (*x.shape[:-1], 160)
             assert got.dtype == dtype
-            torch.testing.assert_close(got, linear(x), **tol)
+            torch.testing.assert_close(got, linear(x), atol=tol, rtol=tol)
     assert not list(packed.parameters()), "the packed weight must not be a Parameter"
