@@ -47,15 +47,10 @@ SPEED_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_tile", "amx
 
 def cpu_flags() -> str:
     """Which of SPEED_FLAGS the CPU has, e.g. "avx2 avx512f avx512_bf16" ("" if unknown)."""
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    have = set(line.split(":", 1)[1].split())
-                    return " ".join(flag for flag in SPEED_FLAGS if flag in have)
-    except OSError:
-        pass
-    return ""
+    from engine.worker.cpu_features import cpu_flags as all_flags
+
+    have = all_flags()
+    return " ".join(flag for flag in SPEED_FLAGS if flag in have)
 
 
 def cuda_device(command: str) -> Any | None:

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-DTYPES = ("float32", "float16", "bfloat16")
+DTYPES = ("auto", "float32", "float16", "bfloat16")
 DEVICES = ("auto", "cpu", "cuda")
 ATTENTION_BACKENDS = ("auto", "torch", "cupy")
 PREEMPTION_MODES = ("recompute", "swap")
@@ -36,7 +36,9 @@ class ModelConfig:
     path: str
     """Local Hugging Face checkpoint folder (config.json + safetensors + tokenizer files)."""
     dtype: str = "float32"
-    """Compute and KV-cache dtype: float32, float16 or bfloat16."""
+    """Compute and KV-cache dtype: float32, float16, bfloat16, or auto (bfloat16 on a GPU and on
+    a CPU with bf16 units, avx512_bf16 or AMX; float32 elsewhere). The library's default is
+    float32, exact against transformers' own default; `deja serve` defaults to auto."""
     max_model_len: int | None = None
     """Longest prompt + output in tokens; None takes the checkpoint's max_position_embeddings."""
     model_id: str | None = None

@@ -8,6 +8,9 @@ from pathlib import Path
 
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["TRANSFORMERS_OFFLINE"] = "1"
+# `deja serve` defaults to --dtype auto (bfloat16 on CPUs with bf16 units); the servers the tests
+# start compute in float32 on every CI machine, so their outputs do not depend on its CPU.
+os.environ.setdefault("DEJA_DTYPE", "float32")
 
 # Makes `tests.tiny_models` importable without a `pythonpath` pytest setting.
 _ROOT = str(Path(__file__).resolve().parents[1])

@@ -17,6 +17,7 @@ import itertools
 import os
 import time
 from concurrent.futures import FIRST_COMPLETED, Future, wait
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -43,6 +44,7 @@ from engine.sample.sampler import Sampler
 from engine.sample.structured.compiler import GrammarCompilerPool
 from engine.stats import EngineStats, ModelInfo, TierStats
 from engine.worker.attention import get_attention_backend
+from engine.worker.cpu_features import resolve_dtype
 from engine.worker.model_loader import (
     eos_token_ids,
     kv_dims,
@@ -68,10 +70,13 @@ class EngineCore:
     """One engine: loads the model and its KV cache, queues requests, steps."""
 
     def __init__(self, config: EngineConfig) -> None:
-        mc = config.model
         if config.num_threads is not None:
             torch.set_num_threads(config.num_threads)
         self.device = resolve_device(config.device)
+        # 'auto' dtype decided once, here, for the device found: everything below sees it.
+        dtype = resolve_dtype(config.model.dtype, self.device.type)
+        config = replace(config, model=replace(config.model, dtype=dtype))
+        mc = config.model
         self.dtype = _DTYPES[mc.dtype]
         hf_config = read_hf_config(mc.path)
         max_pos = int(getattr(hf_config, "max_position_embeddings", 2048))

@@ -110,7 +110,14 @@ def add_engine_args(parser: argparse.ArgumentParser) -> list[argparse.Action]:
         ),
         add_flag(g, "--cache-dir", default=DEFAULT_CACHE_DIR, help="Where converted models live."),
         add_flag(g, "--model-id", help="Model identity in cache hashes and the API (folder name)."),
-        add_flag(g, "--dtype", default="float32", choices=DTYPES, help="Compute and KV dtype."),
+        add_flag(
+            g,
+            "--dtype",
+            default="auto",
+            choices=DTYPES,
+            help="Compute and KV dtype; auto: bfloat16 on a GPU or a CPU with bf16 units "
+            "(avx512_bf16, AMX), else float32.",
+        ),
         add_flag(g, "--device", default="auto", choices=DEVICES, help="auto: cuda when present."),
         add_flag(g, "--attention-backend", default="auto", choices=ATTENTION_BACKENDS),
         add_flag(

@@ -1,0 +1,39 @@
+"""What the host CPU can do, for choices made once at start-up (the default dtype).
+
+Read from /proc/cpuinfo (Linux); elsewhere nothing is known and the choices fall back to the
+safe side (float32).
+"""
+
+from __future__ import annotations
+
+from functools import cache
+
+BF16_FLAGS = ("avx512_bf16", "amx_bf16")
+"""CPU flags of bfloat16 arithmetic units that oneDNN's bf16 kernels use (AVX-512 BF16, AMX)."""
+
+
+@cache
+def cpu_flags() -> frozenset[str]:
+    """The CPU's feature flags (empty where /proc/cpuinfo cannot be read)."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return frozenset(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return frozenset()
+
+
+def has_bf16_units() -> bool:
+    """The CPU computes in bfloat16 natively (without it, bf16 is emulated and slower than fp32)."""
+    return any(flag in cpu_flags() for flag in BF16_FLAGS)
+
+
+def resolve_dtype(name: str, device_type: str) -> str:
+    """'auto' -> bfloat16 on a GPU and on a CPU with bf16 units, else float32; others as given."""
+    if name != "auto":
+        return name
+    if device_type == "cuda" or has_bf16_units():
+        return "bfloat16"
+    return "float32"
