@@ -290,6 +290,7 @@ async def measure(
     }
     try:
         one = await one_user(backends, prompts[1:], prompts[0], args.new_tokens)
+        print_one_user(one)
         load = {}
         for i, level in enumerate(levels):
             spec = DatasetSpec(
@@ -298,6 +299,8 @@ async def measure(
             )  # fmt: skip
             workload = Workload.build(spec, *vocab)
             load[level] = await load_level(backends, workload, level, args.load_rounds, spec.seed)
+            tok_s = {name: f"{pooled_throughput(runs):.1f}" for name, runs in load[level].items()}
+            print(f"concurrency {level} done: output tok/s {tok_s}", file=sys.stderr, flush=True)
         return one, load
     finally:
         await deja.close()
@@ -338,13 +341,8 @@ def run(args: argparse.Namespace, replica_argv: Callable[[str, int], list[str]])
     return _report(args, info, model_path, one, load)
 
 
-def _report(
-    args: argparse.Namespace,
-    info: dict[str, Any],
-    model_path: str,
-    one: dict[str, list[Record]],
-    load: dict[int, dict[str, list[dict[str, Any]]]],
-) -> int:
+def print_one_user(one: dict[str, list[Record]]) -> None:
+    """The one-user table (printed as soon as it is measured; the load takes longer)."""
     rows = []
     for name in PATHS:
         ttft = [1e3 * (r.ttft_s or 0.0) for r in one[name]]
@@ -354,6 +352,16 @@ def _report(
     report.print_table(
         ["path", "TTFT ms (p50)", "decode tok/s (p50)", "decode tok/s per run"], rows
     )
+    sys.stdout.flush()
+
+
+def _report(
+    args: argparse.Namespace,
+    info: dict[str, Any],
+    model_path: str,
+    one: dict[str, list[Record]],
+    load: dict[int, dict[str, list[dict[str, Any]]]],
+) -> int:
     checks = one_user_checks(one)
     load_rows = []
     for level, runs in load.items():
