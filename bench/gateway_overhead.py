@@ -252,9 +252,10 @@ async def load_level(
     backends: dict[str, Any], workload: Workload, concurrency: int, rounds: int, seed: int
 ) -> dict[str, list[dict[str, Any]]]:
     """The workload through each path at `concurrency`, `rounds` times, alternating (the order
-    flips each round); each run is summarized like `deja bench serve`'s."""
+    flips each round), each after `concurrency` unmeasured requests (a full batch warms the
+    engine at that size); each run is summarized like `deja bench serve`'s."""
     flags = argparse.Namespace(
-        max_concurrency=concurrency, warmup_requests=2, request_rate=math.inf,
+        max_concurrency=concurrency, warmup_requests=concurrency, request_rate=math.inf,
         dataset_seed=seed, progress=False,
     )  # fmt: skip
     want = workload.sessions[0].output_len
