@@ -17,6 +17,9 @@ system gets one unmeasured warm-up request; the table shows medians over --repea
 offline TTFT <= 10 ms.
 
     deja bench latency [--model demo] [--repeats 3] [--json out.json]
+
+With --gateway it measures another pair instead: the SMG gateway in front of a replica vs that
+same replica's deja.v1, one user and under load (bench/gateway_overhead.py, issue 25).
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from bench import common, report
+from bench import common, gateway_overhead, report
 
 TARGET_DECODE_VS_OFFLINE = 0.95
 TARGET_DECODE_VS_TRANSFORMERS = 1.2
@@ -58,6 +61,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--strict", action="store_true", help="exit 1 when a target is missed (default: report)"
     )
+    gateway_overhead.add_arguments(parser)
 
 
 @dataclass(slots=True)
@@ -317,6 +321,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
+    if args.gateway:
+        return gateway_overhead.run(args, lambda model, port: serve_command(model, args, port))
     vars(args).update(common.resolve_workload(args, FULL, QUICK))
     if args.new_tokens < 2 or args.repeats < 1 or args.prompt_len < 1:
         print("deja bench latency: needs --new-tokens >= 2, --repeats >= 1", file=sys.stderr)

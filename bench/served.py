@@ -12,7 +12,7 @@ import argparse
 import dataclasses
 import math
 import shlex
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -29,6 +29,9 @@ from bench.workload import (
 from clients.client import AsyncDejaClient
 from service.common.flags import add_bool_flag, add_flag, to_argv
 from service.common.ports import free_port
+
+MessagesOf = Callable[[list[int]], list[dict[str, str]]]
+"""Chat messages made of a workload's token-id prompt (the same messages for every path)."""
 
 VARIANTS = {"cache-on": ["--prefix-caching"], "cache-off": ["--no-prefix-caching"]}
 """Replicas `deja bench serve --spawn-servers` starts: `deja serve` flags by name."""
@@ -73,14 +76,23 @@ def dataset_spec(args: argparse.Namespace) -> DatasetSpec:
 
 # -- the runner --------------------------------------------------------------------------------
 class GrpcBackend:
-    def __init__(self, client: AsyncDejaClient) -> None:
+    """deja.v1 Generate with the prompt's token ids, or with the chat messages `messages_of`
+    makes of them (the replica then applies the chat template and tokenizes)."""
+
+    def __init__(self, client: AsyncDejaClient, messages_of: MessagesOf | None = None) -> None:
         self.client = client
+        self.messages_of = messages_of
 
     async def stream(
         self, prompt: list[int], output_len: int, session_id: str
     ) -> AsyncIterator[tuple[list[int], int | None]]:
+        given: dict[str, Any] = (
+            {"prompt": prompt}
+            if self.messages_of is None
+            else {"messages": self.messages_of(prompt)}
+        )
         async for msg in self.client.generate(
-            prompt,
+            **given,
             max_tokens=output_len,
             temperature=0.0,
             ignore_eos=True,

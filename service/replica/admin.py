@@ -64,12 +64,7 @@ class AdminRpcs(ServicerBase):
     ) -> pb.AbortResponse:
         tenant = await self._check_request(request, context)
         assert isinstance(request, pb.AbortRequest)
-        aborted = []
-        for rid in request.request_ids:
-            engine_id = rid if tenant is None else f"{tenant}/{rid}"
-            if engine_id in self.streams and self._engine.abort(engine_id):
-                aborted.append(rid)
-        return pb.AbortResponse(aborted=aborted)
+        return pb.AbortResponse(aborted=self.abort_own(tenant, request.request_ids))
 
     async def SubscribeKvEvents(
         self, request: pb.SubscribeKvEventsRequest | BadMessage, context: grpc.aio.ServicerContext

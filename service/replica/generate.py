@@ -18,6 +18,7 @@ from collections.abc import AsyncGenerator, AsyncIterator
 import grpc
 
 from engine.outputs import RequestOutput
+from engine.sample.sampling_params import SamplingParams
 from service.api.deja.v1 import inference_pb2 as pb
 from service.common.auth import derive_cache_salt
 from service.common.tracing import end_request_span, extract_context, start_request_span
@@ -32,9 +33,21 @@ class GenerateRpc(ServicerBase):
     async def Generate(
         self, request: pb.GenerateRequest | BadMessage, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.GenerateResponse]:
+        async with contextlib.aclosing(self.generate_stream(request, context)) as stream:
+            async for resp in stream:
+                yield resp
+
+    async def generate_stream(
+        self,
+        request: pb.GenerateRequest | BadMessage,
+        context: grpc.aio.ServicerContext,
+        params: SamplingParams | None = None,
+    ) -> AsyncGenerator[pb.GenerateResponse, None]:
+        """Generate's messages; `params` (what another front door mapped itself, e.g. the
+        VllmEngine servicer) replaces the request's `sampling` when given."""
         tenant = await self._admit(request, context)
         assert isinstance(request, pb.GenerateRequest)
-        rec = await self._open(request, context, tenant)
+        rec = await self._open(request, context, tenant, params)
         try:
             async with contextlib.aclosing(self._relay(rec)) as relay:
                 async for resp in relay:
@@ -83,13 +96,18 @@ class GenerateRpc(ServicerBase):
         return tenant
 
     async def _open(
-        self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext, tenant: str | None
+        self,
+        request: pb.GenerateRequest,
+        context: grpc.aio.ServicerContext,
+        tenant: str | None,
+        params: SamplingParams | None = None,
     ) -> StreamRecord:
         """Maps the request to engine types, registers the stream and starts its span and its
         engine request (which runs once the record's outputs are read)."""
         try:
             inp = convert.engine_input(request)
-            params = convert.sampling_params(request)
+            if params is None:
+                params = convert.sampling_params(request)
         except ValueError as e:
             await self._abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(e), "invalid_argument")
         client_id = request.request_id or uuid.uuid4().hex

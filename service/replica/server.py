@@ -39,6 +39,12 @@ from service.replica.config import ServiceConfig
 from service.replica.generate import GenerateRpc
 from service.replica.metrics import ServiceMetrics
 from service.replica.servicer_base import BadMessage, Engine
+from service.replica.vllm_servicer import (
+    VLLM_SERVICE_NAME,
+    VllmEngineServicer,
+    add_vllm_servicer,
+    tokenizer_dir,
+)
 
 log = logging.getLogger(__name__)
 
@@ -171,8 +177,9 @@ async def serve(
         tracer_provider=tracer_provider,
     )
     add_inference_servicer(servicer, server)
+    add_vllm_servicer(VllmEngineServicer(servicer, tokenizer_dir(engine)), server)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    names = [SERVICE_NAME, health.SERVICE_NAME]
+    names = [SERVICE_NAME, VLLM_SERVICE_NAME, health.SERVICE_NAME]
     if config.reflection:
         names.append(reflection.SERVICE_NAME)
         reflection.enable_server_reflection(names, server)

@@ -5,8 +5,8 @@ auth, draining) with their status codes."""
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator, Callable
-from typing import NoReturn, Protocol
+from collections.abc import AsyncIterator, Callable, Iterable
+from typing import Any, NoReturn, Protocol
 
 import grpc
 from google.protobuf.message import Message
@@ -36,6 +36,11 @@ class Engine(Protocol):
 
     @property
     def model_info(self) -> ModelInfo: ...
+
+    @property
+    def tokenizer(self) -> Any:
+        """The model's Hugging Face tokenizer (its `name_or_path` is the checkpoint folder)."""
+        ...
 
     def generate(
         self,
@@ -111,6 +116,15 @@ class ServicerBase:
     @property
     def num_queued(self) -> int:
         return sum(1 for s in self.streams.values() if s.queued)
+
+    def abort_own(self, tenant: str | None, request_ids: Iterable[str]) -> list[str]:
+        """Aborts those of `request_ids` that the tenant has running; returns them."""
+        aborted = []
+        for rid in request_ids:
+            engine_id = rid if tenant is None else f"{tenant}/{rid}"
+            if engine_id in self.streams and self._engine.abort(engine_id):
+                aborted.append(rid)
+        return aborted
 
     async def _abort(
         self,

@@ -1,5 +1,6 @@
 """`deja bench latency --quick` end to end on the tiny random Llama: a real `deja serve`
-subprocess, the offline engine and transformers, one after another."""
+subprocess, the offline engine and transformers, one after another; with --gateway, the real
+`smg` binary (`deja gateway`) in front of a real replica against that replica's deja.v1."""
 
 from __future__ import annotations
 
@@ -57,3 +58,34 @@ def test_checks_against_the_targets() -> None:
     slow = {c.name: c for c in checks(system(0.120, 2.0), offline, hf)}
     assert not any(c.ok for c in slow.values())
     assert slow["served TTFT - offline TTFT (ms)"].value == pytest.approx(20.0)
+
+
+def test_latency_gateway_quick(
+    tiny_llama_path: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out_json = tmp_path / "gateway.json"
+    argv = ["--model", str(tiny_llama_path), "--quick", "--num-device-blocks", "256", "--gateway"]
+    args = common.parse_args(latency.add_arguments, [*argv, "--json", str(out_json)])
+    assert latency.run(args) == 0
+    text = capsys.readouterr().out
+    for name in ("deja.v1 (gRPC)", "SMG (OpenAI HTTP)"):
+        assert re.search(rf"^{re.escape(name)}\s+\d+\.\d\d\s+\d+\.\d\d\s", text, re.M), text
+    for level in (8, 32):
+        assert re.search(rf"^{level}\s+\d+\.\d\d\s+\d+\.\d\d\s+\d+\.\d\d", text, re.M), text
+    bounds = [
+        r"SMG / deja.v1 decode tok/s: \d+\.\d\d \(bound >= 0.95\)",
+        r"SMG TTFT - deja.v1 TTFT \(ms\): -?\d+\.\d\d \(bound <= 10.0\)",
+        r"SMG / deja.v1 output tok/s at concurrency 8: \d+\.\d\d \(bound >= 0.95\)",
+        r"SMG / deja.v1 output tok/s at concurrency 32: \d+\.\d\d \(bound >= 0.95\)",
+    ]
+    for line in bounds:
+        assert re.search(rf"^{line} (MET|NOT MET)$", text, re.M), text
+    data = json.loads(out_json.read_text())
+    for path in data["one_user"].values():
+        assert path["output_tokens"] == [8, 8]  # EOS ignored on both paths
+        assert min(path["ttft_ms"]) > 0 and min(path["decode_tok_s"]) > 0
+    for level, runs in data["load"].items():
+        for path_runs in runs.values():
+            (run,) = path_runs  # one round with --quick
+            assert run["failed"] == 0 and run["requests"] == int(level)
+            assert run["output_tokens"] == 8 * int(level) and run["output_throughput"] > 0

@@ -1,0 +1,1 @@
+"""`deja gateway`: the SMG gateway (OpenAI HTTP) in front of deja replicas."""
