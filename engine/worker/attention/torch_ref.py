@@ -8,10 +8,11 @@ sequences (several), so a long prefill chunk does not pad every decode sequence 
 The index tensors depend only on the metadata: they are built once per step (`prepare`) and
 reused by every layer.
 
-The attention call per group: a masked `scaled_dot_product_attention`; plain causal SDPA (no
-mask) when every sequence of the group is new and of one length (a cold prompt); and on the CPU
-in 16 bits, from EAGER_DECODE_MIN_SEQS decoding sequences, two batched matmuls around a float32
-softmax, which the CPU runs faster than SDPA's flash kernel does at one query per sequence.
+The attention call per group: a masked `scaled_dot_product_attention`, or plain causal SDPA (no
+mask) when every sequence of the group is new and of one length (a cold prompt).
+NOTE: two batched matmuls around a float32 softmax (transformers' eager attention) ran the
+decode group 2.2x faster than SDPA's flash kernel in isolation on the CPU in bf16, but made the
+whole offline workload ~25% slower (alternated runs); SDPA stays.
 """
 
 from __future__ import annotations
@@ -158,8 +159,6 @@ def _attend(
     g = num_q_heads // num_kv_heads
     num_seqs, max_q = group.query_index.shape
     max_len = group.key_pos.shape[0]
-    eager = max_q == 1 and num_seqs >= EAGER_DECODE_MIN_SEQS and q.dtype in _EAGER_DTYPES
-    eager = eager and q.device.type == "cpu"
     # Gather whole blocks (contiguous BS * Hkv * D runs), not single slots: one index_select
     # per K and V. [Sg * C, BS, Hkv, D] -> [Sg, C * BS, Hkv, D] -> first L positions.
     idx = group.block_index(block_size)
@@ -186,41 +185,14 @@ def _attend(
         .permute(0, 2, 3, 1, 4)
         .reshape(num_seqs, num_kv_heads, g * max_q, head_dim)
     )
-    mask = group.group_mask(g, queries.dtype)
-    if eager:
-        out = _eager_attention(queries, k, v, mask, scale)
-    else:
-        out = F.scaled_dot_product_attention(
-            queries, k, v, attn_mask=mask, scale=scale
-        )  # [Sg, Hkv, G * Q, D]
+    out = F.scaled_dot_product_attention(
+        queries, k, v, attn_mask=group.group_mask(g, queries.dtype), scale=scale
+    )  # [Sg, Hkv, G * Q, D]
     return (
         out.view(num_seqs, num_kv_heads, g, max_q, head_dim)
         .permute(0, 3, 1, 2, 4)
         .reshape(num_seqs * max_q, num_q_heads, head_dim)
     )
-
-
-EAGER_DECODE_MIN_SEQS = 8
-"""From this many decoding sequences on, 16-bit decode attention on the CPU runs as two batched
-matmuls around a float32 softmax (`_eager_attention`): SDPA's CPU flash kernel, parallel over
-(sequence, KV head, query block), has one short block per KV head here and ran 2.2-2.4x slower
-(16 x 300 keys: 0.25 vs 0.14 ms per layer; 48 x 640: 1.6 vs 0.7 ms)."""
-_EAGER_DTYPES = (torch.bfloat16, torch.float16)
-
-
-def _eager_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float
-) -> torch.Tensor:
-    """q: [S, Hkv, G, D], k/v: [S, Hkv, L, D], mask: [S, 1, G, L] additive -> [S, Hkv, G, D].
-
-    NOTE: transformers' eager attention, step for step: scores in the 16-bit dtype, softmax in
-    float32, cast back, then the product with V.
-    """
-    scores = torch.matmul(q, k.transpose(-1, -2)).float() * scale  # [S, Hkv, G, L]
-    if mask is not None:
-        scores = scores + mask
-    probs = torch.softmax(scores, dim=-1).to(q.dtype)
-    return torch.matmul(probs, v)
 
 
 def _meta_tensors(meta: AttentionMetadata) -> tuple[torch.Tensor, ...]:
