@@ -3,8 +3,10 @@
 Per layer: one `index_copy_` writes the new K/V by slot; then for each group of sequences, one
 indexing op gathers their K/V through the block tables into a padded [S, max_seq_len, Hkv, D]
 tensor and one attention call attends them all; one gather puts the rows back into the flat
-[T, Hq, D] layout. There are at most two groups: decode sequences (one new token) and prefill
-sequences (several), so a long prefill chunk does not pad every decode sequence to its length.
+[T, Hq, D] layout. Decode sequences (one new token) and prefill sequences (several) never share
+a group, so a long prefill chunk does not pad every decode sequence to its length; and each kind
+is split into up to MAX_GROUPS groups of similar length where that saves padded work
+(`_length_buckets`).
 The index tensors depend only on the metadata: they are built once per step (`prepare`) and
 reused by every layer.
 
@@ -17,6 +19,7 @@ whole offline workload ~25% slower (alternated runs); SDPA stays.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -216,7 +219,7 @@ def _build_group(
     seq_lens = [meta.seq_lens_cpu[i] for i in seqs]
     max_q = max(max(query_lens), 1)
     max_len = max(max(seq_lens), 1)
-    if len(seqs) == meta.num_seqs:
+    if seqs == list(range(meta.num_seqs)):
         block_tables = meta.block_tables.to(torch.int64)
     else:
         seq_index = torch.tensor(seqs, dtype=torch.int64, device=device)
@@ -256,6 +259,51 @@ def _build_group(
     )
 
 
+MAX_GROUPS = 4
+"""Decoding sequences, and prefilling ones, are each attended in at most this many groups."""
+SPLIT_COST = 32768
+"""What one more SDPA call costs, in (query x padded key) pairs per KV head: a split must save
+more (~50 us of a CPU call's overhead at this model size)."""
+
+
+def _length_buckets(seqs: list[int], query_lens: list[int], seq_lens: list[int]) -> list[list[int]]:
+    """Splits sequences into groups of similar length; one group, in batch order, when that is
+    best.
+
+    NOTE: a group's SDPA costs about sequences x longest query x longest sequence: every
+    sequence is padded to the group's longest. Sorted by length, a group is split where that
+    cuts the padded work by more than SPLIT_COST, greedily, into at most MAX_GROUPS groups. A
+    prefill chunk of several new prompts of 32-512 tokens did ~3x the attention work it needed
+    in one padded group.
+    """
+    if len(seqs) < 2:
+        return [seqs]
+    order = sorted(seqs, key=lambda i: (seq_lens[i], query_lens[i]))
+    lens = np.asarray([seq_lens[i] for i in order], dtype=np.int64)  # ascending
+    qlens = np.asarray([query_lens[i] for i in order], dtype=np.int64)
+    bounds = [0, len(order)]
+    while len(bounds) - 1 < MAX_GROUPS:
+        best_gain, best_cut = 0, 0
+        for lo, hi in itertools.pairwise(bounds):
+            if hi - lo < 2:
+                continue
+            q = qlens[lo:hi]
+            left_q = np.maximum.accumulate(q)[:-1]  # longest query of [lo, cut)
+            right_q = np.maximum.accumulate(q[::-1])[::-1][1:]  # ... of [cut, hi)
+            cuts = np.arange(lo + 1, hi)  # the new group starts at each cut
+            split = (cuts - lo) * left_q * lens[cuts - 1] + (hi - cuts) * right_q * lens[hi - 1]
+            gain = (hi - lo) * int(q.max()) * int(lens[hi - 1]) - split
+            k = int(gain.argmax())
+            if gain[k] > best_gain:
+                best_gain, best_cut = int(gain[k]), int(cuts[k])
+        if best_gain <= SPLIT_COST:
+            break
+        bounds = sorted([*bounds, best_cut])
+    if len(bounds) == 2:
+        return [seqs]
+    return [order[lo:hi] for lo, hi in itertools.pairwise(bounds)]
+
+
 def _build_plan(meta: AttentionMetadata) -> _StepPlan:
     device = meta.slot_mapping.device
     slot_mapping = meta.slot_mapping.to(torch.int64)
@@ -274,26 +322,32 @@ def _build_plan(meta: AttentionMetadata) -> _StepPlan:
     starts = [0]
     for n in query_lens:
         starts.append(starts[-1] + n)
-    decode = [i for i, n in enumerate(query_lens) if n == 1]
-    prefill = [i for i, n in enumerate(query_lens) if n != 1]
-    groups = [_build_group(meta, seqs, starts, num_tokens) for seqs in (decode, prefill) if seqs]
+    decode_groups = _length_buckets(
+        [i for i, n in enumerate(query_lens) if n == 1], query_lens, meta.seq_lens_cpu
+    )
+    prefill_groups = _length_buckets(
+        [i for i, n in enumerate(query_lens) if n != 1], query_lens, meta.seq_lens_cpu
+    )
+    group_seqs = [seqs for seqs in (*decode_groups, *prefill_groups) if seqs]
+    groups = [_build_group(meta, seqs, starts, num_tokens) for seqs in group_seqs]
 
-    # row_base[i]: row of sequence i's first query in the concatenated group outputs.
+    # row_base[i]: row of sequence i's first query in the concatenated group outputs, where
+    # each group holds Sg x Qg rows (its sequences, each padded to its longest query).
     row_base = [0] * len(query_lens)
-    for rank, i in enumerate(decode):
-        row_base[i] = rank
-    prefill_q = max((query_lens[i] for i in prefill), default=1)
-    for rank, i in enumerate(prefill):
-        row_base[i] = len(decode) + rank * prefill_q
+    total_rows = 0
+    for seqs, group in zip(group_seqs, groups, strict=True):
+        max_q = group.query_index.shape[1]
+        for rank, i in enumerate(seqs):
+            row_base[i] = total_rows + rank * max_q
+        total_rows += len(seqs) * max_q
 
     token_row: torch.Tensor | None = None
-    identity = not prefill or (len(prefill) == 1 and not decode)
+    identity = total_rows == num_queries and row_base == starts[:-1]
     if not identity or num_tokens != num_queries:
         tokens = np.arange(num_tokens)  # [T]
         starts_np = np.asarray(starts, dtype=np.int64)  # [S + 1]
         seq_of = np.clip(np.searchsorted(starts_np, tokens, side="right") - 1, 0, len(starts) - 2)
         base = np.asarray(row_base, dtype=np.int64)  # [S]
-        total_rows = len(decode) + len(prefill) * prefill_q
         rows = np.clip(base[seq_of] + tokens - starts_np[seq_of], 0, total_rows - 1)
         token_row = torch.from_numpy(rows).to(device)
     token_valid: torch.Tensor | None = None

@@ -79,6 +79,8 @@ CASES = {
     "prefill_causal": ([0, 0], [24, 24], 0),
     "prefill_one": ([0], [40], 2),
     "decode_many": ([10, 33, 64, 0, 5, 17, 2, 40, 21], [1] * 9, 1),
+    # lengths far apart: several groups by length, rows back in batch order
+    "spread": ([0, 300, 2, 0, 450, 0, 7], [1, 1, 1, 90, 1, 5, 60], 3),
 }
 
 
@@ -152,6 +154,26 @@ def test_torch_backend_16bit(case: str) -> None:
     assert got.dtype == torch.bfloat16
     torch.testing.assert_close(got[:real].float(), want[:real], atol=3e-2, rtol=3e-2)
     assert torch.equal(got[real:], torch.zeros_like(got[real:]))
+
+
+def test_length_buckets() -> None:
+    """Sequences of very different lengths are split into groups of similar length (each
+    group's work is its size x longest query x longest sequence); alike ones stay together in
+    batch order."""
+    from engine.worker.attention.torch_ref import MAX_GROUPS, _length_buckets
+
+    # decode: 50 short and 50 long sequences, interleaved
+    seq_lens = [40 + i % 3 if i % 2 == 0 else 900 + i % 5 for i in range(100)]
+    groups = _length_buckets(list(range(100)), [1] * 100, seq_lens)
+    assert sorted(map(sorted, groups)) == [list(range(0, 100, 2)), list(range(1, 100, 2))]
+    # alike lengths: one group, batch order kept (no reordering gather)
+    assert _length_buckets([0, 1, 2], [1, 1, 1], [500, 502, 501]) == [[0, 1, 2]]
+    # prefill: new prompts of 32..512 tokens are not padded to the longest
+    qlens = [512, 32, 256, 64, 480, 128]
+    groups = _length_buckets(list(range(6)), qlens, qlens)
+    assert 2 <= len(groups) <= MAX_GROUPS
+    assert sorted(i for g in groups for i in g) == list(range(6))
+    assert not any({0, 1} <= set(g) for g in groups)
 
 
 def test_prepare_is_optional_and_plans_are_not_stale() -> None:
