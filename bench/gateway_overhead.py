@@ -47,6 +47,7 @@ from typing import Any
 
 from bench import common, report
 from bench.http_sse import SseClient
+from bench.report import Check
 from bench.router_cluster import ProcessGroup, deja_argv, serving
 from bench.served import GrpcBackend, MessagesOf, run_measured
 from bench.workload import DatasetSpec, Record, Workload, run_one, summarize
@@ -220,18 +221,6 @@ async def one_user(
             rec = await run_one(backends[name], prompt, new_tokens, i, 1, f"one-user-{i}")
             out[name].append(_checked(rec, name, new_tokens))
     return out
-
-
-@dataclass(frozen=True, slots=True)
-class Check:
-    name: str
-    value: float
-    target: str
-    ok: bool
-
-    def line(self) -> str:
-        met = "MET" if self.ok else "NOT MET"
-        return f"{self.name}: {self.value:.2f} (bound {self.target}) {met}"
 
 
 def one_user_checks(runs: dict[str, list[Record]]) -> list[Check]:

@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from bench import common, gateway_overhead, report
+from bench.report import Check
 
 TARGET_DECODE_VS_OFFLINE = 0.95
 TARGET_DECODE_VS_TRANSFORMERS = 1.2
@@ -272,14 +273,6 @@ def _hf_one(model: Any, prompt: list[int], new_tokens: int, pad_id: int) -> Samp
 
 
 # -- report ------------------------------------------------------------------------------------
-@dataclass(frozen=True, slots=True)
-class Check:
-    name: str
-    value: float
-    target: str
-    ok: bool
-
-
 def checks(served: SystemResult, offline: SystemResult, hf: SystemResult | None) -> list[Check]:
     """The issue-9 targets, evaluated on the medians."""
     out = [

@@ -10,6 +10,7 @@ import json
 import os
 import platform
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -105,6 +106,21 @@ def print_header(title: str, model_path: str, info: dict[str, Any]) -> None:
 
 
 # -- figures -----------------------------------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class Check:
+    """One measured figure against its bound."""
+
+    name: str
+    value: float
+    target: str
+    """The bound as printed, e.g. ">= 0.95"."""
+    ok: bool
+
+    def line(self) -> str:
+        met = "MET" if self.ok else "NOT MET"
+        return f"{self.name}: {self.value:.2f} (bound {self.target}) {met}"
+
+
 def print_table(headers: Sequence[str], rows: Sequence[Sequence[Any]], digits: int = 2) -> None:
     """A plain left-aligned text table (floats with `digits` decimals)."""
 
