@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from engine.worker.models.llama import PackedLinear
+from engine.worker.models.llama import PackedLinear, bucket_rows
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -31,3 +31,13 @@ def test_packed_linear_matches_linear(dtype: torch.dtype, bias: bool) -> None:
             assert got.dtype == dtype
             torch.testing.assert_close(got, linear(x), atol=tol, rtol=tol)
     assert not list(packed.parameters()), "the packed weight must not be a Parameter"
+
+
+def test_bucket_rows_bounds_shapes_and_waste() -> None:
+    """Few distinct shapes (oneDNN caches a kernel per shape), little padding, never fewer rows."""
+    buckets = [bucket_rows(m) for m in range(1, 4097)]
+    assert buckets[:16] == list(range(1, 17))  # decode batches exact
+    assert all(b >= m for m, b in zip(range(1, 4097), buckets, strict=True))
+    assert all(b <= m * 1.125 for m, b in zip(range(1, 4097), buckets, strict=True))
+    assert buckets == sorted(buckets)
+    assert len(set(buckets)) <= 100
