@@ -128,13 +128,29 @@ def _wait_models(group: ProcessGroup, http_port: int, timeout_s: float) -> str:
         try:
             with urllib.request.urlopen(url, timeout=2) as r:
                 models = json.loads(r.read())["data"]
-            if models:
+            # NOTE: the model is listed before the gateway has its tokenizer (503 "retry
+            # shortly" meanwhile); a one-token completion answers only once both are there.
+            if models and _completes(http_port, str(models[0]["id"])):
                 return str(models[0]["id"])
         except OSError:
             pass
         if time.monotonic() > deadline:
             raise TimeoutError(f"the gateway lists no model:\n{group.tail('gateway')}")
         time.sleep(0.2)
+
+
+def _completes(http_port: int, model: str) -> bool:
+    """A one-token completion through the gateway answers 200."""
+    req = urllib.request.Request(
+        f"http://127.0.0.1:{http_port}/v1/completions",
+        data=json.dumps({"model": model, "prompt": "Hi", "max_tokens": 1}).encode(),
+        headers={"Content-Type": "application/json"},
+    )
+    try:
+        with urllib.request.urlopen(req, timeout=30) as r:
+            return r.status == 200
+    except OSError:  # HTTPError (503 while the tokenizer loads) included
+        return False
 
 
 # -- the two paths -------------------------------------------------------------------------------

@@ -108,6 +108,23 @@ def _get(url: str, key: str | None = API_KEY) -> tuple[int, str]:
         return 0, str(e)
 
 
+def _one_token_completion(port: int) -> int:
+    """The HTTP status of a one-token completion through the gateway."""
+    body = json.dumps({"model": MODEL, "prompt": "Hi", "max_tokens": 1}).encode()
+    req = urllib.request.Request(
+        f"http://127.0.0.1:{port}/v1/completions",
+        data=body,
+        headers={"Authorization": f"Bearer {API_KEY}", "Content-Type": "application/json"},
+    )
+    try:
+        with urllib.request.urlopen(req, timeout=30) as r:
+            return int(r.status)
+    except urllib.error.HTTPError as e:
+        return int(e.code)
+    except OSError:
+        return 0
+
+
 @pytest.fixture(scope="module")
 def stack(demo_model_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     tmp = tmp_path_factory.mktemp("gateway")
@@ -133,9 +150,12 @@ def stack(demo_model_path: Path, tmp_path_factory: pytest.TempPathFactory) -> It
         s = Stack(replicas, gateway, port, log)
 
         def ready() -> bool:
+            # NOTE: /v1/models lists the model before the gateway has loaded its tokenizer
+            # (requests meanwhile get 503 "retry shortly"); a one-token completion answers only
+            # once both are there.
             assert gateway.poll() is None, f"deja gateway exited:\n{log.read_text()}"
             code, body = _get(f"http://127.0.0.1:{port}/v1/models")
-            return code == 200 and MODEL in body
+            return code == 200 and MODEL in body and _one_token_completion(port) == 200
 
         assert wait_until_sync(ready, 60, interval=0.2), log.read_text()[-4000:]
         yield s
