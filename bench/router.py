@@ -2,6 +2,7 @@
 
     deja bench router --model demo --num-replicas 2 --num-sessions 16 --num-turns 4 \\
         --prefix-len 512 --input-len 64 --output-len 16 --max-concurrency 8
+    deja bench router --overhead --model demo --history-tokens 8192   # the router's own cost
 
 For each policy (cost, affinity, round_robin, prefix_only by default) the command starts fresh replicas
 (`deja serve`, so every policy starts from cold caches) and a router in front of them, then runs
@@ -37,7 +38,7 @@ from bench.router_cluster import (
     wait_router_replicas,
 )
 from bench.served import add_run_flags, dataset_spec, drive, format_result
-from service.common.flags import add_flag
+from service.common.flags import add_bool_flag, add_flag
 from service.common.ports import free_port
 from service.router.policy import POLICIES
 
@@ -84,6 +85,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     add_run_flags(w)
     parser.set_defaults(dataset="multi-turn")
+    o = parser.add_argument_group(
+        "router overhead (--overhead: no replicas, bench/router_overhead.py)"
+    )
+    add_bool_flag(o, "--overhead", default=False, help="Time the router's own work per request.")
+    add_flag(o, "--history-tokens", type=int, default=8192, help="Chat history per request.")
+    add_flag(o, "--overhead-requests", type=int, default=300, help="Requests timed.")
+    add_flag(o, "--overhead-policy", default="cost", choices=POLICIES, help="Policy timed.")
+    add_flag(o, "--redis-url", help="Look up in this Redis (default: the in-memory store).")
 
 
 @dataclasses.dataclass
@@ -247,6 +256,10 @@ def format_comparison(rows: dict[str, Any]) -> str:
 def run(args: argparse.Namespace) -> int:
     from bench.workload import summarize_by_turn
 
+    if args.overhead:
+        from bench.router_overhead import run_overhead
+
+        return run_overhead(args)
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
     bad = [p for p in policies if p not in POLICIES]
     if bad or not policies or args.num_replicas < 1 or args.repeat < 1:

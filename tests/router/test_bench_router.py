@@ -49,3 +49,18 @@ def test_pin_cores_wraps_over_the_list() -> None:
     assert pinned(["deja", "serve"], "", 0) == ["deja", "serve"]
     assert pinned(["deja"], "0,1", 0) == ["taskset", "-c", "0", "deja"]
     assert pinned(["deja"], "0,1", 3) == ["taskset", "-c", "1", "deja"]
+
+
+def test_bench_router_overhead_runs(
+    tiny_llama_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    argv = ["bench", "router", "--overhead", "--model", str(tiny_llama_path)]
+    argv += ["--history-tokens", "512", "--overhead-requests", "5", "--num-replicas", "3"]
+    assert cli.main(argv) == 0
+    out = capsys.readouterr().out
+    assert "router overhead per request: 5 chat requests" in out
+    for phase in ("route()", "tokenize", "hash", "lookup", "decide", "record"):
+        line = next(x for x in out.splitlines() if x.startswith(phase))
+        p50, p99, top = (float(v) for v in line.split()[1:])
+        assert 0 <= p50 <= p99 <= top
+        assert phase != "route()" or p50 > 0
