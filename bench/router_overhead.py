@@ -8,7 +8,9 @@ receiving a Generate and opening the upstream stream, that is `RouterServicer.ro
 tokenizing the chat history (in a worker thread, as the servicer does), hashing its block
 chain, looking the chain up in the affinity store (in memory, or Redis with `--redis-url`) and
 the policy's decision. Phases are timed separately too, and the record written after a stream
-(`record`, not on the path to the first token) is timed on its own.
+(`record`, not on the path to the first token) is timed on its own, as is the whole history
+tokenized with nothing cached (`cold`: what a conversation the router has not seen costs; chat
+pieces are cached by service/router/chat_tokens.py).
 
 Each request is one turn of its own conversation: a chat history of about `--history-tokens`
 tokens, whose earlier turn the store already records on one replica (so the lookup walks a long
@@ -25,6 +27,7 @@ import time
 from typing import Any
 
 from bench.workload import percentiles
+from engine.frontend.prompt import tokenize_prompt
 from service.affinity.config import AffinityConfig
 from service.affinity.factory import create_store
 from service.api.deja.v1 import inference_pb2 as pb
@@ -97,7 +100,7 @@ async def _measure(args: argparse.Namespace) -> dict[str, Any]:
         _conversation(rng, tokenizer, args.history_tokens) for _ in range(args.overhead_requests)
     ]
     phases: dict[str, list[float]] = {
-        k: [] for k in ("route", "tokenize", "hash", "lookup", "decide", "record")
+        k: [] for k in ("route", "tokenize", "hash", "lookup", "decide", "record", "cold")
     }
     prompt_tokens: list[int] = []
     try:
@@ -131,6 +134,9 @@ async def _measure(args: argparse.Namespace) -> dict[str, Any]:
             t5 = time.perf_counter()
             await servicer.record(req, decision.replica_id, prompt)
             t6 = time.perf_counter()
+            messages = [{"role": m.role, "content": m.content} for m in req.chat.messages]
+            tokenize_prompt(tokenizer, messages=messages)
+            phases["cold"].append(time.perf_counter() - t6)
             phases["tokenize"].append(t1 - t0)
             phases["hash"].append(t2 - t1)
             phases["lookup"].append(t3 - t2)
@@ -162,7 +168,9 @@ def format_overhead(r: dict[str, Any]) -> str:
         lines.append(f"{name:<10}{ms['p50']:9.2f}{ms['p99']:9.2f}{ms['max']:9.2f}")
     lines.append(
         "route(): all the router does before the upstream call (tokenize in a worker thread, "
-        "hash, look up, decide); record: after the stream, off the path to the first token"
+        "hash, look up, decide); record: after the stream, off the path to the first token; "
+        "cold: the whole history tokenized with nothing cached (a conversation the router has "
+        "not seen before)"
     )
     return "\n".join(lines)
 

@@ -59,7 +59,7 @@ def test_bench_router_overhead_runs(
     assert cli.main(argv) == 0
     out = capsys.readouterr().out
     assert "router overhead per request: 5 chat requests" in out
-    for phase in ("route()", "tokenize", "hash", "lookup", "decide", "record"):
+    for phase in ("route()", "tokenize", "hash", "lookup", "decide", "record", "cold"):
         line = next(x for x in out.splitlines() if x.startswith(phase))
         p50, p99, top = (float(v) for v in line.split()[1:])
         assert 0 <= p50 <= p99 <= top
