@@ -64,3 +64,23 @@ def test_bench_router_overhead_runs(
         p50, p99, top = (float(v) for v in line.split()[1:])
         assert 0 <= p50 <= p99 <= top
         assert phase != "route()" or p50 > 0
+
+
+def test_bench_router_smg_runs(tiny_llama_path: Path, tmp_path: Path) -> None:
+    """The smg policy: SMG's cache_aware router over a replica, OpenAI chat over HTTP."""
+    from service.gateway.command import smg_binary
+
+    try:
+        smg_binary()
+    except FileNotFoundError:
+        pytest.skip("smg is not installed")
+    out = tmp_path / "bench.json"
+    argv = ["bench", "router", "--model", str(tiny_llama_path), "--num-replicas", "1"]
+    argv += ["--policies", "smg", "--num-sessions", "2", "--num-turns", "2", "--no-progress"]
+    argv += ["--prefix-len", "32", "--input-len", "16", "--output-len", "4"]
+    argv += ["--server-args", "--num-device-blocks 256", "--output", str(out)]
+    assert cli.main(argv) == 0
+    r = json.loads(out.read_text())["results"]["smg"]
+    assert r["requests"] == 4 and r["failed"] == 0
+    assert r["output_tokens"] >= 4 * 3  # text chunks encoded back to ids
+    assert r["turns_2plus"]["prefix_hit_rate"] > 0  # turn 2 repeats turn 1's conversation
