@@ -2,8 +2,10 @@
 
     deja bench router --model demo --num-replicas 2 --num-sessions 16 --num-turns 4 \\
         --prefix-len 512 --input-len 64 --output-len 16 --max-concurrency 8
+    deja bench router --overhead --model demo --history-tokens 8192   # the router's own cost
 
-For each policy (cost, affinity, round_robin, prefix_only by default) the command starts fresh replicas
+For each policy (cost, affinity, round_robin, prefix_only by default; `smg`: SMG's cache-aware
+router in place of `deja route`, bench/router_smg.py) the command starts fresh replicas
 (`deja serve`, so every policy starts from cold caches) and a router in front of them, then runs
 the same multi-turn workload of `deja bench serve` through the router: sessions share a system
 prompt, turn t's prompt is the whole conversation so far. It prints the prefix-cache hit rate and
@@ -37,7 +39,7 @@ from bench.router_cluster import (
     wait_router_replicas,
 )
 from bench.served import add_run_flags, dataset_spec, drive, format_result
-from service.common.flags import add_flag
+from service.common.flags import add_bool_flag, add_flag
 from service.common.ports import free_port
 from service.router.policy import POLICIES
 
@@ -84,6 +86,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     add_run_flags(w)
     parser.set_defaults(dataset="multi-turn")
+    o = parser.add_argument_group(
+        "router overhead (--overhead: no replicas, bench/router_overhead.py)"
+    )
+    add_bool_flag(o, "--overhead", default=False, help="Time the router's own work per request.")
+    add_flag(o, "--history-tokens", type=int, default=8192, help="Chat history per request.")
+    add_flag(o, "--overhead-requests", type=int, default=300, help="Requests timed.")
+    add_flag(o, "--overhead-policy", default="cost", choices=POLICIES, help="Policy timed.")
+    add_flag(o, "--redis-url", help="Look up in this Redis (default: the in-memory store).")
 
 
 @dataclasses.dataclass
@@ -101,12 +111,43 @@ class _Runs:
     """Prompt tokens an unlimited cache would have held (`oracle_cached_tokens`), all rounds."""
 
 
+@dataclasses.dataclass(frozen=True)
+class _Chat:
+    """With smg among the policies: every policy is sent the same chat (bench/router_smg.py)."""
+
+    model_path: str
+    tokenizer: Any
+    messages_of: Any
+    """bench.gateway_overhead.ChatMessages over `tokenizer`."""
+
+
 async def _drive(
-    target: str, args: argparse.Namespace, label: str, workload: Any, runs: _Runs
+    target: str,
+    args: argparse.Namespace,
+    label: str,
+    workload: Any,
+    runs: _Runs,
+    chat: _Chat | None,
+    smg: tuple[int, str] | None = None,
 ) -> Any:
+    """The workload through `target`, `deja route`'s deja.v1 address; or, when `smg` = (SMG's
+    HTTP port, its model id) is given, through SMG (`target` is then a replica, asked for the
+    model's info)."""
     from bench.workload import oracle_cached_tokens
 
-    records, duration, workload, info = await drive(target, args, label, workload, ready_s=60)
+    if smg is not None:
+        from bench.router_smg import drive_smg
+
+        assert chat is not None
+        port, model = smg
+        records, duration, workload, info = await drive_smg(
+            port, target, args, workload, chat.messages_of, chat.tokenizer, model
+        )
+    else:
+        messages_of = chat.messages_of if chat is not None else None
+        records, duration, workload, info = await drive(
+            target, args, label, workload, ready_s=60, messages_of=messages_of
+        )
     runs.records += records
     runs.oracle_cached += oracle_cached_tokens(workload.sessions, records, info.block_size)
     runs.duration_s += duration
@@ -126,9 +167,17 @@ def _route_counts(metrics_text: str, label: str) -> dict[str, float]:
 
 
 def _run_policy(
-    args: argparse.Namespace, policy: str, workload: Any, workdir: Path, runs: _Runs
+    args: argparse.Namespace,
+    policy: str,
+    workload: Any,
+    workdir: Path,
+    runs: _Runs,
+    chat: _Chat | None,
 ) -> Any:
-    """Starts fresh replicas and a router, runs the workload through it, stops them all."""
+    """Starts fresh replicas and a router (`deja route`, or SMG for the policy smg), runs the
+    workload through it, stops them all."""
+    from bench.router_smg import SMG, smg_argv, wait_models
+
     group = ProcessGroup(workdir)
     names = [f"r{i}" for i in range(args.num_replicas)]
     ports = {n: free_port() for n in names}
@@ -139,6 +188,18 @@ def _run_policy(
                 args.model, port=ports[n], replica_id=n, extra=shlex.split(args.server_args)
             )
             group.spawn(n, pinned(argv, args.pin_cores, names.index(n)))
+        t0 = time.monotonic()
+        if policy == SMG:
+            assert chat is not None
+            for n in names:  # SMG registers only workers that answer
+                wait_healthy(group, n, f"127.0.0.1:{ports[n]}", args.start_timeout)
+            urls = [f"grpc://127.0.0.1:{ports[n]}" for n in names]
+            group.spawn("smg", smg_argv(chat.model_path, router_port, metrics_port, urls))
+            model = wait_models(group, "smg", router_port, args.start_timeout)
+            print(f"{policy}: cluster ready in {time.monotonic() - t0:.1f} s", file=sys.stderr)
+            replica = f"127.0.0.1:{ports[names[0]]}"
+            smg = (router_port, model)
+            return asyncio.run(_drive(replica, args, policy, workload, runs, chat, smg))
         group.spawn(
             "router",
             route_argv(
@@ -149,13 +210,12 @@ def _run_policy(
                 extra=["--poll-interval", "0.5", *shlex.split(args.router_args)],
             ),
         )
-        t0 = time.monotonic()
         for n in names:
             wait_healthy(group, n, f"127.0.0.1:{ports[n]}", args.start_timeout)
         wait_router_replicas(group, "router", metrics_port, len(names), args.start_timeout)
         print(f"{policy}: cluster ready in {time.monotonic() - t0:.1f} s", file=sys.stderr)
         target = f"127.0.0.1:{router_port}"
-        workload = asyncio.run(_drive(target, args, policy, workload, runs))
+        workload = asyncio.run(_drive(target, args, policy, workload, runs, chat))
         text = scrape(metrics_port)
         for reason, count in _route_counts(text, "reason").items():
             runs.routes[reason] = runs.routes.get(reason, 0.0) + count
@@ -164,6 +224,17 @@ def _run_policy(
         return workload
     finally:
         group.stop_all()
+
+
+def _chat(model: str) -> _Chat:
+    from bench.gateway_overhead import ChatMessages
+    from engine.demo import resolve_model_path
+    from engine.worker.model_loader import load_tokenizer
+    from service.common.engine_args import DEFAULT_CACHE_DIR
+
+    path = resolve_model_path(model, Path(DEFAULT_CACHE_DIR).expanduser())
+    tokenizer = load_tokenizer(path)
+    return _Chat(path, tokenizer, ChatMessages(tokenizer))
 
 
 def pinned(argv: list[str], cores: str, index: int) -> list[str]:
@@ -247,11 +318,18 @@ def format_comparison(rows: dict[str, Any]) -> str:
 def run(args: argparse.Namespace) -> int:
     from bench.workload import summarize_by_turn
 
+    if args.overhead:
+        from bench.router_overhead import run_overhead
+
+        return run_overhead(args)
+    from bench.router_smg import SMG
+
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
-    bad = [p for p in policies if p not in POLICIES]
+    bad = [p for p in policies if p not in (*POLICIES, SMG)]
     if bad or not policies or args.num_replicas < 1 or args.repeat < 1:
-        print(f"deja bench router: policies must be among {POLICIES}", file=sys.stderr)
+        print(f"deja bench router: policies must be among {(*POLICIES, SMG)}", file=sys.stderr)
         return 2
+    chat = _chat(args.model) if SMG in policies else None
     if not args.request_rate > 0:
         print("deja bench router: --request-rate must be > 0 (inf: a closed loop)", file=sys.stderr)
         return 2
@@ -266,7 +344,7 @@ def run(args: argparse.Namespace) -> int:
             for round_ in range(args.repeat):
                 for policy in policies:
                     workdir = Path(tmp) / f"{policy}-{round_}"
-                    workload = _run_policy(args, policy, workload, workdir, runs[policy])
+                    workload = _run_policy(args, policy, workload, workdir, runs[policy], chat)
         except (RuntimeError, TimeoutError) as e:
             print(f"deja bench router: {e}", file=sys.stderr)
             return 1
@@ -296,7 +374,13 @@ def run(args: argparse.Namespace) -> int:
             print(format_result(policy, r))
             for key in ("routes", "replicas"):
                 counts = ", ".join(f"{k} {int(v)}" for k, v in sorted(r[key].items()))
-                print(f"  {key}: {counts}")
+                print(f"  {key}: {counts or 'not counted (no deja route)'}")
         print(format_comparison(out["comparison"]))
+        if chat is not None:
+            print(
+                "chat (smg among the policies): every policy got the conversation as chat text; "
+                "hit rates are cached template tokens over the workload's token-id lengths, "
+                "comparable between policies, not with the oracle"
+            )
         print(end_line)
     return 0 if all(r["failed"] == 0 for r in results.values()) else 1

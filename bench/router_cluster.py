@@ -214,6 +214,12 @@ def metric_value(text: str, name: str, labels: str = "") -> float:
     return float(m.group(1)) if m else 0.0
 
 
+def metric_sum(text: str, name: str) -> float:
+    """The sum of a metric's samples over all its label values; 0 if absent."""
+    pattern = r"^" + re.escape(name) + r"(?:\{[^}]*\})? (\S+)$"
+    return sum(float(v) for v in re.findall(pattern, text, re.MULTILINE))
+
+
 def wait_router_replicas(
     group: ProcessGroup, name: str, metrics_port: int, n: int, timeout_s: float = 60.0
 ) -> None:

@@ -133,17 +133,20 @@ async def drive(
     token: str | None = None,
     tls: bool = False,
     ready_s: float = 30.0,
+    messages_of: MessagesOf | None = None,
 ) -> tuple[list[Record], float, Workload, Any]:
     """`run_measured` through a gRPC client of `target`, on `workload` (None: the flags'
-    dataset, built for the target's model). Returns the records, the wall time, the workload
-    and the target's ModelInfo."""
+    dataset, built for the target's model), with token-id prompts or the chat messages
+    `messages_of` makes of them. Returns the records, the wall time, the workload and the
+    target's ModelInfo."""
     client = AsyncDejaClient(target, token=token, tls=tls, retries=0)
     try:
         await client.wait_ready(ready_s)
         info = await client.model_info()
         if workload is None:
             workload = Workload.build(dataset_spec(args), info.vocab_size, info.eos_token_ids)
-        records, duration = await run_measured(GrpcBackend(client), workload, args, label)
+        backend = GrpcBackend(client, messages_of)
+        records, duration = await run_measured(backend, workload, args, label)
         return records, duration, workload, info
     finally:
         await client.close()

@@ -24,7 +24,9 @@ class RouterMetrics(MetricsEndpoint):
         )
         self.retries = self.counter(
             "deja_router_retries",
-            "Generate calls retried on another replica (UNAVAILABLE before the first message).",
+            "Generate calls retried on another replica before their first message, by reason "
+            "(unavailable, engine_dead, queue_full: service/router/retry.py).",
+            ["reason"],
         )
         self.replicas = self.gauge(
             "deja_router_replicas", "Replicas known to the router, by state.", ["state"]

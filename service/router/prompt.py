@@ -2,7 +2,8 @@
 
 Both come from `engine/frontend/prompt.py`, the one rule the engine uses too, with the replica's model
 id, block size and the cache salt the replica will use (`service.common.auth.derive_cache_salt`).
-Without a tokenizer only token-id prompts get a chain.
+Chat prompts are tokenized a message at a time from cached pieces where the tokenizer allows
+(service/router/chat_tokens.py). Without a tokenizer only token-id prompts get a chain.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from engine.frontend.prompt import prompt_block_hashes, tokenize_prompt
 from engine.kv.hashing import BlockHash
 from service.api.deja.v1 import inference_pb2 as pb
 from service.common.auth import Auth, Unauthenticated, derive_cache_salt
+from service.router.chat_tokens import ChatTokenizer
 
 log = logging.getLogger(__name__)
 
@@ -39,6 +41,7 @@ class PromptHasher:
         allow_client_cache_salt: bool = False,
     ) -> None:
         self.tokenizer = tokenizer
+        self._chat = ChatTokenizer(tokenizer) if tokenizer is not None else None
         self._auth = Auth(auth_tokens)
         self._allow_client_salt = allow_client_cache_salt
 
@@ -50,7 +53,8 @@ class PromptHasher:
         try:
             if which == "chat":
                 messages = [{"role": m.role, "content": m.content} for m in request.chat.messages]
-                return tokenize_prompt(self.tokenizer, messages=messages)
+                assert self._chat is not None
+                return self._chat.ids(messages)
             if which == "text":
                 return tokenize_prompt(self.tokenizer, request.text)
             if which == "token_ids":

@@ -4,9 +4,8 @@ process around it, with health, reflection and metrics, is service/router/server
 Generate: pick a replica (service/router/policy.py over the healthy replicas of
 service/router/pool.py, with the session and prefix records of the affinity store), proxy the
 stream with the caller's deadline and metadata (bearer token; the W3C trace context becomes the
-router span's), and retry on the next replica when one answers UNAVAILABLE (or
-RESOURCE_EXHAUSTED: its queue is full, or INTERNAL with the trailer saying its engine core died
-before the stream sent anything: service/common/failover.py) before the first message; never
+router span's), and retry on the next-best replica not tried yet when one fails before the first
+message (UNAVAILABLE, its engine core died, its queue is full: service/router/retry.py); never
 after it. The final message carries `route {replica_id, reason}`; before it is relayed the router
 records `session -> replica` and the prompt's block hashes, so the next turn finds them. Cancelling the call cancels the upstream
 call. The store is an optimisation: when it fails, routing falls back to rendezvous hashing
@@ -37,7 +36,6 @@ from service.affinity.base import AffinityStore, AffinityStoreError
 from service.affinity.prefix import bounded_chain
 from service.api.deja.v1 import inference_pb2 as pb
 from service.api.deja.v1 import inference_pb2_grpc as pb_grpc
-from service.common.failover import engine_dead_before_output
 from service.common.rpc import SERVICE_NAME, abort
 from service.common.tracing import extract_context, get_tracer
 from service.router.config import RouterConfig
@@ -45,10 +43,10 @@ from service.router.metrics import RouterMetrics
 from service.router.policy import Candidate, NoReplicaError, RouteDecision, RouteInputs, decide
 from service.router.pool import ReplicaHandle, ReplicaPool
 from service.router.prompt import PromptChains, PromptHasher
+from service.router.retry import replica_is_down, retry_reason
 
 log = logging.getLogger(__name__)
 
-_RETRY_BEFORE_FIRST = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED)
 _DROP_METADATA = ("user-agent", "content-type", "te", "host", "traceparent", "tracestate")
 """Never forwarded (transport headers; trace context is re-injected when tracing is on)."""
 T = TypeVar("T")
@@ -107,7 +105,7 @@ class _Routed:
     prompt: PromptChains
     t0: float
     exclude: set[str] = field(default_factory=set)
-    """Replicas that refused an earlier attempt."""
+    """Replicas tried by an earlier attempt (each one is tried at most once)."""
     decision: RouteDecision | None = None
     got_first: bool = False
     """The current attempt relayed a message (no retry after that)."""
@@ -154,7 +152,7 @@ class RouterServicer(pb_grpc.InferenceServicer):
             raise NoReplicaError("no healthy replica")
         inputs = RouteInputs(key)
         if cfg.policy != "round_robin":
-            inputs = await self._lookup(request, key, prompt, exclude)
+            inputs = await self.lookup(request, key, prompt, exclude)
         # NOTE: read the candidates' loads after the awaits and count the stream before the next
         # await, so concurrent arrivals see each other's choices.
         healthy = self._pool.healthy(exclude)
@@ -177,7 +175,7 @@ class RouterServicer(pb_grpc.InferenceServicer):
         handle.add_pending(decision.uncached_tokens)
         return decision, handle
 
-    async def _lookup(
+    async def lookup(
         self, request: pb.GenerateRequest, key: str, prompt: PromptChains, exclude: set[str]
     ) -> RouteInputs:
         """What the store knows of this request: its session's replica and, per replica, the
@@ -214,7 +212,7 @@ class RouterServicer(pb_grpc.InferenceServicer):
             prefix = {rid: sum(t) for rid, t in tiers.items()}
         return RouteInputs(key, session_replica, prefix, store_ok, prompt_tokens, tiers)
 
-    async def _record(
+    async def record(
         self, request: pb.GenerateRequest, replica_id: str, prompt: PromptChains
     ) -> None:
         """Writes session affinity and the prompt's blocks for the replica (before the final
@@ -337,7 +335,7 @@ class RouterServicer(pb_grpc.InferenceServicer):
                 if resp.HasField("final"):
                     resp.final.route.replica_id = d.replica_id
                     resp.final.route.reason = d.reason
-                    await self._record(rec.request, d.replica_id, rec.prompt)
+                    await self.record(rec.request, d.replica_id, rec.prompt)
                 yield resp
         finally:
             if not rec.got_first:
@@ -347,22 +345,24 @@ class RouterServicer(pb_grpc.InferenceServicer):
     def _retry(
         self, rec: _Routed, handle: ReplicaHandle, e: grpc.aio.AioRpcError, attempt: int
     ) -> bool:
-        """Whether to try another replica: this one refused (UNAVAILABLE, or RESOURCE_EXHAUSTED:
-        its queue is full, or INTERNAL saying its engine core died before the stream sent
-        anything: service/common/failover.py) before its first message, and attempts are left."""
+        """Whether to try another replica (service/router/retry.py): nothing was relayed yet, the
+        failure is the replica's, attempts are left and a healthy replica not tried yet is (else
+        the caller gets this replica's error)."""
         code = e.code()
-        core_died = code == grpc.StatusCode.INTERNAL and engine_dead_before_output(
-            e.trailing_metadata()
-        )
-        retryable = code in _RETRY_BEFORE_FIRST or core_died
-        if rec.got_first or not retryable or attempt >= self._config.max_attempts:
+        reason = retry_reason(code, e.details(), e.trailing_metadata())
+        if rec.got_first or reason is None or attempt >= self._config.max_attempts:
             return False
         assert rec.decision is not None
-        if code == grpc.StatusCode.UNAVAILABLE or core_died:
+        if replica_is_down(reason):
             self._pool.mark_down(handle, f"Generate: {e.details()}")
         rec.exclude.add(rec.decision.replica_id)
-        self._metrics.retries.inc()
-        rec.span.add_event("retry", {"replica_id": rec.decision.replica_id, "code": code.name})
+        if not self._pool.healthy(rec.exclude):
+            return False
+        self._metrics.retries.labels(reason).inc()
+        rec.span.add_event(
+            "retry",
+            {"replica_id": rec.decision.replica_id, "code": code.name, "reason": reason},
+        )
         return True
 
     def _close(self, rec: _Routed) -> None:

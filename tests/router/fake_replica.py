@@ -29,6 +29,13 @@ class FakeReplica(pb_grpc.InferenceServicer):
     delay_s: float = 0.0
     """Pause before each delta."""
     fail_before_first: grpc.StatusCode | None = None
+    """Abort each Generate with this status (after `delay_s`) before its first message."""
+    fail_details: str = ""
+    """The abort's details (default: "<replica_id> refuses")."""
+    fail_trailer: tuple[tuple[str, str], ...] = ()
+    """The abort's trailing metadata."""
+    max_receive_bytes: int | None = None
+    """gRPC's receive limit of the server (None: gRPC's default)."""
     running: int = 0
     waiting: int = 0
     seen: list[Seen] = field(default_factory=list)
@@ -41,7 +48,10 @@ class FakeReplica(pb_grpc.InferenceServicer):
         return f"127.0.0.1:{self.port}"
 
     async def start(self, port: int = 0) -> None:
-        self.server = grpc.aio.server()
+        options = []
+        if self.max_receive_bytes is not None:
+            options.append(("grpc.max_receive_message_length", self.max_receive_bytes))
+        self.server = grpc.aio.server(options=options)
         pb_grpc.add_InferenceServicer_to_server(self, self.server)
         self.port = self.server.add_insecure_port(f"127.0.0.1:{port}")
         await self.server.start()
@@ -57,7 +67,10 @@ class FakeReplica(pb_grpc.InferenceServicer):
         md = {k: v for k, v in context.invocation_metadata() or () if isinstance(v, str)}
         self.seen.append(Seen(request, md, context.time_remaining()))
         if self.fail_before_first is not None:
-            await context.abort(self.fail_before_first, f"{self.replica_id} refuses")
+            if self.delay_s:
+                await asyncio.sleep(self.delay_s)
+            details = self.fail_details or f"{self.replica_id} refuses"
+            await context.abort(self.fail_before_first, details, self.fail_trailer)
         n_prompt = len(request.token_ids.ids)
         try:
             for i in range(self.deltas):

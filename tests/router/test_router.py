@@ -135,7 +135,8 @@ async def test_retry_on_unavailable_before_first_message(setup: Setup) -> None:
     for i in range(4):
         f = await generate(setup.stub, prompt(i, 0), f"u{i}")
         assert f.replica_id == "r2"
-    retries = setup.router.metrics.registry.get_sample_value("deja_router_retries_total")
+    registry = setup.router.metrics.registry
+    retries = registry.get_sample_value("deja_router_retries_total", {"reason": "unavailable"})
     assert retries is not None and retries >= 1
 
 
