@@ -5,6 +5,7 @@ the caller's trace context; cancellation, status codes and details pass through 
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -16,7 +17,8 @@ from smg_grpc_proto.generated import vllm_engine_pb2 as vpb
 from smg_grpc_proto.generated import vllm_engine_pb2_grpc as vpb_grpc
 
 from engine.frontend.prompt import prompt_block_hashes
-from service.gateway.worker_proxy import start_proxy
+from service.gateway.worker_proxy import channel_credentials, start_proxy
+from tests.service.certs import make_pki
 from tests.service.conftest import Harness, StartServer
 from tests.waiting import wait_until
 
@@ -120,3 +122,35 @@ async def test_upstream_status_and_details_come_through(setup: Setup) -> None:
         _ = [r async for r in setup.proxy.Generate(long, timeout=0.5)]
     assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
     await setup.h.assert_clean(timeout=5.0)
+
+
+async def test_mtls_to_the_replica(start_server: StartServer, tmp_path: Path) -> None:
+    pki = make_pki(tmp_path)
+    h = await start_server(
+        auth_tokens=((TOKEN, TENANT),),
+        tls_cert=str(pki.server_cert),
+        tls_key=str(pki.server_key),
+        tls_client_ca=str(pki.ca),
+    )
+    creds = channel_credentials(str(pki.ca), str(pki.client_cert), str(pki.client_key))
+    server, port, upstream = await start_proxy(h.target, token=TOKEN, credentials=creds)
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
+            stub = vpb_grpc.VllmEngineStub(ch)
+            assert (await stub.HealthCheck(vpb.HealthCheckRequest())).healthy
+            out = [r async for r in stub.Generate(request([5, 6, 7], max_tokens=2))]
+            assert out[-1].HasField("complete")
+    finally:
+        await server.stop(0)
+        await upstream.close()
+    # Without the client certificate the replica refuses the proxy: UNAVAILABLE comes through.
+    no_cert = channel_credentials(str(pki.ca))
+    server, port, upstream = await start_proxy(h.target, token=TOKEN, credentials=no_cert)
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await vpb_grpc.VllmEngineStub(ch).GetModelInfo(vpb.GetModelInfoRequest(), timeout=5)
+            assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+    finally:
+        await server.stop(0)
+        await upstream.close()
