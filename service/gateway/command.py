@@ -103,8 +103,8 @@ def proxied(args: argparse.Namespace) -> bool:
 def credential_error(args: argparse.Namespace) -> str | None:
     """What is wrong with the replica-credential flags, or None."""
     token = args.worker_token
-    if token is not None and (not token or any(c in token for c in ":, \t\n")):
-        return "--worker-token must be non-empty, without ':', ',' or whitespace"
+    if token and any(c in token for c in ":, \t\n"):  # empty: no token (DEJA_WORKER_TOKEN=)
+        return "--worker-token must not hold ':', ',' or whitespace"
     if (args.worker_cert is None) != (args.worker_key is None):
         return "--worker-cert and --worker-key go together"
     if args.worker_cert and not args.worker_ca:
