@@ -41,6 +41,8 @@ class Gateway:
     port: int
     replica: str
     """The replica's own gRPC address (HOST:PORT), read from the gateway's log."""
+    log: Path
+    """The gateway's output, its children's included."""
 
     def openai(self, api_key: str = API_KEY) -> OpenAI:
         url = f"http://127.0.0.1:{self.port}/v1"
@@ -80,7 +82,7 @@ def gateway(demo_model_path: Path, tmp_path_factory: pytest.TempPathFactory) -> 
         text = log.read_text()
         found = re.search(r"starting replica 0: .* --port (\d+)", text)
         assert found and WORKER_TOKEN not in text, text[-4000:]  # never on a command line
-        yield Gateway(proc, port, f"127.0.0.1:{found.group(1)}")
+        yield Gateway(proc, port, f"127.0.0.1:{found.group(1)}", log)
     finally:
         if proc.poll() is None:
             proc.send_signal(signal.SIGTERM)
@@ -127,3 +129,27 @@ def test_http_caller_without_the_key_gets_401(gateway: Gateway) -> None:
     with pytest.raises(urllib.error.HTTPError) as http:
         urllib.request.urlopen(req, timeout=5)
     assert http.value.code == 401
+
+
+def test_client_disconnect_aborts_through_the_proxy(gateway: Gateway) -> None:
+    stream = gateway.openai().chat.completions.create(
+        model=MODEL,
+        stream=True,
+        temperature=0,
+        max_tokens=600,
+        messages=[{"role": "user", "content": "Write a very long story about a robot."}],
+    )
+    got = 0
+    for chunk in stream:
+        got += sum(bool(c.delta.content) for c in chunk.choices)
+        if got >= 3:
+            break
+    stream.close()  # the HTTP caller goes away: SMG sends Abort, through the proxy, with the token
+
+    def all_free() -> bool:
+        with DejaClient(gateway.replica, token=WORKER_TOKEN, retries=0) as c:
+            stats, load = c.cache_stats(), c.load()
+        return stats.free_device_blocks == stats.total_device_blocks and load.active_streams == 0
+
+    assert wait_until_sync(all_free, 30, interval=0.1), "the replica still holds the request"
+    assert "VllmEngine Abort" in gateway.log.read_text()
