@@ -11,10 +11,16 @@ running ones; then it runs `smg launch` (PyPI `smg`) in front of them with cache
 The gateway speaks `vllm.grpc.engine.VllmEngine` to the replicas (served beside deja.v1 on the
 same port) and OpenAI's `/v1/chat/completions`, `/v1/completions` and `/v1/models` to callers;
 it applies the chat template and tokenizes with the tokenizer in `--model`'s folder. `--api-key`
-makes HTTP callers present `Authorization: Bearer KEY`: SMG 1.13 sends no credentials to gRPC
-workers, so a replica behind it must run without `--auth-token` and be reachable only by the
-gateway. On SIGTERM/SIGINT the gateway stops first, then the replicas drain; if any child dies,
-everything stops and the command exits 1.
+makes HTTP callers present `Authorization: Bearer KEY`.
+
+SMG 1.13 sends no credentials to gRPC workers, so `--worker-token TOKEN` puts a credential-adding
+proxy (service/gateway/worker_proxy.py, one process per replica on a loopback port) between SMG
+and each replica; it adds `authorization: Bearer TOKEN`. Replicas started here then require it
+(`deja serve --auth-token TOKEN:gateway`, passed in their environment); `--worker-url` ones must
+have been started with it. `--worker-ca` (with `grpcs://` URLs) makes the proxies speak TLS to
+the replicas, `--worker-cert`/`--worker-key` mTLS (`deja serve --tls-client-ca`). On
+SIGTERM/SIGINT the gateway stops first, then the proxies, then the replicas drain; if any child
+dies, everything stops and the command exits 1.
 """
 
 from __future__ import annotations
@@ -25,10 +31,12 @@ import os
 import shlex
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from service.common.engine_args import DEFAULT_CACHE_DIR, DEFAULT_MODEL
@@ -57,6 +65,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_flag(parser, "--policy", default="cache_aware", choices=POLICIES, help="SMG's routing.")
     add_flag(parser, "--api-key", default=None, help="Key HTTP callers must present (Bearer).")
     add_list_flag(parser, "--smg-arg", help="An extra argument for `smg launch`")
+    w = parser.add_argument_group("credentials for the replicas (added by a proxy per replica)")
+    add_flag(w, "--worker-token", help="Bearer token the replicas require (TOKEN, no ':' or ',').")
+    add_flag(w, "--worker-ca", help="CA (PEM) of the replicas' certificates (grpcs:// URLs).")
+    add_flag(w, "--worker-cert", help="Client certificate (PEM) for replicas requiring mTLS.")
+    add_flag(w, "--worker-key", help="Client key (PEM) for --worker-cert.")
     add_flag(parser, "--startup-timeout", type=float, default=600.0, help="Seconds to wait.")
     add_flag(parser, "--log-level", default="info", choices=("debug", "info", "warning", "error"))
 
@@ -80,6 +93,38 @@ def smg_command(args: argparse.Namespace, model_path: str, worker_urls: list[str
     if args.api_key:
         cmd += ["--api-key", args.api_key]
     return cmd + [a for extra in args.smg_arg for a in shlex.split(extra)]
+
+
+def proxied(args: argparse.Namespace) -> bool:
+    """Whether the replicas need a credential-adding proxy in front of them."""
+    return bool(args.worker_token or args.worker_ca)
+
+
+def credential_error(args: argparse.Namespace) -> str | None:
+    """What is wrong with the replica-credential flags, or None."""
+    token = args.worker_token
+    if token and any(c in token for c in ":, \t\n"):  # empty: no token (DEJA_WORKER_TOKEN=)
+        return "--worker-token must not hold ':', ',' or whitespace"
+    if (args.worker_cert is None) != (args.worker_key is None):
+        return "--worker-cert and --worker-key go together"
+    if args.worker_cert and not args.worker_ca:
+        return "--worker-cert needs --worker-ca (mTLS is TLS)"
+    schemes = {u.partition("://")[0] for u in args.worker_url}
+    if not schemes <= {"grpc", "grpcs"}:
+        return "--worker-url must be grpc://HOST:PORT or grpcs://HOST:PORT"
+    if ("grpcs" in schemes) != bool(args.worker_ca):
+        return "grpcs:// worker URLs and --worker-ca go together (the proxies speak TLS)"
+    return None
+
+
+def proxy_command(args: argparse.Namespace, port: int, upstream: str) -> list[str]:
+    cmd = [sys.executable, "-m", "service.gateway.worker_proxy",
+           "--port", str(port), "--upstream", upstream]  # fmt: skip
+    if args.worker_ca:
+        cmd += ["--ca-cert", args.worker_ca]
+    if args.worker_cert:
+        cmd += ["--client-cert", args.worker_cert, "--client-key", args.worker_key]
+    return cmd
 
 
 def serve_command(model_path: str, port: int, extra: list[str]) -> list[str]:
@@ -106,9 +151,11 @@ class Children:
     def __init__(self) -> None:
         self.procs: list[tuple[str, subprocess.Popen[bytes]]] = []
 
-    def start(self, name: str, cmd: list[str]) -> subprocess.Popen[bytes]:
+    def start(
+        self, name: str, cmd: list[str], env: dict[str, str] | None = None
+    ) -> subprocess.Popen[bytes]:
         log.info("starting %s: %s", name, shlex.join(cmd))
-        proc = subprocess.Popen(cmd, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+        proc = subprocess.Popen(cmd, env={**os.environ, "HF_HUB_OFFLINE": "1", **(env or {})})
         self.procs.append((name, proc))
         return proc
 
@@ -137,6 +184,8 @@ def run(args: argparse.Namespace) -> int:
     try:
         model_path = resolve_model_path(args.model, Path(args.cache_dir).expanduser())
         smg_binary()
+        if why := credential_error(args):
+            raise ValueError(why)
     except (ValueError, FileNotFoundError) as e:
         print(f"deja gateway: error: {e}", file=sys.stderr)
         return 2
@@ -159,25 +208,28 @@ def run(args: argparse.Namespace) -> int:
 def _run(
     args: argparse.Namespace, model_path: str, children: Children, stop: threading.Event
 ) -> int:
-    urls = list(args.worker_url)
-    if not urls:
-        targets = []
+    upstreams = [u.partition("://")[2] for u in args.worker_url]
+    if not upstreams:
+        env = {"DEJA_AUTH_TOKEN": f"{args.worker_token}:gateway"} if args.worker_token else {}
         for i in range(args.replicas):
             port = free_port()
-            children.start(f"replica {i}", serve_command(model_path, port, args.serve_arg))
-            targets.append(f"127.0.0.1:{port}")
-        deadline = time.monotonic() + args.startup_timeout
-        pending = set(targets)
-        while pending:
-            if stop.is_set():
-                return 0
-            if (why := children.dead()) or time.monotonic() > deadline:
-                print(f"deja gateway: error: {why or 'replicas did not start in time'}",
-                      file=sys.stderr)  # fmt: skip
-                return 1
-            pending = {t for t in pending if not _serving(t)}
-            time.sleep(0.2)
-        urls = [f"grpc://{t}" for t in targets]
+            cmd = serve_command(model_path, port, args.serve_arg)
+            children.start(f"replica {i}", cmd, env)
+            upstreams.append(f"127.0.0.1:{port}")
+        if not _wait(args, children, stop, "replicas", set(upstreams), _serving):
+            return 0 if stop.is_set() else 1
+    if proxied(args):
+        env = {"DEJA_WORKER_TOKEN": args.worker_token} if args.worker_token else {}
+        proxies = []
+        for i, upstream in enumerate(upstreams):
+            port = free_port()
+            children.start(f"proxy {i}", proxy_command(args, port, upstream), env)
+            proxies.append(f"127.0.0.1:{port}")
+        if not _wait(args, children, stop, "proxies", set(proxies), _listening):
+            return 0 if stop.is_set() else 1
+        urls = [f"grpc://{p}" for p in proxies]
+    else:
+        urls = list(args.worker_url) or [f"grpc://{t}" for t in upstreams]
     children.start("smg", smg_command(args, model_path, urls))
     log.info("OpenAI API on http://%s:%d/v1 over %s", args.host, args.port, " ".join(urls))
     while not stop.wait(0.2):
@@ -186,3 +238,33 @@ def _run(
             return 1
     log.info("signal received; stopping the gateway, then the replicas")
     return 0
+
+
+def _listening(target: str) -> bool:
+    host, _, port = target.rpartition(":")
+    try:
+        socket.create_connection((host, int(port)), timeout=1).close()
+    except OSError:
+        return False
+    return True
+
+
+def _wait(
+    args: argparse.Namespace,
+    children: Children,
+    stop: threading.Event,
+    what: str,
+    pending: set[str],
+    ready: Callable[[str], bool],
+) -> bool:
+    """Waits until `ready` holds for every target; False on a signal, a dead child or timeout."""
+    deadline = time.monotonic() + args.startup_timeout
+    while pending:
+        if stop.is_set():
+            return False
+        if (why := children.dead()) or time.monotonic() > deadline:
+            print(f"deja gateway: error: {why or f'{what} did not start in time'}", file=sys.stderr)
+            return False
+        pending = {t for t in pending if not ready(t)}
+        time.sleep(0.2)
+    return True

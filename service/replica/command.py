@@ -133,7 +133,7 @@ async def serve_until_signal(
         console=config.console_tracing,
     )
     replica = await serve(config, engine, tracer_provider=provider)
-    scheme = "tls" if config.tls_cert else "plaintext"
+    scheme = "mtls" if config.tls_client_ca else "tls" if config.tls_cert else "plaintext"
     log.info(
         "serving deja.v1.Inference on %s:%d (%s, replica %s, auth %s, reflection %s)",
         config.host,

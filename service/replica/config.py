@@ -28,6 +28,9 @@ class ServiceConfig(ServerSettings):
     tls_cert: str | None = None
     """PEM certificate chain file; with tls_key, serve TLS instead of plaintext."""
     tls_key: str | None = None
+    tls_client_ca: str | None = None
+    """PEM CA bundle; with it the replica requires a client certificate that chains to it (mTLS):
+    a caller without one fails the TLS handshake. Bearer tokens still apply on top."""
     redis_url: str | None = None
     """Affinity store shared with the router (the replica agent writes it)."""
     kv_event_ring_batches: int = 1024
@@ -43,6 +46,10 @@ class ServiceConfig(ServerSettings):
         check(
             (self.tls_cert is None) == (self.tls_key is None),
             "TLS needs both a certificate and a key",
+        )
+        check(
+            self.tls_client_ca is None or self.tls_cert is not None,
+            "tls_client_ca (client certificates) needs tls_cert and tls_key: mTLS is TLS",
         )
         check_port("metrics_port", self.metrics_port)
         tokens = [t for t, _ in self.auth_tokens]
@@ -95,6 +102,7 @@ def add_service_args(parser: argparse.ArgumentParser) -> list[argparse.Action]:
         ),
         add_flag(g, "--tls-cert", help="PEM certificate chain (with --tls-key: serve TLS)."),
         add_flag(g, "--tls-key", help="PEM private key."),
+        add_flag(g, "--tls-client-ca", help="PEM CA: require client certs it signed (mTLS)."),
         add_flag(g, "--redis-url", help="Affinity store shared with the router."),
     ]
 
@@ -106,6 +114,7 @@ def service_config_from_args(args: argparse.Namespace) -> ServiceConfig:
         replica_id=args.replica_id or "",
         tls_cert=args.tls_cert,
         tls_key=args.tls_key,
+        tls_client_ca=args.tls_client_ca,
         redis_url=args.redis_url,
         **config_values(args, _SERVICE_FLAGS),
         **server_settings_from_args(args),

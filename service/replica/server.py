@@ -3,6 +3,7 @@
 `InferenceServicer` only translates between deja.v1 messages and engine types
 (service/replica/convert.py) and maps failures to status codes:
 
+    no client certificate (tls_client_ca set)             TLS handshake fails (caller: UNAVAILABLE)
     bad input (engine ValueError, undecodable message)   INVALID_ARGUMENT, the engine's message
     missing / unknown bearer token (auth on)              UNAUTHENTICATED
     more than max_queued_requests waiting for a token    RESOURCE_EXHAUSTED
@@ -149,6 +150,21 @@ async def _monitor(servicer: InferenceServicer, engine: Engine, interval_s: floa
         await asyncio.sleep(interval_s)
 
 
+def server_credentials(config: ServiceConfig) -> grpc.ServerCredentials | None:
+    """TLS from tls_cert/tls_key (None: plaintext); with tls_client_ca, client certificates
+    chaining to it are required (mTLS): without one the handshake fails, before any RPC."""
+    if config.tls_cert is None or config.tls_key is None:
+        return None
+    with open(config.tls_key, "rb") as k, open(config.tls_cert, "rb") as c:
+        pair = (k.read(), c.read())
+    if config.tls_client_ca is None:
+        return grpc.ssl_server_credentials([pair])
+    with open(config.tls_client_ca, "rb") as ca:
+        return grpc.ssl_server_credentials(
+            [pair], root_certificates=ca.read(), require_client_auth=True
+        )
+
+
 async def serve(
     config: ServiceConfig,
     engine: Engine,
@@ -159,12 +175,8 @@ async def serve(
     """Builds, binds and starts the server on the running event loop."""
     server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
     address = f"{config.host}:{config.port}"
-    if config.tls_cert is not None and config.tls_key is not None:
-        with open(config.tls_key, "rb") as k, open(config.tls_cert, "rb") as c:
-            creds = grpc.ssl_server_credentials([(k.read(), c.read())])
-        port = server.add_secure_port(address, creds)
-    else:
-        port = server.add_insecure_port(address)
+    creds = server_credentials(config)
+    port = server.add_secure_port(address, creds) if creds else server.add_insecure_port(address)
     replica_id = config.effective_replica_id(port)
     health_servicer = health.aio.HealthServicer()
     metrics = ServiceMetrics(engine.model_info.model_id)

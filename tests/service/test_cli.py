@@ -89,6 +89,12 @@ def test_service_config() -> None:
     assert cfg.auth_enabled and cfg.tenants == {"t1": "a"} and cfg.port == 0
     with pytest.raises(ValueError, match="TLS needs both"):
         ServiceConfig(tls_cert="cert.pem")
+    with pytest.raises(ValueError, match="needs tls_cert and tls_key"):
+        ServiceConfig(tls_client_ca="ca.pem")
+    cfg = service_config_from_args(
+        p.parse_args(["--tls-cert", "c.pem", "--tls-key", "k.pem", "--tls-client-ca", "ca.pem"])
+    )
+    assert cfg.tls_client_ca == "ca.pem"
     with pytest.raises(ValueError, match="unique"):
         ServiceConfig(auth_tokens=(("t", "a"), ("t", "b")))
 

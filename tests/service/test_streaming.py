@@ -7,11 +7,13 @@ from pathlib import Path
 
 import grpc
 import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from clients.client import AsyncDejaClient, DejaClient, GenerateResult
 from clients.session import AsyncChatSession
 from engine import LLM, SamplingParams
 from service.api.deja.v1 import inference_pb2 as pb
+from tests.service.certs import make_pki
 from tests.service.conftest import ENGINE_KWARGS, Harness, StartServer
 
 PROMPTS = [
@@ -200,3 +202,34 @@ async def test_tls_with_bearer_token(start_server: StartServer, tmp_path: Path) 
     with pytest.raises(grpc.aio.AioRpcError):
         await plain.complete("Hello", max_tokens=3, timeout=5)
     await plain.close()
+
+
+async def test_mtls_refuses_callers_without_a_client_certificate(
+    start_server: StartServer, tmp_path: Path
+) -> None:
+    pki = make_pki(tmp_path / "pki")
+    h = await start_server(
+        tls_cert=str(pki.server_cert), tls_key=str(pki.server_key), tls_client_ca=str(pki.ca)
+    )
+    ca = pki.ca.read_bytes()
+    with_cert = grpc.ssl_channel_credentials(
+        ca, pki.client_key.read_bytes(), pki.client_cert.read_bytes()
+    )
+    request = health_pb2.HealthCheckRequest()
+    async with grpc.aio.secure_channel(h.target, with_cert) as ch:
+        resp = await health_pb2_grpc.HealthStub(ch).Check(request, timeout=5)
+        assert resp.status == health_pb2.HealthCheckResponse.SERVING
+    no_cert = grpc.ssl_channel_credentials(ca)
+    for channel in (grpc.aio.insecure_channel(h.target),  # plaintext; TLS without a certificate
+                    grpc.aio.secure_channel(h.target, no_cert)):  # fmt: skip
+        async with channel as ch:
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await health_pb2_grpc.HealthStub(ch).Check(request, timeout=5)
+            assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+    client = AsyncDejaClient(h.target, tls=True, root_certificates=ca, retries=0)
+    try:
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await client.complete("Hello", max_tokens=2, timeout=5)
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+    finally:
+        await client.close()
