@@ -206,6 +206,9 @@ def _run_policy(
                 port=router_port,
                 replicas=[f"127.0.0.1:{ports[n]}" for n in names],
                 policy=policy,
+                # NOTE: chat prompts are text: without the model's tokenizer the router has no
+                # prefix chain for them and every policy routes blind.
+                model=chat.model_path if chat is not None else None,
                 metrics_port=metrics_port,
                 extra=["--poll-interval", "0.5", *shlex.split(args.router_args)],
             ),
