@@ -32,13 +32,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import math
 import random
 import sys
 import tempfile
-import time
-import urllib.request
 from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -46,9 +43,10 @@ from pathlib import Path
 from typing import Any
 
 from bench import common, report
-from bench.http_sse import SseClient
+from bench.http_sse import SseClient, greedy_chat_body
 from bench.report import Check
-from bench.router_cluster import ProcessGroup, deja_argv, serving
+from bench.router_cluster import deja_argv, serving
+from bench.router_smg import wait_models
 from bench.served import GrpcBackend, MessagesOf, run_measured
 from bench.workload import DatasetSpec, Record, Workload, run_one, summarize
 from clients.client import AsyncDejaClient
@@ -112,45 +110,11 @@ def replica_and_gateway(
         print(f"starting gateway (log {group.log_path('gateway')})", file=sys.stderr, flush=True)
         group.spawn("gateway", gateway)
         try:
-            model = _wait_models(group, http_port, timeout)
+            model = wait_models(group, "gateway", http_port, timeout)
             yield Stack(target, http_port, model)
             group.check_alive("gateway")
         finally:
             group.stop("gateway")
-
-
-def _wait_models(group: ProcessGroup, http_port: int, timeout_s: float) -> str:
-    """Waits until the gateway has registered the replica; returns the model id it serves."""
-    deadline = time.monotonic() + timeout_s
-    url = f"http://127.0.0.1:{http_port}/v1/models"
-    while True:
-        group.check_alive("gateway")
-        try:
-            with urllib.request.urlopen(url, timeout=2) as r:
-                models = json.loads(r.read())["data"]
-            # NOTE: the model is listed before the gateway has its tokenizer (503 "retry
-            # shortly" meanwhile); a one-token completion answers only once both are there.
-            if models and _completes(http_port, str(models[0]["id"])):
-                return str(models[0]["id"])
-        except OSError:
-            pass
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"the gateway lists no model:\n{group.tail('gateway')}")
-        time.sleep(0.2)
-
-
-def _completes(http_port: int, model: str) -> bool:
-    """A one-token completion through the gateway answers 200."""
-    req = urllib.request.Request(
-        f"http://127.0.0.1:{http_port}/v1/completions",
-        data=json.dumps({"model": model, "prompt": "Hi", "max_tokens": 1}).encode(),
-        headers={"Content-Type": "application/json"},
-    )
-    try:
-        with urllib.request.urlopen(req, timeout=30) as r:
-            return r.status == 200
-    except OSError:  # HTTPError (503 while the tokenizer loads) included
-        return False
 
 
 # -- the two paths -------------------------------------------------------------------------------
@@ -185,15 +149,7 @@ class GatewayBackend:
     async def stream(
         self, prompt: list[int], output_len: int, session_id: str
     ) -> AsyncIterator[tuple[list[int], int | None]]:
-        body = {
-            "model": self.model,
-            "messages": self.messages_of(prompt),
-            "max_tokens": output_len,
-            "temperature": 0.0,
-            "ignore_eos": True,
-            "stream": True,
-            "stream_options": {"include_usage": True},
-        }
+        body = greedy_chat_body(self.model, self.messages_of(prompt), output_len)
         seen = 0
         async for event in self.client.post("/v1/chat/completions", body):
             usage = event.get("usage")

@@ -21,6 +21,20 @@ from typing import Any
 _Conn = tuple[asyncio.StreamReader, asyncio.StreamWriter]
 
 
+def greedy_chat_body(model: str, messages: list[dict[str, str]], max_tokens: int) -> dict[str, Any]:
+    """A streamed `/v1/chat/completions` request, greedy, exactly `max_tokens` tokens (EOS
+    ignored: SMG passes `ignore_eos` on to the engine), usage in the last event."""
+    return {
+        "model": model,
+        "messages": messages,
+        "max_tokens": max_tokens,
+        "temperature": 0.0,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+
+
 class HttpError(RuntimeError):
     """A non-200 answer: its status and body."""
 

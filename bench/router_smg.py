@@ -22,7 +22,7 @@ import urllib.request
 from collections.abc import AsyncIterator
 from typing import Any
 
-from bench.http_sse import SseClient
+from bench.http_sse import SseClient, greedy_chat_body
 from bench.router_cluster import ProcessGroup
 from bench.served import MessagesOf, run_measured
 from bench.workload import Record, Workload
@@ -42,20 +42,38 @@ def smg_argv(model_path: str, port: int, metrics_port: int, worker_urls: list[st
 
 
 def wait_models(group: ProcessGroup, name: str, port: int, timeout_s: float) -> str:
-    """Waits until SMG lists a model (its workers registered); returns the model id."""
+    """Waits until SMG (process `name` of `group`) serves a model; returns the model id.
+
+    NOTE: SMG lists the model before it has loaded the tokenizer (requests meanwhile get 503
+    "retry shortly"); a one-token completion answers only once both are there.
+    """
     deadline = time.monotonic() + timeout_s
     while True:
         group.check_alive(name)
         try:
             with urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=2) as r:
                 models = json.loads(r.read())["data"]
-            if models:
+            if models and _completes(port, str(models[0]["id"])):
                 return str(models[0]["id"])
         except OSError:
             pass
         if time.monotonic() > deadline:
             raise TimeoutError(f"{name} lists no model:\n{group.tail(name)}")
         time.sleep(0.2)
+
+
+def _completes(port: int, model: str) -> bool:
+    """A one-token completion through SMG answers 200."""
+    req = urllib.request.Request(
+        f"http://127.0.0.1:{port}/v1/completions",
+        data=json.dumps({"model": model, "prompt": "Hi", "max_tokens": 1}).encode(),
+        headers={"Content-Type": "application/json"},
+    )
+    try:
+        with urllib.request.urlopen(req, timeout=30) as r:
+            return r.status == 200
+    except OSError:  # HTTPError (503 while the tokenizer loads) included
+        return False
 
 
 class SmgChatBackend:
@@ -72,15 +90,7 @@ class SmgChatBackend:
     async def stream(
         self, prompt: list[int], output_len: int, session_id: str
     ) -> AsyncIterator[tuple[list[int], int | None]]:
-        body = {
-            "model": self.model,
-            "messages": self.messages_of(prompt),
-            "max_tokens": output_len,
-            "temperature": 0.0,
-            "ignore_eos": True,
-            "stream": True,
-            "stream_options": {"include_usage": True},
-        }
+        body = greedy_chat_body(self.model, self.messages_of(prompt), output_len)
         async for event in self.client.post("/v1/chat/completions", body):
             usage = event.get("usage")
             if usage:
