@@ -29,7 +29,7 @@ from openai import APIStatusError, AuthenticationError, OpenAI
 from clients.client import DejaClient
 from service.common.ports import free_port
 from service.gateway.command import serve_command
-from tests.service.serving import alive, core_of, wait_serving
+from tests.service.serving import alive, core_of, stop_gracefully, wait_serving
 from tests.waiting import wait_until_sync
 
 pytestmark = pytest.mark.slow
@@ -160,13 +160,8 @@ def stack(demo_model_path: Path, tmp_path_factory: pytest.TempPathFactory) -> It
         assert wait_until_sync(ready, 60, interval=0.2), log.read_text()[-4000:]
         yield s
     finally:
-        if gateway is not None and gateway.poll() is None:
-            gateway.send_signal(signal.SIGTERM)
-            try:
-                gateway.wait(30)
-            except subprocess.TimeoutExpired:
-                gateway.kill()
-                gateway.wait()
+        if gateway is not None:
+            stop_gracefully(gateway, 30)
         for r in replicas:
             if r.proc.poll() is None:
                 r.proc.kill()

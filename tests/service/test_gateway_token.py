@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import re
-import signal
 import subprocess
 import sys
 import urllib.error
@@ -26,6 +25,7 @@ from smg_grpc_proto.generated import vllm_engine_pb2_grpc as vpb_grpc
 
 from clients.client import DejaClient
 from service.common.ports import free_port
+from tests.service.serving import stop_gracefully
 from tests.waiting import wait_until_sync
 
 pytestmark = pytest.mark.slow
@@ -84,13 +84,7 @@ def gateway(demo_model_path: Path, tmp_path_factory: pytest.TempPathFactory) -> 
         assert found and WORKER_TOKEN not in text, text[-4000:]  # never on a command line
         yield Gateway(proc, port, f"127.0.0.1:{found.group(1)}", log)
     finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+        stop_gracefully(proc, 60)
 
 
 def test_chat_through_smg_reaches_the_token_replica(gateway: Gateway) -> None:
