@@ -5,10 +5,13 @@ both on the way out whatever the test did."""
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import subprocess
 import sys
+import urllib.error
+import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -116,3 +119,23 @@ def stop_gracefully(proc: subprocess.Popen[bytes], timeout_s: float) -> None:
     except subprocess.TimeoutExpired:
         proc.kill()
         proc.wait()
+
+
+def one_token_completion(port: int, model: str, api_key: str) -> int:
+    """The HTTP status of a one-token completion through an SMG gateway on `port`.
+
+    NOTE: SMG lists the model before it has loaded the tokenizer and answers 503 "retry shortly"
+    meanwhile; a gateway fixture is ready only once this answers 200.
+    """
+    req = urllib.request.Request(
+        f"http://127.0.0.1:{port}/v1/completions",
+        data=json.dumps({"model": model, "prompt": "Hi", "max_tokens": 1}).encode(),
+        headers={"Authorization": f"Bearer {api_key}", "Content-Type": "application/json"},
+    )
+    try:
+        with urllib.request.urlopen(req, timeout=30) as r:
+            return int(r.status)
+    except urllib.error.HTTPError as e:
+        return int(e.code)
+    except OSError:
+        return 0

@@ -29,7 +29,13 @@ from openai import APIStatusError, AuthenticationError, OpenAI
 from clients.client import DejaClient
 from service.common.ports import free_port
 from service.gateway.command import serve_command
-from tests.service.serving import alive, core_of, stop_gracefully, wait_serving
+from tests.service.serving import (
+    alive,
+    core_of,
+    one_token_completion,
+    stop_gracefully,
+    wait_serving,
+)
 from tests.waiting import wait_until_sync
 
 pytestmark = pytest.mark.slow
@@ -108,23 +114,6 @@ def _get(url: str, key: str | None = API_KEY) -> tuple[int, str]:
         return 0, str(e)
 
 
-def _one_token_completion(port: int) -> int:
-    """The HTTP status of a one-token completion through the gateway."""
-    body = json.dumps({"model": MODEL, "prompt": "Hi", "max_tokens": 1}).encode()
-    req = urllib.request.Request(
-        f"http://127.0.0.1:{port}/v1/completions",
-        data=body,
-        headers={"Authorization": f"Bearer {API_KEY}", "Content-Type": "application/json"},
-    )
-    try:
-        with urllib.request.urlopen(req, timeout=30) as r:
-            return int(r.status)
-    except urllib.error.HTTPError as e:
-        return int(e.code)
-    except OSError:
-        return 0
-
-
 @pytest.fixture(scope="module")
 def stack(demo_model_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     tmp = tmp_path_factory.mktemp("gateway")
@@ -155,7 +144,9 @@ def stack(demo_model_path: Path, tmp_path_factory: pytest.TempPathFactory) -> It
             # once both are there.
             assert gateway.poll() is None, f"deja gateway exited:\n{log.read_text()}"
             code, body = _get(f"http://127.0.0.1:{port}/v1/models")
-            return code == 200 and MODEL in body and _one_token_completion(port) == 200
+            return (
+                code == 200 and MODEL in body and one_token_completion(port, MODEL, API_KEY) == 200
+            )
 
         assert wait_until_sync(ready, 60, interval=0.2), log.read_text()[-4000:]
         yield s

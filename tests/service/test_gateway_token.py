@@ -25,7 +25,7 @@ from smg_grpc_proto.generated import vllm_engine_pb2_grpc as vpb_grpc
 
 from clients.client import DejaClient
 from service.common.ports import free_port
-from tests.service.serving import stop_gracefully
+from tests.service.serving import one_token_completion, stop_gracefully
 from tests.waiting import wait_until_sync
 
 pytestmark = pytest.mark.slow
@@ -76,7 +76,7 @@ def gateway(demo_model_path: Path, tmp_path_factory: pytest.TempPathFactory) -> 
 
         def ready() -> bool:
             assert proc.poll() is None, f"deja gateway exited:\n{log.read_text()}"
-            return _models(port)
+            return _models(port) and one_token_completion(port, MODEL, API_KEY) == 200
 
         assert wait_until_sync(ready, 180, interval=0.3), log.read_text()[-4000:]
         text = log.read_text()
