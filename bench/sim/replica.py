@@ -6,6 +6,11 @@ with its longest cached prefix (device blocks free, CPU-tier blocks at `swap_blo
 back to the device). Blocks a step completes enter the device LRU; a block pushed out of it spills
 to the CPU tier's LRU, and out of that it is gone. Simplification: blocks of running sequences
 are not pinned (the pools are sized so that the working set fits).
+
+With an event buffer (`events`), every change of what a tier holds is reported as the engine's
+KV events report it (engine/kv/events.py): `BlockStored(device)` when a block enters the device
+LRU (computed or swapped in), `BlockRemoved(device)` + `BlockStored(cpu)` when it spills,
+`BlockRemoved(cpu)` when it leaves the CPU tier (dropped, or moved back to the device).
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ from dataclasses import dataclass, field
 
 from bench.sim.profile import CostModel
 from engine.core.step_rates import StepRates
+from engine.kv.events import KVEventBuffer
 from engine.kv.hashing import BlockHash
 
 
@@ -54,8 +60,10 @@ class SimReplica:
         model: CostModel,
         on_first_token: Callable[[SimSeq, float], None],
         on_finish: Callable[[SimSeq, float], None],
+        events: KVEventBuffer | None = None,
     ) -> None:
         self.replica_id = replica_id
+        self.events = events
         self.m = model
         self.waiting: deque[SimSeq] = deque()
         self.running: list[SimSeq] = []
@@ -97,16 +105,30 @@ class SimReplica:
     # Cache.
 
     def _insert(self, hashes: list[BlockHash]) -> None:
+        ev = self.events
         for h in hashes:
+            if h in self.device:
+                self.device.move_to_end(h)
+                continue
             self.device[h] = None
-            self.device.move_to_end(h)
-            self.cpu.pop(h, None)
+            if ev is not None:
+                ev.stored([h], None, [], "device")
+            if h in self.cpu:
+                del self.cpu[h]
+                if ev is not None:
+                    ev.removed(h, "cpu")
         while len(self.device) > self.m.device_blocks:
             h, _ = self.device.popitem(last=False)
+            if ev is not None:
+                ev.removed(h, "device")
             if self.m.cpu_blocks > 0:
                 self.cpu[h] = None
+                if ev is not None:
+                    ev.stored_one(h, "cpu")
                 while len(self.cpu) > self.m.cpu_blocks:
-                    self.cpu.popitem(last=False)
+                    dropped, _ = self.cpu.popitem(last=False)
+                    if ev is not None:
+                        ev.removed(dropped, "cpu")
 
     def _match(self, seq: SimSeq) -> tuple[int, int]:
         """Leading prompt blocks found on the device, then in the CPU tier after them."""

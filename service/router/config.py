@@ -96,6 +96,12 @@ _COST_FLAGS = (
         "half the best one within --load-bound (a large cached prefix; 0: off).",
     ),
     ConfigFlag(
+        "holder_share",
+        float,
+        "A replica holding at least this share of the prompt in its cache is exempt from "
+        "--load-bound, like the session's own replica (0: off).",
+    ),
+    ConfigFlag(
         "stickiness_s", float, "Most seconds of estimate a session's last replica is favoured by."
     ),
     ConfigFlag(
