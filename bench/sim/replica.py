@@ -40,6 +40,8 @@ class SimSeq:
     device_hit_tokens: int = 0
     cpu_hit_tokens: int = 0
     first_token_at: float | None = None
+    queued_hit: int = 0
+    """While waiting: prompt tokens its device-tier prefix covered when it arrived."""
 
     @property
     def in_prefill(self) -> bool:
@@ -82,7 +84,9 @@ class SimReplica:
     # What GetLoad publishes.
 
     def queued_prefill_tokens(self) -> int:
-        return sum(s.prompt_len - s.computed for s in self.waiting) + sum(
+        """Prompt tokens still to compute, a waiting request's device-cached prefix excluded
+        (as the engine counts them, engine/core/engine_core.py `get_stats`)."""
+        return sum(s.prompt_len - max(s.computed, s.queued_hit) for s in self.waiting) + sum(
             s.prompt_len - s.computed for s in self.running if s.in_prefill
         )
 
@@ -147,6 +151,12 @@ class SimReplica:
     # Steps.
 
     def add(self, seq: SimSeq, now: float) -> None:
+        dev = 0
+        for h in seq.prompt_hashes:
+            if h not in self.device:
+                break
+            dev += 1
+        seq.queued_hit = min(dev * self.m.block_size, seq.prompt_len - 1)
         self.waiting.append(seq)
         self._requeue(now)
 

@@ -430,6 +430,21 @@ class EngineCore:
         return outs
 
     # -- stats ---------------------------------------------------------------------------------
+    def _uncached_waiting(self, seq: Sequence) -> int:
+        """A waiting sequence's tokens still to compute, less the leading full blocks the device
+        tier holds for it now (what its admission would hit): the work it brings, as routers
+        weigh it (queued prefill tokens). Lower tiers are not consulted (no reference taken)."""
+        todo = seq.num_uncomputed
+        if seq.num_computed_tokens or not self.kv.enable_caching:
+            return todo
+        bs = self.kv.block_size
+        hit = 0
+        for h in seq.block_hashes[: (len(seq.token_ids) - 1) // bs]:
+            if self.kv.pool.lookup(h) is None:
+                break
+            hit += bs
+        return todo - hit
+
     def get_stats(self) -> EngineStats:
         kv = self.kv
         in_use = kv.pool.num_used
@@ -449,7 +464,7 @@ class EngineCore:
         if self.tiers is not None:
             self.tiers.add_stats(tiers, self.block_bytes)
         running = self.scheduler.running
-        queued = sum(s.num_uncomputed for s in self.scheduler.waiting) + sum(
+        queued = sum(self._uncached_waiting(s) for s in self.scheduler.waiting) + sum(
             s.num_uncomputed for s in running if s.num_computed_tokens < s.num_prompt_tokens
         )
         return EngineStats(

@@ -102,6 +102,11 @@ _COST_FLAGS = (
         "--load-bound, like the session's own replica (0: off).",
     ),
     ConfigFlag(
+        "holder_bound",
+        float,
+        "The --holder-share exemption holds up to this x the mean load (0: no cap).",
+    ),
+    ConfigFlag(
         "stickiness_s", float, "Most seconds of estimate a session's last replica is favoured by."
     ),
     ConfigFlag(

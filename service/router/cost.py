@@ -74,6 +74,9 @@ class CostWeights:
     """A replica whose cached blocks cover at least this share of the prompt is exempt from
     the load bound, as the session's own replica is: leaving it means recomputing what it
     holds, which the estimate weighs against its queue. 0: off."""
+    holder_bound: float = 0.0
+    """The exemption of `holder_share` holds up to this x the mean load (the load bound's two
+    caps); 0: no cap."""
     recompute_weight: float = 1.0
     """The choice minimises the estimate plus this x the seconds of prefill the request adds
     there (`uncached / prefill_rate`): work a replica takes on is work the requests after it
@@ -103,6 +106,10 @@ class CostWeights:
         if self.prefix_bound != 0 and self.prefix_bound < max(1.0, self.load_bound):
             raise ValueError(
                 f"prefix_bound must be 0 (off) or >= load_bound, got {self.prefix_bound}"
+            )
+        if self.holder_bound != 0 and self.holder_bound < max(1.0, self.load_bound):
+            raise ValueError(
+                f"holder_bound must be 0 (off) or >= load_bound, got {self.holder_bound}"
             )
         if not 0.0 <= self.holder_share <= 1.0:
             raise ValueError(f"holder_share must be in [0, 1], got {self.holder_share}")

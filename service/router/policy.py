@@ -188,6 +188,8 @@ def _decide_cost(
         holders = {
             rid for rid, c in costs.items() if inputs.prompt_tokens - c.uncached_tokens >= need
         }
+        if w.holder_bound > 0:
+            holders &= within_bound(loads, utils, w.holder_bound)
         if 2 * len(holders) <= len(costs):
             allowed |= holders
     best_cost = cheapest([costs[r] for r in allowed], rank)
