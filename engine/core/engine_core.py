@@ -328,8 +328,9 @@ class EngineCore:
             seq.finish("error")
             seq.request.error = message
             self._touched[seq.request.request_id] = seq.request
-            if seq.request.beam is not None:
-                end_beams(seq.request, self.scheduler, "error")
+        for seq, _ in sched.failed:
+            if seq.request.beam is not None and not seq.request.beam.done:
+                end_beams(seq.request, self.scheduler, "error")  # the group fails as one
         tables = [self.kv.block_ids(item.seq.seq_id) for item in sched.scheduled]
         try:
             results = self.runner.execute(sched, tables)

@@ -146,9 +146,14 @@ class Scheduler:
     def _fits(
         self, unit: list[Sequence], chunks: list[int], matches: list[PrefixMatch | None]
     ) -> bool:
+        """Whether the pool can take the unit's step. A free cached block that several beams
+        match is taken once, though each beam's own count includes it."""
         need = sum(
             self.kv.blocks_needed(s, n, m) for s, n, m in zip(unit, chunks, matches, strict=True)
         )
+        if len(unit) > 1:
+            revived = [b.block_id for m in matches if m for b in m.device_blocks if b.ref_cnt == 0]
+            need -= len(revived) - len(set(revived))
         return need <= self.kv.num_free_blocks
 
     def _can_ever_fit(self, seq: Sequence) -> bool:
