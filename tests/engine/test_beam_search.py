@@ -84,7 +84,8 @@ def engine_beams(
     *,
     max_tokens: int = MAX_TOKENS,
     length_penalty: float = 1.0,
-) -> Outputs:
+) -> tuple[Outputs, list[list[float]]]:
+    """The engine's returned beams and their scores (cumulative logprob / length ** penalty)."""
     params = SamplingParams(
         n=WIDTH,
         temperature=0.0,
@@ -102,7 +103,12 @@ def engine_beams(
         for c in o.outputs:
             assert c.finish_reason in ("stop", "length")
             assert c.cumulative_logprob is not None
-    return [[c.token_ids for c in o.outputs] for o in outs]
+    tokens = [[c.token_ids for c in o.outputs] for o in outs]
+    scores = [
+        [c.cumulative_logprob / len(c.token_ids) ** length_penalty for c in o.outputs]  # type: ignore[operator]
+        for o in outs
+    ]
+    return tokens, scores
 
 
 def frequent_token(llm: LLM, prompts: list[list[int]]) -> int:
@@ -112,19 +118,21 @@ def frequent_token(llm: LLM, prompts: list[list[int]]) -> int:
     return counts.most_common(1)[0][0]
 
 
-def check_beam_parity(path: Path, vocab: int, eos: int) -> None:
+def check_beam_parity(
+    path: Path, vocab: int, eos: int, settings: tuple[bool | str, ...] = (True, False)
+) -> None:
     prompts = shared_prefix_prompts(vocab, NUM_PROMPTS, 300, seed=3)
     probe = LLM(str(path), dtype="float32", block_size=16, num_device_blocks=512)
     stop = frequent_token(probe, prompts)
     assert stop != eos
-    for early in (True, False):
+    for early in settings:
         expected, _ = hf_beams(path, prompts, [eos, stop], early)
         ended = sum(1 for beams in expected for b in beams if b[-1] == stop)
         assert ended > 0, "no beam finished on the stop token: the finishing paths went untested"
         for name, cfg in CONFIGS.items():
             llm = probe if name == "cache-on" else None
             llm = llm or LLM(str(path), dtype="float32", block_size=16, **cfg)  # type: ignore[arg-type]
-            got = engine_beams(llm, prompts, [stop], early)
+            got, _ = engine_beams(llm, prompts, [stop], early)
             for i, (g, e) in enumerate(zip(got, expected, strict=True)):
                 assert g == e, f"{name} early_stopping={early}: prompt {i} differs: {g} != {e}"
             stats = llm.engine.get_stats()
@@ -145,7 +153,7 @@ def test_beam_parity_tiny_qwen2(tiny_qwen2_path: Path) -> None:
     from transformers import AutoConfig
 
     cfg = AutoConfig.from_pretrained(tiny_qwen2_path)
-    check_beam_parity(tiny_qwen2_path, cfg.vocab_size, cfg.eos_token_id)
+    check_beam_parity(tiny_qwen2_path, cfg.vocab_size, cfg.eos_token_id, (True,))
 
 
 def test_beam_never_and_length_penalty(tiny_llama_path: Path) -> None:
@@ -158,11 +166,13 @@ def test_beam_never_and_length_penalty(tiny_llama_path: Path) -> None:
     llm = LLM(str(tiny_llama_path), dtype="float32", block_size=16, num_device_blocks=256)
     stop = frequent_token(llm, prompts)
     for early, lp in (("never", 2.0), (False, 0.5), (True, -1.0)):
-        expected, scores = hf_beams(
+        expected, want = hf_beams(
             tiny_llama_path, prompts, [cfg.eos_token_id, stop], early, length_penalty=lp
         )
-        got = engine_beams(llm, prompts, [stop], early, length_penalty=lp)
+        got, scores = engine_beams(llm, prompts, [stop], early, length_penalty=lp)
         assert got == expected, f"early_stopping={early} length_penalty={lp}"
+        for s, w in zip(scores, want, strict=True):
+            assert s == pytest.approx(w, rel=1e-5, abs=1e-4)
     two = SamplingParams(
         n=2, best_of=WIDTH, temperature=0.0, use_beam_search=True, max_tokens=MAX_TOKENS
     )
@@ -187,5 +197,5 @@ def test_beam_parity_demo_model(demo_model_path: Path) -> None:
     prompts = [list(p["input_ids"]) if isinstance(p, dict) else list(p) for p in prompts]
     eos = list(llm.engine.model_info.eos_token_ids)
     expected, _ = hf_beams(demo_model_path, prompts, eos, True, max_tokens=24)
-    got = engine_beams(llm, prompts, [], True, max_tokens=24)
+    got, _ = engine_beams(llm, prompts, [], True, max_tokens=24)
     assert got == expected
