@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections import Counter
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -47,13 +48,13 @@ def hf_beams(
     """transformers' returned beams (generated tokens, cut at each beam's own length) and scores."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    model: Any = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     model.eval()
     outs, scores = [], []
     with torch.inference_mode():
         for p in prompts:
             ids = torch.tensor([p])
-            gen = model.generate(  # type: ignore[operator]
+            gen = model.generate(
                 ids,
                 attention_mask=torch.ones_like(ids),
                 num_beams=WIDTH,

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import grpc
 import pytest
 
@@ -59,7 +61,7 @@ async def test_best_of_returns_the_n_most_likely(server: Harness) -> None:
     ],
 )
 async def test_bad_beam_settings_are_invalid_argument(
-    server: Harness, fields: dict[str, object], message: str
+    server: Harness, fields: dict[str, Any], message: str
 ) -> None:
     with pytest.raises(grpc.aio.AioRpcError) as err:
         await server.client.complete("hi", max_tokens=4, **fields)
