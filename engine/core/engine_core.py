@@ -396,11 +396,7 @@ class EngineCore:
         self._touched[req.request_id] = req
         if req.metrics.first_token is None:
             req.metrics.first_token = now
-        if req.params.pin_ttl_s > 0 and req.pinned is None:
-            req.pinned = self.kv.pin(seq, len(req.prompt_token_ids), now + req.params.pin_ttl_s)
-            if req.pinned and self.tiers is not None:  # best effort within the CPU tier's cap
-                n_full = len(req.prompt_token_ids) // self.kv.block_size
-                self.tiers.pin(seq.block_hashes[:n_full], now + req.params.pin_ttl_s)
+        self._pin_prompt(seq, now)
         if len(res.token_ids) > 1:  # first tokens of n samples: fork the prompt's blocks
             req.forked = True
             children = [seq]
@@ -417,11 +413,21 @@ class EngineCore:
             req.forked = True
         self._append(seq, res.token_ids[0], res.logprobs[0])
 
+    def _pin_prompt(self, seq: Sequence, now: float) -> None:
+        """pin_ttl_s: pins the prompt's blocks once, when its first token is out."""
+        req = seq.request
+        if req.params.pin_ttl_s > 0 and req.pinned is None:
+            req.pinned = self.kv.pin(seq, len(req.prompt_token_ids), now + req.params.pin_ttl_s)
+            if req.pinned and self.tiers is not None:  # best effort within the CPU tier's cap
+                n_full = len(req.prompt_token_ids) // self.kv.block_size
+                self.tiers.pin(seq.block_hashes[:n_full], now + req.params.pin_ttl_s)
+
     def _process_beams(self, res: BeamSamples, now: float) -> None:
         req = res.request
         self._touched[req.request_id] = req
         if req.metrics.first_token is None:
             req.metrics.first_token = now
+        self._pin_prompt(res.beams[0], now)
         advance_beams(res.request, res.beams, res.candidates, self.scheduler, self._seq_ids)
 
     def _append(self, seq: Sequence, token_id: int, logprob: object) -> None:

@@ -44,6 +44,7 @@ def hf_beams(
     *,
     max_tokens: int = MAX_TOKENS,
     length_penalty: float = 1.0,
+    min_tokens: int = 0,
 ) -> tuple[Outputs, list[list[float]]]:
     """transformers' returned beams (generated tokens, cut at each beam's own length) and scores."""
     from transformers import AutoModelForCausalLM
@@ -63,6 +64,7 @@ def hf_beams(
                 max_new_tokens=max_tokens,
                 early_stopping=early_stopping,
                 length_penalty=length_penalty,
+                min_new_tokens=min_tokens or None,
                 eos_token_id=finishing,
                 pad_token_id=0,
                 return_dict_in_generate=True,
@@ -85,6 +87,7 @@ def engine_beams(
     *,
     max_tokens: int = MAX_TOKENS,
     length_penalty: float = 1.0,
+    min_tokens: int = 0,
 ) -> tuple[Outputs, list[list[float]]]:
     """The engine's returned beams and their scores (cumulative logprob / length ** penalty)."""
     params = SamplingParams(
@@ -94,6 +97,7 @@ def engine_beams(
         early_stopping=early_stopping,
         length_penalty=length_penalty,
         max_tokens=max_tokens,
+        min_tokens=min_tokens,
         stop_token_ids=stop,
     )
     outs = llm.generate(prompts, params)
@@ -158,20 +162,24 @@ def test_beam_parity_tiny_qwen2(tiny_qwen2_path: Path) -> None:
 
 
 def test_beam_never_and_length_penalty(tiny_llama_path: Path) -> None:
-    """early_stopping="never" with a length penalty that favours long beams, and returning the
-    best n < width (num_return_sequences)."""
+    """early_stopping="never" with a length penalty that favours long beams, other penalties,
+    min_tokens (transformers' min_new_tokens), and returning the best n < width
+    (num_return_sequences)."""
     from transformers import AutoConfig
 
     cfg = AutoConfig.from_pretrained(tiny_llama_path)
     prompts = shared_prefix_prompts(cfg.vocab_size, 6, 100, seed=5)
     llm = LLM(str(tiny_llama_path), dtype="float32", block_size=16, num_device_blocks=256)
     stop = frequent_token(llm, prompts)
-    for early, lp in (("never", 2.0), (False, 0.5), (True, -1.0)):
+    for early, lp, least in (("never", 2.0, 0), (False, 0.5, 0), (True, -1.0, 0), (True, 1.0, 4)):
+        finishing = [cfg.eos_token_id, stop]
         expected, want = hf_beams(
-            tiny_llama_path, prompts, [cfg.eos_token_id, stop], early, length_penalty=lp
+            tiny_llama_path, prompts, finishing, early, length_penalty=lp, min_tokens=least
         )
-        got, scores = engine_beams(llm, prompts, [stop], early, length_penalty=lp)
-        assert got == expected, f"early_stopping={early} length_penalty={lp}"
+        got, scores = engine_beams(llm, prompts, [stop], early, length_penalty=lp, min_tokens=least)
+        assert got == expected, f"early_stopping={early} length_penalty={lp} min_tokens={least}"
+        if least:
+            assert min(len(b) for beams in got for b in beams) >= least
         for s, w in zip(scores, want, strict=True):
             assert s == pytest.approx(w, rel=1e-5, abs=1e-4)
     two = SamplingParams(
