@@ -208,3 +208,32 @@ def test_beam_parity_demo_model(demo_model_path: Path) -> None:
     expected, _ = hf_beams(demo_model_path, prompts, eos, True, max_tokens=24)
     got, _ = engine_beams(llm, prompts, [], True, max_tokens=24)
     assert got == expected
+
+
+def test_beams_mixed_with_sampling_under_swap_preemption(tiny_llama_path: Path) -> None:
+    """Beam groups batched with greedy and seeded requests, in a pool that forces preemption in
+    swap mode (beam groups recompute; the others swap), give what a roomy engine gives."""
+    from transformers import AutoConfig
+
+    vocab = AutoConfig.from_pretrained(tiny_llama_path).vocab_size
+    prompts = shared_prefix_prompts(vocab, 12, 260, seed=11)
+    beam = SamplingParams(n=2, best_of=3, temperature=0.0, use_beam_search=True, max_tokens=10)
+    greedy = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+    seeded = SamplingParams(n=2, temperature=0.8, seed=4, max_tokens=10, ignore_eos=True)
+    params = [(beam, greedy, seeded)[i % 3] for i in range(len(prompts))]
+
+    def run(**cfg: Any) -> tuple[list[list[list[int]]], LLM]:
+        llm = LLM(str(tiny_llama_path), dtype="float32", block_size=16, **cfg)
+        outs = llm.generate(prompts, params)
+        llm.engine.kv.check_integrity()
+        assert llm.engine.kv.num_free_blocks == llm.engine.kv.num_blocks
+        return [[c.token_ids for c in o.outputs] for o in outs], llm
+
+    expected, _ = run(num_device_blocks=512)
+    got, llm = run(
+        num_device_blocks=40, num_cpu_blocks=256, preemption_mode="swap", max_num_batched_tokens=96
+    )
+    assert got == expected
+    eng = llm.engine
+    assert eng.scheduler.num_preemptions > 0 and eng.tiers is not None
+    assert eng.tiers.counters.swap_outs > 0
