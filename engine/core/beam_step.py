@@ -83,3 +83,10 @@ def end_beams(req: Request, scheduler: Scheduler, reason: str | None) -> None:
             scheduler.remove(seq)
             seq.finish(reason or "stop")
     req.beam.done = True
+
+
+def fail_beam_groups(failed: list[tuple[Sequence, str]], scheduler: Scheduler) -> None:
+    """A beam that failed (already finished with "error") fails its whole group."""
+    for seq, _ in failed:
+        if seq.request.beam is not None and not seq.request.beam.done:
+            end_beams(seq.request, scheduler, "error")

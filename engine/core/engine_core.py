@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from engine.config import EngineConfig
-from engine.core.beam_step import advance_beams, end_beams, new_beam_group
+from engine.core.beam_step import advance_beams, fail_beam_groups, new_beam_group
 from engine.core.output_processor import OutputProcessor
 from engine.core.scheduler import Scheduler
 from engine.core.sequence import Request, SeqStatus, Sequence
@@ -328,9 +328,7 @@ class EngineCore:
             seq.finish("error")
             seq.request.error = message
             self._touched[seq.request.request_id] = seq.request
-        for seq, _ in sched.failed:
-            if seq.request.beam is not None and not seq.request.beam.done:
-                end_beams(seq.request, self.scheduler, "error")  # the group fails as one
+        fail_beam_groups(sched.failed, self.scheduler)
         tables = [self.kv.block_ids(item.seq.seq_id) for item in sched.scheduled]
         try:
             results = self.runner.execute(sched, tables)

@@ -197,13 +197,7 @@ def test_beam_parity_demo_model(demo_model_path: Path) -> None:
     """The demo model on a few chat prompts, its real EOS only, caching on and chunked."""
     llm = LLM(str(demo_model_path), dtype="float32", block_size=16, max_num_batched_tokens=32)
     questions = ["What is the capital of France?", "Name a prime number.", "Say hi."]
-    prompts = [
-        llm.tokenizer.apply_chat_template(
-            [{"role": "user", "content": q}], add_generation_prompt=True, tokenize=True
-        )
-        for q in questions
-    ]
-    prompts = [list(p["input_ids"]) if isinstance(p, dict) else list(p) for p in prompts]
+    prompts = [llm.engine.tokenize(messages=[{"role": "user", "content": q}]) for q in questions]
     eos = list(llm.engine.model_info.eos_token_ids)
     expected, _ = hf_beams(demo_model_path, prompts, eos, True, max_tokens=24)
     got, _ = engine_beams(llm, prompts, [], True, max_tokens=24)

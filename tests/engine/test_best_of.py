@@ -82,3 +82,17 @@ def test_beam_search_refuses_structured_outputs_and_wide_beams(llm: LLM) -> None
     wide = LLM(llm.engine.config.model.path, dtype="float32", num_device_blocks=64, max_num_seqs=4)
     with pytest.raises(ValueError, match="beam width 8 exceeds"):
         wide.generate("hi", SamplingParams(n=8, temperature=0.0, use_beam_search=True))
+
+
+def test_a_beam_group_that_outgrows_the_pool_fails_as_one(tiny_llama_path: Path) -> None:
+    small = LLM(str(tiny_llama_path), dtype="float32", block_size=16, num_device_blocks=10)
+    params = SamplingParams(
+        n=4, temperature=0.0, use_beam_search=True, max_tokens=60, ignore_eos=True
+    )
+    # 100 prompt tokens (7 blocks) fit; four beams of 60 more tokens each cannot.
+    (out,) = small.generate(list(range(30, 130)), params)
+    assert out.finished and out.error is not None and "KV cache" in out.error
+    assert {c.finish_reason for c in out.outputs} == {"error"}
+    small.engine.kv.check_integrity()
+    assert small.engine.kv.num_free_blocks == small.engine.kv.num_blocks
+    assert not small.engine.has_unfinished_requests()
