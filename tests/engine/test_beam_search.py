@@ -147,6 +147,7 @@ def check_beam_parity(
                 assert stats.prefix_hits > 0
 
 
+@pytest.mark.timeout(1200)  # transformers' beam search takes most of it
 def test_beam_parity_tiny_llama(tiny_llama_path: Path) -> None:
     from transformers import AutoConfig
 
@@ -154,6 +155,7 @@ def test_beam_parity_tiny_llama(tiny_llama_path: Path) -> None:
     check_beam_parity(tiny_llama_path, cfg.vocab_size, cfg.eos_token_id)
 
 
+@pytest.mark.timeout(1200)  # transformers' beam search takes most of it
 def test_beam_parity_tiny_qwen2(tiny_qwen2_path: Path) -> None:
     from transformers import AutoConfig
 
@@ -161,6 +163,7 @@ def test_beam_parity_tiny_qwen2(tiny_qwen2_path: Path) -> None:
     check_beam_parity(tiny_qwen2_path, cfg.vocab_size, cfg.eos_token_id, (True,))
 
 
+@pytest.mark.timeout(1200)  # transformers' beam search takes most of it
 def test_beam_never_and_length_penalty(tiny_llama_path: Path) -> None:
     """early_stopping="never" with a length penalty that favours long beams, other penalties,
     min_tokens (transformers' min_new_tokens), and returning the best n < width
