@@ -24,6 +24,7 @@ import torch
 
 from engine.config import EngineConfig
 from engine.core.beam_step import advance_beams, fail_beam_groups, new_beam_group
+from engine.core.core_stats import engine_stats
 from engine.core.output_processor import OutputProcessor
 from engine.core.scheduler import Scheduler
 from engine.core.sequence import Request, SeqStatus, Sequence
@@ -43,7 +44,7 @@ from engine.kv_io.offload import KVOffload, build_tiers
 from engine.outputs import RequestOutput, TokenLogprob
 from engine.sample.sampler import Sampler
 from engine.sample.structured.compiler import GrammarCompilerPool
-from engine.stats import EngineStats, ModelInfo, TierStats
+from engine.stats import EngineStats, ModelInfo
 from engine.worker.attention import get_attention_backend
 from engine.worker.cpu_features import resolve_dtype
 from engine.worker.model_loader import (
@@ -455,59 +456,5 @@ class EngineCore:
         return outs
 
     # -- stats ---------------------------------------------------------------------------------
-    def _uncached_waiting(self, seq: Sequence) -> int:
-        """A waiting sequence's tokens still to compute, less the leading full blocks the device
-        tier holds for it now (what its admission would hit): the work it brings, as routers
-        weigh it (queued prefill tokens). Lower tiers are not consulted (no reference taken)."""
-        todo = seq.num_uncomputed
-        if seq.num_computed_tokens or not self.kv.enable_caching:
-            return todo
-        bs = self.kv.block_size
-        hit = 0
-        for h in seq.block_hashes[: (len(seq.token_ids) - 1) // bs]:
-            if self.kv.pool.lookup(h) is None:
-                break
-            hit += bs
-        return todo - hit
-
     def get_stats(self) -> EngineStats:
-        kv = self.kv
-        in_use = kv.pool.num_used
-        c = kv.counters
-        tiers = [
-            TierStats(
-                name="device",
-                num_blocks=kv.num_blocks,
-                used_blocks=in_use,
-                cached_blocks=len(kv.pool.cached),
-                pinned_blocks=len(kv.pins),
-                queries=c.device_queries,
-                hits=c.device_hits,
-                evictions=kv.pool.num_evictions,
-            )
-        ]
-        if self.tiers is not None:
-            self.tiers.add_stats(tiers, self.block_bytes)
-        running = self.scheduler.running
-        queued = sum(self._uncached_waiting(s) for s in self.scheduler.waiting) + sum(
-            s.num_uncomputed for s in running if s.num_computed_tokens < s.num_prompt_tokens
-        )
-        return EngineStats(
-            queued_prefill_tokens=queued,
-            num_decoding=sum(1 for s in running if s.num_computed_tokens >= s.num_prompt_tokens),
-            active_tokens=sum(s.num_computed_tokens for s in running),
-            prefill_tokens_per_s=self.step_rates.prefill_tokens_per_s,
-            decode_seq_s=self.step_rates.decode_seq_s,
-            step_tokens=self.config.scheduler.max_num_batched_tokens,
-            utilisation=self.step_rates.utilisation(time.monotonic()),
-            num_running=len(self.scheduler.running),
-            num_waiting=len(self.scheduler.waiting),
-            num_preemptions=self.scheduler.num_preemptions,
-            kv_usage=in_use / kv.num_blocks,
-            prefix_queries=c.device_queries,
-            prefix_hits=c.prefix_hits,
-            free_device_blocks=kv.num_free_blocks,
-            tiers=tiers,
-            grammar_cache=self.grammars.stats(),
-            buffers=self.offload.buffers() if self.offload is not None else [],
-        )
+        return engine_stats(self)
