@@ -172,7 +172,12 @@ def attention_reference(
 
 
 def run_decode(
-    case: PagedCase, kv_cache: torch.Tensor, scale: float, split: bool | None = None
+    case: PagedCase,
+    kv_cache: torch.Tensor,
+    scale: float,
+    split: bool | None = None,
+    window: int | None = None,
+    soft_cap: float | None = None,
 ) -> torch.Tensor:
     """The paged decode kernel over `case` (one query token per sequence), into a NaN-filled out."""
     out = torch.full_like(case.q, float("nan"))
@@ -185,11 +190,19 @@ def run_decode(
         scale,
         case.max_seq_len,
         split=split,
+        sliding_window=window,
+        logits_soft_cap=soft_cap,
     )
     return out
 
 
-def run_prefill(case: PagedCase, kv_cache: torch.Tensor, scale: float) -> torch.Tensor:
+def run_prefill(
+    case: PagedCase,
+    kv_cache: torch.Tensor,
+    scale: float,
+    window: int | None = None,
+    soft_cap: float | None = None,
+) -> torch.Tensor:
     """The varlen prefill kernel over `case`, into a NaN-filled out (padding rows stay NaN)."""
     out = torch.full_like(case.q, float("nan"))
     prefill_attention.paged_prefill_attention(
@@ -201,6 +214,8 @@ def run_prefill(case: PagedCase, kv_cache: torch.Tensor, scale: float) -> torch.
         case.query_start_loc,
         scale,
         case.max_query_len,
+        sliding_window=window,
+        logits_soft_cap=soft_cap,
     )
     return out
 
