@@ -136,7 +136,7 @@ def build_tiny_qwen2(directory: str | Path, seed: int = 0, **overrides: Any) -> 
 
 
 def build_tiny_mistral(
-    directory: str | Path, sliding_window: int = 64, seed: int = 0, **overrides: Any
+    directory: str | Path, sliding_window: int | None = 64, seed: int = 0, **overrides: Any
 ) -> Path:
     """Random Mistral (every layer slides over `sliding_window` positions, 2 layers, 4 heads /
     2 KV heads, untied) plus the tokenizer."""

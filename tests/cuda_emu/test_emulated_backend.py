@@ -101,10 +101,14 @@ def test_window_and_soft_cap_match_torch_backend(
             for i in range(max(0, ctx - window + 1) // 16):
                 row[i] = placeholder
     meta, _ = make_attention_metadata(context_lens, query_lens, tables, 16)
-    options_kw = dict(sliding_window=window, logits_soft_cap=soft_cap)
-    ours = backend.forward(case.q, case.k, case.v, cache.clone(), meta, 0.2, **options_kw)  # type: ignore[arg-type]
+    args = (case.q, case.k, case.v)
+    ours = backend.forward(
+        *args, cache.clone(), meta, 0.2, sliding_window=window, logits_soft_cap=soft_cap
+    )
     ref_cache = cache.nan_to_num()  # the torch reference masks what it gathers; NaN would leak
-    ref = TorchAttentionBackend().forward(case.q, case.k, case.v, ref_cache, meta, 0.2, **options_kw)  # type: ignore[arg-type]
+    ref = TorchAttentionBackend().forward(
+        *args, ref_cache, meta, 0.2, sliding_window=window, logits_soft_cap=soft_cap
+    )
     err = (ours.double() - ref.double()).abs().max().item()
     assert err < 2 * tolerance(torch.float32), err
 
