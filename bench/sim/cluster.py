@@ -168,6 +168,8 @@ class Cluster:
                 if turn.arrival is not None:
                     self.at(turn.arrival, functools.partial(self._arrive, s, i))
         self._poll()
+        if self.records_from == "events":
+            self.at(self.affinity.prefix_ttl_s / 2, self._refresh)
         while self._events and self._outstanding > 0:
             t, _, fn = heapq.heappop(self._events)
             self.clock = t
@@ -301,6 +303,19 @@ class Cluster:
         if rid not in self._flushing and (writer.num_pending or dropped):
             self._flushing.add(rid)
             self.at(self.clock + self.affinity.prefix_flush_s, lambda: self._flush(rid))
+
+    def _refresh(self) -> None:
+        """Re-records every held block before its record expires, as each live agent does
+        every `prefix_ttl_s / 2` (ReplicaAgent._refresh_loop)."""
+        for rid, agent in self.agents.items():
+            agent.kv_records.refresh()
+            if agent.kv_records.num_pending and rid not in self._flushing:
+                self._flushing.add(rid)
+                self.at(
+                    self.clock + self.affinity.prefix_flush_s, functools.partial(self._flush, rid)
+                )
+        if self._outstanding > 0:
+            self.at(self.clock + self.affinity.prefix_ttl_s / 2, self._refresh)
 
     def _flush(self, rid: str) -> None:
         writer = self.agents[rid].kv_records
