@@ -7,6 +7,7 @@ both our loader and transformers read it. Weights come from a fixed seed.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -203,6 +204,15 @@ def build_tiny_phi3(directory: str | Path, seed: int = 0, **overrides: Any) -> P
         **overrides,
     }  # fmt: skip
     return _tiny(directory, "Phi3Config", seed, **settings)
+
+
+FAMILY_BUILDERS: dict[str, Callable[[str | Path], Path]] = {
+    "qwen3": build_tiny_qwen3,
+    "qwen3_moe": build_tiny_qwen3_moe,
+    "mixtral": build_tiny_mixtral,
+    "phi3": build_tiny_phi3,
+}
+"""Family name -> builder of its tiny checkpoint (the families beyond Llama and Qwen2)."""
 
 
 def make_attention_metadata(

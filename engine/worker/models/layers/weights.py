@@ -33,6 +33,14 @@ def _as_shard(value: Shard | tuple[str, int, int]) -> Shard:
     return value if isinstance(value, Shard) else Shard(*value)
 
 
+def _checkpoint_name(name: str, rename: dict[str, str]) -> str:
+    """Our name as the checkpoint spells it (the first rename whose target occurs, undone)."""
+    for old, new in rename.items():
+        if new in name:
+            return name.replace(new, old)
+    return name
+
+
 def shard_map(model: nn.Module) -> dict[str, Shard]:
     """Full checkpoint name -> Shard (full parameter name), over every module that declares one."""
     out: dict[str, Shard] = {}
@@ -97,7 +105,9 @@ def load_checkpoint(
         if param_name in filled:
             filled[param_name] += dst.numel()
             if filled[param_name] > param.numel():
-                raise ValueError(f"checkpoint weight {name!r} overlaps another for {param_name!r}")
+                raise ValueError(
+                    f"checkpoint weight {name!r} overlaps weights already loaded into {param_name!r}"
+                )
     missing = []
     for param_name, count in filled.items():
         if count == params[param_name].numel():
@@ -105,5 +115,5 @@ def load_checkpoint(
         pieces = [n for n, s in shards.items() if s.param == param_name and n not in seen_targets]
         missing.extend(pieces if count and pieces else [param_name])
     if missing:
-        missing.sort()
+        missing = sorted(_checkpoint_name(n, rename or {}) for n in missing)
         raise ValueError(f"checkpoint is missing weights: {missing}")
