@@ -165,7 +165,8 @@ def _tiny(directory: str | Path, config_class: str, seed: int, **settings: Any) 
 
 def build_tiny_qwen3(directory: str | Path, seed: int = 0, **overrides: Any) -> Path:
     """Random Qwen3: QK norm, explicit head_dim 32 (not hidden / heads), tied embeddings."""
-    return _tiny(directory, "Qwen3Config", seed, head_dim=32, tie_word_embeddings=True, **overrides)
+    settings = {"head_dim": 32, "tie_word_embeddings": True, **overrides}
+    return _tiny(directory, "Qwen3Config", seed, **settings)
 
 
 def build_tiny_qwen3_moe(directory: str | Path, seed: int = 0, **overrides: Any) -> Path:

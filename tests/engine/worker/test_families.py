@@ -15,8 +15,9 @@ import torch
 
 from engine.config import ModelConfig
 from engine.worker.attention import TorchAttentionBackend
-from engine.worker.model_loader import load_model, read_hf_config
+from engine.worker.model_loader import iter_weights, load_model, read_hf_config
 from engine.worker.models import SUPPORTED_ARCHITECTURES, get_model_class, model_family
+from engine.worker.models.layers.linear import pack_linears
 from engine.worker.models.layers.moe import MoESpec, SparseMoE
 from engine.worker.models.layers.rotary import RotaryEmbedding, apply_rope, rope_inv_freq
 from tests.engine.worker.test_model import _check_parity
@@ -27,6 +28,14 @@ CPU = torch.device("cpu")
 
 def _load(path: Path, dtype: str = "float32") -> Any:
     model, _ = load_model(ModelConfig(path=str(path), dtype=dtype), CPU, TorchAttentionBackend())
+    return model
+
+
+def _load_unpacked(path: Path) -> Any:
+    """Our model with the checkpoint's weights, before the CPU packing (its full state dict)."""
+    cfg = read_hf_config(path)
+    model = get_model_class(cfg)(cfg, torch.float32, TorchAttentionBackend())
+    model.load_weights(iter_weights(path))
     return model
 
 
@@ -104,7 +113,7 @@ def test_sharded_index_and_bf16_on_disk(tiny_family: Callable[[str], Path], tmp_
     from transformers import AutoModelForCausalLM
 
     src = tiny_family("qwen3_moe")
-    want = _load(src)
+    want = _load_unpacked(src)
     hf: Any = AutoModelForCausalLM.from_pretrained(str(src), dtype=torch.float32)
     sharded = tmp_path / "sharded"
     shutil.copytree(src, sharded)
@@ -113,14 +122,14 @@ def test_sharded_index_and_bf16_on_disk(tiny_family: Callable[[str], Path], tmp_
     index = json.loads((sharded / "model.safetensors.index.json").read_text())
     assert len(set(index["weight_map"].values())) > 3
     assert any(".experts.7.down_proj.weight" in name for name in index["weight_map"])
-    got = _load(sharded)
+    got = _load_unpacked(sharded)
     for (name, a), (_, b) in zip(want.state_dict().items(), got.state_dict().items(), strict=True):
         assert torch.equal(a, b), name
 
     bf16 = tmp_path / "bf16"
     hf.to(torch.bfloat16).save_pretrained(str(bf16))
     shutil.copy(src / "tokenizer.json", bf16)
-    model = _load(bf16)
+    model = _load_unpacked(bf16)
     gate = model.model.layers[0].mlp.experts.gate_up_proj
     assert gate.dtype == torch.float32
     want_gate = want.model.layers[0].mlp.experts.gate_up_proj
@@ -141,8 +150,8 @@ def test_fused_expert_tensors_load(tiny_family: Callable[[str], Path], tmp_path:
         t[f"{prefix}.gate_up_proj"] = torch.stack(gate_up)
         t[f"{prefix}.down_proj"] = torch.stack(down)
 
-    want = _load(src).state_dict()
-    got = _load(_rewrite(src, tmp_path / "fused", fuse)).state_dict()
+    want = _load_unpacked(src).state_dict()
+    got = _load_unpacked(_rewrite(src, tmp_path / "fused", fuse)).state_dict()
     for name, tensor in want.items():
         assert torch.equal(tensor, got[name]), name
 
@@ -159,9 +168,9 @@ def _reference_moe(moe: SparseMoE, x: torch.Tensor) -> torch.Tensor:
     return out
 
 
-@pytest.mark.parametrize("grouped", [True, False])
+@pytest.mark.parametrize("path", ["grouped", "loop", "packed"])
 @pytest.mark.parametrize("renormalize", [True, False])
-def test_moe_batched_matches_per_token(grouped: bool, renormalize: bool) -> None:
+def test_moe_batched_matches_per_token(path: str, renormalize: bool) -> None:
     torch.manual_seed(0)
     spec = MoESpec(
         hidden_size=64, intermediate_size=32, num_experts=8, top_k=2, renormalize=renormalize
@@ -170,10 +179,14 @@ def test_moe_batched_matches_per_token(grouped: bool, renormalize: bool) -> None
     with torch.no_grad():
         for p in moe.parameters():
             p.normal_(0, 0.2)
-        moe.experts.grouped = grouped
-        for tokens in (1, 3, 64):  # decode, few tokens (idle experts), a batch
-            x = torch.randn(tokens, 64)
-            torch.testing.assert_close(moe(x), _reference_moe(moe, x), atol=1e-5, rtol=1e-5)
+        moe.experts.grouped = path == "grouped"
+        inputs = [torch.randn(tokens, 64) for tokens in (1, 3, 64)]  # decode, idle experts, batch
+        want = [_reference_moe(moe, x) for x in inputs]
+        if path == "packed":
+            pack_linears(moe)
+            assert moe.experts.packed is not None and not hasattr(moe.experts, "down_proj")
+        for x, ref in zip(inputs, want, strict=True):
+            torch.testing.assert_close(moe(x), ref, atol=1e-5, rtol=1e-5)
     if renormalize:
         weights, _ = moe.route(torch.randn(5, 64))
         torch.testing.assert_close(weights.sum(-1), torch.ones(5))

@@ -25,12 +25,16 @@ class PackedLinear(nn.Module):
     the state dict; load weights before packing.
     """
 
-    def __init__(self, linear: nn.Linear, batch_hint: int = 1) -> None:
+    def __init__(self, linear: nn.Linear | torch.Tensor, batch_hint: int = 1) -> None:
+        """linear: an nn.Linear, or a bare [out, in] weight (no bias)."""
         super().__init__()
-        self.in_features, self.out_features = linear.in_features, linear.out_features
-        weight = linear.weight.detach().contiguous()  # [out, in]
-        self.weight_packed = torch.ops.mkldnn._reorder_linear_weight(weight, batch_hint)
-        self.bias = None if linear.bias is None else linear.bias.detach()
+        weight = (linear.weight if isinstance(linear, nn.Linear) else linear).detach()
+        self.out_features, self.in_features = weight.shape
+        self.weight_packed = torch.ops.mkldnn._reorder_linear_weight(
+            weight.contiguous(), batch_hint
+        )
+        bias = linear.bias if isinstance(linear, nn.Linear) else None
+        self.bias = None if bias is None else bias.detach()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [..., in] -> [..., out]; rows padded to a bucket (see bucket_rows), then cut back
@@ -60,7 +64,8 @@ def bucket_rows(rows: int) -> int:
 
 
 def pack_linears(model: nn.Module) -> bool:
-    """Replaces every nn.Linear under `model` by its PackedLinear (CPU only, after loading).
+    """Replaces every nn.Linear under `model` by its PackedLinear (CPU only, after loading), and
+    lets every module with a `pack_for_cpu()` method (e.g. the experts) pack its own weights.
 
     Returns False, leaving every layer as it was, where oneDNN cannot pack this dtype on this CPU
     (bf16 without AVX-512 or AVX-NE-CONVERT): plain F.linear then computes the same products.
@@ -78,4 +83,8 @@ def pack_linears(model: nn.Module) -> bool:
             if i:
                 raise
             return False
+    for module in list(model.modules()):
+        pack = getattr(module, "pack_for_cpu", None)
+        if pack is not None:
+            pack()
     return True

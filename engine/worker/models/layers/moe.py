@@ -3,14 +3,15 @@
 Route: router logits [T, E] -> float32 softmax -> top-k experts per token, renormalized over the
 k chosen where the family does (Mixtral always; Qwen3-MoE with norm_topk_prob). Then the T * k
 (token, expert) pairs are sorted by expert, so each expert's tokens are one contiguous run, and
-each expert runs ONE GEMM over its run: with torch's grouped GEMM (`torch._grouped_mm`, one call
-for all experts, no host sync; the CUTLASS kernel on Hopper GPUs, a batched loop in C++ on the
-CPU) where the shapes allow it, else a Python loop over the experts that got tokens. The outputs,
-scaled by their routing weights, are scatter-added back to their tokens.
-
-NOTE: no loop over tokens and none over idle experts. The grouped GEMM was 1.4x faster than the
-per-expert loop on this CPU in float32 (batch 64, 8 experts, top-2, hidden 512) and needs no
-host-side expert counts.
+each expert runs ONE GEMM (per projection) over its run. The outputs, scaled by their routing
+weights, are scatter-added back to their tokens. No loop over tokens, none over idle experts:
+- on a GPU (and on the CPU before packing): torch's grouped GEMM (`torch._grouped_mm`, the
+  CUTLASS grouped kernel on Hopper), one call for all experts with no host sync: the expert
+  offsets stay on the device, so the step keeps its single sync and stays graph-capturable;
+- on the CPU after `pack_for_cpu`: each expert's weights packed for oneDNN (PackedLinear) and a
+  loop over the experts that got tokens (the counts come to the host, which costs nothing on a
+  CPU). NOTE: packed per-expert GEMMs beat the grouped GEMM here (it runs unpacked fp32 / bf16
+  matmuls one expert at a time in C++), the same 1.5-3x that packing gives dense layers.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.worker.models.layers.linear import new_linear
+from engine.worker.models.layers.linear import PackedLinear, new_linear
 from engine.worker.models.layers.mlp import activation
 from engine.worker.models.layers.weights import Shard
 
@@ -62,6 +63,17 @@ class Experts(nn.Module):
         self.down_proj = nn.Parameter(torch.empty(e, h, i, dtype=dtype))
         # NOTE: the grouped GEMM needs 16-byte aligned strides (every real checkpoint has them).
         self.grouped = hasattr(torch, "_grouped_mm") and h % 8 == 0 and i % 8 == 0
+        self.packed: nn.ModuleList | None = None
+        """After pack_for_cpu: [gate_up_e, down_e] PackedLinears of every expert e, in order."""
+
+    def pack_for_cpu(self) -> None:
+        """Packs each expert's two weights for oneDNN and drops the 3D tensors (load first)."""
+        layers = []
+        for e in range(self.spec.num_experts):
+            layers += [PackedLinear(self.gate_up_proj[e]), PackedLinear(self.down_proj[e])]
+        self.packed = nn.ModuleList(layers)
+        self.grouped = False
+        del self.gate_up_proj, self.down_proj
 
     def checkpoint_shards(self) -> dict[str, Shard]:
         """`{e}.{gate|up|down}.weight` (per-expert checkpoint tensors) -> slices of ours."""
@@ -86,8 +98,13 @@ class Experts(nn.Module):
         for e, n in enumerate(counts.tolist()):  # one host sync; idle experts are skipped
             if n == 0:
                 continue
-            gate, up = F.linear(x[start : start + n], self.gate_up_proj[e]).chunk(2, dim=-1)
-            out[start : start + n] = F.linear(self.act(gate) * up, self.down_proj[e])
+            rows = x[start : start + n]  # [n, H]
+            if self.packed is not None:
+                gate, up = self.packed[2 * e](rows).chunk(2, dim=-1)  # [n, I] each
+                out[start : start + n] = self.packed[2 * e + 1](self.act(gate) * up)
+            else:
+                gate, up = F.linear(rows, self.gate_up_proj[e]).chunk(2, dim=-1)
+                out[start : start + n] = F.linear(self.act(gate) * up, self.down_proj[e])
             start += n
         return out
 
