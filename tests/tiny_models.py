@@ -207,6 +207,36 @@ def build_tiny_phi3(directory: str | Path, seed: int = 0, **overrides: Any) -> P
     return _tiny(directory, "Phi3Config", seed, **settings)
 
 
+GEMMA_WINDOW = 32
+"""The tiny Gemmas' sliding window: the parity prompts run to 300 tokens, past 4x the window."""
+
+
+def build_tiny_gemma2(directory: str | Path, seed: int = 0, **overrides: Any) -> Path:
+    """Random Gemma 2: sliding (window 32) and global layers alternating, attention soft-cap 50
+    and final soft-cap 30, query_pre_attn_scalar 24 (not head_dim 16), tied embeddings."""
+    settings = {
+        "head_dim": 16, "query_pre_attn_scalar": 24, "sliding_window": GEMMA_WINDOW,
+        "layer_types": ["sliding_attention", "full_attention"],
+        "attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0, **overrides,
+    }  # fmt: skip
+    return _tiny(directory, "Gemma2Config", seed, **settings)
+
+
+def build_tiny_gemma3(directory: str | Path, seed: int = 0, **overrides: Any) -> Path:
+    """Random Gemma 3 (text): a local layer (window 32, rope base 10k) then a global one (base
+    1M), QK norm, query_pre_attn_scalar 24, tied embeddings."""
+    settings = {
+        "head_dim": 16, "query_pre_attn_scalar": 24, "sliding_window": GEMMA_WINDOW,
+        "layer_types": ["sliding_attention", "full_attention"],
+        "rope_parameters": {
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+            "full_attention": {"rope_type": "default", "rope_theta": 1000000.0},
+        },
+        **overrides,
+    }  # fmt: skip
+    return _tiny(directory, "Gemma3TextConfig", seed, **settings)
+
+
 FAMILY_BUILDERS: dict[str, Callable[[str | Path], Path]] = {
     "qwen3": build_tiny_qwen3,
     "qwen3_moe": build_tiny_qwen3_moe,

@@ -7,8 +7,11 @@ from __future__ import annotations
 import dataclasses
 import math
 
+from torch import nn
+
 from engine.worker.models.base import CausalLM
 from engine.worker.models.layers.attention import AttentionSpec
+from engine.worker.models.layers.mlp import GatedMLP
 from engine.worker.models.layers.norm import GemmaRMSNorm
 
 
@@ -23,6 +26,11 @@ class Gemma2ForCausalLM(CausalLM):
             scale=float(cfg.query_pre_attn_scalar) ** -0.5,
             logits_soft_cap=getattr(cfg, "attn_logit_softcapping", None),
         )
+
+    def build_mlp(self, layer: int) -> nn.Module:
+        cfg = self.config  # NOTE: Gemma reads hidden_activation (older configs also hold a hidden_act)
+        act = str(getattr(cfg, "hidden_activation", None) or "gelu_pytorch_tanh")
+        return GatedMLP(cfg.hidden_size, cfg.intermediate_size, act, False, self.dtype)
 
     def embedding_scale(self) -> float | None:
         return math.sqrt(self.config.hidden_size)
