@@ -13,6 +13,7 @@ import torch
 
 from cuda.cupy_launch import (
     DTYPE_NAMES,
+    LOG2E,
     AttentionArgs,
     AttentionDims,
     attention_configs,
@@ -21,14 +22,15 @@ from cuda.cupy_launch import (
     check_attention_args,
     check_contiguous,
     check_cuda,
+    check_options,
     check_tensor,
     launch,
     ptr,
+    soft_cap_log2,
 )
 
 CU_FILE = "prefill_attention.cu"
 THREADS = 128
-LOG2E = 1.4426950408889634
 
 
 def rows_per_tile(dtype: torch.dtype) -> int:
@@ -54,6 +56,9 @@ def paged_prefill_attention(
     query_start_loc: torch.Tensor,
     scale: float,
     max_query_len: int,
+    *,
+    sliding_window: int | None = None,
+    logits_soft_cap: float | None = None,
 ) -> None:
     """Causal attention of each sequence's new tokens over its cached prefix and themselves.
 
@@ -62,9 +67,12 @@ def paged_prefill_attention(
     kv_cache: [2, num_blocks, block_size, Hkv, D] contiguous (one layer), already holding the new
     tokens' K/V. block_tables: [num_seqs, max_blocks] int32; seq_lens: [num_seqs] int32;
     query_start_loc: [num_seqs + 1] int32. max_query_len: host-side upper bound of query lengths.
+    sliding_window: a token at p sees keys (p - W, p] only (None: all up to p); blocks before a
+    tile's first window are not read. logits_soft_cap: scores become cap * tanh(scores / cap).
     """
     args = AttentionArgs(out, q, kv_cache, block_tables, seq_lens)
     dims = _check_prefill_args(args, query_start_loc, max_query_len)
+    check_options(sliding_window, logits_soft_cap)
     num_seqs = seq_lens.shape[0]
     device = check_cuda(**args._asdict(), query_start_loc=query_start_loc)
     if num_seqs == 0 or max_query_len == 0:
@@ -84,6 +92,8 @@ def paged_prefill_attention(
             ptr(query_start_loc),
             *args.layout(),
             np.float32(scale * LOG2E),
+            np.int32(sliding_window or 0),
+            soft_cap_log2(logits_soft_cap),
         ),
     )
 

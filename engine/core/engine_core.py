@@ -54,6 +54,7 @@ from engine.worker.model_loader import (
     read_hf_config,
 )
 from engine.worker.model_runner import ModelRunner, StepSamples
+from engine.worker.models.sliding_window import kv_window, layer_windows
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -133,6 +134,9 @@ class EngineCore:
         )
         if built is not None:
             self.tiers, self.offload = built
+        # NOTE: blocks leave a sequence as its window moves on only when every layer slides;
+        # swap preemption holds a sequence's whole table in the CPU tier, so it keeps them all.
+        window = kv_window(layer_windows(hf_config)) if cc.preemption_mode != "swap" else None
         self.kv = KVCacheManager(
             num_blocks,
             cc.block_size,
@@ -140,6 +144,7 @@ class EngineCore:
             max_pinned_fraction=cc.max_pinned_fraction,
             tiers=self.tiers,
             events=self.kv_events,
+            sliding_window=window,
         )
         swap = self.tiers if cc.preemption_mode == "swap" else None
         self.scheduler = Scheduler(config.scheduler, self.kv, swap=swap)

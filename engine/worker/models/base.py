@@ -23,6 +23,7 @@ from engine.worker.models.layers.mlp import GatedMLP
 from engine.worker.models.layers.norm import NormClass, RMSNorm
 from engine.worker.models.layers.rotary import RotaryEmbedding
 from engine.worker.models.layers.weights import load_checkpoint
+from engine.worker.models.sliding_window import layer_windows
 
 
 def head_dim(cfg: Any) -> int:
@@ -32,19 +33,6 @@ def head_dim(cfg: Any) -> int:
 
 def num_kv_heads(cfg: Any) -> int:
     return int(getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads)
-
-
-def layer_sliding_window(cfg: Any, layer: int) -> int | None:
-    """The sliding window of layer `layer` as transformers applies it: layer_types where the
-    config has them, else config.sliding_window on every layer (unless use_sliding_window is
-    False); None when there is none or it spans max_position_embeddings anyway."""
-    window = getattr(cfg, "sliding_window", None)
-    layer_types = getattr(cfg, "layer_types", None)
-    if window is None or getattr(cfg, "use_sliding_window", True) is False:
-        return None
-    if layer_types is not None and layer_types[layer] != "sliding_attention":
-        return None
-    return None if window >= cfg.max_position_embeddings else int(window)
 
 
 def backend_supports(backend: AttentionBackend, option: str) -> bool:
@@ -121,6 +109,8 @@ class CausalLM(nn.Module):
         self.head_dim = head_dim(cfg)
         self.tie_word_embeddings = bool(getattr(cfg, "tie_word_embeddings", False))
         eps = float(cfg.rms_norm_eps)
+        self.windows = layer_windows(cfg)
+        """Each layer's sliding window (None: full attention), as the KV manager reads them."""
         layers = []
         for i in range(cfg.num_hidden_layers):
             spec = self.attention_spec(i)
@@ -177,7 +167,7 @@ class CausalLM(nn.Module):
             scale=self.head_dim**-0.5,
             qkv_bias=bias,
             o_bias=bias,
-            sliding_window=layer_sliding_window(cfg, layer),
+            sliding_window=self.windows[layer],
         )
 
     def build_mlp(self, layer: int) -> nn.Module:

@@ -28,7 +28,9 @@ class Gemma2ForCausalLM(CausalLM):
         )
 
     def build_mlp(self, layer: int) -> nn.Module:
-        cfg = self.config  # NOTE: Gemma reads hidden_activation (older configs also hold a hidden_act)
+        cfg = (
+            self.config
+        )  # NOTE: Gemma reads hidden_activation (older configs also hold a hidden_act)
         act = str(getattr(cfg, "hidden_activation", None) or "gelu_pytorch_tanh")
         return GatedMLP(cfg.hidden_size, cfg.intermediate_size, act, False, self.dtype)
 

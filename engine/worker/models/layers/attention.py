@@ -65,12 +65,6 @@ class Attention(nn.Module):
             self.q_norm = spec.qk_norm(spec.head_dim, spec.norm_eps, dtype)
             self.k_norm = spec.qk_norm(spec.head_dim, spec.norm_eps, dtype)
         self.backend = backend
-        # Passed only when set, so a backend without windows or soft-caps serves the rest.
-        self.backend_options: dict[str, float | int] = {}
-        if spec.sliding_window is not None:
-            self.backend_options["sliding_window"] = spec.sliding_window
-        if spec.logits_soft_cap is not None:
-            self.backend_options["logits_soft_cap"] = spec.logits_soft_cap
 
     def checkpoint_shards(self) -> dict[str, tuple[str, int, int]]:
         """checkpoint name (relative to this module) -> (our parameter, first row, rows)."""
@@ -104,6 +98,13 @@ class Attention(nn.Module):
             k = apply_rope(self.k_norm(k), cos, sin)  # [T, Hkv, D]
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
         out = self.backend.forward(
-            q, k, v, kv_cache, meta, self.spec.scale, **self.backend_options
+            q,
+            k,
+            v,
+            kv_cache,
+            meta,
+            self.spec.scale,
+            sliding_window=self.spec.sliding_window,
+            logits_soft_cap=self.spec.logits_soft_cap,
         )  # [T, Hq, D]
         return self.o_proj(out.reshape(num_tokens, self.q_size))  # [T, hidden]
