@@ -275,6 +275,8 @@ FAMILY_BUILDERS: dict[str, Callable[[str | Path], Path]] = {
     "qwen3_moe": build_tiny_qwen3_moe,
     "mixtral": build_tiny_mixtral,
     "phi3": build_tiny_phi3,
+    "gemma2": build_tiny_gemma2,
+    "gemma3": build_tiny_gemma3,
 }
 """Family name -> builder of its tiny checkpoint (the families beyond Llama and Qwen2)."""
 

@@ -3,7 +3,8 @@
 Greedy float32 tokens are identical to transformers `generate` with eager attention, and each
 chosen token's logprob is within 1e-3 of transformers', with prefix caching on (the same prompts
 run twice, the second time from the cache), caching off, chunked prefill (a 48-token budget) and
-a KV pool small enough to force preemption. After every run every block is free.
+a KV pool small enough to force preemption. After every run every block is free. The Gemmas
+slide over 32 positions on their local layers: the prompts run to 300 tokens, past 4x that.
 """
 
 from __future__ import annotations

@@ -21,6 +21,7 @@ from engine.worker.models.layers.linear import pack_linears
 from engine.worker.models.layers.moe import MoESpec, SparseMoE
 from engine.worker.models.layers.rotary import RotaryEmbedding, apply_rope, rope_inv_freq
 from tests.engine.worker.test_model import _check_parity
+from tests.tiny_models import FAMILY_BUILDERS
 
 torch.set_num_threads(2)
 CPU = torch.device("cpu")
@@ -50,7 +51,7 @@ def _rewrite(src: Path, dst: Path, edit: Callable[[dict[str, torch.Tensor]], Non
     return dst
 
 
-@pytest.mark.parametrize("family", ["qwen3", "qwen3_moe", "mixtral", "phi3"])
+@pytest.mark.parametrize("family", sorted(FAMILY_BUILDERS))
 def test_family_logits_match_transformers(family: str, tiny_family: Callable[[str], Path]) -> None:
     path = tiny_family(family)
     assert model_family(read_hf_config(path)) == family
