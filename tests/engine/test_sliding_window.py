@@ -74,6 +74,13 @@ CONFIGS: dict[str, dict[str, object]] = {
     "chunked": dict(num_device_blocks=256, max_num_batched_tokens=40),
     # 10 prompts of up to 424 tokens cannot all be resident in 40 blocks of 16 tokens.
     "preempt": dict(num_device_blocks=40, max_num_batched_tokens=128),
+    # swap preemption and a CPU tier: blocks spill and swap back (the manager keeps every block)
+    "swap": dict(
+        num_device_blocks=40,
+        max_num_batched_tokens=128,
+        preemption_mode="swap",
+        num_cpu_blocks=256,
+    ),
 }
 
 
@@ -96,8 +103,10 @@ def check_parity(path: Path) -> dict[str, LLM]:
             llm.engine.kv.check_integrity()
             assert llm.engine.kv.num_free_blocks == llm.engine.kv.num_blocks
         stats = llm.engine.get_stats()
-        if name == "preempt":
+        if name in ("preempt", "swap"):
             assert stats.num_preemptions > 0, "the small pool should have forced preemption"
+        if name == "swap":
+            assert llm.engine.kv.sliding_window is None
         if name == "cache-off":
             assert stats.prefix_hits == 0
         if name in ("cache-on", "chunked"):
