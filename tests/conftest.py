@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 os.environ["HF_HUB_OFFLINE"] = "1"
@@ -19,7 +20,7 @@ if _ROOT not in sys.path:
 
 import pytest  # noqa: E402
 
-from tests.tiny_models import build_tiny_llama, build_tiny_qwen2  # noqa: E402
+from tests.tiny_models import FAMILY_BUILDERS, build_tiny_llama, build_tiny_qwen2  # noqa: E402
 
 
 @pytest.fixture(scope="session")
@@ -32,6 +33,20 @@ def tiny_llama_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def tiny_qwen2_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Random 2-layer Qwen2 (q/k/v bias, tied embeddings) with the tiny BPE tokenizer."""
     return build_tiny_qwen2(tmp_path_factory.mktemp("tiny-qwen2"))
+
+
+@pytest.fixture(scope="session")
+def tiny_family(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]:
+    """family name (a key of tests.tiny_models.FAMILY_BUILDERS) -> its tiny random checkpoint,
+    built once per session."""
+    built: dict[str, Path] = {}
+
+    def get(family: str) -> Path:
+        if family not in built:
+            built[family] = FAMILY_BUILDERS[family](tmp_path_factory.mktemp(f"tiny-{family}"))
+        return built[family]
+
+    return get
 
 
 @pytest.fixture(scope="session")

@@ -7,6 +7,7 @@ both our loader and transformers read it. Weights come from a fixed seed.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -88,6 +89,8 @@ def _save_random(directory: Path, config: Any, seed: int) -> Path:
     with torch.no_grad():
         # Zero biases and unit norm weights would hide bugs in those paths: perturb them.
         for name, param in model.named_parameters():
+            if not param.any():  # e.g. a router initialized to zeros: every expert would tie
+                param.normal_(0.0, std)
             if name.endswith("bias"):
                 param.normal_(0.0, std)
             elif name.endswith("norm.weight"):
@@ -179,6 +182,103 @@ def build_random_llama(directory: str | Path, config_dict: dict[str, Any], seed:
     out = build_tokenizer(directory)
     kwargs = {**_special_ids(out), **config_dict}
     return _save_random(out, LlamaConfig(**kwargs), seed)
+
+
+def _tiny(directory: str | Path, config_class: str, seed: int, **settings: Any) -> Path:
+    """The tokenizer plus a random checkpoint of transformers' `config_class` with the tiny
+    defaults, the tokenizer's special ids and `settings` (later keys win)."""
+    import transformers
+
+    out = build_tokenizer(directory)
+    config = getattr(transformers, config_class)(
+        **{**_TINY_DEFAULTS, **_special_ids(out), **settings}
+    )
+    return _save_random(out, config, seed)
+
+
+def build_tiny_qwen3(directory: str | Path, seed: int = 0, **overrides: Any) -> Path:
+    """Random Qwen3: QK norm, explicit head_dim 32 (not hidden / heads), tied embeddings."""
+    settings = {"head_dim": 32, "tie_word_embeddings": True, **overrides}
+    return _tiny(directory, "Qwen3Config", seed, **settings)
+
+
+def build_tiny_qwen3_moe(directory: str | Path, seed: int = 0, **overrides: Any) -> Path:
+    """Random Qwen3-MoE: 8 experts, top-2, norm_topk_prob; layer 0 sparse, layer 1 dense
+    (mlp_only_layers); untied."""
+    settings = {
+        "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+        "norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": [1],
+        "tie_word_embeddings": False, **overrides,
+    }  # fmt: skip
+    return _tiny(directory, "Qwen3MoeConfig", seed, **settings)
+
+
+def build_tiny_mixtral(directory: str | Path, seed: int = 0, **overrides: Any) -> Path:
+    """Random Mixtral: 8 experts, top-2, expert width 64, no sliding window, untied."""
+    settings = {
+        "num_local_experts": 8, "num_experts_per_tok": 2, "intermediate_size": 64,
+        "sliding_window": None, "tie_word_embeddings": False, **overrides,
+    }  # fmt: skip
+    return _tiny(directory, "MixtralConfig", seed, **settings)
+
+
+def build_tiny_phi3(directory: str | Path, seed: int = 0, **overrides: Any) -> Path:
+    """Random Phi-3 with Phi-4-mini's traits: fused qkv_proj / gate_up_proj, partial rotary
+    (half of head_dim 16) and LongRoPE (original context 1024 of 4096)."""
+    half = 8 // 2  # rotary dims / 2
+    rope = {
+        "rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.5,
+        "short_factor": [1.0 + 0.25 * i for i in range(half)],
+        "long_factor": [2.0 + 1.5 * i for i in range(half)],
+        "original_max_position_embeddings": 1024,
+    }  # fmt: skip
+    settings = {
+        "max_position_embeddings": 4096, "original_max_position_embeddings": 1024,
+        "rope_parameters": rope, "sliding_window": None, "tie_word_embeddings": False,
+        **overrides,
+    }  # fmt: skip
+    return _tiny(directory, "Phi3Config", seed, **settings)
+
+
+GEMMA_WINDOW = 32
+"""The tiny Gemmas' sliding window: the parity prompts run to 300 tokens, past 4x the window."""
+
+
+def build_tiny_gemma2(directory: str | Path, seed: int = 0, **overrides: Any) -> Path:
+    """Random Gemma 2: sliding (window 32) and global layers alternating, attention soft-cap 50
+    and final soft-cap 30, query_pre_attn_scalar 24 (not head_dim 16), tied embeddings."""
+    settings = {
+        "head_dim": 16, "query_pre_attn_scalar": 24, "sliding_window": GEMMA_WINDOW,
+        "layer_types": ["sliding_attention", "full_attention"],
+        "attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0, **overrides,
+    }  # fmt: skip
+    return _tiny(directory, "Gemma2Config", seed, **settings)
+
+
+def build_tiny_gemma3(directory: str | Path, seed: int = 0, **overrides: Any) -> Path:
+    """Random Gemma 3 (text): a local layer (window 32, rope base 10k) then a global one (base
+    1M), QK norm, query_pre_attn_scalar 24, tied embeddings."""
+    settings = {
+        "head_dim": 16, "query_pre_attn_scalar": 24, "sliding_window": GEMMA_WINDOW,
+        "layer_types": ["sliding_attention", "full_attention"],
+        "rope_parameters": {
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+            "full_attention": {"rope_type": "default", "rope_theta": 1000000.0},
+        },
+        **overrides,
+    }  # fmt: skip
+    return _tiny(directory, "Gemma3TextConfig", seed, **settings)
+
+
+FAMILY_BUILDERS: dict[str, Callable[[str | Path], Path]] = {
+    "qwen3": build_tiny_qwen3,
+    "qwen3_moe": build_tiny_qwen3_moe,
+    "mixtral": build_tiny_mixtral,
+    "phi3": build_tiny_phi3,
+    "gemma2": build_tiny_gemma2,
+    "gemma3": build_tiny_gemma3,
+}
+"""Family name -> builder of its tiny checkpoint (the families beyond Llama and Qwen2)."""
 
 
 def make_attention_metadata(

@@ -16,7 +16,7 @@ import torch
 from engine.config import ModelConfig
 from engine.worker.attention.base import AttentionBackend
 from engine.worker.models import get_model_class
-from engine.worker.models.llama import LlamaForCausalLM
+from engine.worker.models.base import CausalLM
 
 HFConfig = Any
 """A transformers PretrainedConfig (typed loosely: its attributes depend on the family)."""
@@ -90,7 +90,7 @@ def iter_weights(path: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
 
 def load_model(
     model_config: ModelConfig, device: torch.device, backend: AttentionBackend
-) -> tuple[LlamaForCausalLM, HFConfig]:
+) -> tuple[CausalLM, HFConfig]:
     """Builds our model for the folder's architecture, loads its weights in model_config.dtype on
     `device`, in eval mode with gradients off."""
     hf_config = read_hf_config(model_config.path)

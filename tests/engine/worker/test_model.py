@@ -24,7 +24,9 @@ from engine.worker.model_loader import (
     read_hf_config,
 )
 from engine.worker.models import get_model_class, model_family
-from engine.worker.models.llama import LlamaForCausalLM, rope_inv_freq
+from engine.worker.models.base import CausalLM
+from engine.worker.models.layers.rotary import rope_inv_freq
+from engine.worker.models.llama import LlamaForCausalLM
 from engine.worker.models.sliding_window import kv_window, layer_windows
 from tests.tiny_models import build_tiny_llama, make_attention_metadata
 
@@ -50,7 +52,7 @@ def _hf_logits(path: Path, sequences: list[list[int]]) -> list[torch.Tensor]:
 
 
 def _paged_logits(
-    model: LlamaForCausalLM,
+    model: CausalLM,
     sequences: list[list[int]],
     schedules: list[list[int]],
     block_size: int,
@@ -140,22 +142,22 @@ def test_rope_inv_freq_both_config_styles() -> None:
         rope_parameters=dict(LLAMA3_ROPE),
     )  # fmt: skip
     want, _ = ROPE_INIT_FUNCTIONS["llama3"](new)
-    assert torch.equal(rope_inv_freq(new), want)
+    assert torch.equal(rope_inv_freq(new)[0], want)
     old_scaling = {k: v for k, v in LLAMA3_ROPE.items() if k != "rope_theta"}
     old = SimpleNamespace(
         hidden_size=64, num_attention_heads=4, max_position_embeddings=2048,
         rope_theta=500000.0, rope_scaling={**old_scaling, "type": old_scaling.pop("rope_type")},
     )  # fmt: skip
-    assert torch.equal(rope_inv_freq(old), want)
+    assert torch.equal(rope_inv_freq(old)[0], want)
     plain = SimpleNamespace(
         hidden_size=64, num_attention_heads=4, max_position_embeddings=2048, rope_theta=10000.0
     )
     default = LlamaConfig(hidden_size=64, num_attention_heads=4)
     want_default = 1.0 / (10000.0 ** (torch.arange(0, 16, 2, dtype=torch.float) / 16))
-    assert torch.equal(rope_inv_freq(plain), want_default)
-    assert torch.equal(rope_inv_freq(default), want_default)
-    with pytest.raises(ValueError, match="yarn"):
-        rope_inv_freq(SimpleNamespace(**{**vars(plain), "rope_scaling": {"rope_type": "yarn"}}))
+    assert torch.equal(rope_inv_freq(plain)[0], want_default)
+    assert torch.equal(rope_inv_freq(default)[0], want_default)
+    with pytest.raises(ValueError, match="dynamic"):
+        rope_inv_freq(SimpleNamespace(**{**vars(plain), "rope_scaling": {"rope_type": "dynamic"}}))
 
 
 def test_unsupported_architecture() -> None:
@@ -196,6 +198,26 @@ def test_sliding_window_layers() -> None:
         layer_windows(SimpleNamespace(**base, sliding_window=0))
     with pytest.raises(ValueError, match="layer_types has 2 entries"):
         layer_windows(SimpleNamespace(**base, sliding_window=8, layer_types=["full_attention"] * 2))
+
+
+class _PlainBackend(TorchAttentionBackend):
+    """A backend whose forward takes neither a sliding window nor a soft-cap."""
+
+    def forward(self, q, k, v, kv_cache, meta, scale):  # type: ignore[no-untyped-def,override]
+        return super().forward(q, k, v, kv_cache, meta, scale)
+
+
+def test_window_refused_by_a_backend_without_it(tmp_path: Path) -> None:
+    from transformers import MistralConfig
+
+    cfg = MistralConfig(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=64, max_position_embeddings=256, sliding_window=32,
+        architectures=["MistralForCausalLM"],
+    )  # fmt: skip
+    assert get_model_class(cfg) is LlamaForCausalLM
+    with pytest.raises(ValueError, match="sliding_window=32 on layer 0"):
+        LlamaForCausalLM(cfg, torch.float32, _PlainBackend())
 
 
 def test_loader_errors_and_helpers(tiny_llama_path: Path, tmp_path: Path) -> None:

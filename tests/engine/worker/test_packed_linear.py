@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from engine.worker.models.llama import PackedLinear, bucket_rows
+from engine.worker.models.layers.linear import PackedLinear, bucket_rows
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -1,0 +1,229 @@
+"""The decoder every family shares: embed -> N x (attention, MLP or experts) -> norm -> LM head,
+over one flat batch of tokens with a paged KV cache.
+
+A family subclasses CausalLM and overrides only the hooks where it differs from Llama: the
+attention of layer i (QK norm, scale, window, soft-cap), its MLP (gated, GELU, experts), the norm
+class, sandwich norms around each block (Gemma), per-layer rotary settings, embedding scaling,
+final logit soft-capping and checkpoint renames.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch import nn
+
+from engine.worker.attention.base import AttentionBackend, AttentionMetadata
+from engine.worker.models.layers.attention import Attention, AttentionSpec
+from engine.worker.models.layers.linear import new_linear, pack_linears
+from engine.worker.models.layers.mlp import GatedMLP
+from engine.worker.models.layers.norm import NormClass, RMSNorm
+from engine.worker.models.layers.rotary import RotaryEmbedding
+from engine.worker.models.layers.weights import load_checkpoint
+from engine.worker.models.sliding_window import layer_windows
+
+
+def head_dim(cfg: Any) -> int:
+    """config.head_dim, else hidden_size / num_attention_heads."""
+    return int(getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads)
+
+
+def num_kv_heads(cfg: Any) -> int:
+    return int(getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads)
+
+
+def backend_supports(backend: AttentionBackend, option: str) -> bool:
+    """Whether the backend's forward takes `option` (sliding_window, logits_soft_cap)."""
+    return option in inspect.signature(backend.forward).parameters
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm residual block; with `sandwich`, each block's output is normed too (Gemma):
+    x += post_attention_layernorm(attn(input_layernorm(x)))
+    x += post_feedforward_layernorm(mlp(pre_feedforward_layernorm(x)))."""
+
+    def __init__(
+        self,
+        attn: Attention,
+        mlp: nn.Module,
+        norm: NormClass,
+        hidden: int,
+        eps: float,
+        dtype: torch.dtype,
+        sandwich: bool,
+    ) -> None:
+        super().__init__()
+        self.input_layernorm = norm(hidden, eps, dtype)
+        self.self_attn = attn
+        self.post_attention_layernorm = norm(hidden, eps, dtype)
+        self.mlp = mlp
+        self.sandwich = sandwich
+        if sandwich:
+            self.pre_feedforward_layernorm = norm(hidden, eps, dtype)
+            self.post_feedforward_layernorm = norm(hidden, eps, dtype)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        """x: [T, hidden] -> [T, hidden]."""
+        h = self.self_attn(self.input_layernorm(x), *rope, kv_cache, meta)
+        if not self.sandwich:
+            x = x + h
+            return x + self.mlp(self.post_attention_layernorm(x))
+        x = x + self.post_attention_layernorm(h)
+        return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
+
+
+class DecoderModel(nn.Module):
+    """transformers' `model.` prefix: embed_tokens, layers, norm."""
+
+    def __init__(
+        self, embed: nn.Embedding, layers: Iterable[DecoderLayer], norm: nn.Module
+    ) -> None:
+        super().__init__()
+        self.embed_tokens = embed
+        self.layers = nn.ModuleList(layers)
+        self.norm = norm
+
+
+class CausalLM(nn.Module):
+    """A decoder-only LM over a flat batch with a paged KV cache; Llama unless overridden."""
+
+    norm_class: NormClass = RMSNorm
+    sandwich_norms = False
+    checkpoint_renames: dict[str, str] = {}
+    """Substring of a checkpoint name -> ours (e.g. Mixtral's `.block_sparse_moe.` -> `.mlp.`)."""
+
+    def __init__(self, hf_config: Any, dtype: torch.dtype, backend: AttentionBackend) -> None:
+        super().__init__()
+        cfg = self.config = hf_config
+        self.dtype = dtype
+        self.backend = backend
+        self.head_dim = head_dim(cfg)
+        self.tie_word_embeddings = bool(getattr(cfg, "tie_word_embeddings", False))
+        eps = float(cfg.rms_norm_eps)
+        self.windows = layer_windows(cfg)
+        """Each layer's sliding window (None: full attention), as the KV manager reads them."""
+        layers = []
+        for i in range(cfg.num_hidden_layers):
+            spec = self.attention_spec(i)
+            for option, value in (
+                ("sliding_window", spec.sliding_window),
+                ("logits_soft_cap", spec.logits_soft_cap),
+            ):
+                if value is not None and not backend_supports(backend, option):
+                    raise ValueError(
+                        f"{type(self).__name__} needs {option}={value} on layer {i}, which the "
+                        f"{backend.name!r} attention backend does not implement"
+                    )
+            attn = Attention(spec, dtype, backend)
+            layers.append(
+                DecoderLayer(
+                    attn,
+                    self.build_mlp(i),
+                    self.norm_class,
+                    cfg.hidden_size,
+                    eps,
+                    dtype,
+                    self.sandwich_norms,
+                )
+            )
+        embed = torch.nn.utils.skip_init(nn.Embedding, cfg.vocab_size, cfg.hidden_size, dtype=dtype)
+        self.model = DecoderModel(embed, layers, self.norm_class(cfg.hidden_size, eps, dtype))
+        self.lm_head = new_linear(cfg.hidden_size, cfg.vocab_size, False, dtype)
+        if self.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        self.layer_rope = [self.rope_key(i) for i in range(cfg.num_hidden_layers)]
+        self.rotary = nn.ModuleDict(
+            {key: RotaryEmbedding(cfg, self.head_dim, dtype, None if key == "default" else key)
+             for key in dict.fromkeys(self.layer_rope)}
+        )  # fmt: skip
+        scale = self.embedding_scale()
+        # transformers casts the scale to the model dtype before multiplying
+        self.embed_scale: torch.Tensor | None
+        self.register_buffer(
+            "embed_scale", None if scale is None else torch.tensor(scale, dtype=dtype), False
+        )
+        self.final_soft_cap: float | None = getattr(cfg, "final_logit_softcapping", None)
+
+    # ---- hooks a family overrides ----
+
+    def attention_spec(self, layer: int) -> AttentionSpec:
+        """Layer `layer`'s attention: Llama's, with q/k/v bias where the config asks for it."""
+        cfg = self.config
+        bias = bool(getattr(cfg, "attention_bias", False))
+        return AttentionSpec(
+            hidden_size=cfg.hidden_size,
+            num_heads=cfg.num_attention_heads,
+            num_kv_heads=num_kv_heads(cfg),
+            head_dim=self.head_dim,
+            scale=self.head_dim**-0.5,
+            qkv_bias=bias,
+            o_bias=bias,
+            sliding_window=self.windows[layer],
+        )
+
+    def build_mlp(self, layer: int) -> nn.Module:
+        cfg = self.config
+        act = str(getattr(cfg, "hidden_act", None) or getattr(cfg, "hidden_activation", "silu"))
+        bias = bool(getattr(cfg, "mlp_bias", False))
+        return GatedMLP(cfg.hidden_size, cfg.intermediate_size, act, bias, self.dtype)
+
+    def rope_key(self, layer: int) -> str:
+        """Which rotary setting layer `layer` uses: a key of a per-layer-type rope_parameters
+        (Gemma 3), or "default" for the config's only one."""
+        return "default"
+
+    def embedding_scale(self) -> float | None:
+        """Multiplies the token embeddings (Gemma: sqrt(hidden_size)); None: no scaling."""
+        return None
+
+    # ---- the shared forward ----
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        """input_ids, positions: [T] int64; kv_cache: [num_layers, 2, NB, BS, Hkv, D].
+
+        Returns the final-norm hidden states [T, hidden] of every token.
+        """
+        ropes = {key: rotary(positions) for key, rotary in self.rotary.items()}  # [T, 1, R/2]
+        h = self.model.embed_tokens(input_ids)  # [T, hidden]
+        if self.embed_scale is not None:
+            h = h * self.embed_scale
+        for i, layer in enumerate(self.model.layers):
+            h = layer(h, ropes[self.layer_rope[i]], kv_cache[i], meta)
+        return self.model.norm(h)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden: [N, hidden] -> [N, vocab] float32 (soft-capped where the family caps)."""
+        logits = self.lm_head(hidden)
+        if self.final_soft_cap is not None:
+            logits = torch.tanh(logits / self.final_soft_cap) * self.final_soft_cap
+        return logits.float()
+
+    def use_cpu_layout(self) -> None:
+        """Packs every projection for oneDNN (PackedLinear); call once, after loading, when the
+        model runs on the CPU. A tied lm_head gets its own packed copy (the embedding keeps its
+        rows): vocab x hidden more memory, for the largest product of every step."""
+        pack_linears(self)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copies Hugging Face checkpoint tensors (names as in transformers) into our layout.
+
+        Raises ValueError naming the tensor on an unknown name, a shape mismatch, a repeat, or a
+        weight missing at the end.
+        """
+        skip = ["lm_head.weight"] if self.tie_word_embeddings else []
+        load_checkpoint(self, weights, rename=self.checkpoint_renames, skip=skip)
