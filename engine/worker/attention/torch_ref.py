@@ -10,6 +10,9 @@ is split into up to MAX_GROUPS groups of similar length where that saves padded 
 The index tensors depend only on the metadata: they are built once per step (`prepare`) and
 reused by every layer.
 
+An fp8 cache (float8_e4m3fn) is written as K / scale and V / scale (saturated) and read back
+through `dequantize_fp8` into the query dtype, with the layer's scales (`layer_scales`).
+
 The attention call per group: a masked `scaled_dot_product_attention`, or plain causal SDPA (no
 mask) when every sequence of the group is new and of one length (a cold prompt).
 NOTE: two batched matmuls around a float32 softmax (transformers' eager attention) ran the
@@ -27,6 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.worker.attention.base import AttentionBackend, AttentionMetadata
+from engine.worker.attention.kv_quant import dequantize_fp8, is_fp8, quantize_fp8
 
 
 @dataclass(slots=True)
@@ -113,6 +117,7 @@ class TorchAttentionBackend(AttentionBackend):
     """
 
     name = "torch"
+    supports_fp8_kv = True
 
     def __init__(self) -> None:
         self._plan: _StepPlan | None = None
@@ -135,16 +140,23 @@ class TorchAttentionBackend(AttentionBackend):
         plan = self._plan_for(meta)
         # cache: [2, NB * BS, Hkv, D] view of this layer's K and V
         cache = kv_cache.view(2, -1, num_kv_heads, head_dim)
+        scales = self.layer_scales(kv_cache) if is_fp8(kv_cache) else None
         for i, new in enumerate((k, v)):  # [T, Hkv, D] each
             if plan.write_tokens is not None:
                 new = new[plan.write_tokens]  # [W, Hkv, D]
-            cache[i].index_copy_(0, plan.write_slots, new.to(cache.dtype))
+            if scales is None:
+                cache[i].index_copy_(0, plan.write_slots, new.to(cache.dtype))
+            else:
+                # NOTE: torch has no float8 index_copy_ on the CPU; the bytes are the same.
+                codes = quantize_fp8(new, scales[i]).view(torch.uint8)
+                cache[i].view(torch.uint8).index_copy_(0, plan.write_slots, codes)
 
     def attend(
         self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float
     ) -> torch.Tensor:
         plan = self._plan_for(meta)
-        rows = [_attend(q, kv_cache, g, scale) for g in plan.groups]
+        kv_scales = self.layer_scales(kv_cache) if is_fp8(kv_cache) else None
+        rows = [_attend(q, kv_cache, g, scale, kv_scales) for g in plan.groups]
         out = rows[0] if len(rows) == 1 else torch.cat(rows)  # [sum Sg * Q, Hq, D]
         if plan.token_row is not None:
             out = out[plan.token_row]  # [T, Hq, D]
@@ -154,9 +166,15 @@ class TorchAttentionBackend(AttentionBackend):
 
 
 def _attend(
-    q: torch.Tensor, kv_cache: torch.Tensor, group: _SeqGroup, scale: float
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    group: _SeqGroup,
+    scale: float,
+    kv_scales: tuple[float, float] | None = None,
 ) -> torch.Tensor:
-    """q: [T, Hq, D]; kv_cache: [2, NB, BS, Hkv, D] -> [Sg * Q, Hq, D] rows (sequence-major)."""
+    """q: [T, Hq, D]; kv_cache: [2, NB, BS, Hkv, D] -> [Sg * Q, Hq, D] rows (sequence-major).
+
+    kv_scales: the layer's (K, V) scales of an fp8 cache; None for a cache in a float type."""
     num_q_heads, head_dim = q.shape[1], q.shape[2]
     num_kv_heads, block_size = kv_cache.shape[3], kv_cache.shape[2]
     g = num_q_heads // num_kv_heads
@@ -166,11 +184,13 @@ def _attend(
     # per K and V. [Sg * C, BS, Hkv, D] -> [Sg, C * BS, Hkv, D] -> first L positions.
     idx = group.block_index(block_size)
     k, v = (
-        kv_cache[i]
-        .index_select(0, idx)
-        .view(num_seqs, -1, num_kv_heads, head_dim)[:, :max_len]
-        .to(q.dtype)
-        .transpose(1, 2)  # [Sg, Hkv, L, D]
+        _to_query_dtype(
+            kv_cache[i]
+            .index_select(0, idx)
+            .view(num_seqs, -1, num_kv_heads, head_dim)[:, :max_len],
+            q.dtype,
+            None if kv_scales is None else kv_scales[i],
+        ).transpose(1, 2)  # [Sg, Hkv, L, D]
         for i in (0, 1)
     )
     # [Sg, Q, Hq, D]
@@ -196,6 +216,11 @@ def _attend(
         .permute(0, 3, 1, 2, 4)
         .reshape(num_seqs * max_q, num_q_heads, head_dim)
     )
+
+
+def _to_query_dtype(x: torch.Tensor, dtype: torch.dtype, kv_scale: float | None) -> torch.Tensor:
+    """Gathered K or V [Sg, L, Hkv, D] in the query dtype (fp8: dequantized with kv_scale)."""
+    return x.to(dtype) if kv_scale is None else dequantize_fp8(x, dtype, kv_scale)
 
 
 def _meta_tensors(meta: AttentionMetadata) -> tuple[torch.Tensor, ...]:
