@@ -44,7 +44,7 @@ from engine.sample.sampler import Sampler
 from engine.sample.structured.compiler import GrammarCompilerPool
 from engine.stats import EngineStats, ModelInfo, TierStats
 from engine.worker.attention import get_attention_backend
-from engine.worker.attention.kv_quant import FP8_DTYPE, KVScales
+from engine.worker.attention.kv_quant import FP8_DTYPE, KVScales, kv_block_bytes
 from engine.worker.cpu_features import resolve_dtype
 from engine.worker.kv_calibration import (
     KVCalibration,
@@ -99,10 +99,10 @@ class EngineCore:
         cc = config.cache
         self.kv_dtype = kv_cache_storage(cc.kv_cache_dtype, self.dtype, self.backend)
         """The KV cache's storage dtype on every tier (fp8: quantized with `kv_scales`)."""
-        # Bytes of one block in every layer, K and V: an fp8 block is half a bf16 one, so the
-        # same device_memory_gib (and cpu_swap_gib, disk_gib) holds twice the blocks.
-        elem = torch.empty((), dtype=self.kv_dtype).element_size()
-        self.block_bytes = num_layers * 2 * cc.block_size * num_kv_heads * head_dim * elem
+        # NOTE: an fp8 block is half a bf16 one: the same budgets hold twice the blocks.
+        self.block_bytes = kv_block_bytes(
+            num_layers, cc.block_size, num_kv_heads, head_dim, self.kv_dtype
+        )
         num_blocks = cc.num_device_blocks or max(
             1, int(cc.device_memory_gib * 2**30) // self.block_bytes
         )

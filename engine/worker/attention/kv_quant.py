@@ -37,6 +37,15 @@ def kv_storage_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dty
     raise ValueError(f"unknown kv_cache_dtype {kv_cache_dtype!r}; choose auto or fp8_e4m3")
 
 
+def kv_block_bytes(
+    num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype
+) -> int:
+    """Bytes of one KV block in every layer, K and V, stored as `dtype`: what the device pool,
+    the CPU tier and the disk tier are sized by (fp8: half of bf16's, a quarter of float32's)."""
+    elem = torch.empty((), dtype=dtype).element_size()
+    return num_layers * 2 * block_size * num_kv_heads * head_dim * elem
+
+
 def is_fp8(t: torch.Tensor) -> bool:
     return t.dtype == FP8_DTYPE
 
