@@ -20,11 +20,13 @@ from tests.tiny_models import build_tiny_llama, make_attention_metadata
 # head_dim 64 (hidden 256, 4 heads / 2 KV heads) so the kernels apply; float32 and block 16 are
 # covered by ATTN_CONFIGS' (F32, 64, 16, 2, 2)-style instantiations plus the ones added here.
 EXTRA_NAMES = [
-    "deja::paged_decode_kernel<float, 64, 16, 2>",
-    "deja::paged_prefill_kernel<float, 64, 16>",
-    "deja::paged_decode_kernel<deja::bf16, 64, 16, 2>",
+    "deja::paged_decode_kernel<float, float, 64, 16, 2>",
+    "deja::paged_prefill_kernel<float, float, 64, 16>",
+    "deja::paged_decode_kernel<deja::bf16, deja::bf16, 64, 16, 2>",
     "deja::paged_decode_reduce_kernel<deja::bf16, 64>",
-    "deja::paged_prefill_kernel<deja::bf16, 64, 16>",
+    "deja::paged_prefill_kernel<deja::bf16, deja::bf16, 64, 16>",
+    "deja::paged_decode_kernel<float, deja::fp8e4m3, 64, 16, 2>",
+    "deja::paged_prefill_kernel<float, deja::fp8e4m3, 64, 16>",
 ]
 
 
@@ -74,6 +76,38 @@ def test_forward_matches_torch_backend(
     kernels = [name.split("<")[0] for name, _, _ in emulator.launches]
     attention = "deja::paged_decode_kernel" if decode else "deja::paged_prefill_kernel"
     assert kernels[:2] == ["deja::reshape_and_cache_kernel", attention]
+
+
+@pytest.mark.parametrize(
+    "context_lens,query_lens", [([5, 0, 40, 17], [1, 1, 1, 1]), ([5, 0, 40, 17], [1, 9, 1, 20])]
+)
+def test_fp8_cache_matches_torch_backend(
+    backend: CupyAttentionBackend,
+    emulator: Emulator,
+    context_lens: list[int],
+    query_lens: list[int],
+) -> None:
+    from engine.worker.attention.kv_quant import FP8_DTYPE, KVScales, quantize_fp8
+
+    case = make_case(context_lens, query_lens, 4, 2, 64, 16, torch.float32)
+    meta, _ = make_attention_metadata(context_lens, query_lens, case.block_tables.tolist(), 16)
+    scales = KVScales((1.0, 2.0**-4), (1.0, 2.0**-6))
+    full = torch.empty((2, *case.kv_cache.shape), dtype=FP8_DTYPE)  # two layers
+    full[1, 0] = quantize_fp8(case.kv_cache[0].nan_to_num(), scales.k[1])
+    full[1, 1] = quantize_fp8(case.kv_cache[1].nan_to_num(), scales.v[1])
+    ref_full = full.clone()
+    ref_backend = TorchAttentionBackend()
+    backend.bind_kv_cache(full, scales)
+    ref_backend.bind_kv_cache(ref_full, scales)
+    scale = 1 / math.sqrt(64)
+    ours = backend.forward(case.q, case.k, case.v, full[1], meta, scale)
+    ref = ref_backend.forward(case.q, case.k, case.v, ref_full[1], meta, scale)
+    assert torch.equal(full.view(torch.uint8), ref_full.view(torch.uint8))  # same quantization
+    err = (ours.double() - ref.double()).abs().max().item()
+    assert err < 2 * tolerance(torch.float32), err
+    kernels = [name for name, _, _ in emulator.launches]
+    assert kernels[0] == "deja::reshape_and_cache_fp8_kernel<float>"
+    assert "deja::fp8e4m3" in kernels[1]
 
 
 def test_unsupported_head_dim_falls_back_to_torch(
