@@ -11,6 +11,10 @@ once with the KV cache in the model's dtype (kv_cache_dtype=auto) and once with
   count only where they happen to agree again), with each prompt's first difference;
 - mean |logprob error|: |logprob_fp8 - logprob_ref| of the chosen token, over the positions where
   both runs still share the whole context (up to and including each prompt's first difference);
+- teacher-forced: both engines score the reference outputs (prompt + reference tokens, one
+  prefill each, through the engine's own model, attention backend and KV dtype): the share of
+  positions where the tested engine's top-1 is the reference token, and the mean |logprob error|
+  of the reference token; free of the cascade above (every position has the same context);
 - capacity: device blocks that fit the same KV budget (--device-memory-gib) for float32, bf16
   and the tested dtype, from the engine's own block sizing; and the two engines' pools.
 PASS when agreement >= 90% and fp8 blocks per budget >= 2.0x bf16's (issue 27's acceptance 3).
@@ -87,6 +91,58 @@ def _run(llm: Any, prompts: list[list[int]], max_tokens: int) -> tuple[list[Any]
     return [o.outputs[0] for o in outs], elapsed
 
 
+def teacher_forced(llm: Any, seqs: list[list[int]], starts: list[int]) -> Any:
+    """[sum(len(s) - start), vocab] float32 log-probs of each sequence's tokens from its start on,
+    given the tokens before them: one prefill of all sequences through the engine's model and
+    attention backend, over a scratch cache in the engine's KV dtype with its scales."""
+    import torch
+
+    from engine.worker.kv_calibration import prefill_meta
+
+    eng = llm.engine
+    kv = eng.runner.kv_cache  # [L, 2, NB, BS, Hkv, D]
+    bs = kv.shape[3]
+    lengths = [len(s) for s in seqs]
+    meta = prefill_meta(lengths, bs, kv.device)
+    num_blocks = sum(-(-n // bs) for n in lengths)
+    cache = torch.zeros(
+        (kv.shape[0], 2, num_blocks, *kv.shape[3:]), dtype=kv.dtype, device=kv.device
+    )
+    ids = torch.tensor([t for s in seqs for t in s], device=kv.device)
+    pos = torch.tensor([i for n in lengths for i in range(n)], device=kv.device)
+    rows: list[int] = []
+    first = 0
+    for n, start in zip(lengths, starts, strict=True):
+        rows += range(first + start - 1, first + n - 1)  # row p predicts token p + 1
+        first += n
+    eng.backend.bind_kv_cache(cache, eng.kv_scales)
+    try:
+        with torch.inference_mode():
+            eng.backend.prepare(meta)
+            hidden = eng.model(ids, pos, cache, meta)
+            idx = torch.tensor(rows, device=kv.device)
+            return eng.model.compute_logits(hidden.index_select(0, idx)).log_softmax(-1).cpu()
+    finally:
+        eng.backend.bind_kv_cache(kv, eng.kv_scales)
+
+
+def compare_forced(ref_lp: Any, test_lp: Any, targets: list[int]) -> dict[str, Any]:
+    """Top-1 agreement with the reference tokens and |logprob error| of them, same contexts."""
+    import torch
+
+    t = torch.tensor(targets)[:, None]
+    top1 = test_lp.argmax(-1) == t[:, 0]
+    err = (test_lp.gather(1, t) - ref_lp.gather(1, t)).abs()
+    kl = (ref_lp.exp() * (ref_lp - test_lp)).sum(-1)
+    return {
+        "top1_agreement": float(top1.float().mean()),
+        "reference_top1": float((ref_lp.argmax(-1) == t[:, 0]).float().mean()),
+        "mean_abs_logprob_error": float(err.mean()),
+        "mean_kl": float(kl.mean()),
+        "positions": len(targets),
+    }
+
+
 def compare(ref: list[Any], test: list[Any]) -> dict[str, Any]:
     """Position-by-position agreement and the logprob error over shared contexts."""
     same = total = 0
@@ -123,6 +179,9 @@ def run(args: argparse.Namespace) -> int:
     max_tokens = 8 if args.quick else args.max_tokens
     engines: dict[str, Any] = {}
     outputs: dict[str, list[Any]] = {}
+    forced: dict[str, Any] = {}
+    seqs: list[list[int]] = []
+    starts: list[int] = []
     for kv in ("auto", args.kv_cache_dtype):
         llm = common.our_llm(
             model_path,
@@ -134,6 +193,10 @@ def run(args: argparse.Namespace) -> int:
         )
         prompts = _prompts(llm.tokenizer, n)
         outputs[kv], secs = _run(llm, prompts, max_tokens)
+        if kv == "auto":  # the reference outputs, scored by both engines below
+            seqs = [p + o.token_ids for p, o in zip(prompts, outputs[kv], strict=True)]
+            starts = [len(p) for p in prompts]
+        forced[kv] = teacher_forced(llm, seqs, starts)
         eng = llm.engine
         engines[kv] = {
             "kv_dtype": str(eng.runner.kv_cache.dtype),
@@ -151,6 +214,8 @@ def run(args: argparse.Namespace) -> int:
         )
         del llm, eng
     result = compare(outputs["auto"], outputs[args.kv_cache_dtype])
+    targets = [t for s, start in zip(seqs, starts, strict=True) for t in s[start:]]
+    tf = compare_forced(forced["auto"], forced[args.kv_cache_dtype], targets)
     dims = (mi.num_layers, mi.block_size, mi.num_kv_heads, mi.head_dim)
     budget = int(args.device_memory_gib * 2**30)
     fits = {
@@ -172,6 +237,12 @@ def run(args: argparse.Namespace) -> int:
         f"shared-context positions: {result['mean_abs_logprob_error']:.4f}"
     )
     print(
+        f"teacher-forced over the reference outputs ({tf['positions']} positions, same "
+        f"contexts): top-1 = reference token {100 * tf['top1_agreement']:.1f}% (the reference "
+        f"engine itself: {100 * tf['reference_top1']:.1f}%), mean |logprob error| "
+        f"{tf['mean_abs_logprob_error']:.4f}, mean KL {tf['mean_kl']:.5f}"
+    )
+    print(
         "blocks in the same budget: "
         + ", ".join(f"{k} {v}" for k, v in fits.items())
         + f"; {args.kv_cache_dtype} / bfloat16 = {capacity:.2f}x, / float32 = "
@@ -189,6 +260,7 @@ def run(args: argparse.Namespace) -> int:
         {
             "engines": engines,
             "comparison": result,
+            "teacher_forced": tf,
             "blocks_per_budget": fits,
             "capacity_vs_bf16": capacity,
             "verdict": "PASS" if ok else "FAIL",

@@ -80,7 +80,7 @@ def checkpoint_kv_scales(files: list[Path], num_layers: int) -> KVScales | None:
     )
 
 
-def _prefill_meta(lengths: list[int], block_size: int, device: torch.device) -> AttentionMetadata:
+def prefill_meta(lengths: list[int], block_size: int, device: torch.device) -> AttentionMetadata:
     """One prefill batch of sequences with `lengths` new tokens, each in its own blocks, laid out
     one after another from block 0."""
     blocks = [-(-n // block_size) for n in lengths]
@@ -150,7 +150,7 @@ def calibrate_kv_scales(run: KVCalibration, kv_shape: tuple[int, int, int, int])
     if not prompts:
         raise ValueError("the tokenizer gave no tokens for the KV-scale calibration texts")
     lengths = [len(p) for p in prompts]
-    meta = _prefill_meta(lengths, block_size, device)
+    meta = prefill_meta(lengths, block_size, device)
     num_blocks = sum(-(-n // block_size) for n in lengths)
     cache = torch.zeros(
         (num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim), dtype=dtype, device=device
