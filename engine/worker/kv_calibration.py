@@ -11,7 +11,6 @@ The disk tier's stored scales take precedence over a new calibration (engine/kv_
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -20,7 +19,14 @@ import torch
 
 from engine.kv_io.offload import stored_kv_scales
 from engine.worker.attention.base import AttentionBackend, AttentionMetadata
-from engine.worker.attention.kv_quant import FP8_DTYPE, KVScales, kv_storage_dtype, pow2_scale
+from engine.worker.attention.kv_quant import (
+    CHECKPOINT_SCALE,
+    FP8_DTYPE,
+    KVScales,
+    kv_storage_dtype,
+    pow2_scale,
+)
+from engine.worker.model_loader import safetensors_files
 
 CALIBRATION_TEXTS = (
     "The history of the printing press begins in the fifteenth century, when Johannes "
@@ -42,14 +48,6 @@ CALIBRATION_TEXTS = (
 """Prompts the calibration pass runs (mixed on purpose: prose, chat, code, numbers)."""
 MAX_TOKENS_PER_TEXT = 256
 
-_CHECKPOINT_SCALE = re.compile(r"(?:^|\.)layers\.(\d+)\.self_attn\.(?:attn\.)?([kv])_scale$")
-"""Checkpoint names of per-layer KV scales (vLLM / llm-compressor fp8 checkpoints)."""
-
-
-def is_kv_scale_name(name: str) -> bool:
-    """A checkpoint tensor that is a KV-cache scale, not a weight."""
-    return _CHECKPOINT_SCALE.search(name) is not None
-
 
 def checkpoint_kv_scales(files: list[Path], num_layers: int) -> KVScales | None:
     """The checkpoint's `layers.N.self_attn.k_scale` / `v_scale` tensors as KVScales, or None
@@ -60,7 +58,7 @@ def checkpoint_kv_scales(files: list[Path], num_layers: int) -> KVScales | None:
     for file in files:
         with safe_open(str(file), framework="pt", device="cpu") as f:
             for name in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
-                m = _CHECKPOINT_SCALE.search(name)
+                m = CHECKPOINT_SCALE.search(name)
                 if m is not None:
                     found[(m.group(2), int(m.group(1)))] = float(f.get_tensor(name).float().max())
     if not found:
@@ -198,8 +196,6 @@ def resolve_kv_scales(
     with (a restart, or a replica sharing the folder); else a calibration pass (`run`).
 
     kv_shape: (num_layers, block_size, num_kv_heads, head_dim)."""
-    from engine.worker.model_loader import safetensors_files
-
     found = checkpoint_kv_scales(safetensors_files(sources.model_path), kv_shape[0])
     if found is not None:
         return found

@@ -15,7 +15,7 @@ import torch
 
 from engine.config import ModelConfig
 from engine.worker.attention.base import AttentionBackend
-from engine.worker.kv_calibration import is_kv_scale_name
+from engine.worker.attention.kv_quant import is_kv_scale_name
 from engine.worker.models import get_model_class
 from engine.worker.models.llama import LlamaForCausalLM
 

@@ -14,6 +14,7 @@ bfloat16 or float16 adds none.
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,6 +27,16 @@ CALIBRATION_MARGIN = 2.0
 """Calibrated scale covers this many times the largest |K| or |V| seen while calibrating, so
 later prompts with somewhat larger values do not saturate. It costs no precision (e4m3 keeps 3
 mantissa bits across 2^-6..448); it only moves the subnormal threshold up by one binade."""
+
+
+CHECKPOINT_SCALE = re.compile(r"(?:^|\.)layers\.(\d+)\.self_attn\.(?:attn\.)?([kv])_scale$")
+"""Checkpoint names of per-layer KV scales (vLLM / llm-compressor fp8 checkpoints)."""
+
+
+def is_kv_scale_name(name: str) -> bool:
+    """A checkpoint tensor that is a KV-cache scale, not a weight (engine/worker/kv_calibration.py
+    reads them)."""
+    return CHECKPOINT_SCALE.search(name) is not None
 
 
 def kv_storage_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:

@@ -17,11 +17,12 @@ from engine.worker.attention.kv_quant import (
     FP8_MAX,
     KVScales,
     dequantize_fp8,
+    is_kv_scale_name,
     kv_storage_dtype,
     pow2_scale,
     quantize_fp8,
 )
-from engine.worker.kv_calibration import checkpoint_kv_scales, is_kv_scale_name
+from engine.worker.kv_calibration import checkpoint_kv_scales
 from tests.tiny_models import make_attention_metadata
 
 torch.set_num_threads(2)
