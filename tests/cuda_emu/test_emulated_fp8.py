@@ -13,7 +13,7 @@ import math
 import pytest
 import torch
 
-from cuda import paged_attention, prefill_attention, reshape_and_cache
+from cuda import block_copy, paged_attention, prefill_attention, reshape_and_cache
 from engine.worker.attention.kv_quant import FP8_DTYPE, dequantize_fp8, quantize_fp8
 from tests import kernel_reference as kref
 from tests.cuda_emu.emulator import Emulator
@@ -31,6 +31,7 @@ K_SCALE, V_SCALE = 2.0**-5, 2.0**-6
 
 def _names() -> list[str]:
     names = [reshape_and_cache.fp8_kernel_name(t) for t in (BF16, F16, F32)]
+    names += block_copy.instantiations()
     for dtype, d, bs, hq, hkv in CONFIGS:
         heads = paged_attention.heads_per_cta(hq // hkv)
         names.append(paged_attention.decode_kernel_name(dtype, d, bs, heads, FP8_DTYPE))
@@ -162,3 +163,16 @@ def test_loaders_refuse_an_fp8_cache_with_mismatched_activations(emu: Emulator) 
         reshape_and_cache.reshape_and_cache(case.k, case.v.float(), cache, case.slot_mapping)
     with pytest.raises(ValueError, match="scales must be positive"):
         reshape_and_cache.reshape_and_cache(case.k, case.v, cache, case.slot_mapping, 0.0, 1.0)
+
+
+def test_block_copies_move_fp8_blocks(emu: Emulator) -> None:
+    cache = torch.randn(3, 2, 10, 16, 2, 64).clamp(-400, 400).to(FP8_DTYPE)
+    src = torch.tensor([0, 4, 5], dtype=torch.int64)
+    dst = torch.tensor([2, 1, 3], dtype=torch.int64)
+    expected = cache.view(torch.uint8).clone()
+    expected[:, :, dst] = expected[:, :, src]
+    block_copy.copy_blocks(cache, src, dst)
+    assert torch.equal(cache.view(torch.uint8), expected)
+    staging = torch.empty(3, 2, 3, 16, 2, 64, dtype=FP8_DTYPE)
+    block_copy.gather_blocks(cache, src, staging)
+    assert torch.equal(staging.view(torch.uint8), cache.view(torch.uint8)[:, :, src])
