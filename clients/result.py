@@ -35,6 +35,8 @@ class Choice:
     finish_reason: str | None = None
     """stop, length, abort or error."""
     stop_reason: int | str | None = None
+    cumulative_logprob: float | None = None
+    """Sum of its token logprobs (beam search, best_of > n, or with logprobs)."""
 
 
 @dataclass(slots=True)
@@ -99,6 +101,8 @@ class GenerateResult:
             c.logprobs.extend(d.logprobs)
             if d.finish_reason:
                 c.finish_reason = FINISH_REASONS[d.finish_reason]
+            if d.HasField("cumulative_logprob"):
+                c.cumulative_logprob = d.cumulative_logprob
             which = d.WhichOneof("stop_reason")
             if which is not None:
                 c.stop_reason = getattr(d, which)

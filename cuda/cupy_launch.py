@@ -50,6 +50,9 @@ ATTENTION_HEAD_SIZES = (64, 96, 128)
 ATTENTION_BLOCK_SIZES = (16, 32)
 """KV block sizes (tokens per block) both attention kernels are instantiated for."""
 
+LOG2E = 1.4426950408889634
+"""The attention kernels run their softmax in the log2 domain (exp2): scores are scaled by it."""
+
 WORD_TYPES: dict[int, str] = {16: "uint4", 8: "uint2", 4: "unsigned int", 2: "unsigned short"}
 """Machine word of each byte width, for the dtype-agnostic copy kernels."""
 
@@ -190,6 +193,23 @@ def check_attention_args(args: AttentionArgs) -> AttentionDims:
     check_contiguous("block_tables", block_tables)
     check_contiguous("seq_lens", seq_lens)
     return AttentionDims(num_heads, head_dim, block_size, num_kv_heads)
+
+
+def check_options(sliding_window: int | None, logits_soft_cap: float | None) -> None:
+    """The attention options both kernels take: a window >= 1, a soft cap > 0 (None: off)."""
+    check(
+        sliding_window is None or (isinstance(sliding_window, int) and sliding_window >= 1),
+        f"sliding_window must be an int >= 1 or None, got {sliding_window!r}",
+    )
+    check(
+        logits_soft_cap is None or logits_soft_cap > 0,
+        f"logits_soft_cap must be > 0 or None, got {logits_soft_cap!r}",
+    )
+
+
+def soft_cap_log2(logits_soft_cap: float | None) -> np.float32:
+    """The kernels' soft-cap argument: cap * log2(e) (scores are in the log2 domain); 0 = off."""
+    return np.float32(0.0 if logits_soft_cap is None else logits_soft_cap * LOG2E)
 
 
 def check_cuda(**tensors: torch.Tensor) -> torch.device:

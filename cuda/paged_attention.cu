@@ -7,14 +7,20 @@
 //   block_tables: [num_seqs, max_blocks_per_seq] int32
 //   seq_lens:     [num_seqs] int32 (>= 1; includes the new token, whose K/V is already cached)
 //   out:          [num_seqs, num_heads, head_dim], token stride out_stride
+// Options (0 = off): sliding_window W: the query (at position seq_len - 1) sees only positions
+// >= win_start = max(0, seq_len - W); blocks wholly before it are never read (their table entries
+// may be placeholders for released blocks). soft_cap_log2 = softcap * log2(e): scores become
+// softcap * tanh(score / softcap) (Gemma 2), applied in the log2 domain as
+// soft_cap_log2 * tanh(s2 / soft_cap_log2), which is the same.
 // Element offset of (slot, kv_head, d) in a K/V half: (slot * num_kv_heads + kv_head) * head_dim + d,
 // with slot = block_id * block_size + offset.
 //
 // Grid: (num_kv_heads * chunks, num_seqs, num_partitions) with chunks = (num_heads / num_kv_heads) /
 // QH. One CTA serves QH query heads that share one KV head (grouped-query attention), so each K/V
 // byte is read once for all of them. With num_partitions == 1 the CTA covers the whole context and
-// writes `out`; otherwise CTA z covers tokens [z * partition_size, (z + 1) * partition_size) and
-// writes unnormalized partial results that paged_decode_reduce_kernel combines (split-K).
+// writes `out`; otherwise CTA z covers tokens [base + z * partition_size, base + (z + 1) *
+// partition_size) and writes unnormalized partial results that paged_decode_reduce_kernel combines
+// (split-K). base = 0, or with a window the start of win_start's block (window_base).
 //
 // Inside a CTA: each warp takes whole cache blocks (warp w: blocks w, w + 4, ...). A warp is split
 // into GPW lane groups of TG lanes; a group handles one token at a time, each lane one 16-byte
@@ -28,8 +34,24 @@ namespace deja {
 constexpr int DECODE_THREADS = 128;
 constexpr int DECODE_WARPS = DECODE_THREADS / 32;
 
+// First position the query of a sequence of seq_len tokens sees (0 without a window).
+__device__ __forceinline__ int window_start(int seq_len, int sliding_window) {
+  return sliding_window > 0 ? max(0, seq_len - sliding_window) : 0;
+}
+
+// Where partition 0 starts: the block holding window_start (partitions are block-aligned).
+__device__ __forceinline__ int window_base(int seq_len, int sliding_window, int block_size) {
+  return window_start(seq_len, sliding_window) / block_size * block_size;
+}
+
+// Soft-capped score in the log2 domain (soft_cap_log2 == 0: unchanged).
+__device__ __forceinline__ float soft_cap_score(float s, float soft_cap_log2) {
+  return soft_cap_log2 > 0.f ? soft_cap_log2 * tanhf(s / soft_cap_log2) : s;
+}
+
 // C: the cache element type, T or fp8e4m3 (then scale_log2 includes the layer's K scale and
-// v_scale is its V scale; 1 otherwise).
+// v_scale is its V scale; 1 otherwise). The K scale sits in the query's pre-scale, so a score is
+// q . k_true * softmax_scale * log2(e) before the soft cap, as for a cache in T.
 template <typename T, typename C, int HEAD_DIM, int BLOCK_SIZE, int QH>
 __global__ void __launch_bounds__(DECODE_THREADS)
     paged_decode_kernel(T* __restrict__ out, float* __restrict__ part_out,
@@ -38,7 +60,8 @@ __global__ void __launch_bounds__(DECODE_THREADS)
                         const C* __restrict__ v_cache, const int* __restrict__ block_tables,
                         const int* __restrict__ seq_lens, long long q_stride, long long out_stride,
                         int num_heads, int num_kv_heads, int max_blocks_per_seq,
-                        int partition_size, float scale_log2, float v_scale) {
+                        int partition_size, float scale_log2, int sliding_window,
+                        float soft_cap_log2, float v_scale) {
   constexpr int VEC = Vec16Traits<T>::N;          // elements per 16-byte load
   constexpr int TG = next_pow2(HEAD_DIM / VEC);   // lanes per token
   constexpr int GPW = 32 / TG;                    // tokens a warp reads at once (lane groups)
@@ -59,8 +82,11 @@ __global__ void __launch_bounds__(DECODE_THREADS)
   const int head0 = kv_head * group_size + (blockIdx.x % chunks) * QH;
 
   const int seq_len = seq_lens[seq];
+  const int win_start = window_start(seq_len, sliding_window);
   // partition_size is a multiple of BLOCK_SIZE, so a partition starts on a block boundary.
-  const int start = part * partition_size;
+  // Partition 0 holds win_start (base <= win_start < base + BLOCK_SIZE), so every partition
+  // that runs sees at least one visible token.
+  const int start = window_base(seq_len, sliding_window, BLOCK_SIZE) + part * partition_size;
   if (start >= seq_len) return;  // uniform across the CTA; the reducer skips this partition
   const int end = min(seq_len, start + partition_size);
   const int first_block = start / BLOCK_SIZE;
@@ -108,7 +134,8 @@ __global__ void __launch_bounds__(DECODE_THREADS)
 #pragma unroll
       for (int u = 0; u < U; ++u) {
         const int offset = group + GPW * (j0 + u);  // position within the cache block
-        valid[u] = b * BLOCK_SIZE + offset < end;
+        const int pos = b * BLOCK_SIZE + offset;
+        valid[u] = pos < end && pos >= win_start;
         kraw[u] = vraw[u] = make_uint4(0u, 0u, 0u, 0u);
         // NOTE: slots past the end are never read: they may hold stale or NaN bit patterns.
         if (active && valid[u]) {
@@ -130,7 +157,7 @@ __global__ void __launch_bounds__(DECODE_THREADS)
           float dot = 0.f;
 #pragma unroll
           for (int e = 0; e < VEC; ++e) dot = fmaf(qv[h][e], kf[e], dot);
-          dot = group_sum<TG>(dot);
+          dot = soft_cap_score(group_sum<TG>(dot), soft_cap_log2);
           s[u][h] = valid[u] ? dot : neg_inf();
         }
       }
@@ -234,7 +261,8 @@ __device__ __forceinline__ float block_reduce(float x, float* scratch) {
 
 // Combines the split-K partials of paged_decode_kernel:
 //   out = sum_p part_out[p] * 2^(part_max[p] - M) / sum_p part_sum[p] * 2^(part_max[p] - M)
-// over the partitions p < ceil(seq_len / partition_size), M = max_p part_max[p].
+// over the partitions p < ceil((seq_len - base) / partition_size), M = max_p part_max[p], base as in
+// paged_decode_kernel (window_base).
 // Grid: (num_heads, num_seqs), block: DECODE_THREADS.
 template <typename T, int HEAD_DIM>
 __global__ void __launch_bounds__(DECODE_THREADS)
@@ -242,12 +270,15 @@ __global__ void __launch_bounds__(DECODE_THREADS)
                                const float* __restrict__ part_max,
                                const float* __restrict__ part_sum,
                                const int* __restrict__ seq_lens, long long out_stride,
-                               int num_heads, int num_parts, int partition_size) {
+                               int num_heads, int num_parts, int partition_size,
+                               int sliding_window, int block_size) {
   __shared__ float max_scratch[DECODE_WARPS];
   __shared__ float sum_scratch[DECODE_WARPS];
   const int head = blockIdx.x;
   const int seq = blockIdx.y;
-  const int used = (seq_lens[seq] + partition_size - 1) / partition_size;
+  const int seq_len = seq_lens[seq];
+  const int span = seq_len - window_base(seq_len, sliding_window, block_size);
+  const int used = (span + partition_size - 1) / partition_size;
   const long long row0 = ((long long)seq * num_heads + head) * num_parts;
   T* dst = out + seq * out_stride + (long long)head * HEAD_DIM;
 

@@ -4,6 +4,10 @@ The split-K (partitioned) variant cuts each context into PARTITION_SIZE-token pi
 separate CTAs, then a reduction kernel merges them. It pays off when the plain grid
 (num_seqs x num_kv_heads x head chunks CTAs) cannot fill the GPU and contexts are long; see
 `use_split_k`.
+
+Sliding window W: the query sees the last W positions; partitions start at the block holding the
+window's first position, so the grid spans at most W + block_size - 1 tokens however long the
+context (`context_span`), and blocks before the window are never read.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from cuda.cupy_launch import (
     DTYPE_NAMES,
     DTYPES,
     FP8,
+    LOG2E,
     AttentionArgs,
     AttentionDims,
     attention_configs,
@@ -26,9 +31,11 @@ from cuda.cupy_launch import (
     check,
     check_attention_args,
     check_cuda,
+    check_options,
     launch,
     num_sms,
     ptr,
+    soft_cap_log2,
 )
 
 CU_FILE = "paged_attention.cu"
@@ -37,7 +44,6 @@ HEADS_PER_CTA = (8, 4, 2, 1)
 PARTITION_SIZE = 512
 """Tokens per split-K partition (a multiple of every block size)."""
 THREADS = 128
-LOG2E = 1.4426950408889634
 
 
 def decode_kernel_name(
@@ -70,6 +76,14 @@ def instantiations() -> list[str]:
 def heads_per_cta(group_size: int) -> int:
     """Largest QH in HEADS_PER_CTA dividing the number of query heads per KV head."""
     return next(h for h in HEADS_PER_CTA if group_size % h == 0)
+
+
+def context_span(max_seq_len: int, block_size: int, sliding_window: int | None) -> int:
+    """Tokens from a sequence's first read block to its end, at most: max_seq_len, or with a
+    window at most W + block_size - 1 (the window plus the part of its first block before it)."""
+    if sliding_window is None:
+        return max_seq_len
+    return min(max_seq_len, sliding_window + block_size - 1)
 
 
 def use_split_k(num_ctas: int, max_seq_len: int, sm_count: int) -> bool:
@@ -105,7 +119,10 @@ def paged_decode_attention(
     scale: float,
     max_seq_len: int,
     split: bool | None = None,
+    *,
     kv_scales: tuple[float, float] = (1.0, 1.0),
+    sliding_window: int | None = None,
+    logits_soft_cap: float | None = None,
 ) -> None:
     """out[s, h] = softmax(scale * q[s, h] . K_s^T) V_s over sequence s's seq_lens[s] cached tokens.
 
@@ -115,13 +132,17 @@ def paged_decode_attention(
     block_tables: [num_seqs, max_blocks] int32 contiguous; seq_lens: [num_seqs] int32, each >= 1.
     max_seq_len: host-side upper bound of seq_lens (sizes the split-K grid).
     split: None picks with `use_split_k`; True / False forces the split-K / plain kernel.
+    sliding_window: only the last W positions (None: all); logits_soft_cap: scores become
+    cap * tanh(scores / cap) before the softmax (None: off).
     """
     args = AttentionArgs(out, q, kv_cache, block_tables, seq_lens)
     dims = _check_decode_args(args, max_seq_len)
+    check_options(sliding_window, logits_soft_cap)
     device = check_cuda(**args._asdict())
     if q.shape[0] == 0 or max_seq_len == 0:
         return
-    plan = _plan(dims, q.shape[0], max_seq_len, split, device)
+    span = context_span(max_seq_len, dims.block_size, sliding_window)
+    plan = _plan(dims, q.shape[0], span, split, device)
     partials = _partials(out, plan.num_parts)
     launch(
         CU_FILE,
@@ -135,18 +156,24 @@ def paged_decode_attention(
             *args.cache_pointers(),
             *args.layout(),
             np.int32(plan.partition_size),
+            # The K scale folds into the softmax scale: scores are q . k_true * scale * log2(e)
+            # before the soft cap, whatever the cache type.
             np.float32(scale * LOG2E * kv_scales[0]),
+            np.int32(sliding_window or 0),
+            soft_cap_log2(logits_soft_cap),
             np.float32(kv_scales[1]),
         ),
     )
     if plan.num_parts > 1:
-        _reduce_partitions(out, partials, seq_lens, device)
+        _reduce_partitions(out, partials, seq_lens, device, sliding_window, dims.block_size)
 
 
 def _plan(
     dims: AttentionDims, num_seqs: int, max_seq_len: int, split: bool | None, device: torch.device
 ) -> _DecodePlan:
-    """Heads per CTA, split-K or not (`use_split_k` when `split` is None) and the grid."""
+    """Heads per CTA, split-K or not (`use_split_k` when `split` is None) and the grid.
+
+    max_seq_len: the longest span of tokens a CTA row reads (`context_span`)."""
     group = dims.num_heads // dims.num_kv_heads
     heads = heads_per_cta(group)
     ctas_per_seq = dims.num_kv_heads * (group // heads)
@@ -161,7 +188,12 @@ def _plan(
 
 
 def _reduce_partitions(
-    out: torch.Tensor, partials: _Partials, seq_lens: torch.Tensor, device: torch.device
+    out: torch.Tensor,
+    partials: _Partials,
+    seq_lens: torch.Tensor,
+    device: torch.device,
+    sliding_window: int | None,
+    block_size: int,
 ) -> None:
     """Split-K's second launch: combines each head's partitions into out [S, Hq, D]."""
     num_seqs, num_heads, num_parts, head_dim = partials.part_out.shape
@@ -179,6 +211,8 @@ def _reduce_partitions(
             np.int32(num_heads),
             np.int32(num_parts),
             np.int32(PARTITION_SIZE),
+            np.int32(sliding_window or 0),
+            np.int32(block_size),
         ),
     )
 

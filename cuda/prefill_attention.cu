@@ -11,6 +11,10 @@
 //   out:             [num_tokens, num_heads, head_dim], token stride out_stride
 // New token t of sequence s (0-based among its new tokens) sits at position ctx_len + t, with
 // ctx_len = seq_len - query_len, and sees keys [0, ctx_len + t].
+// Options (0 = off): sliding_window W: token at position p sees keys (p - W, p] only, and a tile
+// starts reading at the window of its first token (blocks before it are never read: their table
+// entries may be placeholders for released blocks). soft_cap_log2 = softcap * log2(e): scores
+// become softcap * tanh(score / softcap) (Gemma 2), applied in the log2 domain.
 //
 // Grouped-query packing: the G = num_heads / num_kv_heads query heads of one KV head are packed
 // into the rows of one tile, row = t * G + head_in_group, so a K/V tile loaded once serves all of
@@ -41,7 +45,8 @@ struct PrefillTile<float> {
 };
 
 // C: the cache element type, T or fp8e4m3 (staged in shared memory as T, exactly; then
-// scale_log2 includes the layer's K scale and v_scale is its V scale; 1 otherwise).
+// scale_log2 includes the layer's K scale and v_scale is its V scale; 1 otherwise). With the K
+// scale in scale_log2, the soft cap sees q . k_true * softmax_scale * log2(e), as for a T cache.
 template <typename T, typename C, int HEAD_DIM, int BLOCK_SIZE>
 __global__ void __launch_bounds__(PREFILL_THREADS)
     paged_prefill_kernel(T* __restrict__ out, const T* __restrict__ q,
@@ -49,7 +54,8 @@ __global__ void __launch_bounds__(PREFILL_THREADS)
                          const int* __restrict__ block_tables, const int* __restrict__ seq_lens,
                          const int* __restrict__ query_start_loc, long long q_stride,
                          long long out_stride, int num_heads, int num_kv_heads,
-                         int max_blocks_per_seq, float scale_log2, float v_scale) {
+                         int max_blocks_per_seq, float scale_log2, int sliding_window,
+                         float soft_cap_log2, float v_scale) {
   constexpr int BM = PrefillTile<T>::M;
   constexpr int BN = PrefillTile<T>::N;
   constexpr int RM = BM / 16;             // rows per thread
@@ -76,7 +82,9 @@ __global__ void __launch_bounds__(PREFILL_THREADS)
   if (row0 >= q_len * group_size) return;  // uniform across the CTA
   const int ctx_len = seq_lens[seq] - q_len;
   const int last_tok = min(q_len - 1, (row0 + BM - 1) / group_size);
-  const int kv_end = ctx_len + last_tok + 1;  // keys [0, kv_end) are visible to some row
+  const int kv_end = ctx_len + last_tok + 1;  // keys [kv_begin, kv_end) are visible to some row
+  const int first_tok = row0 / group_size;
+  const int kv_begin = sliding_window > 0 ? max(0, ctx_len + first_tok - sliding_window + 1) : 0;
 
   const int tid = threadIdx.x;
   const int tr = tid / 8;  // row group: rows tr + 16 i
@@ -96,11 +104,13 @@ __global__ void __launch_bounds__(PREFILL_THREADS)
   }
 
   // Position of each owned row's token; -1 masks every key for rows past the sequence's tokens.
-  int row_pos[RM];
+  // row_low: the row sees keys > row_low (its window; -1 without one).
+  int row_pos[RM], row_low[RM];
 #pragma unroll
   for (int i = 0; i < RM; ++i) {
     const int tok = (row0 + tr + 16 * i) / group_size;
     row_pos[i] = tok < q_len ? ctx_len + tok : -1;
+    row_low[i] = sliding_window > 0 ? row_pos[i] - sliding_window : -1;
   }
   // Running max (log2 domain), this thread's partial row sum (over its own columns; summed over
   // the 8 column threads at the end) and the unnormalized output.
@@ -114,7 +124,7 @@ __global__ void __launch_bounds__(PREFILL_THREADS)
   }
 
   const int* table = block_tables + (long long)seq * max_blocks_per_seq;
-  for (int n0 = 0; n0 < kv_end; n0 += BN) {
+  for (int n0 = kv_begin; n0 < kv_end; n0 += BN) {
     __syncthreads();  // q_s is written / the previous tile's k_s, v_s, p_s are consumed
 
     // K/V tile: key n0 + r lives in block table[key / BLOCK_SIZE] at offset key % BLOCK_SIZE.
@@ -154,14 +164,16 @@ __global__ void __launch_bounds__(PREFILL_THREADS)
         for (int j = 0; j < RN; ++j) s[i][j] = fmaf(qf[i].x, kf[j].x, fmaf(qf[i].y, kf[j].y, s[i][j]));
     }
 
-    // Causal mask + online softmax; the 8 threads sharing a row are 8 consecutive lanes.
+    // Causal (and window) mask + online softmax; the 8 threads sharing a row are 8 consecutive lanes.
 #pragma unroll
     for (int i = 0; i < RM; ++i) {
       float tile_max = neg_inf();
 #pragma unroll
       for (int j = 0; j < RN; ++j) {
         const int key = n0 + tc + 8 * j;
-        s[i][j] = key <= row_pos[i] ? s[i][j] * scale_log2 : neg_inf();
+        float x = s[i][j] * scale_log2;
+        if (soft_cap_log2 > 0.f) x = soft_cap_log2 * tanhf(x / soft_cap_log2);
+        s[i][j] = key <= row_pos[i] && key > row_low[i] ? x : neg_inf();
         tile_max = fmaxf(tile_max, s[i][j]);
       }
       tile_max = group_max<8>(tile_max);

@@ -14,6 +14,7 @@ import torch
 from cuda.cupy_launch import (
     DTYPE_NAMES,
     FP8,
+    LOG2E,
     AttentionArgs,
     AttentionDims,
     attention_configs,
@@ -23,14 +24,15 @@ from cuda.cupy_launch import (
     check_attention_args,
     check_contiguous,
     check_cuda,
+    check_options,
     check_tensor,
     launch,
     ptr,
+    soft_cap_log2,
 )
 
 CU_FILE = "prefill_attention.cu"
 THREADS = 128
-LOG2E = 1.4426950408889634
 
 
 def rows_per_tile(dtype: torch.dtype) -> int:
@@ -60,7 +62,10 @@ def paged_prefill_attention(
     query_start_loc: torch.Tensor,
     scale: float,
     max_query_len: int,
+    *,
     kv_scales: tuple[float, float] = (1.0, 1.0),
+    sliding_window: int | None = None,
+    logits_soft_cap: float | None = None,
 ) -> None:
     """Causal attention of each sequence's new tokens over its cached prefix and themselves.
 
@@ -69,9 +74,12 @@ def paged_prefill_attention(
     kv_cache: [2, num_blocks, block_size, Hkv, D] contiguous (one layer), already holding the new
     tokens' K/V; or float8_e4m3fn holding K / kv_scales[0] and V / kv_scales[1]. block_tables: [num_seqs, max_blocks] int32; seq_lens: [num_seqs] int32;
     query_start_loc: [num_seqs + 1] int32. max_query_len: host-side upper bound of query lengths.
+    sliding_window: a token at p sees keys (p - W, p] only (None: all up to p); blocks before a
+    tile's first window are not read. logits_soft_cap: scores become cap * tanh(scores / cap).
     """
     args = AttentionArgs(out, q, kv_cache, block_tables, seq_lens)
     dims = _check_prefill_args(args, query_start_loc, max_query_len)
+    check_options(sliding_window, logits_soft_cap)
     num_seqs = seq_lens.shape[0]
     device = check_cuda(**args._asdict(), query_start_loc=query_start_loc)
     if num_seqs == 0 or max_query_len == 0:
@@ -90,7 +98,11 @@ def paged_prefill_attention(
             *args.cache_pointers(),
             ptr(query_start_loc),
             *args.layout(),
+            # The K scale folds into the softmax scale: scores are q . k_true * scale * log2(e)
+            # before the soft cap, whatever the cache type.
             np.float32(scale * LOG2E * kv_scales[0]),
+            np.int32(sliding_window or 0),
+            soft_cap_log2(logits_soft_cap),
             np.float32(kv_scales[1]),
         ),
     )

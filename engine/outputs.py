@@ -62,6 +62,8 @@ class CompletionOutput:
     """stop, length, abort or error; None while running."""
     stop_reason: int | str | None = None
     """The stop token id or stop string that ended the sample, if any."""
+    cumulative_logprob: float | None = None
+    """Sum of its tokens' logprobs, on its last delta: beam search, best_of, or with logprobs."""
 
     @property
     def finished(self) -> bool:

@@ -60,8 +60,12 @@ def make_case(
     num_padding_tokens: int = 0,
     extra_blocks: int = 3,
     seed: int = 0,
+    window: int | None = None,
 ) -> PagedCase:
-    """Random q/k/v and a cache whose unused slots hold NaN (a kernel that reads them fails)."""
+    """Random q/k/v and a cache whose unused slots hold NaN (a kernel that reads them fails).
+
+    window: blocks wholly before every new token's sliding window (positions < the block start
+    of ctx - window + 1) stay NaN, as a block the KV manager released may hold anything."""
     gen = torch.Generator().manual_seed(seed)
     seq_lens = [c + q for c, q in zip(context_lens, query_lens, strict=True)]
     blocks_per_seq = [-(-n // block_size) for n in seq_lens]
@@ -83,7 +87,8 @@ def make_case(
     cache = cache.to(dtype)
     flat = cache.view(2, num_blocks * block_size, num_kv_heads, head_dim)
     for table, ctx in zip(tables, context_lens, strict=True):
-        for pos in range(ctx):
+        first = 0 if window is None else max(0, ctx - window + 1) // block_size * block_size
+        for pos in range(first, ctx):
             slot = table[pos // block_size] * block_size + pos % block_size
             flat[:, slot] = rand(2, num_kv_heads, head_dim)
 
@@ -122,8 +127,18 @@ def write_reference(case: PagedCase) -> torch.Tensor:
     return cache
 
 
-def attention_reference(case: PagedCase, kv_cache: torch.Tensor, scale: float) -> torch.Tensor:
-    """[num_queries, Hq, D] float64: causal attention of every new token over its sequence."""
+def attention_reference(
+    case: PagedCase,
+    kv_cache: torch.Tensor,
+    scale: float,
+    window: int | None = None,
+    soft_cap: float | None = None,
+) -> torch.Tensor:
+    """[num_queries, Hq, D] float64: causal attention of every new token over its sequence.
+
+    window: the query at p sees keys k with p - window < k <= p; soft_cap: scores become
+    soft_cap * tanh(scores / soft_cap) before masking. Keys outside every window are not read
+    (their blocks may be placeholders)."""
     block_size = kv_cache.shape[2]
     num_heads = case.q.shape[1]
     num_kv_heads = kv_cache.shape[3]
@@ -135,15 +150,21 @@ def attention_reference(case: PagedCase, kv_cache: torch.Tensor, scale: float) -
     start = 0
     for table, ctx, qlen in zip(tables, case.context_lens, case.query_lens, strict=True):
         seq_len = ctx + qlen
+        first = 0 if window is None else max(0, ctx - window + 1)  # first key any query sees
         slots = torch.tensor(
-            [table[p // block_size] * block_size + p % block_size for p in range(seq_len)]
+            [table[p // block_size] * block_size + p % block_size for p in range(first, seq_len)]
         )
-        k = flat[0, slots].repeat_interleave(group, dim=1)  # [L, Hq, D]
+        k = flat[0, slots].repeat_interleave(group, dim=1)  # [L', Hq, D]
         v = flat[1, slots].repeat_interleave(group, dim=1)
         qs = q[start : start + qlen]  # [Q, Hq, D]
         scores = torch.einsum("qhd,lhd->hql", qs, k) * scale
+        if soft_cap is not None:
+            scores = soft_cap * torch.tanh(scores / soft_cap)
         pos = torch.arange(ctx, seq_len)[:, None]  # [Q, 1]
-        mask = torch.arange(seq_len)[None, :] <= pos  # [Q, L]
+        keys = torch.arange(first, seq_len)[None, :]  # [1, L']
+        mask = keys <= pos  # [Q, L']
+        if window is not None:
+            mask &= keys > pos - window
         scores = scores.masked_fill(~mask, float("-inf"))
         outs.append(torch.einsum("hql,lhd->qhd", scores.softmax(-1), v))
         start += qlen
@@ -151,7 +172,12 @@ def attention_reference(case: PagedCase, kv_cache: torch.Tensor, scale: float) -
 
 
 def run_decode(
-    case: PagedCase, kv_cache: torch.Tensor, scale: float, split: bool | None = None
+    case: PagedCase,
+    kv_cache: torch.Tensor,
+    scale: float,
+    split: bool | None = None,
+    window: int | None = None,
+    soft_cap: float | None = None,
 ) -> torch.Tensor:
     """The paged decode kernel over `case` (one query token per sequence), into a NaN-filled out."""
     out = torch.full_like(case.q, float("nan"))
@@ -164,11 +190,19 @@ def run_decode(
         scale,
         case.max_seq_len,
         split=split,
+        sliding_window=window,
+        logits_soft_cap=soft_cap,
     )
     return out
 
 
-def run_prefill(case: PagedCase, kv_cache: torch.Tensor, scale: float) -> torch.Tensor:
+def run_prefill(
+    case: PagedCase,
+    kv_cache: torch.Tensor,
+    scale: float,
+    window: int | None = None,
+    soft_cap: float | None = None,
+) -> torch.Tensor:
     """The varlen prefill kernel over `case`, into a NaN-filled out (padding rows stay NaN)."""
     out = torch.full_like(case.q, float("nan"))
     prefill_attention.paged_prefill_attention(
@@ -180,6 +214,8 @@ def run_prefill(case: PagedCase, kv_cache: torch.Tensor, scale: float) -> torch.
         case.query_start_loc,
         scale,
         case.max_query_len,
+        sliding_window=window,
+        logits_soft_cap=soft_cap,
     )
     return out
 

@@ -135,6 +135,39 @@ def build_tiny_qwen2(directory: str | Path, seed: int = 0, **overrides: Any) -> 
     return _save_random(out, Qwen2Config(**kwargs), seed)
 
 
+def build_tiny_mistral(
+    directory: str | Path, sliding_window: int | None = 64, seed: int = 0, **overrides: Any
+) -> Path:
+    """Random Mistral (every layer slides over `sliding_window` positions, 2 layers, 4 heads /
+    2 KV heads, untied) plus the tokenizer."""
+    from transformers import MistralConfig
+
+    out = build_tokenizer(directory)
+    kwargs = {
+        **_TINY_DEFAULTS,
+        **_special_ids(out),
+        "tie_word_embeddings": False,
+        "sliding_window": sliding_window,
+        **overrides,
+    }
+    return _save_random(out, MistralConfig(**kwargs), seed)
+
+
+def build_tiny_qwen2_sliding(
+    directory: str | Path, sliding_window: int = 64, seed: int = 0, **overrides: Any
+) -> Path:
+    """Random Qwen2 with `use_sliding_window`: 3 layers, the first full (max_window_layers=1,
+    as transformers reads it: layers i >= max_window_layers slide), the others sliding."""
+    kwargs = {
+        "num_hidden_layers": 3,
+        "use_sliding_window": True,
+        "sliding_window": sliding_window,
+        "max_window_layers": 1,
+        **overrides,
+    }
+    return build_tiny_qwen2(directory, seed, **kwargs)
+
+
 def build_random_llama(directory: str | Path, config_dict: dict[str, Any], seed: int = 0) -> Path:
     """Random Llama of any size (e.g. for benchmarks) plus the tiny tokenizer.
 

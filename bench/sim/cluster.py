@@ -3,10 +3,14 @@
 Routers decide with the real `service.router.policy.decide` over `Candidate`s built the way
 `service/router/pool.py` builds them: engine load as of the last poll (every `poll_interval_s`,
 so decisions see stale load, as real routers do) plus what the router itself sent and has not
-seen answered (exact). Prefix and session knowledge comes from the real in-memory affinity store,
-written by the real `ReplicaAgent.record_now` when a request finishes (session record, prompt
-blocks, and removals for hashes pushed out of the agent's LRU estimate). The oracle holds every
-block any request ever produced (unlimited cache shared by all replicas).
+seen answered (exact). Prefix and session knowledge comes from the real in-memory affinity store.
+The session record is written by the real `ReplicaAgent.record_now` when a request finishes.
+Prefix records come, by default (`records="events"`), from the KV events each simulated replica
+emits as its tiers change: after every step the replica's batch goes to the agent's real
+`KvRecordWriter`, which writes the netted changes to the store every `prefix_flush_s`, as on a
+real replica. With `records="requests"` (the earlier model) `record_now` also writes the prompt's
+blocks when the request finishes and removes hashes pushed out of the agent's LRU estimate.
+The oracle holds every block any request ever produced (unlimited cache shared by all replicas).
 """
 
 from __future__ import annotations
@@ -15,7 +19,7 @@ import functools
 import heapq
 import itertools
 import random
-from collections.abc import Callable, Coroutine
+from collections.abc import AsyncIterator, Callable, Coroutine
 from dataclasses import dataclass, field, replace
 from typing import Any, TypeVar
 
@@ -23,16 +27,25 @@ from bench.sim.profile import CostModel
 from bench.sim.replica import SimReplica, SimSeq
 from bench.sim.workload import Session, Turn, Workload
 from engine.frontend.prompt import prompt_block_hashes
+from engine.kv.events import AllBlocksCleared, KVEventBuffer, snapshot_events
 from engine.kv.hashing import BlockHash
 from service.affinity.base import ReplicaInfo
 from service.affinity.config import AffinityConfig
 from service.affinity.memory import MemoryAffinityStore
 from service.replica.agent import ReplicaAgent
+from service.replica.kv_events import KvBatch
 from service.router.cost import CostWeights
 from service.router.policy import Candidate, OverloadGuard, RouteInputs, decide
 
 T = TypeVar("T")
 MODEL_ID = "sim-model"
+RECORDS = ("events", "requests")
+"""Where prefix records come from: the replicas' KV events, or each finished request."""
+
+
+def _no_subscription(start: int) -> AsyncIterator[KvBatch]:
+    """The agents' event source: the simulator applies batches itself and never subscribes."""
+    raise RuntimeError("the simulator hands KV-event batches to the record writer directly")
 
 
 def run_sync(coro: Coroutine[Any, Any, T]) -> T:
@@ -92,8 +105,12 @@ class Cluster:
         guard: OverloadGuard | None = None,
         weights: CostWeights | None = None,
         seed: int = 0,
+        records: str = "events",
     ) -> None:
+        if records not in RECORDS:
+            raise ValueError(f"records must be one of {RECORDS}, got {records!r}")
         self.m = model
+        self.records_from = records
         self.clock = 0.0
         self.store = MemoryAffinityStore(clock=lambda: self.clock)
         self.affinity = AffinityConfig()
@@ -103,9 +120,18 @@ class Cluster:
         self.rng = random.Random(seed)
         self.replicas: dict[str, SimReplica] = {}
         self.agents: dict[str, ReplicaAgent] = {}
+        self._batches: dict[str, int] = {}
+        """Replica id -> KV-event batches taken so far."""
+        self._flushing: set[str] = set()
+        """Replicas with a record flush scheduled."""
+        events = records == "events"
         for i in range(num_replicas):
             rid = f"r{i:02d}"
-            self.replicas[rid] = SimReplica(rid, model, self._first_token, self._finished)
+            buffer = KVEventBuffer(4 * (model.device_blocks + model.cpu_blocks), model.block_size)
+            self.replicas[rid] = SimReplica(
+                rid, model, self._first_token, self._finished, buffer if events else None
+            )
+            self._batches[rid] = 0
             info = ReplicaInfo(rid, f"sim:{i}", MODEL_ID, model.block_size)
             self.agents[rid] = ReplicaAgent(
                 self.store,
@@ -113,6 +139,7 @@ class Cluster:
                 lambda: None,  # type: ignore[arg-type,return-value]
                 self.affinity,
                 capacity_blocks=model.device_blocks + model.cpu_blocks,
+                kv_events=_no_subscription if events else None,
             )
         self.routers = [_Router(policy) for _ in range(num_routers)]
         self.snapshots: dict[str, Candidate] = {}
@@ -250,9 +277,40 @@ class Cluster:
 
         def done() -> None:
             replica.finish_step(step, dt, self.clock)
+            self._publish(replica)
             self._step(replica)
 
         self.at(self.clock + dt, done)
+
+    # KV events.
+
+    def _publish(self, replica: SimReplica) -> None:
+        """Hands the step's KV events to the replica agent's record writer (in memory), and
+        schedules the writer's flush to the store `prefix_flush_s` later, as it runs live."""
+        buffer = replica.events
+        if buffer is None or not buffer:
+            return
+        events, dropped = buffer.take()
+        if dropped:
+            held = [("device", list(replica.device)), ("cpu", list(replica.cpu))]
+            events = [AllBlocksCleared(), *snapshot_events(self.m.block_size, held)]
+        rid = replica.replica_id
+        self._batches[rid] += 1
+        writer = self.agents[rid].kv_records
+        writer.apply(KvBatch(self._batches[rid], self.clock, events, dropped))
+        if rid not in self._flushing and (writer.num_pending or dropped):
+            self._flushing.add(rid)
+            self.at(self.clock + self.affinity.prefix_flush_s, lambda: self._flush(rid))
+
+    def _flush(self, rid: str) -> None:
+        writer = self.agents[rid].kv_records
+        run_sync(writer.flush())
+        if writer.num_pending:
+            self.at(self.clock + self.affinity.prefix_flush_s, lambda: self._flush(rid))
+        else:
+            self._flushing.discard(rid)
+
+    # Request callbacks.
 
     def _first_token(self, seq: SimSeq, now: float) -> None:
         rec, _, _, _, router = self._by_id[seq.request_id]

@@ -6,7 +6,8 @@ shared by all replicas), and load balance (busiest replica's time-averaged queue
 over the mean, the queue integrated exactly over the run; the same for requests in flight and
 busy time). `--check` also tests issue 14's acceptance on the chat workloads
 (cost vs round_robin: p50 <= 0.5x, p99 <= 0.8x, hit >= 90% of oracle, max/mean queued <= 1.25,
-skewed p99 <= 1.5x balanced p99) and exits 1 when one fails.
+skewed p99 <= 1.5x balanced p99) and issue 26's on llm-d's shape (hit >= 90% of the oracle's,
+p50 <= 0.2x round robin's, max/mean queued <= 1.3), and exits 1 when one fails.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import sys
 import time
 from dataclasses import asdict, replace
 
-from bench.sim.cluster import Cluster
+from bench.sim.cluster import RECORDS, Cluster
 from bench.sim.profile import PROFILES
 from bench.sim.report import HEADER, Summary, summarise, table_rows
 from bench.sim.workload import Workload, chat, llmd
@@ -38,6 +39,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_flag(c, "--poll-interval", type=float, default=1.0, help="Router load poll (s).")
     add_flag(c, "--device-blocks", type=int, help="Override the profile's device blocks.")
     add_flag(c, "--cpu-blocks", type=int, help="Override the profile's CPU-tier blocks.")
+    add_flag(
+        c,
+        "--records",
+        default="events",
+        choices=RECORDS,
+        help="Prefix records from the replicas' KV events (as deja serve publishes them), or "
+        "written when each request finishes (the earlier model).",
+    )
     d = CostWeights()
     add_flag(
         c, "--active-weight", type=float, default=d.active_weight, help="Cost policy balance term."
@@ -55,7 +64,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_flag(w, "--think", type=float, default=5.0, help="Mean seconds between turns.")
     add_flag(w, "--skew", type=float, default=1.1, help="Zipf exponent of chat-skewed.")
     add_flag(w, "--seed", type=int, default=0)
-    add_bool_flag(w, "--check", default=False, help="Test issue 14's acceptance; exit 1 if not.")
+    add_bool_flag(w, "--check", default=False, help="Test the acceptance bounds; exit 1 if not.")
     add_flag(w, "--output", help="Also write the results as JSON here.")
 
 
@@ -78,8 +87,13 @@ def _workload(name: str, args: argparse.Namespace, model: object) -> Workload:
 
 
 def check(results: dict[str, list[Summary]]) -> list[str]:
-    """Issue 14's acceptance 1; returns the failures."""
+    """Issue 14's acceptance 1 on the chat workloads and issue 26's bound on llm-d's shape
+    (each where it was run); returns the failures."""
     fails: list[str] = []
+    if "chat" not in results:
+        if "llm-d" in results:
+            return check_llmd(results)
+        return ["--check needs the chat or llm-d workload"]
 
     def get(w: str, p: str) -> Summary | None:
         return next((s for s in results.get(w, []) if s.policy == p), None)
@@ -98,6 +112,25 @@ def check(results: dict[str, list[Summary]]) -> list[str]:
     skewed = get("chat-skewed", "cost")
     if skewed is not None and skewed.ttft_p99_s > 1.5 * cost.ttft_p99_s:
         fails.append(f"skewed p99 {skewed.ttft_p99_s:.3f} s > 1.5 x balanced {cost.ttft_p99_s:.3f}")
+    return fails + check_llmd(results)
+
+
+def check_llmd(results: dict[str, list[Summary]]) -> list[str]:
+    """Issue 26's bound on llm-d's shape (cost vs round_robin: hit >= 90% of the oracle's,
+    p50 <= 0.2x, max/mean queued <= 1.3); nothing to check without that workload."""
+    runs = {s.policy: s for s in results.get("llm-d", [])}
+    cost, rr = runs.get("cost"), runs.get("round_robin")
+    if cost is None or rr is None:
+        return []
+    fails: list[str] = []
+    if cost.hit_vs_oracle < 0.9:
+        fails.append(f"llm-d: hit rate {cost.hit_vs_oracle:.1%} of the oracle's < 90%")
+    if cost.ttft_p50_s > 0.2 * rr.ttft_p50_s:
+        fails.append(
+            f"llm-d: p50 {cost.ttft_p50_s:.3f} s > 0.2 x round robin's {rr.ttft_p50_s:.3f}"
+        )
+    if cost.max_mean_queued > 1.3:
+        fails.append(f"llm-d: max/mean queued {cost.max_mean_queued:.2f} > 1.3")
     return fails
 
 
@@ -129,6 +162,7 @@ def run(args: argparse.Namespace) -> int:
                 poll_interval_s=args.poll_interval,
                 weights=weights,
                 seed=args.seed,
+                records=args.records,
             )
             s = summarise(policy, cluster.run(wl))
             results.setdefault(name, []).append(s)

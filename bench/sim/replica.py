@@ -6,6 +6,11 @@ with its longest cached prefix (device blocks free, CPU-tier blocks at `swap_blo
 back to the device). Blocks a step completes enter the device LRU; a block pushed out of it spills
 to the CPU tier's LRU, and out of that it is gone. Simplification: blocks of running sequences
 are not pinned (the pools are sized so that the working set fits).
+
+With an event buffer (`events`), every change of what a tier holds is reported as the engine's
+KV events report it (engine/kv/events.py): `BlockStored(device)` when a block enters the device
+LRU (computed or swapped in), `BlockRemoved(device)` + `BlockStored(cpu)` when it spills,
+`BlockRemoved(cpu)` when it leaves the CPU tier (dropped, or moved back to the device).
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ from dataclasses import dataclass, field
 
 from bench.sim.profile import CostModel
 from engine.core.step_rates import StepRates
+from engine.kv.events import KVEventBuffer
 from engine.kv.hashing import BlockHash
 
 
@@ -34,6 +40,8 @@ class SimSeq:
     device_hit_tokens: int = 0
     cpu_hit_tokens: int = 0
     first_token_at: float | None = None
+    queued_hit: int = 0
+    """While waiting: prompt tokens its device-tier prefix covered when it arrived."""
 
     @property
     def in_prefill(self) -> bool:
@@ -54,8 +62,10 @@ class SimReplica:
         model: CostModel,
         on_first_token: Callable[[SimSeq, float], None],
         on_finish: Callable[[SimSeq, float], None],
+        events: KVEventBuffer | None = None,
     ) -> None:
         self.replica_id = replica_id
+        self.events = events
         self.m = model
         self.waiting: deque[SimSeq] = deque()
         self.running: list[SimSeq] = []
@@ -74,7 +84,9 @@ class SimReplica:
     # What GetLoad publishes.
 
     def queued_prefill_tokens(self) -> int:
-        return sum(s.prompt_len - s.computed for s in self.waiting) + sum(
+        """Prompt tokens still to compute, a waiting request's device-cached prefix excluded
+        (as the engine counts them, engine/core/engine_core.py `get_stats`)."""
+        return sum(s.prompt_len - max(s.computed, s.queued_hit) for s in self.waiting) + sum(
             s.prompt_len - s.computed for s in self.running if s.in_prefill
         )
 
@@ -97,16 +109,30 @@ class SimReplica:
     # Cache.
 
     def _insert(self, hashes: list[BlockHash]) -> None:
+        ev = self.events
         for h in hashes:
+            if h in self.device:
+                self.device.move_to_end(h)
+                continue
             self.device[h] = None
-            self.device.move_to_end(h)
-            self.cpu.pop(h, None)
+            if ev is not None:
+                ev.stored([h], None, [], "device")
+            if h in self.cpu:
+                del self.cpu[h]
+                if ev is not None:
+                    ev.removed(h, "cpu")
         while len(self.device) > self.m.device_blocks:
             h, _ = self.device.popitem(last=False)
+            if ev is not None:
+                ev.removed(h, "device")
             if self.m.cpu_blocks > 0:
                 self.cpu[h] = None
+                if ev is not None:
+                    ev.stored_one(h, "cpu")
                 while len(self.cpu) > self.m.cpu_blocks:
-                    self.cpu.popitem(last=False)
+                    dropped, _ = self.cpu.popitem(last=False)
+                    if ev is not None:
+                        ev.removed(dropped, "cpu")
 
     def _match(self, seq: SimSeq) -> tuple[int, int]:
         """Leading prompt blocks found on the device, then in the CPU tier after them."""
@@ -125,6 +151,12 @@ class SimReplica:
     # Steps.
 
     def add(self, seq: SimSeq, now: float) -> None:
+        dev = 0
+        for h in seq.prompt_hashes:
+            if h not in self.device:
+                break
+            dev += 1
+        seq.queued_hit = min(dev * self.m.block_size, seq.prompt_len - 1)
         self.waiting.append(seq)
         self._requeue(now)
 

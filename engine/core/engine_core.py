@@ -23,6 +23,8 @@ from typing import Any
 import torch
 
 from engine.config import EngineConfig
+from engine.core.beam_step import advance_beams, fail_beam_groups, new_beam_group
+from engine.core.core_stats import engine_stats
 from engine.core.output_processor import OutputProcessor
 from engine.core.scheduler import Scheduler
 from engine.core.sequence import Request, SeqStatus, Sequence
@@ -39,10 +41,10 @@ from engine.kv.manager import KVCacheManager
 from engine.kv.tiers import TieredCache
 from engine.kv_io.host_memory import HostMemoryTrimmer
 from engine.kv_io.offload import KVOffload, build_tiers, disk_manifest
-from engine.outputs import RequestOutput
+from engine.outputs import RequestOutput, TokenLogprob
 from engine.sample.sampler import Sampler
 from engine.sample.structured.compiler import GrammarCompilerPool
-from engine.stats import EngineStats, ModelInfo, TierStats
+from engine.stats import EngineStats, ModelInfo
 from engine.worker.attention import get_attention_backend
 from engine.worker.attention.kv_quant import FP8_DTYPE, KVScales, kv_block_bytes
 from engine.worker.cpu_features import resolve_dtype
@@ -60,7 +62,8 @@ from engine.worker.model_loader import (
     model_fingerprint,
     read_hf_config,
 )
-from engine.worker.model_runner import ModelRunner, StepSamples
+from engine.worker.model_runner import BeamSamples, ModelRunner, StepSamples
+from engine.worker.models.sliding_window import kv_window, layer_windows
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -160,6 +163,9 @@ class EngineCore:
         )
         if built is not None:
             self.tiers, self.offload = built
+        # NOTE: blocks leave a sequence as its window moves on only when every layer slides;
+        # swap preemption holds a sequence's whole table in the CPU tier, so it keeps them all.
+        window = kv_window(layer_windows(hf_config)) if cc.preemption_mode != "swap" else None
         self.kv = KVCacheManager(
             num_blocks,
             cc.block_size,
@@ -167,6 +173,7 @@ class EngineCore:
             max_pinned_fraction=cc.max_pinned_fraction,
             tiers=self.tiers,
             events=self.kv_events,
+            sliding_window=window,
         )
         swap = self.tiers if cc.preemption_mode == "swap" else None
         self.scheduler = Scheduler(config.scheduler, self.kv, swap=swap)
@@ -213,7 +220,9 @@ class EngineCore:
             else:
                 req.waiting_for_grammar = True
                 self._grammar_waits[req.request_id] = (req, fut)
-        n, seed = req.params.n, req.params.seed
+        if req.params.use_beam_search:
+            req.beam = new_beam_group(req, self.max_model_len, self.model_info.eos_token_ids)
+        n, seed = req.params.num_samples, req.params.seed
         req.generators = [None] * n
         if seed is not None:
             req.generators = [
@@ -227,7 +236,8 @@ class EngineCore:
         seq = Sequence(next(self._seq_ids), req, index, token_ids, self.kv.block_size)
         if req.compiled_grammar is not None:
             seq.grammar = self.grammars.new_matcher(req.compiled_grammar)
-        self.outputs.add_sample(seq)
+        if req.beam is None:
+            self.outputs.add_sample(seq)
         req.seqs.append(seq)
         return seq
 
@@ -241,6 +251,8 @@ class EngineCore:
             if seq.status is not SeqStatus.FINISHED:
                 self.scheduler.remove(seq)
                 seq.finish("abort")
+        if req.beam is not None:
+            req.beam.done = True
         self._touched[request_id] = req
         return True
 
@@ -349,6 +361,7 @@ class EngineCore:
             seq.finish("error")
             seq.request.error = message
             self._touched[seq.request.request_id] = seq.request
+        fail_beam_groups(sched.failed, self.scheduler)
         tables = [self.kv.block_ids(item.seq.seq_id) for item in sched.scheduled]
         try:
             results = self.runner.execute(sched, tables)
@@ -371,7 +384,10 @@ class EngineCore:
             if m.first_scheduled is None:
                 m.first_scheduled = scheduled_at
         for res in results:
-            self._process_samples(res, now)
+            if isinstance(res, BeamSamples):
+                self._process_beams(res, now)
+            else:
+                self._process_samples(res, now)
         self._between_steps()
         self._trimmer.maybe_trim(now)
         return self.collect_outputs(now)
@@ -411,11 +427,7 @@ class EngineCore:
         self._touched[req.request_id] = req
         if req.metrics.first_token is None:
             req.metrics.first_token = now
-        if req.params.pin_ttl_s > 0 and req.pinned is None:
-            req.pinned = self.kv.pin(seq, len(req.prompt_token_ids), now + req.params.pin_ttl_s)
-            if req.pinned and self.tiers is not None:  # best effort within the CPU tier's cap
-                n_full = len(req.prompt_token_ids) // self.kv.block_size
-                self.tiers.pin(seq.block_hashes[:n_full], now + req.params.pin_ttl_s)
+        self._pin_prompt(seq, now)
         if len(res.token_ids) > 1:  # first tokens of n samples: fork the prompt's blocks
             req.forked = True
             children = [seq]
@@ -432,8 +444,27 @@ class EngineCore:
             req.forked = True
         self._append(seq, res.token_ids[0], res.logprobs[0])
 
+    def _pin_prompt(self, seq: Sequence, now: float) -> None:
+        """pin_ttl_s: pins the prompt's blocks once, when its first token is out."""
+        req = seq.request
+        if req.params.pin_ttl_s > 0 and req.pinned is None:
+            req.pinned = self.kv.pin(seq, len(req.prompt_token_ids), now + req.params.pin_ttl_s)
+            if req.pinned and self.tiers is not None:  # best effort within the CPU tier's cap
+                n_full = len(req.prompt_token_ids) // self.kv.block_size
+                self.tiers.pin(seq.block_hashes[:n_full], now + req.params.pin_ttl_s)
+
+    def _process_beams(self, res: BeamSamples, now: float) -> None:
+        req = res.request
+        self._touched[req.request_id] = req
+        if req.metrics.first_token is None:
+            req.metrics.first_token = now
+        self._pin_prompt(res.beams[0], now)
+        advance_beams(res.request, res.beams, res.candidates, self.scheduler, self._seq_ids)
+
     def _append(self, seq: Sequence, token_id: int, logprob: object) -> None:
         seq.append_token(token_id)
+        if isinstance(logprob, TokenLogprob):
+            seq.cum_logprob += logprob.logprob
         end = self.outputs.process_token(seq, token_id, logprob)
         if end is not None:
             self._finish(seq, end.reason, end.stop_reason, flush=end.flush)
@@ -458,43 +489,4 @@ class EngineCore:
 
     # -- stats ---------------------------------------------------------------------------------
     def get_stats(self) -> EngineStats:
-        kv = self.kv
-        in_use = kv.pool.num_used
-        c = kv.counters
-        tiers = [
-            TierStats(
-                name="device",
-                num_blocks=kv.num_blocks,
-                used_blocks=in_use,
-                cached_blocks=len(kv.pool.cached),
-                pinned_blocks=len(kv.pins),
-                queries=c.device_queries,
-                hits=c.device_hits,
-                evictions=kv.pool.num_evictions,
-            )
-        ]
-        if self.tiers is not None:
-            self.tiers.add_stats(tiers, self.block_bytes)
-        running = self.scheduler.running
-        queued = sum(s.num_uncomputed for s in self.scheduler.waiting) + sum(
-            s.num_uncomputed for s in running if s.num_computed_tokens < s.num_prompt_tokens
-        )
-        return EngineStats(
-            queued_prefill_tokens=queued,
-            num_decoding=sum(1 for s in running if s.num_computed_tokens >= s.num_prompt_tokens),
-            active_tokens=sum(s.num_computed_tokens for s in running),
-            prefill_tokens_per_s=self.step_rates.prefill_tokens_per_s,
-            decode_seq_s=self.step_rates.decode_seq_s,
-            step_tokens=self.config.scheduler.max_num_batched_tokens,
-            utilisation=self.step_rates.utilisation(time.monotonic()),
-            num_running=len(self.scheduler.running),
-            num_waiting=len(self.scheduler.waiting),
-            num_preemptions=self.scheduler.num_preemptions,
-            kv_usage=in_use / kv.num_blocks,
-            prefix_queries=c.device_queries,
-            prefix_hits=c.prefix_hits,
-            free_device_blocks=kv.num_free_blocks,
-            tiers=tiers,
-            grammar_cache=self.grammars.stats(),
-            buffers=self.offload.buffers() if self.offload is not None else [],
-        )
+        return engine_stats(self)

@@ -20,7 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
-from engine.core.detokenizer import IncrementalDetokenizer
+from engine.core.detokenizer import IncrementalDetokenizer, make_decode
 from engine.core.sequence import Request, Sequence
 from engine.outputs import CompletionOutput, RequestOutput, TokenLogprob
 
@@ -97,11 +97,20 @@ class OutputProcessor:
             out.pending_text += out.detokenizer.flush()
 
     def make_outputs(self, requests: dict[str, Request]) -> list[RequestOutput]:
-        """One delta per request: each sample's new tokens, text and logprobs since the last."""
+        """One delta per request: each sample's new tokens, text and logprobs since the last.
+
+        Beam search and best_of > n rank whole outputs, so their requests send nothing until
+        they finish; then one message carries the n best outputs in full, best first.
+        """
         outs = []
         for rid, req in requests.items():
-            deltas = [d for seq in req.seqs if (d := self._delta(seq)) is not None]
             finished = req.finished
+            if req.beam is not None or req.params.ranks_samples:
+                if not finished:
+                    continue
+                deltas = self._beam_outputs(req) if req.beam is not None else self._best_of(req)
+            else:
+                deltas = [d for seq in req.seqs if (d := self._delta(seq)) is not None]
             if finished:
                 for seq in req.seqs:
                     self._samples.pop(seq.seq_id, None)
@@ -120,7 +129,45 @@ class OutputProcessor:
             )
         return outs
 
-    def _delta(self, seq: Sequence) -> CompletionOutput | None:
+    def _best_of(self, req: Request) -> list[CompletionOutput]:
+        """The n samples with the highest cumulative logprob, renumbered 0..n-1 best first."""
+        best = sorted(req.seqs, key=lambda s: s.cum_logprob, reverse=True)[: req.params.n]
+        return [d for i, seq in enumerate(best) if (d := self._delta(seq, i)) is not None]
+
+    def _beam_outputs(self, req: Request) -> list[CompletionOutput]:
+        """The n best finished beams (an aborted or failed search: its running beams)."""
+        group, params = req.beam, req.params
+        assert group is not None
+        decode = make_decode(self.tokenizer, params.skip_special_tokens)
+        if (
+            group.finished
+            and req.error is None
+            and all(s.finish_reason != "abort" for s in req.seqs)
+        ):
+            return [
+                CompletionOutput(
+                    index=i,
+                    text=decode(h.token_ids),
+                    token_ids=h.token_ids,
+                    finish_reason=h.finish_reason,
+                    stop_reason=h.stop_reason,
+                    cumulative_logprob=h.cumulative_logprob,
+                )
+                for i, h in enumerate(group.finished[: params.n])
+            ]
+        reason = "error" if req.error is not None else "abort"
+        return [
+            CompletionOutput(
+                index=i,
+                text=decode(seq.output_token_ids),
+                token_ids=seq.output_token_ids,
+                finish_reason=reason,
+                cumulative_logprob=seq.cum_logprob,
+            )
+            for i, seq in enumerate(req.seqs[: params.n])
+        ]
+
+    def _delta(self, seq: Sequence, index: int | None = None) -> CompletionOutput | None:
         out = self._samples.get(seq.seq_id)
         if out is None:
             return None
@@ -133,8 +180,10 @@ class OutputProcessor:
         if out.logprobs is not None:
             lps = out.logprobs[out.sent_logprobs :]
             out.sent_logprobs = len(out.logprobs)
+        ranked = seq.request.params.wants_logprob and seq.finish_reason is not None
         delta = CompletionOutput(
-            index=seq.index,
+            index=seq.index if index is None else index,
+            cumulative_logprob=seq.cum_logprob if ranked else None,
             text=out.pending_text,
             token_ids=new_tokens,
             logprobs=lps,

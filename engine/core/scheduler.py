@@ -11,11 +11,19 @@ Each step:
    exception: a request whose grammar is still compiling is stepped over (it keeps its place).
 A sequence that can never fit (it needs more blocks than the whole pool) finishes with an error
 instead of blocking the queue.
+
+Beam search: a request's running beams are one *unit*, adjacent in `running` and in `waiting`.
+A unit is scheduled, preempted (always by recompute) and admitted as a whole, and its beams reach
+their last token in the same step (lockstep): the step's ranking needs every beam's logits. When
+the budget cannot take every beam's remaining tokens, each beam gets a chunk that stops short of
+its last token. Blocks are checked for the whole unit before any beam allocates.
 """
 
 from __future__ import annotations
 
+import itertools
 from collections import deque
+from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 
 from engine.config import SchedulerConfig
@@ -84,6 +92,70 @@ class Scheduler:
         if self.swap is not None:
             self.swap.drop_swap(seq.seq_id)
 
+    def regroup(self, old: list[Sequence], new: list[Sequence]) -> None:
+        """A beam group's running beams `old` (adjacent in `running`) become `new` in their
+        place; beams of `old` not in `new` free their blocks now."""
+        start = self.running.index(old[0])
+        assert self.running[start : start + len(old)] == old, "a beam group is not adjacent"
+        self.running[start : start + len(old)] = new
+        kept = {s.seq_id for s in new}
+        for seq in new:
+            seq.status = SeqStatus.RUNNING
+        for seq in old:
+            if seq.seq_id not in kept:
+                self.kv.free(seq)
+                seq.finish("dropped")
+
+    # -- units ---------------------------------------------------------------------------------
+    @staticmethod
+    def _unit(queue: Seq[Sequence], i: int) -> list[Sequence]:
+        """The unit that starts at queue[i]: a beam group's adjacent beams, else one sequence."""
+        seq = queue[i]
+        if seq.request.beam is None:
+            return [seq]
+        req = seq.request
+        return list(
+            itertools.takewhile(lambda s: s.request is req, itertools.islice(queue, i, None))
+        )
+
+    def _last_unit(self) -> list[Sequence]:
+        """The newest running unit (the preemption victim)."""
+        last = self.running[-1]
+        if last.request.beam is None:
+            return [last]
+        i = len(self.running) - 1
+        while i > 0 and self.running[i - 1].request is last.request:
+            i -= 1
+        return self.running[i:]
+
+    @staticmethod
+    def _chunks(unit: list[Sequence], remaining: list[int], budget: int) -> list[int]:
+        """Tokens each member computes this step. A beam unit either finishes every member's
+        tokens or stops each short of its last token (lockstep); a lone sequence chunks freely."""
+        if len(unit) == 1:
+            return [min(remaining[0], budget)]
+        if sum(remaining) <= budget:
+            return list(remaining)
+        out = []
+        for r in remaining:
+            take = min(max(0, r - 1), budget)
+            out.append(take)
+            budget -= take
+        return out
+
+    def _fits(
+        self, unit: list[Sequence], chunks: list[int], matches: list[PrefixMatch | None]
+    ) -> bool:
+        """Whether the pool can take the unit's step. A free cached block that several beams
+        match is taken once, though each beam's own count includes it."""
+        need = sum(
+            self.kv.blocks_needed(s, n, m) for s, n, m in zip(unit, chunks, matches, strict=True)
+        )
+        if len(unit) > 1:
+            revived = [b.block_id for m in matches if m for b in m.device_blocks if b.ref_cnt == 0]
+            need -= len(revived) - len(set(revived))
+        return need <= self.kv.num_free_blocks
+
     def _can_ever_fit(self, seq: Sequence) -> bool:
         return -(-len(seq.token_ids) // self.kv.block_size) <= self.kv.num_blocks
 
@@ -97,34 +169,42 @@ class Scheduler:
         return self._finish(out)
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
-        """Schedules running sequences, preempting the newest when blocks run out; returns the
+        """Schedules running units, preempting the newest when blocks run out; returns the
         budget left."""
         i = 0
         while i < len(self.running) and budget > 0:
-            seq = self.running[i]
-            num_new = min(seq.num_uncomputed, budget)
-            while not self.kv.allocate(seq, num_new):
-                victim = self.running[-1]
-                if victim is seq:
-                    break
-                self._preempt(victim, out)
-            else:
-                out.scheduled.append(ScheduledSeq(seq, num_new, seq.num_computed_tokens))
-                budget -= num_new
-                i += 1
+            unit = self._unit(self.running, i)
+            chunks = self._chunks(unit, [s.num_uncomputed for s in unit], budget)
+            if not any(chunks):
+                i += len(unit)
                 continue
-            # The pool cannot hold even this sequence alone.
-            if len(self.running) == 1 and not self._can_grow_alone(seq, num_new):
-                self.running.remove(seq)
-                self.kv.free(seq)
-                out.failed.append((seq, self._too_big_message(seq)))
+            nones: list[PrefixMatch | None] = [None] * len(unit)
+            while not self._fits(unit, chunks, nones):
+                victim = self._last_unit()
+                if victim[0] is unit[0]:
+                    break
+                self._preempt_unit(victim, out)
             else:
-                self._preempt(seq, out)
+                for seq, n in zip(unit, chunks, strict=True):
+                    assert self.kv.allocate(seq, n)
+                    if n:
+                        out.scheduled.append(ScheduledSeq(seq, n, seq.num_computed_tokens))
+                budget -= sum(chunks)
+                i += len(unit)
+                continue
+            # The pool cannot hold even this unit alone.
+            if len(self.running) == len(unit) and not self._can_grow_alone(unit, chunks):
+                for seq in unit:
+                    self.running.remove(seq)
+                    self.kv.free(seq)
+                    out.failed.append((seq, self._too_big_message(seq)))
+            else:
+                self._preempt_unit(unit, out)
             break
         return budget
 
     def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
-        """Admits waiting sequences in order, each with its longest cached prefix."""
+        """Admits waiting units in order, each sequence with its longest cached prefix."""
         # Requests whose grammar is still compiling are set aside and put back in order.
         not_ready: list[Sequence] = []
         limit = self.config.max_num_partial_prefills
@@ -136,34 +216,55 @@ class Scheduler:
             if seq.request.waiting_for_grammar:
                 not_ready.append(self.waiting.popleft())
                 continue
-            if not self._can_ever_fit(seq):
-                self.waiting.popleft()
-                out.failed.append((seq, self._too_big_message(seq)))
+            unit = self._unit(self.waiting, 0)
+            if len(self.running) + len(unit) > self.config.max_num_seqs:
+                break
+            if not all(self._can_ever_fit(s) for s in unit):
+                self._fail_waiting(unit, out)
                 continue
-            match = self.kv.match_prefix(seq) if seq.num_computed_tokens == 0 else None
-            cached = match.num_tokens if match else 0
-            num_new = min(len(seq.token_ids) - seq.num_computed_tokens - cached, budget)
-            if not self.kv.allocate(seq, num_new, match):
+            matches = [
+                self.kv.match_prefix(s) if s.num_computed_tokens == 0 else None for s in unit
+            ]
+            remaining = [
+                len(s.token_ids) - s.num_computed_tokens - (m.num_tokens if m else 0)
+                for s, m in zip(unit, matches, strict=True)
+            ]
+            chunks = self._chunks(unit, remaining, budget)
+            if not self._fits(unit, chunks, matches):
                 if not self.running and not out.scheduled:
                     # Nothing else holds blocks: only cached free blocks stand in the way,
-                    # and allocate already counts those as free. The sequence alone is too big.
-                    self.waiting.popleft()
-                    out.failed.append((seq, self._too_big_message(seq)))
+                    # and allocate already counts those as free. The unit alone is too big.
+                    self._fail_waiting(unit, out)
                     continue
                 break
-            self.waiting.popleft()
-            if self.swap is not None and match is not None:
-                # A swapped-out sequence: its partial tail comes back from the CPU tier too.
-                block_ids = self.kv.block_ids(seq.seq_id)
-                num_new -= self.swap.resume(seq, match.num_blocks, num_new, block_ids, self.kv.plan)
-            if seq.index == 0 and seq.num_preemptions == 0:
-                self._record_hit(seq, match)
-            seq.status = SeqStatus.RUNNING
-            self.running.append(seq)
-            out.scheduled.append(ScheduledSeq(seq, num_new, seq.num_computed_tokens))
-            budget -= num_new
+            for seq, num_new, match in zip(unit, chunks, matches, strict=True):
+                self.waiting.popleft()
+                if len(unit) > 1 and match is not None:
+                    # An earlier beam's blocks may have evicted a cached block this one matched:
+                    # match again (the unit's block check above still bounds what it takes).
+                    match = self.kv.match_prefix(seq)
+                    num_new = min(num_new, len(seq.token_ids) - match.num_tokens)
+                assert self.kv.allocate(seq, num_new, match)
+                if self.swap is not None and match is not None:
+                    # A swapped-out sequence: its partial tail comes back from the CPU tier too.
+                    block_ids = self.kv.block_ids(seq.seq_id)
+                    num_new -= self.swap.resume(
+                        seq, match.num_blocks, num_new, block_ids, self.kv.plan
+                    )
+                if seq.index == 0 and seq.num_preemptions == 0:
+                    self._record_hit(seq, match)
+                seq.status = SeqStatus.RUNNING
+                self.running.append(seq)
+                if num_new:
+                    out.scheduled.append(ScheduledSeq(seq, num_new, seq.num_computed_tokens))
+                budget -= num_new
             prefilling += 1
         self.waiting.extendleft(reversed(not_ready))
+
+    def _fail_waiting(self, unit: list[Sequence], out: SchedulerOutput) -> None:
+        for seq in unit:
+            self.waiting.popleft()
+            out.failed.append((seq, self._too_big_message(seq)))
 
     def _record_hit(self, seq: Sequence, match: PrefixMatch | None) -> None:
         if match is None:
@@ -173,8 +274,9 @@ class Scheduler:
         ct = seq.request.cached_tokens
         ct.device, ct.cpu, ct.disk = by_tier["device"], by_tier["cpu"], by_tier["disk"]
 
-    def _can_grow_alone(self, seq: Sequence, num_new: int) -> bool:
-        need = -(-(seq.num_computed_tokens + num_new) // self.kv.block_size)
+    def _can_grow_alone(self, unit: list[Sequence], chunks: list[int]) -> bool:
+        bs = self.kv.block_size
+        need = sum(-(-(s.num_computed_tokens + n) // bs) for s, n in zip(unit, chunks, strict=True))
         return need <= self.kv.num_blocks
 
     def _too_big_message(self, seq: Sequence) -> str:
@@ -184,6 +286,11 @@ class Scheduler:
             f"{cap}; shorten the prompt or max_tokens, or give the engine more KV blocks"
         )
 
+    def _preempt_unit(self, unit: list[Sequence], out: SchedulerOutput) -> None:
+        """Preempts a unit; its members keep their order at the front of the waiting queue."""
+        for seq in reversed(unit):
+            self._preempt(seq, out)
+
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
         """Frees the blocks and requeues the sequence at the front of the waiting queue.
 
@@ -192,7 +299,7 @@ class Scheduler:
         comes back (the partial tail too); when the CPU tier is full this falls back to recompute.
         """
         self.running.remove(seq)
-        if self.swap is not None:
+        if self.swap is not None and seq.request.beam is None:  # beams always recompute
             self.swap.swap_out(seq, self.kv.block_ids(seq.seq_id), self.kv.plan)
         self.kv.free(seq)
         seq.num_computed_tokens = 0
@@ -203,7 +310,26 @@ class Scheduler:
         self.num_preemptions += 1
         out.preempted.append(seq)
 
+    @staticmethod
+    def _lockstep(out: SchedulerOutput) -> None:
+        """A beam group ranks only when every beam reaches its last token in the step; where
+        one does not (a re-matched prefix came out shorter), the others stop one token short."""
+        groups: dict[str, list[ScheduledSeq]] = {}
+        for item in out.scheduled:
+            req = item.seq.request
+            if req.beam is not None and item.samples:
+                groups.setdefault(req.request_id, []).append(item)
+        late = False
+        for items in groups.values():
+            if len(items) < len(items[0].seq.request.seqs):
+                for item in items:
+                    item.num_new_tokens -= 1
+                    late = True
+        if late:
+            out.scheduled = [item for item in out.scheduled if item.num_new_tokens > 0]
+
     def _finish(self, out: SchedulerOutput) -> SchedulerOutput:
+        self._lockstep(out)
         if self.swap is not None:
             for seq, _ in out.failed:
                 self.swap.drop_swap(seq.seq_id)

@@ -4,6 +4,11 @@ A request holds one prompt and n samples. It starts as one sequence (sample 0) t
 prompt; when the prompt's last token is computed, n tokens are sampled from its logits and the
 request forks into n sequences that share the prompt's blocks (the partly filled tail block is
 copied on write). From then on every sequence is scheduled on its own.
+
+Beam search (`params.use_beam_search`): the prompt's sequence ranks continuations instead of
+sampling; its `BeamGroup` (engine/core/beam.py) keeps the running beams in `seqs`, forks a beam
+that two candidates continue (blocks shared, tail copied on write) and drops a beam that none
+continues. The scheduler runs a group's beams in lockstep (engine/core/scheduler.py).
 """
 
 from __future__ import annotations
@@ -12,6 +17,7 @@ import enum
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from engine.core.beam import BeamGroup
 from engine.kv.hashing import BlockHash, hash_block
 from engine.outputs import CachedTokens, RequestMetrics
 from engine.sample.sampling_params import SamplingParams
@@ -48,6 +54,8 @@ class Request:
     """Its response_format is still compiling: the scheduler skips it (others go ahead)."""
     compiled_grammar: Grammar | None = None
     """Set by the engine when the grammar is ready (engine side only; never pickled)."""
+    beam: BeamGroup | None = None
+    """Beam search's state (engine side); `seqs` then holds the running beams, best first."""
 
     @property
     def num_cached_tokens(self) -> int:
@@ -55,7 +63,9 @@ class Request:
 
     @property
     def finished(self) -> bool:
-        if not self.forked and self.params.n > 1:
+        if self.beam is not None:
+            return self.beam.done
+        if not self.forked and self.params.num_samples > 1:
             return bool(self.seqs) and self.seqs[0].status is SeqStatus.FINISHED
         return all(s.status is SeqStatus.FINISHED for s in self.seqs)
 
@@ -79,6 +89,8 @@ class Sequence:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     num_preemptions: int = 0
+    cum_logprob: float = 0.0
+    """Sum of the logprobs of its generated tokens (beam search, best_of)."""
     grammar: xgr.GrammarMatcher | None = None
     """This sample's grammar matcher (structured outputs); it has accepted every output token.
     It outlives preemption: recompute and swap keep the tokens, so the state stays valid."""

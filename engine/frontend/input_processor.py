@@ -61,6 +61,15 @@ class InputProcessor:
         )
         if params.response_format is not None:
             validate_response_format(params.response_format)
+        if params.use_beam_search:
+            # A group's beams run in lockstep: all of them in one step's budget and batch.
+            cap = min(lim.max_num_seqs, lim.max_num_batched_tokens)
+            if params.beam_width > cap:
+                raise ValueError(
+                    f"beam width {params.beam_width} exceeds what one step can run "
+                    f"(max_num_seqs {lim.max_num_seqs}, max_num_batched_tokens "
+                    f"{lim.max_num_batched_tokens})"
+                )
 
     def prepare(
         self,

@@ -90,6 +90,7 @@ def _accumulate(results: dict[str, RequestOutput], delta: RequestOutput) -> None
             o.logprobs.extend(d.logprobs)
         o.finish_reason = d.finish_reason
         o.stop_reason = d.stop_reason
+        o.cumulative_logprob = d.cumulative_logprob
     acc.outputs.sort(key=lambda o: o.index)
     acc.finished = delta.finished
     acc.num_cached_tokens = delta.num_cached_tokens

@@ -82,7 +82,7 @@ class SamplerOutput:
     token_ids: list[int]
     """One sampled token per row."""
     logprobs: list[TokenLogprob | None]
-    """Per row; None where params.logprobs is None."""
+    """Per row; None where neither logprobs nor best_of's ranking asks for them."""
 
 
 class Sampler:
@@ -120,7 +120,7 @@ class Sampler:
         logits = self._apply_penalties(logits, rows)
 
         # Logprobs of the rows that asked for them: [L, V]
-        lp_rows = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
+        lp_rows = [i for i, r in enumerate(rows) if r.params.wants_logprob]
         lp_index: torch.Tensor | None = None  # [L]
         logprobs: torch.Tensor | None = None
         if lp_rows:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from engine.sample.structured.spec import ResponseFormat
@@ -46,6 +47,21 @@ class SamplingParams:
     ignore_eos). min_tokens applies while the grammar can go on: once the output is complete and
     the grammar allows only its end, the sample stops ("stop") even below min_tokens. A choice
     format rejects a min_tokens above its longest choice's UTF-8 bytes (it can never be met)."""
+    best_of: int | None = None
+    """Sampling: draw best_of samples and return the n with the highest cumulative logprob (None:
+    n). Beam search: the beam width (None: n)."""
+    use_beam_search: bool = False
+    """Beam search as transformers' generate(num_beams=beam_width, do_sample=False): deterministic
+    (temperature 0), returns the n best finished beams, best first, each with its
+    cumulative_logprob. Needs the default top_k/top_p/min_p and penalties, no stop strings,
+    logprobs or response_format; outputs arrive in one message when the search ends."""
+    length_penalty: float = 1.0
+    """Beam search: a finished beam scores cumulative_logprob / generated_tokens ** length_penalty
+    (transformers' rule; > 0 favours longer outputs)."""
+    early_stopping: bool | str = False
+    """Beam search: True stops as soon as beam_width beams have finished; False stops when the
+    best running beam, at its current length, cannot beat the worst finished one; "never" only
+    when no running beam could beat it at any length up to max_tokens (transformers' meanings)."""
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -57,10 +73,42 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature == 0.0
 
+    @property
+    def beam_width(self) -> int:
+        """Beams kept per step (beam search only)."""
+        return self.best_of or self.n
+
+    @property
+    def num_samples(self) -> int:
+        """Sequences sampled from the prompt: best_of (or n); 1 for beam search, which forks."""
+        return 1 if self.use_beam_search else (self.best_of or self.n)
+
+    @property
+    def ranks_samples(self) -> bool:
+        """best_of > n: the samples are ranked by cumulative logprob and only n returned."""
+        return not self.use_beam_search and self.best_of is not None and self.best_of > self.n
+
+    @property
+    def wants_logprob(self) -> bool:
+        """The sampler must report the chosen tokens' logprobs (asked, or to rank samples)."""
+        return self.logprobs is not None or self.ranks_samples
+
     def validate(self, *, vocab_size: int, max_n: int, max_logprobs: int) -> None:
         """Raises ValueError with a message that says what to fix."""
         if not 1 <= self.n <= max_n:
             raise ValueError(f"n must be between 1 and {max_n}, got {self.n}")
+        if self.best_of is not None:
+            if not self.n <= self.best_of <= max_n:
+                raise ValueError(
+                    f"best_of must be between n ({self.n}) and {max_n}, got {self.best_of}"
+                )
+            if self.best_of > 1 and self.greedy and not self.use_beam_search:
+                raise ValueError(
+                    "best_of > 1 with greedy sampling (temperature 0) gives identical samples: "
+                    "set temperature > 0, or use_beam_search=True for deterministic search"
+                )
+        if self.use_beam_search:
+            self._validate_beam_search()
         if self.temperature < 0:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
         if self.top_k < 0:
@@ -108,3 +156,28 @@ class SamplingParams:
                     f"min_tokens ({self.min_tokens}) cannot be met by a choice response_format: "
                     f"the longest choice is {longest} bytes, so at most {longest} tokens"
                 )
+
+    def _validate_beam_search(self) -> None:
+        def refuse(what: str) -> ValueError:
+            return ValueError(f"beam search does not support {what}")
+
+        if self.temperature != 0.0:
+            raise ValueError(
+                f"beam search is deterministic: set temperature=0 (got {self.temperature})"
+            )
+        if not (isinstance(self.early_stopping, bool) or self.early_stopping == "never"):
+            raise ValueError(
+                f"early_stopping must be True, False or 'never', got {self.early_stopping!r}"
+            )
+        if not math.isfinite(self.length_penalty):
+            raise ValueError(f"length_penalty must be a finite number, got {self.length_penalty}")
+        if self.response_format is not None:
+            raise refuse("structured outputs (response_format)")
+        if self.stop:
+            raise refuse("stop strings; use stop_token_ids")
+        if self.logprobs is not None:
+            raise refuse("logprobs; each output carries its cumulative_logprob")
+        if self.top_k or self.top_p != 1.0 or self.min_p:
+            raise refuse("top_k, top_p or min_p (they shape sampling, and beam search samples not)")
+        if self.repetition_penalty != 1.0 or self.presence_penalty or self.frequency_penalty:
+            raise refuse("repetition, presence or frequency penalties")

@@ -10,6 +10,7 @@ import torch
 
 from engine.kv.plan import KVPlan
 from engine.outputs import TokenLogprob
+from engine.sample.beam import BeamCandidate, BeamRows, top_candidates
 from engine.sample.sampler import OutputTokens, Sampler, SamplingRow
 from engine.sample.structured.mask_filler import PendingMask, TokenMaskFiller
 from engine.worker.attention.base import AttentionBackend
@@ -17,7 +18,7 @@ from engine.worker.input_batch import InputBatch
 
 if TYPE_CHECKING:  # the core's step types; the worker only reads them
     from engine.core.scheduler import ScheduledSeq, SchedulerOutput
-    from engine.core.sequence import Request
+    from engine.core.sequence import Request, Sequence
 
 
 class Offload(Protocol):
@@ -40,6 +41,17 @@ class StepSamples:
 
 
 @dataclass(slots=True)
+class BeamSamples:
+    """A beam group's ranked continuations (engine/core/beam.py decides what runs on)."""
+
+    request: Request
+    beams: list[Sequence]
+    """The group's running beams, in the order `candidates` name them."""
+    candidates: list[BeamCandidate]
+    """The K best continuations, best first."""
+
+
+@dataclass(slots=True)
 class _SamplingPlan:
     """The rows a step samples, known before its forward pass."""
 
@@ -52,6 +64,10 @@ class _SamplingPlan:
     """Each row's grammar matcher (structured outputs) or None."""
     filters: list[np.ndarray | None]
     """Each row's static token filter or None."""
+    beam_index: list[int] = field(default_factory=list)
+    """Flat token index of each beam row's logits (after the sampled rows' in the logits)."""
+    beam_groups: list[tuple[Request, list[Sequence]]] = field(default_factory=list)
+    """Beam-search requests that rank this step, with their running beams in row order."""
 
 
 @dataclass(eq=False, repr=False)
@@ -89,7 +105,9 @@ class ModelRunner:
             self.backend.copy_blocks(self.kv_cache, src, dst)
 
     @torch.inference_mode()
-    def execute(self, sched: SchedulerOutput, tables: list[list[int]]) -> list[StepSamples]:
+    def execute(
+        self, sched: SchedulerOutput, tables: list[list[int]]
+    ) -> list[StepSamples | BeamSamples]:
         """One forward over every scheduled token; samples where a chunk reaches a sequence's end.
 
         `tables` holds each scheduled sequence's block ids, in `sched.scheduled` order.
@@ -105,31 +123,68 @@ class ModelRunner:
         pending = self.masks.start(plan.matchers, plan.filters) if plan.rows else None
         try:
             hidden = self.model(input_ids, positions, self.kv_cache, meta)  # [T, hidden]
-            if not plan.rows:
+            if not plan.rows and not plan.beam_index:
                 return []
-            idx = torch.tensor(plan.row_index, dtype=torch.int64, device=hidden.device)
+            index = plan.row_index + plan.beam_index
+            idx = torch.tensor(index, dtype=torch.int64, device=hidden.device)
             logits = self.model.compute_logits(hidden.index_select(0, idx))  # [rows, vocab] fp32
             mask = pending.result() if pending is not None else None
         except BaseException:
             _settle(pending)
             raise
-        out = self.sampler(logits, plan.rows, self.eos_token_ids, mask)
-        results = []
+        results: list[StepSamples | BeamSamples] = []
+        if plan.beam_groups:
+            results += self._rank_beams(logits[len(plan.rows) :], plan.beam_groups)
+        if not plan.rows:
+            return results
+        out = self.sampler(logits[: len(plan.rows)], plan.rows, self.eos_token_ids, mask)
         k = 0
         for item, n in plan.owners:
             results.append(StepSamples(item, out.token_ids[k : k + n], out.logprobs[k : k + n]))
             k += n
         return results
 
+    def _rank_beams(
+        self, logits: torch.Tensor, groups: list[tuple[Request, list[Sequence]]]
+    ) -> list[BeamSamples]:
+        """logits: [beam rows, V'] in `groups` order -> each group's ranked candidates."""
+        rows: list[BeamRows] = []
+        start = 0
+        for req, beams in groups:
+            p, group = req.params, req.beam
+            assert group is not None
+            held = beams[0].num_output_tokens < p.min_tokens
+            rows.append(
+                BeamRows(
+                    rows=list(range(start, start + len(beams))),
+                    scores=[s.cum_logprob for s in beams],
+                    k=group.num_candidates,
+                    banned=sorted(group.finishing) if held else [],
+                )
+            )
+            start += len(beams)
+        ranked = top_candidates(logits, self.sampler.vocab_size, rows)
+        return [
+            BeamSamples(req, beams, cands)
+            for (req, beams), cands in zip(groups, ranked, strict=True)
+        ]
+
     def _sampling_plan(self, scheduled: list[ScheduledSeq]) -> _SamplingPlan:
         plan = _SamplingPlan([], [], [], [], [])
         end = 0
+        beam_rows: dict[int, int] = {}
+        """seq_id -> flat token index of a beam's logits."""
         for item in scheduled:
             end += item.num_new_tokens
             if not item.samples:
                 continue
             seq, req = item.seq, item.seq.request
-            n = req.params.n if not req.forked and req.params.n > 1 else 1
+            if req.beam is not None:
+                beam_rows[seq.seq_id] = end - 1
+                if all(r is not req for r, _ in plan.beam_groups):
+                    plan.beam_groups.append((req, list(req.seqs)))
+                continue
+            n = req.params.num_samples if not req.forked else 1
             if n > 1:  # the first token of n samples: they fork after it
                 prompt = req.prompt_token_ids
                 plan.rows.extend(
@@ -148,6 +203,9 @@ class ModelRunner:
             plan.matchers.extend([seq.grammar] * n)
             plan.filters.extend([_token_filter(req)] * n)
             plan.owners.append((item, n))
+        for _, beams in plan.beam_groups:
+            # NOTE: the scheduler runs a group's beams in lockstep: all of them sample together.
+            plan.beam_index.extend(beam_rows[s.seq_id] for s in beams)
         return plan
 
     def close(self) -> None:

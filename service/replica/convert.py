@@ -65,6 +65,13 @@ def _finite(name: str, value: float) -> float:
     return value
 
 
+_EARLY_STOPPING: dict[int, bool | str] = {
+    pb.EARLY_STOPPING_FALSE: False,
+    pb.EARLY_STOPPING_TRUE: True,
+    pb.EARLY_STOPPING_NEVER: "never",
+}
+
+
 def sampling_params(request: pb.GenerateRequest) -> SamplingParams:
     """SamplingParams of a Generate request; range checks are the engine's (it says what to fix)."""
     s = request.sampling
@@ -96,6 +103,14 @@ def sampling_params(request: pb.GenerateRequest) -> SamplingParams:
     if request.HasField("logprobs"):
         p.logprobs = request.logprobs
     p.response_format = response_format(s)
+    if s.HasField("best_of"):
+        p.best_of = s.best_of
+    p.use_beam_search = s.use_beam_search
+    if s.HasField("length_penalty"):
+        p.length_penalty = _finite("length_penalty", s.length_penalty)
+    if s.early_stopping not in _EARLY_STOPPING:
+        raise ValueError(f"early_stopping {s.early_stopping} is not a known EarlyStopping value")
+    p.early_stopping = _EARLY_STOPPING[s.early_stopping]
     if p.top_k == -1:
         p.top_k = 0
     return p
@@ -137,6 +152,8 @@ def choice_delta(c: CompletionOutput, *, return_token_ids: bool) -> pb.ChoiceDel
             )
     if c.finish_reason is not None:
         _set_stop_reason(msg, c.stop_reason)
+    if c.cumulative_logprob is not None:
+        msg.cumulative_logprob = c.cumulative_logprob
     return msg
 
 

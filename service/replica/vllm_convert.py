@@ -68,7 +68,11 @@ def _finite(name: str, value: float) -> float:
 def sampling_params(s: vpb.SamplingParams) -> SamplingParams:
     """The engine's SamplingParams, with vLLM's servicer's reading of proto3 zeros (top_p,
     repetition_penalty and n at 0 mean unset) and no max_tokens meaning up to max_model_len.
-    Range checks are the engine's (its message says what to fix)."""
+    Range checks are the engine's (its message says what to fix).
+
+    NOTE: SMG's SamplingParams has no beam-search or best_of fields, so a gateway request never
+    asks for them (deja.v1's SamplingParams carries use_beam_search, best_of, length_penalty
+    and early_stopping)."""
     if s.HasField("prompt_logprobs"):
         raise ValueError("prompt_logprobs is not supported by deja; leave it unset")
     if s.logit_bias:

@@ -96,6 +96,17 @@ _COST_FLAGS = (
         "half the best one within --load-bound (a large cached prefix; 0: off).",
     ),
     ConfigFlag(
+        "holder_share",
+        float,
+        "A replica holding at least this share of the prompt in its cache is exempt from "
+        "--load-bound, like the session's own replica (0: off).",
+    ),
+    ConfigFlag(
+        "holder_bound",
+        float,
+        "The --holder-share exemption holds up to this x the mean load (0: no cap).",
+    ),
+    ConfigFlag(
         "stickiness_s", float, "Most seconds of estimate a session's last replica is favoured by."
     ),
     ConfigFlag(

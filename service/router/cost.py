@@ -70,6 +70,13 @@ class CostWeights:
     docs/routing.md)."""
     prefix_gain: float = 0.5
     """See `prefix_bound`."""
+    holder_share: float = 0.0
+    """A replica whose cached blocks cover at least this share of the prompt is exempt from
+    the load bound, as the session's own replica is: leaving it means recomputing what it
+    holds, which the estimate weighs against its queue. 0: off."""
+    holder_bound: float = 0.0
+    """The exemption of `holder_share` holds up to this x the mean load (the load bound's two
+    caps); 0: no cap."""
     recompute_weight: float = 1.0
     """The choice minimises the estimate plus this x the seconds of prefill the request adds
     there (`uncached / prefill_rate`): work a replica takes on is work the requests after it
@@ -100,6 +107,12 @@ class CostWeights:
             raise ValueError(
                 f"prefix_bound must be 0 (off) or >= load_bound, got {self.prefix_bound}"
             )
+        if self.holder_bound != 0 and self.holder_bound < max(1.0, self.load_bound):
+            raise ValueError(
+                f"holder_bound must be 0 (off) or >= load_bound, got {self.holder_bound}"
+            )
+        if not 0.0 <= self.holder_share <= 1.0:
+            raise ValueError(f"holder_share must be in [0, 1], got {self.holder_share}")
         if not 0.0 < self.prefix_gain <= 1.0:
             raise ValueError(f"prefix_gain must be in (0, 1], got {self.prefix_gain}")
         if min(self.active_weight, self.recompute_weight, self.packing_weight) < 0:

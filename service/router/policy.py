@@ -178,6 +178,20 @@ def _decide_cost(
     if inputs.session_replica in loads:
         allowed.add(inputs.session_replica)
     costs = {c.replica_id: _estimate(c, inputs, w) for c in pool}
+    if w.holder_share > 0 and inputs.prompt_tokens > 0:
+        # NOTE: like the session's replica, a replica holding most of the prompt is exempt
+        # (the request is little new work there), while such holders are at most half of the
+        # pool: a prefix most replicas hold is no reason to break the bound, since replicas
+        # within it hold it too. Off by default: with few distinct prefixes (4 system prompts
+        # over 16 replicas) it piles their sessions onto the first holders (docs/routing.md).
+        need = w.holder_share * inputs.prompt_tokens
+        holders = {
+            rid for rid, c in costs.items() if inputs.prompt_tokens - c.uncached_tokens >= need
+        }
+        if w.holder_bound > 0:
+            holders &= within_bound(loads, utils, w.holder_bound)
+        if 2 * len(holders) <= len(costs):
+            allowed |= holders
     best_cost = cheapest([costs[r] for r in allowed], rank)
     if w.prefix_bound > 0 and w.load_bound > 0:
         # NOTE: a replica a little over the bound still wins when its estimate is clearly

@@ -62,6 +62,7 @@ inline unsigned __float_as_uint(float f) {
   return u;
 }
 inline int min(int a, int b) { return a < b ? a : b; }
+inline int max(int a, int b) { return a > b ? a : b; }
 
 inline float f16_bits_to_float(unsigned short h) {
   _Float16 x;

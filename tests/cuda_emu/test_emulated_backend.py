@@ -15,7 +15,7 @@ from engine.worker.attention.torch_ref import TorchAttentionBackend
 from tests.cuda_emu.emulator import Emulator
 from tests.cuda_emu.test_emulated_kernels import _names
 from tests.kernel_reference import make_case, tolerance
-from tests.tiny_models import build_tiny_llama, make_attention_metadata
+from tests.tiny_models import build_tiny_llama, build_tiny_mistral, make_attention_metadata
 
 # head_dim 64 (hidden 256, 4 heads / 2 KV heads) so the kernels apply; float32 and block 16 are
 # covered by ATTN_CONFIGS' (F32, 64, 16, 2, 2)-style instantiations plus the ones added here.
@@ -110,6 +110,98 @@ def test_fp8_cache_matches_torch_backend(
     assert "deja::fp8e4m3" in kernels[1]
 
 
+@pytest.mark.parametrize("options", [(24, None), (None, 1.0), (40, 0.8)], ids=str)
+@pytest.mark.parametrize(
+    "context_lens,query_lens",
+    [([5, 0, 70, 37], [1, 1, 1, 1]), ([5, 0, 70, 37], [1, 9, 1, 20])],
+    ids=["decode", "mixed"],
+)
+def test_window_and_soft_cap_match_torch_backend(
+    backend: CupyAttentionBackend,
+    context_lens: list[int],
+    query_lens: list[int],
+    options: tuple[int | None, float | None],
+) -> None:
+    """Blocks wholly before the window point at one placeholder block (as the KV manager's
+    released entries do), which holds NaN for the kernels: they must not read it."""
+    window, soft_cap = options
+    case = make_case(context_lens, query_lens, 4, 2, 64, 16, torch.float32, seed=9, window=window)
+    tables = case.block_tables.tolist()
+    cache = case.kv_cache.nan_to_num()
+    placeholder = cache.shape[1]
+    cache = torch.cat([cache, torch.full_like(cache[:, :1], float("nan"))], dim=1)
+    if window is not None:
+        for row, ctx in zip(tables, context_lens, strict=True):
+            for i in range(max(0, ctx - window + 1) // 16):
+                row[i] = placeholder
+    meta, _ = make_attention_metadata(context_lens, query_lens, tables, 16)
+    args = (case.q, case.k, case.v)
+    ours = backend.forward(
+        *args, cache.clone(), meta, 0.2, sliding_window=window, logits_soft_cap=soft_cap
+    )
+    ref_cache = cache.nan_to_num()  # the torch reference masks what it gathers; NaN would leak
+    ref = TorchAttentionBackend().forward(
+        *args, ref_cache, meta, 0.2, sliding_window=window, logits_soft_cap=soft_cap
+    )
+    err = (ours.double() - ref.double()).abs().max().item()
+    assert err < 2 * tolerance(torch.float32), err
+
+
+@pytest.mark.parametrize("options", [(24, None), (40, 0.8)], ids=str)
+@pytest.mark.parametrize(
+    "context_lens,query_lens",
+    [([5, 0, 70, 37], [1, 1, 1, 1]), ([5, 0, 70, 37], [1, 9, 1, 20])],
+    ids=["decode", "mixed"],
+)
+def test_window_and_soft_cap_on_fp8_cache_match_torch_backend(
+    backend: CupyAttentionBackend,
+    emulator: Emulator,
+    context_lens: list[int],
+    query_lens: list[int],
+    options: tuple[int | None, float | None],
+) -> None:
+    """Window, soft cap and an fp8 cache together: the K scale (2^-4) is folded into the
+    kernels' softmax scale, so the soft cap must still see q . k_true * scale (a cap applied to
+    q . k_code * scale would be 16x off). Released blocks point at a placeholder holding fp8 NaN
+    codes (0x7f) for the kernels, zeros for the reference, which gathers and masks them."""
+    from engine.worker.attention.kv_quant import FP8_DTYPE, KVScales, quantize_fp8
+
+    window, soft_cap = options
+    case = make_case(context_lens, query_lens, 4, 2, 64, 16, torch.float32, seed=9, window=window)
+    tables = case.block_tables.tolist()
+    placeholder = case.kv_cache.shape[1]
+    if window is not None:
+        for row, ctx in zip(tables, context_lens, strict=True):
+            for i in range(max(0, ctx - window + 1) // 16):
+                row[i] = placeholder
+    meta, _ = make_attention_metadata(context_lens, query_lens, tables, 16)
+    scales = KVScales((1.0, 2.0**-4), (1.0, 2.0**-6))
+    layer_shape = (2, placeholder + 1, *case.kv_cache.shape[2:])
+    full = torch.zeros((2, *layer_shape), dtype=FP8_DTYPE)  # two layers; attend with layer 1
+    full[1, 0, :placeholder] = quantize_fp8(case.kv_cache[0].nan_to_num(), scales.k[1])
+    full[1, 1, :placeholder] = quantize_fp8(case.kv_cache[1].nan_to_num(), scales.v[1])
+    ref_full = full.clone()
+    full.view(torch.uint8)[1, :, placeholder] = 0x7F  # e4m3 NaN
+    ref_backend = TorchAttentionBackend()
+    backend.bind_kv_cache(full, scales)
+    ref_backend.bind_kv_cache(ref_full, scales)
+    args = (case.q, case.k, case.v)
+    ours = backend.forward(
+        *args, full[1], meta, 0.2, sliding_window=window, logits_soft_cap=soft_cap
+    )
+    ref = ref_backend.forward(
+        *args, ref_full[1], meta, 0.2, sliding_window=window, logits_soft_cap=soft_cap
+    )
+    assert torch.equal(
+        full[:, :, :placeholder].view(torch.uint8), ref_full[:, :, :placeholder].view(torch.uint8)
+    )
+    err = (ours.double() - ref.double()).abs().max().item()
+    assert err < 2 * tolerance(torch.float32), err
+    kernels = [name for name, _, _ in emulator.launches]
+    assert kernels[0] == "deja::reshape_and_cache_fp8_kernel<float>"
+    assert "deja::fp8e4m3" in kernels[1]
+
+
 def test_unsupported_head_dim_falls_back_to_torch(
     backend: CupyAttentionBackend, emulator: Emulator
 ) -> None:
@@ -170,6 +262,49 @@ def test_engine_greedy_tokens_match_torch_backend(
     monkeypatch.setattr(engine.core.engine_core, "get_attention_backend", emulated_backend)
     emulator.launches.clear()
     cupy_llm = LLM(model=str(llama64), attention_backend="torch", **kwargs)  # patched factory
+    got = [o.token_ids for o in cupy_llm.generate(prompts, params)]
+    used = {name.split("<")[0] for name, _, _ in emulator.launches}
+    assert {"deja::paged_decode_kernel", "deja::paged_prefill_kernel"} <= used
+    assert got == expected
+
+
+@pytest.fixture(scope="module")
+def mistral64(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_tiny_mistral(
+        tmp_path_factory.mktemp("mistral-d64"), sliding_window=32, hidden_size=256
+    )
+
+
+def test_engine_sliding_window_tokens_match_torch_backend(
+    mistral64: Path, emulator: Emulator, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A Mistral with window 32 (every layer: the KV manager releases blocks): chunked prefill
+    (budget 40), prefix caching and decode past the window, kernels against the torch backend."""
+    from engine import LLM, SamplingParams
+
+    rng = random.Random(1)
+    stem = [rng.randrange(10, 500) for _ in range(100)]
+    shapes = [(0, 5), (100, 3), (60, 30), (0, 90)]  # (shared stem tokens, own tokens)
+    prompts = [stem[:n] + [rng.randrange(10, 500) for _ in range(k)] for n, k in shapes]
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    kwargs: dict[str, object] = dict(
+        device="cpu", dtype="float32", num_device_blocks=128, max_num_batched_tokens=40
+    )
+    torch_llm = LLM(model=str(mistral64), attention_backend="torch", **kwargs)
+    expected = [o.token_ids for o in torch_llm.generate(prompts, params)]
+
+    emulator.install(monkeypatch)
+    import engine.core.engine_core
+
+    def emulated_backend(name: str, device: torch.device) -> CupyAttentionBackend:
+        b = object.__new__(CupyAttentionBackend)
+        b._setup(device, fallback=False)
+        return b
+
+    monkeypatch.setattr(engine.core.engine_core, "get_attention_backend", emulated_backend)
+    emulator.launches.clear()
+    cupy_llm = LLM(model=str(mistral64), attention_backend="torch", **kwargs)  # patched factory
+    assert cupy_llm.engine.kv.sliding_window == 32
     got = [o.token_ids for o in cupy_llm.generate(prompts, params)]
     used = {name.split("<")[0] for name, _, _ in emulator.launches}
     assert {"deja::paged_decode_kernel", "deja::paged_prefill_kernel"} <= used

@@ -167,3 +167,90 @@ def test_gather_scatter_round_trip(emu: Emulator) -> None:
     expected[:, :, ids] = new
     block_copy.scatter_blocks(new, cache, ids)
     assert torch.equal(cache, expected)
+
+
+# (window, soft cap): a window inside one block, one spanning blocks, one longer than some
+# contexts; a soft cap alone and with a window.
+OPTIONS = [(1, None), (13, None), (40, None), (None, 0.7), (24, 0.5)]
+
+
+@pytest.mark.parametrize("options", OPTIONS, ids=str)
+@pytest.mark.parametrize("cfg", ATTN_CONFIGS[:3], ids=_config_id)
+def test_decode_window_and_soft_cap(
+    emu: Emulator,
+    cfg: tuple[torch.dtype, int, int, int, int],
+    options: tuple[int | None, float | None],
+) -> None:
+    """Blocks wholly before each window hold NaN (released): the kernel must not read them."""
+    window, soft_cap = options
+    dtype, d, bs, hq, hkv = cfg
+    context_lens = [0, 16, 70, 31]
+    case = kref.make_case(context_lens, [1] * 4, hq, hkv, d, bs, dtype, seed=5, window=window)
+    cache = kref.write_reference(case)
+    scale = 1.5 / math.sqrt(d)
+    for split in (False, True):
+        emu.launches.clear()
+        out = kref.run_decode(case, cache, scale, split=split, window=window, soft_cap=soft_cap)
+        ref = kref.attention_reference(case, cache, scale, window=window, soft_cap=soft_cap)
+        err = (out.double() - ref).abs().max().item()
+        assert err < kref.tolerance(dtype), (split, err)
+
+
+@pytest.mark.parametrize("cfg", ATTN_CONFIGS[:3], ids=_config_id)
+def test_split_k_decode_window_skips_partitions(
+    emu: Emulator, cfg: tuple[torch.dtype, int, int, int, int]
+) -> None:
+    """A 1,100-token context with a 600-token window: the grid spans the window (2 partitions,
+    not 3), and the reduction combines only the partitions each sequence used."""
+    dtype, d, bs, hq, hkv = cfg
+    case = kref.make_case([1099, 3, 600], [1, 1, 1], hq, hkv, d, bs, dtype, seed=6, window=600)
+    cache = kref.write_reference(case)
+    scale = 0.7 / math.sqrt(d)
+    out = kref.run_decode(case, cache, scale, split=True, window=600, soft_cap=2.0)
+    assert emu.launches[0][1][2] == 2  # partitions: ceil((600 + bs - 1) / 512)
+    ref = kref.attention_reference(case, cache, scale, window=600, soft_cap=2.0)
+    err = (out.double() - ref).abs().max().item()
+    assert err < kref.tolerance(dtype), err
+
+
+@pytest.mark.parametrize("options", OPTIONS, ids=str)
+@pytest.mark.parametrize("cfg", ATTN_CONFIGS[:4], ids=_config_id)
+def test_prefill_window_and_soft_cap(
+    emu: Emulator,
+    cfg: tuple[torch.dtype, int, int, int, int],
+    options: tuple[int | None, float | None],
+) -> None:
+    window, soft_cap = options
+    dtype, d, bs, hq, hkv = cfg
+    # fresh prompt, chunk over a long cached prefix (released blocks before it), a decode
+    # token, a chunk crossing tile edges
+    case = kref.make_case(
+        [0, 75, 40, 3],
+        [19, 12, 1, 40],
+        hq,
+        hkv,
+        d,
+        bs,
+        dtype,
+        num_padding_tokens=3,
+        seed=7,
+        window=window,
+    )
+    cache = kref.write_reference(case)
+    scale = 1.5 / math.sqrt(d)
+    out = kref.run_prefill(case, cache, scale, window=window, soft_cap=soft_cap)
+    ref = kref.attention_reference(case, cache, scale, window=window, soft_cap=soft_cap)
+    n = case.num_queries
+    err = (out[:n].double() - ref).abs().max().item()
+    assert err < kref.tolerance(dtype), err
+    assert out[n:].isnan().all()
+
+
+def test_bad_options_are_refused(emu: Emulator) -> None:
+    case = kref.make_case([5], [1], 2, 2, 64, 16, F32)
+    cache = kref.write_reference(case)
+    with pytest.raises(ValueError, match="sliding_window"):
+        kref.run_decode(case, cache, 0.1, window=0)
+    with pytest.raises(ValueError, match="logits_soft_cap"):
+        kref.run_prefill(case, cache, 0.1, soft_cap=-1.0)
+    assert emu.launches == []

@@ -24,7 +24,12 @@ pytestmark = [
 ]
 
 from engine import LLM, SamplingParams  # noqa: E402
-from tests.tiny_models import build_tiny_llama, build_tiny_qwen2  # noqa: E402
+from tests.tiny_models import (  # noqa: E402
+    build_tiny_llama,
+    build_tiny_mistral,
+    build_tiny_qwen2,
+    build_tiny_qwen2_sliding,
+)
 
 MAX_TOKENS = 32
 LENGTHS = [1, 7, 16, 17, 33, 64, 100, 128, 200, 255, 300, 380, 450, 512, 560, 600]
@@ -50,6 +55,9 @@ MODELS = {
         d, hidden_size=512, num_attention_heads=4, num_key_value_heads=1, num_hidden_layers=3
     ),
     "qwen2-d64": lambda d: build_tiny_qwen2(d, hidden_size=256, num_attention_heads=4),
+    # sliding window 64 on every layer (the KV manager releases blocks) / on layers 1-2 only
+    "mistral-d64-w64": lambda d: build_tiny_mistral(d, 64, hidden_size=256),
+    "qwen2-d64-swa64": lambda d: build_tiny_qwen2_sliding(d, 64, hidden_size=256),
 }
 
 

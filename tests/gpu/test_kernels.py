@@ -90,6 +90,57 @@ def test_prefill(
     assert out[n:].isnan().all()
 
 
+WINDOW_OPTIONS = [(1, None), (100, None), (600, None), (None, 1.0), (64, 0.5)]
+"""(sliding window, logit soft cap) of the window tests; blocks wholly before each sequence's
+window hold NaN (as a block the KV manager released may)."""
+
+
+@pytest.mark.parametrize("options", WINDOW_OPTIONS, ids=str)
+@pytest.mark.parametrize("split", [False, True], ids=["plain", "split-k"])
+@pytest.mark.parametrize("cfg", GRID[::5], ids=_id)
+def test_decode_window_and_soft_cap(
+    cuda_device: torch.device,
+    cfg: tuple[torch.dtype, int, int, tuple[int, int]],
+    split: bool,
+    options: tuple[int | None, float | None],
+) -> None:
+    window, soft_cap = options
+    dtype, d, bs, (hq, hkv) = cfg
+    contexts = [0, 15, 16, 100, 1300, 2047]
+    case = kref.make_case(
+        contexts, [1] * 6, hq, hkv, d, bs, dtype, cuda_device, seed=d + bs, window=window
+    )
+    cache = kref.write_reference(case)
+    scale = 1.5 / math.sqrt(d)
+    out = kref.run_decode(case, cache, scale, split, window=window, soft_cap=soft_cap)
+    torch.cuda.synchronize()
+    ref = kref.attention_reference(case, cache, scale, window=window, soft_cap=soft_cap)
+    assert _err(out, ref) < kref.tolerance(dtype)
+
+
+@pytest.mark.parametrize("options", WINDOW_OPTIONS, ids=str)
+@pytest.mark.parametrize("cfg", GRID[::5], ids=_id)
+def test_prefill_window_and_soft_cap(
+    cuda_device: torch.device,
+    cfg: tuple[torch.dtype, int, int, tuple[int, int]],
+    options: tuple[int | None, float | None],
+) -> None:
+    window, soft_cap = options
+    dtype, d, bs, (hq, hkv) = cfg
+    contexts, queries = [0, 21, 40, 3, 700], [19, 12, 1, 150, 37]
+    case = kref.make_case(
+        contexts, queries, hq, hkv, d, bs, dtype, cuda_device, num_padding_tokens=3, window=window
+    )
+    cache = kref.write_reference(case)
+    scale = 1.5 / math.sqrt(d)
+    out = kref.run_prefill(case, cache, scale, window=window, soft_cap=soft_cap)
+    torch.cuda.synchronize()
+    n = case.num_queries
+    ref = kref.attention_reference(case, cache, scale, window=window, soft_cap=soft_cap)
+    assert _err(out[:n], ref) < kref.tolerance(dtype)
+    assert out[n:].isnan().all()
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize(
     "contexts,queries,padding",

@@ -165,6 +165,34 @@ def test_prefix_bound_lets_a_large_cached_prefix_outweigh_a_small_excess_load() 
         CostWeights(load_bound=1.5, prefix_bound=1.2)
 
 
+def test_holder_share_exempts_a_replica_holding_most_of_the_prompt_from_the_bound() -> None:
+    # r0 holds 60 of the prompt's 62 blocks but has 4 requests out: over the bound (cap 2).
+    inputs = RouteInputs("new", None, {"r0": 60}, prompt_tokens=1000)
+    cands = [_c("r0", running=4), _c("r1"), _c("r2"), _c("r3")]
+    assert decide("cost", cands, inputs, GUARD).replica_id != "r0"
+    w = CostWeights(holder_share=0.5)
+    assert decide("cost", cands, inputs, GUARD, weights=w).replica_id == "r0"
+    # A prefix under the share is no reason to leave the bound.
+    few = RouteInputs("new", None, {"r0": 20}, prompt_tokens=1000)
+    assert decide("cost", cands, few, GUARD, weights=w).replica_id != "r0"
+    # Held by more than half of the pool (a hot system prompt): the replicas within the bound
+    # hold it too, so the bound stands.
+    wide = RouteInputs("new", None, {"r0": 60, "r1": 60, "r2": 60}, prompt_tokens=1000)
+    assert decide("cost", cands, wide, GUARD, weights=w).replica_id in ("r1", "r2")
+    # --holder-bound caps the exemption at its multiple of the mean: with the others at 1 out,
+    # r0 at 3 is within ceil(2.0 * 7 / 4) = 4 (though over the bound's 2), at 5 it is not.
+    capped = CostWeights(holder_share=0.5, holder_bound=2.0)
+    cands = [_c("r0", running=3), _c("r1", running=1), _c("r2", running=1), _c("r3", running=1)]
+    assert decide("cost", cands, inputs, GUARD).replica_id != "r0"
+    assert decide("cost", cands, inputs, GUARD, weights=capped).replica_id == "r0"
+    cands[0] = _c("r0", running=5)
+    assert decide("cost", cands, inputs, GUARD, weights=capped).replica_id != "r0"
+    with pytest.raises(ValueError):
+        CostWeights(holder_share=1.5)
+    with pytest.raises(ValueError):
+        CostWeights(holder_bound=0.5)
+
+
 # -- routers on one Redis -------------------------------------------------------------------------
 
 

@@ -121,17 +121,35 @@ class AttentionBackend(ABC):
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
+        *,
+        sliding_window: int | None = None,
+        logits_soft_cap: float | None = None,
     ) -> torch.Tensor:
         """q: [T, Hq, D], k/v: [T, Hkv, D], kv_cache: [2, NB, BS, Hkv, D] -> out [T, Hq, D].
 
         Each new token attends causally: to its sequence's cached context and to the new tokens
         at or before its own position. Hq is a multiple of Hkv (grouped-query attention).
         `write_kv` runs first, then `attend`.
+
+        Per-layer options (None: off), with transformers' semantics:
+        - sliding_window W: the query at position p sees key position k iff p - W < k <= p (the
+          last W positions, its own included). Block table entries before p - W + 1 may be
+          placeholders for blocks the KV manager released: they are never read (or masked).
+        - logits_soft_cap c: scores = c * tanh(scores / c) on the scaled scores, before masking
+          and softmax (Gemma 2's attn_logit_softcapping). With an fp8 cache the scores are
+          q . k * scale on the dequantized K (the K scale applied before the cap).
         """
         if self.kv_observer is not None:
             self.kv_observer(self.layer_of(kv_cache), k, v)
         self.write_kv(k, v, kv_cache, meta)
-        return self.attend(q, kv_cache, meta, scale)
+        return self.attend(
+            q,
+            kv_cache,
+            meta,
+            scale,
+            sliding_window=sliding_window,
+            logits_soft_cap=logits_soft_cap,
+        )
 
     @abstractmethod
     def write_kv(
@@ -142,10 +160,25 @@ class AttentionBackend(ABC):
 
     @abstractmethod
     def attend(
-        self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float
+        self,
+        q: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+        *,
+        sliding_window: int | None = None,
+        logits_soft_cap: float | None = None,
     ) -> torch.Tensor:
         """q: [T, Hq, D] over kv_cache (new K/V already written) -> out [T, Hq, D]; padding
-        tokens after the last sequence get zeros."""
+        tokens after the last sequence get zeros. Options as in `forward`."""
+
+    @staticmethod
+    def check_options(sliding_window: int | None, logits_soft_cap: float | None) -> None:
+        """ValueError on a window < 1 or a soft cap <= 0."""
+        if sliding_window is not None and sliding_window < 1:
+            raise ValueError(f"sliding_window must be >= 1, got {sliding_window}")
+        if logits_soft_cap is not None and not logits_soft_cap > 0:
+            raise ValueError(f"logits_soft_cap must be > 0, got {logits_soft_cap}")
 
     def copy_blocks(self, kv_cache: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None:
         """Copies whole blocks src[i] -> dst[i] in every layer (copy-on-write, swaps).

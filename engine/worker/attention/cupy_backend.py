@@ -5,10 +5,12 @@ Per layer: `reshape_and_cache` writes the new K/V by slot, then
   which picks its split-K variant by itself for few sequences with long contexts;
 - any other batch (prefills, prefill chunks over a cached prefix, mixed prefill + decode) runs the
   varlen prefill kernel, which treats a decode token as a query of length 1.
+Both take the layer's sliding window (they start reading at the window's first block, so blocks
+the KV manager released are never touched) and its logit soft cap.
 Supported: float16 / bfloat16 / float32, head_dim 64, 96, 128, block_size 16, 32 (`supports`);
 the cache in the same dtype or fp8 (float8_e4m3fn: quantized in reshape_and_cache, read by the
-attention kernels with the layer's K scale folded into the softmax scale and the V scale applied
-to the output).
+attention kernels with the layer's K scale folded into the softmax scale, so the soft cap sees
+the true scores, and the V scale applied to the output).
 Other shapes fall back to the torch reference attention (with one warning) unless the backend is
 built with fallback=False; block copies are dtype- and shape-agnostic and always use the kernel.
 """
@@ -94,11 +96,26 @@ class CupyAttentionBackend(AttentionBackend):
         )
 
     def attend(
-        self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float
+        self,
+        q: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+        *,
+        sliding_window: int | None = None,
+        logits_soft_cap: float | None = None,
     ) -> torch.Tensor:
+        self.check_options(sliding_window, logits_soft_cap)
         fallback = self._fallback_for(q, kv_cache)
         if fallback is not None:
-            return fallback.attend(q, kv_cache, meta, scale)
+            return fallback.attend(
+                q,
+                kv_cache,
+                meta,
+                scale,
+                sliding_window=sliding_window,
+                logits_soft_cap=logits_soft_cap,
+            )
         num_tokens, num_heads, head_dim = q.shape
         q = _kernel_rows(q)
         out = torch.empty((num_tokens, num_heads, head_dim), dtype=q.dtype, device=q.device)
@@ -118,6 +135,8 @@ class CupyAttentionBackend(AttentionBackend):
                 scale,
                 meta.max_seq_len,
                 kv_scales=self._scales(kv_cache),
+                sliding_window=sliding_window,
+                logits_soft_cap=logits_soft_cap,
             )
         else:
             prefill_attention.paged_prefill_attention(
@@ -130,6 +149,8 @@ class CupyAttentionBackend(AttentionBackend):
                 scale,
                 meta.max_query_len,
                 kv_scales=self._scales(kv_cache),
+                sliding_window=sliding_window,
+                logits_soft_cap=logits_soft_cap,
             )
         if num_queries < num_tokens:
             out[num_queries:].zero_()  # padding tokens after the last sequence

@@ -15,6 +15,11 @@ through `dequantize_fp8` into the query dtype, with the layer's scales (`layer_s
 
 The attention call per group: a masked `scaled_dot_product_attention`, or plain causal SDPA (no
 mask) when every sequence of the group is new and of one length (a cold prompt).
+Sliding-window layers use the same gathered K/V with a windowed mask: one mask per distinct
+window, built by the first layer of the step that uses it and reused by the others (like the
+index tensors, per step, never per layer). Keys before a query's window may come from released
+(placeholder) blocks: they are always masked. Logit soft-capping cannot go through SDPA: those
+layers run two batched matmuls around a float32 softmax (transformers' eager attention).
 NOTE: two batched matmuls around a float32 softmax (transformers' eager attention) ran the
 decode group 2.2x faster than SDPA's flash kernel in isolation on the CPU in bf16, but made the
 whole offline workload ~25% slower (alternated runs); SDPA stays.
@@ -45,6 +50,10 @@ class _SeqGroup:
     """[Sg, Q] int64: flat token of query j of each sequence (padding queries clamped)."""
     mask: torch.Tensor
     """[Sg, Q, L] bool: key p is visible to query j (empty for a causal group)."""
+    query_pos: torch.Tensor
+    """[Sg, Q] int64: position of query j (padding queries take their sequence's last one)."""
+    seq_lens: torch.Tensor
+    """[Sg] int64: each sequence's length (keys at positions >= it are padding)."""
     all_visible: bool
     """Every query sees every key (e.g. one decoding sequence): SDPA runs without a mask."""
     query_identity: bool
@@ -54,9 +63,35 @@ class _SeqGroup:
     SDPA runs without a mask and skipping the hidden half (1.3-1.6x faster from ~768 tokens)."""
     block_index_by_block_size: dict[int, torch.Tensor] = field(default_factory=dict)
     """block_size -> [Sg * C] int64: the first C = ceil(L / BS) block ids of each sequence."""
-    masks_by_group: dict[int, torch.Tensor] = field(default_factory=dict)
-    """G -> [Sg, 1, G * Q, L] additive float mask: `mask` repeated for the G query heads of each
-    KV head."""
+    masks_by_group: dict[tuple[int, int | None], torch.Tensor] = field(default_factory=dict)
+    """(G, window) -> [Sg, 1, G * Q, L] additive float mask: `window_mask(window)` repeated for
+    the G query heads of each KV head."""
+    window_masks: dict[int | None, torch.Tensor] = field(default_factory=dict)
+    """window -> [Sg, Q, L] bool mask of the step (None: the causal `mask`, or one built from
+    the positions for a causal group that needs an explicit mask)."""
+
+    @property
+    def max_len(self) -> int:
+        return int(self.key_pos.shape[0])
+
+    def effective_window(self, window: int | None) -> int | None:
+        """None when the window hides nothing here (no query sees more than L keys)."""
+        return None if window is None or window >= self.max_len else window
+
+    def window_mask(self, window: int | None) -> torch.Tensor:
+        """[Sg, Q, L] bool: key p visible to query j (p <= pos_j, p < seq_len, pos_j - p < W)."""
+        mask = self.window_masks.get(window)
+        if mask is None:
+            if window is None and not self.causal:
+                mask = self.mask
+            else:
+                keys = self.key_pos[None, None, :]  # [1, 1, L]
+                pos = self.query_pos[:, :, None]  # [Sg, Q, 1]
+                mask = (keys <= pos) & (keys < self.seq_lens[:, None, None])
+                if window is not None:
+                    mask &= keys > pos - window
+            self.window_masks[window] = mask
+        return mask
 
     def block_index(self, block_size: int) -> torch.Tensor:
         idx = self.block_index_by_block_size.get(block_size)
@@ -68,21 +103,23 @@ class _SeqGroup:
             self.block_index_by_block_size[block_size] = idx
         return idx
 
-    def group_mask(self, group: int, dtype: torch.dtype) -> torch.Tensor | None:
+    def group_mask(
+        self, group: int, dtype: torch.dtype, window: int | None = None
+    ) -> torch.Tensor | None:
         """[Sg, 1, G * Q, L] additive mask (0 visible, -inf hidden) in the query dtype; None when
-        every key is visible.
+        every key is visible. `window`: an effective sliding window (see `effective_window`).
 
         NOTE: SDPA turns a boolean mask into an additive one on every call; building it once
         per step saves that conversion in every layer.
         """
-        if self.all_visible:
+        if self.all_visible and window is None:
             return None
-        mask = self.masks_by_group.get(group)
+        mask = self.masks_by_group.get((group, window))
         if mask is None or mask.dtype != dtype:
-            visible = self.mask.repeat(1, group, 1).unsqueeze(1)
+            visible = self.window_mask(window).repeat(1, group, 1).unsqueeze(1)
             mask = torch.zeros(visible.shape, dtype=dtype, device=visible.device)
             mask.masked_fill_(~visible, float("-inf"))
-            self.masks_by_group[group] = mask
+            self.masks_by_group[(group, window)] = mask
         return mask
 
 
@@ -152,11 +189,30 @@ class TorchAttentionBackend(AttentionBackend):
                 cache[i].view(torch.uint8).index_copy_(0, plan.write_slots, codes)
 
     def attend(
-        self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float
+        self,
+        q: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+        *,
+        sliding_window: int | None = None,
+        logits_soft_cap: float | None = None,
     ) -> torch.Tensor:
+        self.check_options(sliding_window, logits_soft_cap)
         plan = self._plan_for(meta)
         kv_scales = self.layer_scales(kv_cache) if is_fp8(kv_cache) else None
-        rows = [_attend(q, kv_cache, g, scale, kv_scales) for g in plan.groups]
+        rows = [
+            _attend(
+                q,
+                kv_cache,
+                g,
+                scale,
+                g.effective_window(sliding_window),
+                logits_soft_cap,
+                kv_scales,
+            )
+            for g in plan.groups
+        ]
         out = rows[0] if len(rows) == 1 else torch.cat(rows)  # [sum Sg * Q, Hq, D]
         if plan.token_row is not None:
             out = out[plan.token_row]  # [T, Hq, D]
@@ -170,11 +226,15 @@ def _attend(
     kv_cache: torch.Tensor,
     group: _SeqGroup,
     scale: float,
+    window: int | None,
+    soft_cap: float | None,
     kv_scales: tuple[float, float] | None = None,
 ) -> torch.Tensor:
     """q: [T, Hq, D]; kv_cache: [2, NB, BS, Hkv, D] -> [Sg * Q, Hq, D] rows (sequence-major).
 
-    kv_scales: the layer's (K, V) scales of an fp8 cache; None for a cache in a float type."""
+    window: an effective sliding window (None: none that hides a key of this group).
+    kv_scales: the layer's (K, V) scales of an fp8 cache; None for a cache in a float type. K and
+    V are dequantized before the scores, so the soft cap sees the true q . k * scale."""
     num_q_heads, head_dim = q.shape[1], q.shape[2]
     num_kv_heads, block_size = kv_cache.shape[3], kv_cache.shape[2]
     g = num_q_heads // num_kv_heads
@@ -197,7 +257,7 @@ def _attend(
     queries = (
         q.view(num_seqs, max_q, *q.shape[1:]) if group.query_identity else q[group.query_index]
     )
-    if group.causal:
+    if group.causal and window is None and soft_cap is None:
         out = F.scaled_dot_product_attention(
             queries.transpose(1, 2), k, v, is_causal=True, scale=scale, enable_gqa=True
         )  # [Sg, Hq, Q, D]
@@ -208,9 +268,18 @@ def _attend(
         .permute(0, 2, 3, 1, 4)
         .reshape(num_seqs, num_kv_heads, g * max_q, head_dim)
     )
-    out = F.scaled_dot_product_attention(
-        queries, k, v, attn_mask=group.group_mask(g, queries.dtype), scale=scale
-    )  # [Sg, Hkv, G * Q, D]
+    mask = group.group_mask(g, queries.dtype, window)  # [Sg, 1, G * Q, L] or None
+    if soft_cap is None:
+        out = F.scaled_dot_product_attention(
+            queries, k, v, attn_mask=mask, scale=scale
+        )  # [Sg, Hkv, G * Q, D]
+    else:
+        scores = torch.matmul(queries, k.transpose(2, 3)) * scale  # [Sg, Hkv, G * Q, L]
+        scores = torch.tanh(scores / soft_cap) * soft_cap
+        if mask is not None:
+            scores = scores + mask
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(v.dtype)
+        out = torch.matmul(probs, v)  # [Sg, Hkv, G * Q, D]
     return (
         out.view(num_seqs, num_kv_heads, g, max_q, head_dim)
         .permute(0, 3, 1, 2, 4)
@@ -259,6 +328,8 @@ def _build_group(
     # and p < seq_len. Padding queries (j >= query_len) see all of the sequence's keys, so no row
     # is fully masked (which would give NaN).
     causal = max_q > 1 and all(q == max_q for q in query_lens) and int(contexts.max()) == 0
+    qlens = np.asarray(query_lens, dtype=np.int64)  # [Sg]
+    query_pos = contexts[:, None] + np.minimum(q_pos[None, :], np.maximum(qlens - 1, 0)[:, None])
     if causal:
         mask = np.zeros((0, 0, 0), dtype=bool)  # SDPA's is_causal does the masking
     else:
@@ -278,6 +349,8 @@ def _build_group(
         torch.from_numpy(key_pos).to(device),
         torch.from_numpy(query_index).to(device),
         torch.from_numpy(mask).to(device),
+        torch.from_numpy(query_pos).to(device),
+        torch.from_numpy(lens).to(device),
         all_visible,
         query_identity,
         causal,

@@ -30,27 +30,9 @@ def _architecture(hf_config: Any) -> str:
     return arch
 
 
-def _check_sliding_window(hf_config: Any, arch: str) -> None:
-    """Rejects checkpoints whose attention uses a sliding window shorter than the context."""
-    window = getattr(hf_config, "sliding_window", None)
-    if window is None or getattr(hf_config, "use_sliding_window", True) is False:
-        return
-    layer_types = getattr(hf_config, "layer_types", None)
-    if layer_types is not None and "sliding_attention" not in layer_types:
-        return
-    max_positions = hf_config.max_position_embeddings
-    if window < max_positions:
-        raise ValueError(
-            f"{arch} with sliding_window={window} < max_position_embeddings={max_positions} is "
-            "not supported (sliding-window attention is not implemented)"
-        )
-
-
 def get_model_class(hf_config: Any) -> type[LlamaForCausalLM]:
     """Our implementation of the checkpoint's architecture; ValueError if unsupported."""
-    arch = _architecture(hf_config)
-    _check_sliding_window(hf_config, arch)
-    return SUPPORTED_ARCHITECTURES[arch][0]
+    return SUPPORTED_ARCHITECTURES[_architecture(hf_config)][0]
 
 
 def model_family(hf_config: Any) -> str:

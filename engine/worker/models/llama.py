@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.worker.attention.base import AttentionBackend, AttentionMetadata
+from engine.worker.models.sliding_window import layer_windows
 
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 """Checkpoint entries that older transformers versions saved but that hold no weights."""
@@ -153,8 +154,16 @@ def bucket_rows(rows: int) -> int:
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, cfg: Any, dtype: torch.dtype, backend: AttentionBackend) -> None:
+    def __init__(
+        self,
+        cfg: Any,
+        dtype: torch.dtype,
+        backend: AttentionBackend,
+        sliding_window: int | None = None,
+    ) -> None:
         super().__init__()
+        self.sliding_window = sliding_window
+        """This layer's window (engine/worker/models/sliding_window.py); None: full attention."""
         self.num_heads = cfg.num_attention_heads
         self.num_kv_heads = getattr(cfg, "num_key_value_heads", None) or self.num_heads
         self.head_dim = _head_dim(cfg)
@@ -187,7 +196,9 @@ class LlamaAttention(nn.Module):
         qk = apply_rope(qk.view(num_tokens, self.num_heads + self.num_kv_heads, -1), cos, sin)
         q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)  # [T, Hq, D], [T, Hkv, D]
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
-        out = self.backend.forward(q, k, v, kv_cache, meta, self.scale)  # [T, Hq, D]
+        out = self.backend.forward(
+            q, k, v, kv_cache, meta, self.scale, sliding_window=self.sliding_window
+        )  # [T, Hq, D]
         return self.o_proj(out.reshape(num_tokens, self.q_size))  # [T, hidden]
 
 
@@ -207,10 +218,16 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, cfg: Any, dtype: torch.dtype, backend: AttentionBackend) -> None:
+    def __init__(
+        self,
+        cfg: Any,
+        dtype: torch.dtype,
+        backend: AttentionBackend,
+        sliding_window: int | None = None,
+    ) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-        self.self_attn = LlamaAttention(cfg, dtype, backend)
+        self.self_attn = LlamaAttention(cfg, dtype, backend, sliding_window)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.mlp = LlamaMLP(cfg, dtype)
 
@@ -233,7 +250,7 @@ class LlamaModel(nn.Module):
             nn.Embedding, cfg.vocab_size, cfg.hidden_size, dtype=dtype
         )
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(cfg, dtype, backend) for _ in range(cfg.num_hidden_layers)
+            LlamaDecoderLayer(cfg, dtype, backend, window) for window in layer_windows(cfg)
         )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
 

@@ -77,6 +77,10 @@ def test_engine_publishes_load_in_tokens(tiny_llama_path: object) -> None:
     # the fit's accuracy is checked on known costs above.
     assert (eng.step_rates.prefill_steps, eng.step_rates.decode_steps) == (1, 3)
     assert eng.get_stats().decode_seq_s >= 0
+    # A waiting request counts only what the device tier does not hold for it: the first
+    # prompt's 4 full blocks are cached.
+    eng.add_request(list(range(10, 74)) + [5] * 20, SamplingParams(max_tokens=1))
+    assert eng.get_stats().queued_prefill_tokens == 84 - 64
 
 
 def test_utilisation_decays_with_time() -> None:

@@ -74,3 +74,24 @@ class AllocatorMachine(LiveSequenceRules):
 
 TestAllocator = AllocatorMachine.TestCase
 TestAllocator.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
+
+
+class SlidingAllocatorMachine(AllocatorMachine):
+    """The same rules with a sliding window of 5 positions: blocks leave sequences as they
+    decode, prefix matches skip blocks outside the window."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.kv = KVCacheManager(NUM_BLOCKS, BS, max_pinned_fraction=0.25, sliding_window=5)
+
+    @invariant()
+    def released_only_outside_the_window(self) -> None:
+        for seq in self.live.values():
+            released = self.kv.num_released.get(seq.seq_id, 0)
+            # a query of the sequence's next step (from num_computed_tokens) sees none of them
+            assert released <= self.kv.num_outside_window(seq.num_computed_tokens)
+            assert all(b is None for b in self.kv.tables[seq.seq_id][:released])
+
+
+TestSlidingAllocator = SlidingAllocatorMachine.TestCase
+TestSlidingAllocator.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)

@@ -41,8 +41,11 @@ def _reference(
     tables: list[list[int]],
     slots: list[int],
     scale: float,
+    window: int | None = None,
+    soft_cap: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Writes K/V slot by slot, then attends each query token on its own with explicit softmax."""
+    """Writes K/V slot by slot, then attends each query token on its own with explicit softmax
+    (over keys pos - window < p <= pos; scores soft-capped when soft_cap is given)."""
     cache = cache.clone()
     block_size = cache.shape[2]
     for t, slot in enumerate(slots):
@@ -56,15 +59,18 @@ def _reference(
     for ctx, qlen, table in zip(context_lens, query_lens, tables, strict=True):
         for j in range(qlen):
             pos = ctx + j
+            visible = range(0 if window is None else max(0, pos - window + 1), pos + 1)
             keys = torch.stack(
-                [cache[0, table[p // block_size], p % block_size] for p in range(pos + 1)]
-            )  # [pos + 1, Hkv, D]
+                [cache[0, table[p // block_size], p % block_size] for p in visible]
+            )  # [visible, Hkv, D]
             values = torch.stack(
-                [cache[1, table[p // block_size], p % block_size] for p in range(pos + 1)]
+                [cache[1, table[p // block_size], p % block_size] for p in visible]
             )
             for h in range(num_q_heads):
                 kv_head = h // group
-                scores = (keys[:, kv_head] @ q[t, h]) * scale  # [pos + 1]
+                scores = (keys[:, kv_head] @ q[t, h]) * scale  # [visible]
+                if soft_cap is not None:
+                    scores = soft_cap * torch.tanh(scores / soft_cap)
                 out[t, h] = torch.softmax(scores, dim=0) @ values[:, kv_head]
             t += 1
     return out, cache
@@ -119,6 +125,75 @@ def test_torch_backend_matches_reference(
     # every non-padding slot written, nothing else touched
     assert torch.equal(got_cache, want_cache)
     assert torch.equal(q, q_in) and torch.equal(k, k_in) and torch.equal(v, v_in)
+
+
+@pytest.mark.parametrize("options", [(1, None), (7, None), (20, None), (None, 2.0), (16, 1.5)])
+@pytest.mark.parametrize("case", list(CASES))
+def test_torch_backend_window_and_soft_cap(
+    case: str, options: tuple[int | None, float | None]
+) -> None:
+    """Sliding window and logit soft-capping against the reference, in every group kind (decode,
+    masked prefill, is_causal prompts, several length groups); blocks wholly before every
+    query's window point at another sequence's block (a released block): masked, harmless."""
+    window, soft_cap = options
+    context_lens, query_lens, padding = CASES[case]
+    block_size, (num_q_heads, num_kv_heads) = 16, (4, 2)
+    rng = random.Random(f"window-{case}-{options}")
+    gen = torch.Generator().manual_seed(rng.randrange(1 << 30))
+    seq_lens = [c + q for c, q in zip(context_lens, query_lens, strict=True)]
+    tables, num_blocks = _random_tables(rng, seq_lens, block_size)
+    if window is not None:
+        for table, ctx in zip(tables, context_lens, strict=True):
+            for i in range(max(0, ctx - window + 1) // block_size):
+                table[i] = tables[0][0]  # released: any block id will do
+    meta, _ = make_attention_metadata(context_lens, query_lens, tables, block_size, padding)
+    num_tokens = sum(query_lens) + padding
+    q = torch.randn(num_tokens, num_q_heads, HEAD_DIM, generator=gen) * 2
+    k = torch.randn(num_tokens, num_kv_heads, HEAD_DIM, generator=gen)
+    v = torch.randn(num_tokens, num_kv_heads, HEAD_DIM, generator=gen)
+    cache = torch.randn(2, num_blocks, block_size, num_kv_heads, HEAD_DIM, generator=gen)
+    slots = meta.slot_mapping.tolist()
+    args = (context_lens, query_lens, tables, slots, 0.5)
+    want, _ = _reference(q, k, v, cache, *args, window=window, soft_cap=soft_cap)
+    backend = TorchAttentionBackend()
+    backend.prepare(meta)
+    got = backend.forward(
+        q, k, v, cache.clone(), meta, 0.5, sliding_window=window, logits_soft_cap=soft_cap
+    )
+    real = sum(query_lens)
+    torch.testing.assert_close(got[:real], want[:real], atol=1e-5, rtol=1e-5)
+    assert torch.equal(got[real:], torch.zeros_like(got[real:]))
+    if window is not None and soft_cap is None:
+        full, _ = _reference(q, k, v, cache, *args)
+        if any(n > window for n in seq_lens):
+            assert not torch.allclose(got[:real], full[:real], atol=1e-3)
+
+
+def test_window_masks_are_built_once_per_step() -> None:
+    """Layers with the same window share one mask per step; a new step builds new ones."""
+    context_lens, query_lens, _ = CASES["mixed"]
+    seq_lens = [c + q for c, q in zip(context_lens, query_lens, strict=True)]
+    tables, num_blocks = _random_tables(random.Random(3), seq_lens, 16)
+    meta, _ = make_attention_metadata(context_lens, query_lens, tables, 16)
+    gen = torch.Generator().manual_seed(3)
+    t = sum(query_lens)
+    q, k, v = (torch.randn(t, h, HEAD_DIM, generator=gen) for h in (4, 2, 2))
+    cache = torch.randn(2, num_blocks, 16, 2, HEAD_DIM, generator=gen)
+    backend = TorchAttentionBackend()
+    backend.prepare(meta)
+    plan = backend._plan
+    assert plan is not None
+    for window in (8, None, 8, 30, 8):
+        backend.forward(q, k, v, cache, meta, 0.3, sliding_window=window)
+    masks = [dict(g.window_masks) for g in plan.groups]
+    for window in (8, 30):
+        backend.forward(q, k, v, cache, meta, 0.3, sliding_window=window)
+    assert [dict(g.window_masks) for g in plan.groups] == masks  # same tensors, none rebuilt
+    assert any({8, 30} <= set(m) for m in masks)
+    with pytest.raises(ValueError, match="sliding_window"):
+        backend.forward(q, k, v, cache, meta, 0.3, sliding_window=0)
+    with pytest.raises(ValueError, match="logits_soft_cap"):
+        backend.forward(q, k, v, cache, meta, 0.3, logits_soft_cap=0.0)
 
 
 @pytest.mark.parametrize("case", ["decode_many", "prefill_causal", "mixed"])

@@ -25,6 +25,7 @@ from engine.worker.model_loader import (
 )
 from engine.worker.models import get_model_class, model_family
 from engine.worker.models.llama import LlamaForCausalLM, rope_inv_freq
+from engine.worker.models.sliding_window import kv_window, layer_windows
 from tests.tiny_models import build_tiny_llama, make_attention_metadata
 
 torch.set_num_threads(2)
@@ -165,17 +166,36 @@ def test_unsupported_architecture() -> None:
         assert name in str(err.value)
 
 
-def test_mistral_sliding_window() -> None:
-    base: dict[str, Any] = {
-        "architectures": ["MistralForCausalLM"],
-        "max_position_embeddings": 32768,
-    }
-    with pytest.raises(ValueError, match="sliding_window=4096"):
-        get_model_class(SimpleNamespace(**base, sliding_window=4096))
-    assert get_model_class(SimpleNamespace(**base, sliding_window=None)) is LlamaForCausalLM
-    assert get_model_class(SimpleNamespace(**base, sliding_window=32768)) is LlamaForCausalLM
-    qwen = {**base, "architectures": ["Qwen2ForCausalLM"], "sliding_window": 4096}
-    assert get_model_class(SimpleNamespace(**qwen, use_sliding_window=False)) is LlamaForCausalLM
+def test_sliding_window_layers() -> None:
+    """Mistral: every layer; Qwen2: layers >= max_window_layers, or layer_types when present."""
+    from transformers import MistralConfig, Qwen2Config
+
+    base: dict[str, Any] = {"num_hidden_layers": 4, "max_position_embeddings": 32768}
+    mistral = SimpleNamespace(**base, architectures=["MistralForCausalLM"], sliding_window=4096)
+    assert get_model_class(mistral) is LlamaForCausalLM  # no longer refused
+    assert layer_windows(mistral) == [4096] * 4
+    assert kv_window(layer_windows(mistral)) == 4096
+    assert layer_windows(SimpleNamespace(**base, sliding_window=None)) == [None] * 4
+    assert layer_windows(MistralConfig(num_hidden_layers=3, sliding_window=64)) == [64] * 3
+    qwen = dict(base, model_type="qwen2", sliding_window=64, max_window_layers=1)
+    assert layer_windows(SimpleNamespace(**qwen, use_sliding_window=False)) == [None] * 4
+    assert layer_windows(SimpleNamespace(**qwen, use_sliding_window=True)) == [None, 64, 64, 64]
+    hf = Qwen2Config(
+        num_hidden_layers=4, use_sliding_window=True, sliding_window=64, max_window_layers=2
+    )
+    assert layer_windows(hf) == [None, None, 64, 64]
+    assert kv_window(layer_windows(hf)) is None  # a full layer keeps every block
+    off = Qwen2Config(num_hidden_layers=2, use_sliding_window=False, sliding_window=64)
+    assert layer_windows(off) == [None, None]
+    types = SimpleNamespace(
+        **base, sliding_window=8, layer_types=["sliding_attention", "full_attention"] * 2
+    )
+    assert layer_windows(types) == [8, None, 8, None]
+    assert kv_window([8, 16]) == 16
+    with pytest.raises(ValueError, match="sliding_window must be >= 1"):
+        layer_windows(SimpleNamespace(**base, sliding_window=0))
+    with pytest.raises(ValueError, match="layer_types has 2 entries"):
+        layer_windows(SimpleNamespace(**base, sliding_window=8, layer_types=["full_attention"] * 2))
 
 
 def test_loader_errors_and_helpers(tiny_llama_path: Path, tmp_path: Path) -> None:
