@@ -14,6 +14,7 @@ with the CPU tier off, the same with the CPU tier on, and an unbounded device po
 Part 3 (restart): bench/tiers_restart.py.
 
     python -m bench.tiers [--model demo] [--part all|ttft|multiturn|restart] [--json out.json]
+                          [--kv-cache-dtype auto|fp8_e4m3]
 """
 
 from __future__ import annotations
@@ -62,6 +63,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         choices=("all", "ttft", "multiturn", "restart"),
         default="all",
         help="which part to run (restart: bench/tiers_restart.py)",
+    )
+    parser.add_argument(
+        "--kv-cache-dtype",
+        default="auto",
+        choices=("auto", "fp8_e4m3"),
+        help="KV storage of every engine and tier (default auto: the model dtype)",
     )
     parser.add_argument("--reps", type=int, default=None, help="ttft repetitions (default 2)")
     parser.add_argument("--sessions", type=int, default=None, help="multi-turn sessions (32)")

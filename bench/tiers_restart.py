@@ -35,8 +35,10 @@ BS = 16
 
 
 def tier_llm(model_path: str, args: argparse.Namespace, **cfg: Any) -> Any:
-    """Our engine on the CPU with blocks of `BS` tokens (`cfg`: its tiers and pools)."""
-    return common.our_llm(model_path, args, block_size=BS, **cfg)
+    """Our engine on the CPU with blocks of `BS` tokens (`cfg`: its tiers and pools) and KV in
+    --kv-cache-dtype (fp8 blocks on every tier with fp8_e4m3)."""
+    kv = getattr(args, "kv_cache_dtype", "auto")
+    return common.our_llm(model_path, args, block_size=BS, kv_cache_dtype=kv, **cfg)
 
 
 def _fetch_clock(llm: Any) -> list[float]:

@@ -12,6 +12,7 @@ import torch
 
 from cuda.cupy_launch import (
     DTYPES,
+    FP8,
     WORD_TYPES,
     check,
     check_contiguous,
@@ -43,7 +44,7 @@ def instantiations() -> list[str]:
 
 
 def _check_cache(kv_cache: torch.Tensor) -> None:
-    check_tensor("kv_cache", kv_cache, 6, DTYPES)
+    check_tensor("kv_cache", kv_cache, 6, (*DTYPES, FP8))  # bytes are bytes: fp8 too
     check(
         kv_cache.shape[1] == 2,
         f"kv_cache must be [num_layers, 2, num_blocks, block_size, Hkv, D], "
@@ -112,7 +113,7 @@ def _gather_scatter(
 ) -> None:
     _check_cache(kv_cache)
     _check_ids("block_ids", block_ids)
-    check_tensor("staging", staging, 6, DTYPES)
+    check_tensor("staging", staging, 6, (*DTYPES, FP8))
     expected = (
         kv_cache.shape[0],
         2,

@@ -34,6 +34,17 @@ DTYPE_NAMES: dict[torch.dtype, str] = {
 
 DTYPES: tuple[torch.dtype, ...] = tuple(DTYPE_NAMES)
 """Every dtype the kernels take (activations and KV cache)."""
+FP8 = torch.float8_e4m3fn
+"""An fp8 KV cache's dtype: the cache elements are x / scale (engine/worker/attention/kv_quant.py)."""
+CACHE_NAMES: dict[torch.dtype, str] = {**DTYPE_NAMES, FP8: "deja::fp8e4m3"}
+"""C++ type of the KV cache's elements: the activations' own, or fp8."""
+
+
+def cache_name(dtype: torch.dtype, cache_dtype: torch.dtype) -> str:
+    """C++ cache element type for activations of `dtype` and a cache of `cache_dtype`."""
+    return CACHE_NAMES[cache_dtype if cache_dtype == FP8 else dtype]
+
+
 ATTENTION_HEAD_SIZES = (64, 96, 128)
 """Head dims both attention kernels (decode and prefill) are instantiated for."""
 ATTENTION_BLOCK_SIZES = (16, 32)
@@ -139,7 +150,7 @@ def check_attention_args(args: AttentionArgs) -> AttentionDims:
     out, q, kv_cache, block_tables, seq_lens = args
     check_tensor("q", q, 3, DTYPES)
     check_tensor("out", out, 3, DTYPES)
-    check_tensor("kv_cache", kv_cache, 5, DTYPES)
+    check_tensor("kv_cache", kv_cache, 5, (*DTYPES, FP8))
     check_tensor("block_tables", block_tables, 2, (torch.int32,))
     check_tensor("seq_lens", seq_lens, 1, (torch.int32,))
     _, num_heads, head_dim = q.shape
@@ -164,8 +175,9 @@ def check_attention_args(args: AttentionArgs) -> AttentionDims:
     )
     check(out.shape == q.shape, f"out shape {tuple(out.shape)} must equal q shape {tuple(q.shape)}")
     check(
-        q.dtype == out.dtype == kv_cache.dtype,
-        f"q, out and kv_cache dtypes differ: {q.dtype}, {out.dtype}, {kv_cache.dtype}",
+        q.dtype == out.dtype and kv_cache.dtype in (q.dtype, FP8),
+        f"q, out and kv_cache dtypes differ: {q.dtype}, {out.dtype}, {kv_cache.dtype} "
+        "(kv_cache may also be float8_e4m3fn)",
     )
     check(
         seq_lens.shape[0] <= 65535, f"at most 65535 sequences per launch, got {seq_lens.shape[0]}"
@@ -174,7 +186,10 @@ def check_attention_args(args: AttentionArgs) -> AttentionDims:
     check_dense_rows("out", out)
     check_aligned("q", q, q.stride(0))
     check_contiguous("kv_cache", kv_cache)
-    check_aligned("kv_cache", kv_cache, head_dim)
+    # an fp8 lane reads 16 / q.element_size() bytes at once
+    check_aligned(
+        "kv_cache", kv_cache, head_dim, 16 // q.element_size() if kv_cache.dtype == FP8 else 16
+    )
     check_contiguous("block_tables", block_tables)
     check_contiguous("seq_lens", seq_lens)
     return AttentionDims(num_heads, head_dim, block_size, num_kv_heads)

@@ -128,6 +128,83 @@ __device__ __forceinline__ void store_pair<float>(float* p, float a, float b) {
   *reinterpret_cast<float2*>(p) = make_float2(a, b);
 }
 
+// ---- fp8 (e4m3) KV cache ------------------------------------------------------------------
+// A cache element of an fp8 cache: float8_e4m3fn bits (1 sign, 4 exponent with bias 7, 3
+// mantissa; no infinities, 0x7f / 0xff are NaN, largest finite 448). The cache holds x / scale;
+// the kernels fold the K scale into the softmax scale and apply the V scale to the output, so
+// they only convert codes to floats.
+struct fp8e4m3 {
+  unsigned char bits;
+};
+
+// e4m3's sign, exponent and mantissa placed in a float's bits read as value * 2^-120, exactly,
+// subnormals included (float keeps denormals: no -ftz).
+__device__ __forceinline__ float fp8_e4m3_to_float(unsigned int b) {
+  return __uint_as_float(((b & 0x80u) << 24) | ((b & 0x7fu) << 20)) * 1.329227995784916e36f;
+}
+
+// Round to nearest even and saturate to +-448, as torch's clamp + cast; NaN becomes 448.
+__device__ __forceinline__ unsigned char float_to_fp8_e4m3(float x) {
+  const unsigned int sign = (__float_as_uint(x) >> 24) & 0x80u;
+  const float a = fabsf(x);
+  if (!(a < 448.f)) return static_cast<unsigned char>(sign | 0x7eu);
+  if (a < 0.015625f) {  // subnormal: multiples of 2^-9 (8 * 2^-9 is the smallest normal, 0x08)
+    return static_cast<unsigned char>(sign | static_cast<unsigned int>(rintf(a * 512.f)));
+  }
+  unsigned int u = __float_as_uint(a);
+  u += 0x7ffffu + ((u >> 20) & 1u);  // round the 23-bit mantissa to 3 bits, ties to even
+  const unsigned int exp = (u >> 23) - 120u;  // rebias 127 -> 7; in [1, 15] as 2^-6 <= a < 448
+  return static_cast<unsigned char>(sign | (exp << 3) | ((u >> 20) & 7u));
+}
+
+// How the attention kernels read a lane's N = Vec16Traits<T>::N consecutive cache elements of
+// type C (C == T: one 16-byte vector; fp8: N bytes) into floats (`to_float`) or into T's 16-byte
+// vector (`to_vec16`, for tiles staged in shared memory as T).
+template <typename T, typename C>
+struct KVLoad;
+template <typename T>
+struct KVLoad<T, T> {
+  __device__ __forceinline__ static uint4 load(const T* p) { return load_vec16(p); }
+  __device__ __forceinline__ static void to_float(uint4 raw, float* out) {
+    vec16_to_float<T>(raw, out);
+  }
+  __device__ __forceinline__ static uint4 to_vec16(uint4 raw) { return raw; }
+};
+template <typename T>
+struct KVLoad<T, fp8e4m3> {
+  static constexpr int N = Vec16Traits<T>::N;  // 8 (16-bit T) or 4 (float) bytes
+  __device__ __forceinline__ static uint4 load(const fp8e4m3* p) {
+    uint4 raw = make_uint4(0u, 0u, 0u, 0u);
+    if constexpr (N == 8) {
+      const uint2 w = *reinterpret_cast<const uint2*>(p);
+      raw.x = w.x;
+      raw.y = w.y;
+    } else {
+      raw.x = *reinterpret_cast<const unsigned int*>(p);
+    }
+    return raw;
+  }
+  __device__ __forceinline__ static void to_float(uint4 raw, float* out) {
+#pragma unroll
+    for (int e = 0; e < N; ++e) out[e] = fp8_e4m3_to_float(((e < 4 ? raw.x : raw.y) >> (8 * (e % 4))) & 0xffu);
+  }
+  __device__ __forceinline__ static uint4 to_vec16(uint4 raw) {
+    float f[N];
+    to_float(raw, f);
+    unsigned int w[4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      if constexpr (N == 4) {
+        w[i] = __float_as_uint(f[i]);
+      } else {  // fp8 -> a 16-bit type is exact: e4m3 fits both
+        w[i] = static_cast<unsigned int>(from_float<T>(f[2 * i]).bits) |
+               (static_cast<unsigned int>(from_float<T>(f[2 * i + 1]).bits) << 16);
+      }
+    }
+    return make_uint4(w[0], w[1], w[2], w[3]);
+  }
+};
+
 // ---- warp reductions ----------------------------------------------------------------------
 // Butterfly over the WIDTH consecutive lanes that share lane / WIDTH; every lane gets the result.
 // All 32 lanes of the warp must call it (full mask).

@@ -49,16 +49,19 @@ __device__ __forceinline__ float soft_cap_score(float s, float soft_cap_log2) {
   return soft_cap_log2 > 0.f ? soft_cap_log2 * tanhf(s / soft_cap_log2) : s;
 }
 
-template <typename T, int HEAD_DIM, int BLOCK_SIZE, int QH>
+// C: the cache element type, T or fp8e4m3 (then scale_log2 includes the layer's K scale and
+// v_scale is its V scale; 1 otherwise). The K scale sits in the query's pre-scale, so a score is
+// q . k_true * softmax_scale * log2(e) before the soft cap, as for a cache in T.
+template <typename T, typename C, int HEAD_DIM, int BLOCK_SIZE, int QH>
 __global__ void __launch_bounds__(DECODE_THREADS)
     paged_decode_kernel(T* __restrict__ out, float* __restrict__ part_out,
                         float* __restrict__ part_max, float* __restrict__ part_sum,
-                        const T* __restrict__ q, const T* __restrict__ k_cache,
-                        const T* __restrict__ v_cache, const int* __restrict__ block_tables,
+                        const T* __restrict__ q, const C* __restrict__ k_cache,
+                        const C* __restrict__ v_cache, const int* __restrict__ block_tables,
                         const int* __restrict__ seq_lens, long long q_stride, long long out_stride,
                         int num_heads, int num_kv_heads, int max_blocks_per_seq,
                         int partition_size, float scale_log2, int sliding_window,
-                        float soft_cap_log2) {
+                        float soft_cap_log2, float v_scale) {
   constexpr int VEC = Vec16Traits<T>::N;          // elements per 16-byte load
   constexpr int TG = next_pow2(HEAD_DIM / VEC);   // lanes per token
   constexpr int GPW = 32 / TG;                    // tokens a warp reads at once (lane groups)
@@ -138,8 +141,8 @@ __global__ void __launch_bounds__(DECODE_THREADS)
         if (active && valid[u]) {
           const long long elem =
               ((block_id * BLOCK_SIZE + offset) * num_kv_heads + kv_head) * HEAD_DIM + dim0;
-          kraw[u] = load_vec16(k_cache + elem);
-          vraw[u] = load_vec16(v_cache + elem);
+          kraw[u] = KVLoad<T, C>::load(k_cache + elem);
+          vraw[u] = KVLoad<T, C>::load(v_cache + elem);
         }
       }
 
@@ -148,7 +151,7 @@ __global__ void __launch_bounds__(DECODE_THREADS)
 #pragma unroll
       for (int u = 0; u < U; ++u) {
         float kf[VEC];
-        vec16_to_float<T>(kraw[u], kf);
+        KVLoad<T, C>::to_float(kraw[u], kf);
 #pragma unroll
         for (int h = 0; h < QH; ++h) {
           float dot = 0.f;
@@ -177,7 +180,7 @@ __global__ void __launch_bounds__(DECODE_THREADS)
 #pragma unroll
       for (int u = 0; u < U; ++u) {
         float vf[VEC];
-        vec16_to_float<T>(vraw[u], vf);
+        KVLoad<T, C>::to_float(vraw[u], vf);
 #pragma unroll
         for (int h = 0; h < QH; ++h) {
           const float p = exp2f(s[u][h] - m_ref[h]);
@@ -229,6 +232,7 @@ __global__ void __launch_bounds__(DECODE_THREADS)
     float sum = 0.f;
 #pragma unroll
     for (int j = 0; j < NG; ++j) sum += acc_s[j][h][d];
+    sum *= v_scale;
     if (num_parts == 1) {
       out[seq * out_stride + (long long)(head0 + h) * HEAD_DIM + d] = from_float<T>(sum / cta_sum_s[h]);
     } else {

@@ -22,10 +22,12 @@ from cuda.cupy_launch import (
     ATTENTION_HEAD_SIZES,
     DTYPE_NAMES,
     DTYPES,
+    FP8,
     LOG2E,
     AttentionArgs,
     AttentionDims,
     attention_configs,
+    cache_name,
     check,
     check_attention_args,
     check_cuda,
@@ -44,8 +46,18 @@ PARTITION_SIZE = 512
 THREADS = 128
 
 
-def decode_kernel_name(dtype: torch.dtype, head_dim: int, block_size: int, heads: int) -> str:
-    return f"deja::paged_decode_kernel<{DTYPE_NAMES[dtype]}, {head_dim}, {block_size}, {heads}>"
+def decode_kernel_name(
+    dtype: torch.dtype,
+    head_dim: int,
+    block_size: int,
+    heads: int,
+    cache_dtype: torch.dtype | None = None,
+) -> str:
+    """cache_dtype: the KV cache's (None: dtype's own, or FP8)."""
+    c = cache_name(dtype, cache_dtype or dtype)
+    return (
+        f"deja::paged_decode_kernel<{DTYPE_NAMES[dtype]}, {c}, {head_dim}, {block_size}, {heads}>"
+    )
 
 
 def reduce_kernel_name(dtype: torch.dtype, head_dim: int) -> str:
@@ -56,7 +68,8 @@ def instantiations() -> list[str]:
     """Every name expression this loader may compile (the CI compile check builds them all)."""
     names = [reduce_kernel_name(t, d) for t in DTYPES for d in ATTENTION_HEAD_SIZES]
     for dtype, d, bs in attention_configs():
-        names += [decode_kernel_name(dtype, d, bs, h) for h in HEADS_PER_CTA]
+        for cache in (dtype, FP8):
+            names += [decode_kernel_name(dtype, d, bs, h, cache) for h in HEADS_PER_CTA]
     return names
 
 
@@ -107,13 +120,15 @@ def paged_decode_attention(
     max_seq_len: int,
     split: bool | None = None,
     *,
+    kv_scales: tuple[float, float] = (1.0, 1.0),
     sliding_window: int | None = None,
     logits_soft_cap: float | None = None,
 ) -> None:
     """out[s, h] = softmax(scale * q[s, h] . K_s^T) V_s over sequence s's seq_lens[s] cached tokens.
 
     out, q: [num_seqs, Hq, D], dense in the last two dims, 16-byte aligned rows.
-    kv_cache: [2, num_blocks, block_size, Hkv, D] contiguous (one layer), dtype of q.
+    kv_cache: [2, num_blocks, block_size, Hkv, D] contiguous (one layer), dtype of q, or
+    float8_e4m3fn holding K / kv_scales[0] and V / kv_scales[1].
     block_tables: [num_seqs, max_blocks] int32 contiguous; seq_lens: [num_seqs] int32, each >= 1.
     max_seq_len: host-side upper bound of seq_lens (sizes the split-K grid).
     split: None picks with `use_split_k`; True / False forces the split-K / plain kernel.
@@ -131,7 +146,7 @@ def paged_decode_attention(
     partials = _partials(out, plan.num_parts)
     launch(
         CU_FILE,
-        decode_kernel_name(q.dtype, dims.head_dim, dims.block_size, plan.heads),
+        decode_kernel_name(q.dtype, dims.head_dim, dims.block_size, plan.heads, kv_cache.dtype),
         device,
         grid=plan.grid,
         block=(THREADS, 1, 1),
@@ -141,9 +156,12 @@ def paged_decode_attention(
             *args.cache_pointers(),
             *args.layout(),
             np.int32(plan.partition_size),
-            np.float32(scale * LOG2E),
+            # The K scale folds into the softmax scale: scores are q . k_true * scale * log2(e)
+            # before the soft cap, whatever the cache type.
+            np.float32(scale * LOG2E * kv_scales[0]),
             np.int32(sliding_window or 0),
             soft_cap_log2(logits_soft_cap),
+            np.float32(kv_scales[1]),
         ),
     )
     if plan.num_parts > 1:

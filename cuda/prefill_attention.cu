@@ -44,15 +44,18 @@ struct PrefillTile<float> {
   static constexpr int N = 16;
 };
 
-template <typename T, int HEAD_DIM, int BLOCK_SIZE>
+// C: the cache element type, T or fp8e4m3 (staged in shared memory as T, exactly; then
+// scale_log2 includes the layer's K scale and v_scale is its V scale; 1 otherwise). With the K
+// scale in scale_log2, the soft cap sees q . k_true * softmax_scale * log2(e), as for a T cache.
+template <typename T, typename C, int HEAD_DIM, int BLOCK_SIZE>
 __global__ void __launch_bounds__(PREFILL_THREADS)
     paged_prefill_kernel(T* __restrict__ out, const T* __restrict__ q,
-                         const T* __restrict__ k_cache, const T* __restrict__ v_cache,
+                         const C* __restrict__ k_cache, const C* __restrict__ v_cache,
                          const int* __restrict__ block_tables, const int* __restrict__ seq_lens,
                          const int* __restrict__ query_start_loc, long long q_stride,
                          long long out_stride, int num_heads, int num_kv_heads,
                          int max_blocks_per_seq, float scale_log2, int sliding_window,
-                         float soft_cap_log2) {
+                         float soft_cap_log2, float v_scale) {
   constexpr int BM = PrefillTile<T>::M;
   constexpr int BN = PrefillTile<T>::N;
   constexpr int RM = BM / 16;             // rows per thread
@@ -134,8 +137,8 @@ __global__ void __launch_bounds__(PREFILL_THREADS)
         const long long block_id = table[key / BLOCK_SIZE];
         const long long elem =
             ((block_id * BLOCK_SIZE + key % BLOCK_SIZE) * num_kv_heads + kv_head) * HEAD_DIM + c;
-        kval = load_vec16(k_cache + elem);
-        vval = load_vec16(v_cache + elem);
+        kval = KVLoad<T, C>::to_vec16(KVLoad<T, C>::load(k_cache + elem));
+        vval = KVLoad<T, C>::to_vec16(KVLoad<T, C>::load(v_cache + elem));
       }
       store_vec16(&k_s[r][c], kval);
       store_vec16(&v_s[r][c], vval);
@@ -219,7 +222,7 @@ __global__ void __launch_bounds__(PREFILL_THREADS)
     const int tok = packed / group_size;
     if (tok >= q_len) continue;
     const int head = kv_head * group_size + packed % group_size;
-    const float inv = 1.f / row_sum;
+    const float inv = v_scale / row_sum;
     T* dst = out + (long long)(q_start + tok) * out_stride + (long long)head * HEAD_DIM;
 #pragma unroll
     for (int j = 0; j < DP; ++j)

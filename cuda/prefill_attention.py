@@ -13,10 +13,12 @@ import torch
 
 from cuda.cupy_launch import (
     DTYPE_NAMES,
+    FP8,
     LOG2E,
     AttentionArgs,
     AttentionDims,
     attention_configs,
+    cache_name,
     check,
     check_aligned,
     check_attention_args,
@@ -38,13 +40,17 @@ def rows_per_tile(dtype: torch.dtype) -> int:
     return 32 if dtype == torch.float32 else 64
 
 
-def kernel_name(dtype: torch.dtype, head_dim: int, block_size: int) -> str:
-    return f"deja::paged_prefill_kernel<{DTYPE_NAMES[dtype]}, {head_dim}, {block_size}>"
+def kernel_name(
+    dtype: torch.dtype, head_dim: int, block_size: int, cache_dtype: torch.dtype | None = None
+) -> str:
+    """cache_dtype: the KV cache's (None: dtype's own, or FP8)."""
+    c = cache_name(dtype, cache_dtype or dtype)
+    return f"deja::paged_prefill_kernel<{DTYPE_NAMES[dtype]}, {c}, {head_dim}, {block_size}>"
 
 
 def instantiations() -> list[str]:
     """Every name expression this loader may compile (the CI compile check builds them all)."""
-    return [kernel_name(t, d, b) for t, d, b in attention_configs()]
+    return [kernel_name(t, d, b, c) for t, d, b in attention_configs() for c in (t, FP8)]
 
 
 def paged_prefill_attention(
@@ -57,6 +63,7 @@ def paged_prefill_attention(
     scale: float,
     max_query_len: int,
     *,
+    kv_scales: tuple[float, float] = (1.0, 1.0),
     sliding_window: int | None = None,
     logits_soft_cap: float | None = None,
 ) -> None:
@@ -65,7 +72,7 @@ def paged_prefill_attention(
     out, q: [T, Hq, D], dense in the last two dims, 16-byte aligned rows; tokens outside every
     sequence's [query_start_loc[s], query_start_loc[s + 1]) range are left untouched in out.
     kv_cache: [2, num_blocks, block_size, Hkv, D] contiguous (one layer), already holding the new
-    tokens' K/V. block_tables: [num_seqs, max_blocks] int32; seq_lens: [num_seqs] int32;
+    tokens' K/V; or float8_e4m3fn holding K / kv_scales[0] and V / kv_scales[1]. block_tables: [num_seqs, max_blocks] int32; seq_lens: [num_seqs] int32;
     query_start_loc: [num_seqs + 1] int32. max_query_len: host-side upper bound of query lengths.
     sliding_window: a token at p sees keys (p - W, p] only (None: all up to p); blocks before a
     tile's first window are not read. logits_soft_cap: scores become cap * tanh(scores / cap).
@@ -82,7 +89,7 @@ def paged_prefill_attention(
     tiles = math.ceil(max_query_len * group / rows_per_tile(q.dtype))
     launch(
         CU_FILE,
-        kernel_name(q.dtype, dims.head_dim, dims.block_size),
+        kernel_name(q.dtype, dims.head_dim, dims.block_size, kv_cache.dtype),
         device,
         grid=(tiles, num_seqs, dims.num_kv_heads),
         block=(THREADS, 1, 1),
@@ -91,9 +98,12 @@ def paged_prefill_attention(
             *args.cache_pointers(),
             ptr(query_start_loc),
             *args.layout(),
-            np.float32(scale * LOG2E),
+            # The K scale folds into the softmax scale: scores are q . k_true * scale * log2(e)
+            # before the soft cap, whatever the cache type.
+            np.float32(scale * LOG2E * kv_scales[0]),
             np.int32(sliding_window or 0),
             soft_cap_log2(logits_soft_cap),
+            np.float32(kv_scales[1]),
         ),
     )
 

@@ -14,6 +14,7 @@ DEVICES = ("auto", "cpu", "cuda")
 ATTENTION_BACKENDS = ("auto", "torch", "cupy")
 PREEMPTION_MODES = ("recompute", "swap")
 DISK_WRITE_POLICIES = ("write-through", "selective", "write-back")
+KV_CACHE_DTYPES = ("auto", "fp8_e4m3")
 
 
 def check(cond: bool, msg: str) -> None:
@@ -89,6 +90,10 @@ class CacheConfig:
     """recompute (drop KV, recompute later) or swap (move KV to the CPU tier and back)."""
     max_pinned_fraction: float = 0.5
     """Largest share of each pool that TTL-pinned prefixes may hold."""
+    kv_cache_dtype: str = "auto"
+    """Storage dtype of the KV cache on every tier: auto (the model's dtype) or fp8_e4m3
+    (float8 e4m3 with one scale per layer for K and one for V; half of bf16's bytes, a quarter
+    of float32's)."""
     kv_events_max_blocks: int = 65536
     """KV events (engine/kv/events.py): block hashes buffered per step at most; past that the
     step's events are dropped and replaced by a cleared + snapshot batch. 0 turns events off."""
@@ -117,6 +122,7 @@ class CacheConfig:
         check_one_of("preemption_mode", self.preemption_mode, PREEMPTION_MODES)
         check(0.0 <= self.max_pinned_fraction <= 1.0, "max_pinned_fraction must be in [0, 1]")
         check(self.kv_events_max_blocks >= 0, "kv_events_max_blocks must be >= 0")
+        check_one_of("kv_cache_dtype", self.kv_cache_dtype, KV_CACHE_DTYPES)
 
 
 @dataclass(frozen=True, slots=True)

@@ -16,6 +16,7 @@ class ModelInfo:
     max_model_len: int
     block_size: int
     dtype: str
+    """Compute dtype."""
     vocab_size: int
     num_layers: int
     num_kv_heads: int
@@ -24,6 +25,8 @@ class ModelInfo:
     eos_token_ids: tuple[int, ...]
     has_chat_template: bool = False
     """The tokenizer has a chat template (chat messages can be rendered)."""
+    kv_cache_dtype: str = "auto"
+    """KV storage dtype (CacheConfig.kv_cache_dtype): auto (= dtype) or fp8_e4m3."""
 
     @property
     def kv_capacity_tokens(self) -> int:

@@ -40,13 +40,20 @@ from engine.kv.events import (
 from engine.kv.manager import KVCacheManager
 from engine.kv.tiers import TieredCache
 from engine.kv_io.host_memory import HostMemoryTrimmer
-from engine.kv_io.offload import KVOffload, build_tiers
+from engine.kv_io.offload import KVOffload, build_tiers, disk_manifest
 from engine.outputs import RequestOutput, TokenLogprob
 from engine.sample.sampler import Sampler
 from engine.sample.structured.compiler import GrammarCompilerPool
 from engine.stats import EngineStats, ModelInfo
 from engine.worker.attention import get_attention_backend
+from engine.worker.attention.kv_quant import FP8_DTYPE, KVScales, kv_block_bytes
 from engine.worker.cpu_features import resolve_dtype
+from engine.worker.kv_calibration import (
+    KVCalibration,
+    KVScaleSources,
+    kv_cache_storage,
+    resolve_kv_scales,
+)
 from engine.worker.model_loader import (
     eos_token_ids,
     kv_dims,
@@ -93,15 +100,14 @@ class EngineCore:
         self.tokenizer = load_tokenizer(mc.path)
         num_layers, num_kv_heads, head_dim = kv_dims(hf_config)
         cc = config.cache
-        elem = torch.empty((), dtype=self.dtype).element_size()
-        self.block_bytes = num_layers * 2 * cc.block_size * num_kv_heads * head_dim * elem
+        self.kv_dtype = kv_cache_storage(cc.kv_cache_dtype, self.dtype, self.backend)
+        """The KV cache's storage dtype on every tier (fp8: quantized with `kv_scales`)."""
+        # NOTE: an fp8 block is half a bf16 one: the same budgets hold twice the blocks.
+        self.block_bytes = kv_block_bytes(
+            num_layers, cc.block_size, num_kv_heads, head_dim, self.kv_dtype
+        )
         num_blocks = cc.num_device_blocks or max(
             1, int(cc.device_memory_gib * 2**30) // self.block_bytes
-        )
-        kv_cache = torch.zeros(
-            (num_layers, 2, num_blocks, cc.block_size, num_kv_heads, head_dim),
-            dtype=self.dtype,
-            device=self.device,
         )
         self.vocab_size = int(hf_config.vocab_size)
         eos = eos_token_ids(mc.path, hf_config, self.tokenizer)
@@ -112,6 +118,7 @@ class EngineCore:
             max_model_len=self.max_model_len,
             block_size=cc.block_size,
             dtype=mc.dtype,
+            kv_cache_dtype=cc.kv_cache_dtype,
             vocab_size=self.vocab_size,
             num_layers=num_layers,
             num_kv_heads=num_kv_heads,
@@ -131,8 +138,28 @@ class EngineCore:
         """Which hashes each tier started or stopped holding since `take_kv_events`."""
         self._kv_batches = 0
         fingerprint = model_fingerprint(mc.path) if cc.disk_dir else None
+        layer_shape = (cc.block_size, num_kv_heads, head_dim)
+        self.kv_scales: KVScales | None = None
+        """Per-layer K and V scales of an fp8 cache (checkpoint, disk manifest or calibrated)."""
+        if self.kv_dtype == FP8_DTYPE:
+            manifest = disk_manifest(self.model_info, fingerprint, FP8_DTYPE, None)
+            self.kv_scales = resolve_kv_scales(
+                KVScaleSources(mc.path, cc.disk_dir, manifest),
+                KVCalibration(self.model, self.backend, self.tokenizer, self.max_model_len),
+                (num_layers, *layer_shape),
+            )
+        kv_cache = torch.zeros(
+            (num_layers, 2, num_blocks, *layer_shape), dtype=self.kv_dtype, device=self.device
+        )
+        self.backend.bind_kv_cache(kv_cache, self.kv_scales)
         built = build_tiers(
-            cc, self.model_info, fingerprint, kv_cache, self.block_bytes, events=self.kv_events
+            cc,
+            self.model_info,
+            fingerprint,
+            kv_cache,
+            self.block_bytes,
+            kv_scales=None if self.kv_scales is None else self.kv_scales.to_json(),
+            events=self.kv_events,
         )
         if built is not None:
             self.tiers, self.offload = built

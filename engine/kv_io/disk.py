@@ -26,7 +26,14 @@ import torch
 
 from engine.kv.hashing import BlockHash
 from engine.kv_io.disk_dir import block_path, enforce_budget, scan, unlink
-from engine.kv_io.disk_format import HEADER_BYTES, BadBlockFile, claim_directory, read_block_file
+from engine.kv_io.disk_format import (
+    HEADER_BYTES,
+    NO_TAG,
+    BadBlockFile,
+    claim_directory,
+    manifest_tag,
+    read_block_file,
+)
 from engine.kv_io.disk_warm import WarmStart
 from engine.kv_io.disk_writer import DiskWriter, Ready
 from engine.stats import BufferStats
@@ -72,9 +79,12 @@ class DiskFiles:
         max_queued: int = 256,
         write_queue_bytes: int = WRITE_QUEUE_BYTES,
         capacity_blocks: int | None = None,
+        tag: bytes = NO_TAG,
     ) -> None:
         self.directory = directory
         self.payload_bytes = payload_bytes
+        self.tag = tag
+        """The manifest's tag: block files carry it, a file with another one is a miss."""
         self.max_queued = min(
             max_queued,
             buffer_blocks(write_queue_bytes, payload_bytes, capacity_blocks, WRITE_QUEUE_SHARE),
@@ -108,6 +118,7 @@ class DiskFiles:
             self.max_queued,
             scan_every=self.scan_every if capacity_blocks is not None else None,
             enforce_budget=self.enforce_budget,
+            tag=tag,
         )
         self._warm: WarmStart | None = None
         self._root = str(directory)
@@ -141,6 +152,7 @@ class DiskFiles:
             max_queued=max_queued,
             write_queue_bytes=write_queue_bytes,
             capacity_blocks=capacity_blocks,
+            tag=manifest_tag(manifest),
         )
 
     def path(self, block_hash: BlockHash) -> Path:
@@ -312,7 +324,7 @@ class DiskFiles:
         name = block_hash.hex()
         path = f"{self._root}/{name[:2]}/{name}.kv"
         try:
-            return read_block_file(path, block_hash, self.payload_bytes)
+            return read_block_file(path, block_hash, self.payload_bytes, self.tag)
         except BadBlockFile as exc:
             self._drop_bad(Path(path), exc.reason)
             return None

@@ -27,7 +27,7 @@ import torch
 
 from engine.kv.hashing import BlockHash
 from engine.kv_io.disk_dir import block_path, unlink
-from engine.kv_io.disk_format import write_block_file
+from engine.kv_io.disk_format import NO_TAG, write_block_file
 
 log = logging.getLogger(__name__)
 
@@ -60,8 +60,11 @@ class DiskWriter:
         *,
         scan_every: int | None,
         enforce_budget: Callable[[], list[BlockHash]],
+        tag: bytes = NO_TAG,
     ) -> None:
         self.directory = directory
+        self._tag = tag
+        """The directory manifest's tag, written into every block file's header."""
         self._max_queued = max_queued
         self._scan_every = scan_every
         """Writes between two budget scans (None: no scans between writes)."""
@@ -198,7 +201,8 @@ class DiskWriter:
         if op.ready is not None:
             op.ready.synchronize()
         try:
-            write_block_file(block_path(self.directory, op.block_hash), op.block_hash, op.payload)
+            path = block_path(self.directory, op.block_hash)
+            write_block_file(path, op.block_hash, op.payload, self._tag)
         except OSError as exc:
             self._turn_off(exc)
             return

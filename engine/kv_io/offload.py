@@ -16,6 +16,7 @@ from __future__ import annotations
 import importlib.util
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -29,7 +30,7 @@ from engine.kv.hashing import BlockHash
 from engine.kv.plan import KVPlan
 from engine.kv.tiers import TieredCache
 from engine.kv_io.disk import DiskFiles
-from engine.kv_io.disk_format import FORMAT, HEADER_BYTES
+from engine.kv_io.disk_format import FORMAT, HEADER_BYTES, read_manifest
 from engine.stats import BufferStats, ModelInfo
 
 
@@ -239,6 +240,46 @@ class KVOffload:
         compute.wait_event(done)
 
 
+KVScalesJSON = dict[str, list[float]]
+"""Per-layer K and V scales of an fp8 cache, as the manifest holds them: {"k": [..], "v": [..]}."""
+
+
+def disk_manifest(
+    info: ModelInfo,
+    model_fingerprint: str | None,
+    kv_dtype: torch.dtype,
+    kv_scales: KVScalesJSON | None,
+) -> dict[str, Any]:
+    """The disk tier's manifest: model, KV layout and KV encoding (dtype; fp8: the scales)."""
+    manifest: dict[str, Any] = {
+        "format": FORMAT,
+        "model_id": info.model_id,
+        "model_fingerprint": model_fingerprint,
+        "dtype": info.dtype,
+        "kv_dtype": str(kv_dtype).removeprefix("torch."),
+        "block_size": info.block_size,
+        "layout": "[num_layers, 2, block_size, num_kv_heads, head_dim]",
+        "num_layers": info.num_layers,
+        "num_kv_heads": info.num_kv_heads,
+        "head_dim": info.head_dim,
+    }
+    if kv_scales is not None:
+        manifest["kv_scales"] = kv_scales
+    return manifest
+
+
+def stored_kv_scales(disk_dir: str, manifest: dict[str, Any]) -> KVScalesJSON | None:
+    """The scales in `disk_dir`'s manifest when it is `manifest` but for them (same format,
+    model, layout and KV dtype), else None: an fp8 engine restarted on its disk tier adopts the
+    scales its blocks were written with instead of calibrating new ones."""
+    found = read_manifest(Path(disk_dir).expanduser())
+    if found is None or "kv_scales" not in found:
+        return None
+    scales = found.pop("kv_scales")
+    mine = {k: v for k, v in manifest.items() if k != "kv_scales"}
+    return scales if found == mine and isinstance(scales, dict) else None
+
+
 def build_tiers(
     cache: CacheConfig,
     info: ModelInfo,
@@ -246,13 +287,17 @@ def build_tiers(
     kv_cache: torch.Tensor,
     block_bytes: int,
     *,
+    kv_scales: KVScalesJSON | None = None,
     events: KVEventBuffer | None = None,
 ) -> tuple[TieredCache, KVOffload] | None:
     """The CPU tier (and the disk tier when `disk_dir` is set) of one engine, or None when off.
 
-    `model_fingerprint` (worker/model_loader.py) goes into the disk tier's manifest; it is read
-    only when `disk_dir` is set. The tiers are off with prefix caching off (nothing would find their blocks) or a CPU tier of
-    0 blocks; the disk tier is filled from CPU-tier evictions, so it needs the CPU tier.
+    Both hold blocks in kv_cache's dtype (fp8 blocks stay fp8, `block_bytes` is theirs); the
+    disk manifest records the dtype and `kv_scales`, so the files are read back only under the
+    same encoding. `model_fingerprint` (worker/model_loader.py) goes into the disk tier's
+    manifest; it is read only when `disk_dir` is set. The tiers are off with prefix caching off
+    (nothing would find their blocks) or a CPU tier of 0 blocks; the disk tier is filled from
+    CPU-tier evictions, so it needs the CPU tier.
     """
     if cache.num_cpu_blocks is not None:
         num_cpu = cache.num_cpu_blocks
@@ -282,17 +327,7 @@ def build_tiers(
             raise ValueError(
                 f"disk_gib {cache.disk_gib} cannot hold one block of {block_bytes} bytes"
             )
-        manifest = {
-            "format": FORMAT,
-            "model_id": info.model_id,
-            "model_fingerprint": model_fingerprint,
-            "dtype": info.dtype,
-            "block_size": bs,
-            "layout": "[num_layers, 2, block_size, num_kv_heads, head_dim]",
-            "num_layers": L,
-            "num_kv_heads": h,
-            "head_dim": d,
-        }
+        manifest = disk_manifest(info, model_fingerprint, kv_cache.dtype, kv_scales)
         files = DiskFiles.open(
             cache.disk_dir,
             manifest,

@@ -15,6 +15,7 @@ import torch
 
 from engine.config import ModelConfig
 from engine.worker.attention.base import AttentionBackend
+from engine.worker.attention.kv_quant import is_kv_scale_name
 from engine.worker.models import get_model_class
 from engine.worker.models.base import CausalLM
 
@@ -79,13 +80,15 @@ def model_fingerprint(model_path: str | Path) -> str:
 
 
 def iter_weights(path: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
-    """(name, tensor) for every tensor of every weight file, read lazily on the CPU."""
+    """(name, tensor) for every weight of every weight file, read lazily on the CPU; KV-cache
+    scales (`layers.N.self_attn.k_scale`, ...) are not weights: kv_calibration.py reads them."""
     from safetensors import safe_open
 
     for file in safetensors_files(path):
         with safe_open(str(file), framework="pt", device="cpu") as f:
             for name in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
-                yield name, f.get_tensor(name)
+                if not is_kv_scale_name(name):
+                    yield name, f.get_tensor(name)
 
 
 def load_model(

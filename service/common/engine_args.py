@@ -15,6 +15,7 @@ from engine.config import (
     DEVICES,
     DISK_WRITE_POLICIES,
     DTYPES,
+    KV_CACHE_DTYPES,
     PREEMPTION_MODES,
     CacheConfig,
     EngineConfig,
@@ -31,6 +32,13 @@ _SCHED = SchedulerConfig()
 
 _CACHE_FLAGS = (
     ConfigFlag("block_size", int, choices=(8, 16, 32, 64)),
+    ConfigFlag(
+        "kv_cache_dtype",
+        str,
+        "KV storage on every tier; auto: the model dtype; fp8_e4m3: float8 with per-layer "
+        "K and V scales (half of bf16's memory).",
+        KV_CACHE_DTYPES,
+    ),
     ConfigFlag("num_device_blocks", int, "Device KV blocks (overrides --device-memory-gib)."),
     ConfigFlag("device_memory_gib", float, "KV pool budget on the device."),
     ConfigFlag(

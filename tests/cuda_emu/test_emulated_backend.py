@@ -20,11 +20,13 @@ from tests.tiny_models import build_tiny_llama, build_tiny_mistral, make_attenti
 # head_dim 64 (hidden 256, 4 heads / 2 KV heads) so the kernels apply; float32 and block 16 are
 # covered by ATTN_CONFIGS' (F32, 64, 16, 2, 2)-style instantiations plus the ones added here.
 EXTRA_NAMES = [
-    "deja::paged_decode_kernel<float, 64, 16, 2>",
-    "deja::paged_prefill_kernel<float, 64, 16>",
-    "deja::paged_decode_kernel<deja::bf16, 64, 16, 2>",
+    "deja::paged_decode_kernel<float, float, 64, 16, 2>",
+    "deja::paged_prefill_kernel<float, float, 64, 16>",
+    "deja::paged_decode_kernel<deja::bf16, deja::bf16, 64, 16, 2>",
     "deja::paged_decode_reduce_kernel<deja::bf16, 64>",
-    "deja::paged_prefill_kernel<deja::bf16, 64, 16>",
+    "deja::paged_prefill_kernel<deja::bf16, deja::bf16, 64, 16>",
+    "deja::paged_decode_kernel<float, deja::fp8e4m3, 64, 16, 2>",
+    "deja::paged_prefill_kernel<float, deja::fp8e4m3, 64, 16>",
 ]
 
 
@@ -76,6 +78,38 @@ def test_forward_matches_torch_backend(
     assert kernels[:2] == ["deja::reshape_and_cache_kernel", attention]
 
 
+@pytest.mark.parametrize(
+    "context_lens,query_lens", [([5, 0, 40, 17], [1, 1, 1, 1]), ([5, 0, 40, 17], [1, 9, 1, 20])]
+)
+def test_fp8_cache_matches_torch_backend(
+    backend: CupyAttentionBackend,
+    emulator: Emulator,
+    context_lens: list[int],
+    query_lens: list[int],
+) -> None:
+    from engine.worker.attention.kv_quant import FP8_DTYPE, KVScales, quantize_fp8
+
+    case = make_case(context_lens, query_lens, 4, 2, 64, 16, torch.float32)
+    meta, _ = make_attention_metadata(context_lens, query_lens, case.block_tables.tolist(), 16)
+    scales = KVScales((1.0, 2.0**-4), (1.0, 2.0**-6))
+    full = torch.empty((2, *case.kv_cache.shape), dtype=FP8_DTYPE)  # two layers
+    full[1, 0] = quantize_fp8(case.kv_cache[0].nan_to_num(), scales.k[1])
+    full[1, 1] = quantize_fp8(case.kv_cache[1].nan_to_num(), scales.v[1])
+    ref_full = full.clone()
+    ref_backend = TorchAttentionBackend()
+    backend.bind_kv_cache(full, scales)
+    ref_backend.bind_kv_cache(ref_full, scales)
+    scale = 1 / math.sqrt(64)
+    ours = backend.forward(case.q, case.k, case.v, full[1], meta, scale)
+    ref = ref_backend.forward(case.q, case.k, case.v, ref_full[1], meta, scale)
+    assert torch.equal(full.view(torch.uint8), ref_full.view(torch.uint8))  # same quantization
+    err = (ours.double() - ref.double()).abs().max().item()
+    assert err < 2 * tolerance(torch.float32), err
+    kernels = [name for name, _, _ in emulator.launches]
+    assert kernels[0] == "deja::reshape_and_cache_fp8_kernel<float>"
+    assert "deja::fp8e4m3" in kernels[1]
+
+
 @pytest.mark.parametrize("options", [(24, None), (None, 1.0), (40, 0.8)], ids=str)
 @pytest.mark.parametrize(
     "context_lens,query_lens",
@@ -111,6 +145,61 @@ def test_window_and_soft_cap_match_torch_backend(
     )
     err = (ours.double() - ref.double()).abs().max().item()
     assert err < 2 * tolerance(torch.float32), err
+
+
+@pytest.mark.parametrize("options", [(24, None), (40, 0.8)], ids=str)
+@pytest.mark.parametrize(
+    "context_lens,query_lens",
+    [([5, 0, 70, 37], [1, 1, 1, 1]), ([5, 0, 70, 37], [1, 9, 1, 20])],
+    ids=["decode", "mixed"],
+)
+def test_window_and_soft_cap_on_fp8_cache_match_torch_backend(
+    backend: CupyAttentionBackend,
+    emulator: Emulator,
+    context_lens: list[int],
+    query_lens: list[int],
+    options: tuple[int | None, float | None],
+) -> None:
+    """Window, soft cap and an fp8 cache together: the K scale (2^-4) is folded into the
+    kernels' softmax scale, so the soft cap must still see q . k_true * scale (a cap applied to
+    q . k_code * scale would be 16x off). Released blocks point at a placeholder holding fp8 NaN
+    codes (0x7f) for the kernels, zeros for the reference, which gathers and masks them."""
+    from engine.worker.attention.kv_quant import FP8_DTYPE, KVScales, quantize_fp8
+
+    window, soft_cap = options
+    case = make_case(context_lens, query_lens, 4, 2, 64, 16, torch.float32, seed=9, window=window)
+    tables = case.block_tables.tolist()
+    placeholder = case.kv_cache.shape[1]
+    if window is not None:
+        for row, ctx in zip(tables, context_lens, strict=True):
+            for i in range(max(0, ctx - window + 1) // 16):
+                row[i] = placeholder
+    meta, _ = make_attention_metadata(context_lens, query_lens, tables, 16)
+    scales = KVScales((1.0, 2.0**-4), (1.0, 2.0**-6))
+    layer_shape = (2, placeholder + 1, *case.kv_cache.shape[2:])
+    full = torch.zeros((2, *layer_shape), dtype=FP8_DTYPE)  # two layers; attend with layer 1
+    full[1, 0, :placeholder] = quantize_fp8(case.kv_cache[0].nan_to_num(), scales.k[1])
+    full[1, 1, :placeholder] = quantize_fp8(case.kv_cache[1].nan_to_num(), scales.v[1])
+    ref_full = full.clone()
+    full.view(torch.uint8)[1, :, placeholder] = 0x7F  # e4m3 NaN
+    ref_backend = TorchAttentionBackend()
+    backend.bind_kv_cache(full, scales)
+    ref_backend.bind_kv_cache(ref_full, scales)
+    args = (case.q, case.k, case.v)
+    ours = backend.forward(
+        *args, full[1], meta, 0.2, sliding_window=window, logits_soft_cap=soft_cap
+    )
+    ref = ref_backend.forward(
+        *args, ref_full[1], meta, 0.2, sliding_window=window, logits_soft_cap=soft_cap
+    )
+    assert torch.equal(
+        full[:, :, :placeholder].view(torch.uint8), ref_full[:, :, :placeholder].view(torch.uint8)
+    )
+    err = (ours.double() - ref.double()).abs().max().item()
+    assert err < 2 * tolerance(torch.float32), err
+    kernels = [name for name, _, _ in emulator.launches]
+    assert kernels[0] == "deja::reshape_and_cache_fp8_kernel<float>"
+    assert "deja::fp8e4m3" in kernels[1]
 
 
 def test_unsupported_head_dim_falls_back_to_torch(

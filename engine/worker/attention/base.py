@@ -4,6 +4,10 @@ KV cache layout (one tensor for the whole model, allocated by the runner):
     kv_cache: [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]
 A layer sees `kv_cache[layer]`: [2, num_blocks, block_size, num_kv_heads, head_dim]
 (index 0 = K, 1 = V). Slot s lives at block s // block_size, offset s % block_size.
+An fp8 cache (float8_e4m3fn, engine/worker/attention/kv_quant.py) holds K / scale and V / scale
+with one scale per layer for each; `bind_kv_cache` tells the backend the cache and its scales, and
+`layer_scales` finds a layer's pair from the layer's view of the cache (the model passes only the
+view, `kv_cache[layer]`).
 
 Flat batch: the scheduled tokens of all sequences are concatenated; sequence i owns tokens
 [query_start_loc[i], query_start_loc[i + 1]). Its new tokens sit at positions
@@ -14,9 +18,12 @@ the cache (a cached prefix, earlier prefill chunks or earlier decode steps).
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+
+from engine.worker.attention.kv_quant import KVScales, is_fp8
 
 
 @dataclass(slots=True)
@@ -54,6 +61,50 @@ class AttentionBackend(ABC):
     """
 
     name: str
+    supports_fp8_kv: bool = False
+    """Reads and writes a float8_e4m3fn cache (with `bind_kv_cache`'s scales)."""
+    _layer_scales: dict[int, tuple[float, float]] | None = None
+    """data_ptr of kv_cache[layer] -> (K scale, V scale) of a bound fp8 cache."""
+    _layer_index: dict[int, int] | None = None
+    """data_ptr of kv_cache[layer] -> layer, of the bound cache."""
+    kv_observer: Callable[[int, torch.Tensor, torch.Tensor], None] | None = None
+    """Called as (layer, k, v) before each layer's write (KV-scale calibration); None: off."""
+
+    def bind_kv_cache(self, kv_cache: torch.Tensor, scales: KVScales | None) -> None:
+        """Tells the backend the whole cache [num_layers, 2, NB, BS, Hkv, D] and, for an fp8
+        cache, its per-layer scales. The runner calls it once, after allocating the cache."""
+        num_layers = kv_cache.shape[0]
+        self._layer_index = {kv_cache[i].data_ptr(): i for i in range(num_layers)}
+        if not is_fp8(kv_cache):
+            self._layer_scales = None
+            return
+        if scales is None or scales.num_layers != num_layers:
+            raise ValueError(
+                f"an fp8 KV cache of {num_layers} layers needs K and V scales for each layer, "
+                f"got {scales!r}"
+            )
+        self._layer_scales = {
+            kv_cache[i].data_ptr(): (scales.k[i], scales.v[i]) for i in range(num_layers)
+        }
+
+    def layer_of(self, kv_cache: torch.Tensor) -> int:
+        """The layer whose view kv_cache ([2, NB, BS, Hkv, D]) is, of the bound cache."""
+        layer = None if self._layer_index is None else self._layer_index.get(kv_cache.data_ptr())
+        if layer is None:
+            raise ValueError(
+                "this KV cache view is not a layer of the cache given to bind_kv_cache"
+            )
+        return layer
+
+    def layer_scales(self, kv_cache: torch.Tensor) -> tuple[float, float]:
+        """(K scale, V scale) of the fp8 layer view kv_cache: [2, NB, BS, Hkv, D]."""
+        pair = None if self._layer_scales is None else self._layer_scales.get(kv_cache.data_ptr())
+        if pair is None:
+            raise ValueError(
+                "an fp8 KV cache layer without scales: call bind_kv_cache(kv_cache, scales) "
+                "with the cache the model is given"
+            )
+        return pair
 
     def prepare(self, meta: AttentionMetadata) -> None:  # noqa: B027 (optional hook)
         """Builds what every layer of this step shares from `meta` (index tensors, buffers).
@@ -85,8 +136,11 @@ class AttentionBackend(ABC):
           last W positions, its own included). Block table entries before p - W + 1 may be
           placeholders for blocks the KV manager released: they are never read (or masked).
         - logits_soft_cap c: scores = c * tanh(scores / c) on the scaled scores, before masking
-          and softmax (Gemma 2's attn_logit_softcapping).
+          and softmax (Gemma 2's attn_logit_softcapping). With an fp8 cache the scores are
+          q . k * scale on the dequantized K (the K scale applied before the cap).
         """
+        if self.kv_observer is not None:
+            self.kv_observer(self.layer_of(kv_cache), k, v)
         self.write_kv(k, v, kv_cache, meta)
         return self.attend(
             q,
@@ -130,5 +184,6 @@ class AttentionBackend(ABC):
         """Copies whole blocks src[i] -> dst[i] in every layer (copy-on-write, swaps).
 
         kv_cache: [num_layers, 2, NB, BS, Hkv, D]; src/dst: [n] int64 on kv_cache's device.
+        Dtype-agnostic: fp8 blocks move as they are, their scales are per layer.
         """
         kv_cache[:, :, dst] = kv_cache[:, :, src]

@@ -7,7 +7,10 @@ Per layer: `reshape_and_cache` writes the new K/V by slot, then
   varlen prefill kernel, which treats a decode token as a query of length 1.
 Both take the layer's sliding window (they start reading at the window's first block, so blocks
 the KV manager released are never touched) and its logit soft cap.
-Supported: float16 / bfloat16 / float32, head_dim 64, 96, 128, block_size 16, 32 (`supports`).
+Supported: float16 / bfloat16 / float32, head_dim 64, 96, 128, block_size 16, 32 (`supports`);
+the cache in the same dtype or fp8 (float8_e4m3fn: quantized in reshape_and_cache, read by the
+attention kernels with the layer's K scale folded into the softmax scale, so the soft cap sees
+the true scores, and the V scale applied to the output).
 Other shapes fall back to the torch reference attention (with one warning) unless the backend is
 built with fallback=False; block copies are dtype- and shape-agnostic and always use the kernel.
 """
@@ -26,6 +29,7 @@ from cuda.cupy_launch import (
     import_cupy,
 )
 from engine.worker.attention.base import AttentionBackend, AttentionMetadata
+from engine.worker.attention.kv_quant import KVScales, is_fp8
 from engine.worker.attention.torch_ref import TorchAttentionBackend
 
 logger = logging.getLogger(__name__)
@@ -43,6 +47,7 @@ class CupyAttentionBackend(AttentionBackend):
     """Paged attention on CUDA with the kernels of cuda/; needs CUDA and CuPy."""
 
     name = "cupy"
+    supports_fp8_kv = True
 
     def __init__(self, device: torch.device | str | None = None, fallback: bool = True) -> None:
         if not torch.cuda.is_available():
@@ -66,6 +71,14 @@ class CupyAttentionBackend(AttentionBackend):
         self._fallback = TorchAttentionBackend() if fallback else None
         self._warned = False
 
+    def bind_kv_cache(self, kv_cache: torch.Tensor, scales: KVScales | None) -> None:
+        super().bind_kv_cache(kv_cache, scales)
+        if self._fallback is not None:
+            self._fallback.bind_kv_cache(kv_cache, scales)
+
+    def _scales(self, kv_cache: torch.Tensor) -> tuple[float, float]:
+        return self.layer_scales(kv_cache) if is_fp8(kv_cache) else (1.0, 1.0)
+
     @staticmethod
     def supports(head_dim: int, block_size: int, dtype: torch.dtype) -> bool:
         """Whether the kernels cover this model / cache configuration."""
@@ -79,7 +92,7 @@ class CupyAttentionBackend(AttentionBackend):
             fallback.write_kv(k, v, kv_cache, meta)
             return
         reshape_and_cache.reshape_and_cache(
-            _kernel_rows(k), _kernel_rows(v), kv_cache, meta.slot_mapping
+            _kernel_rows(k), _kernel_rows(v), kv_cache, meta.slot_mapping, *self._scales(kv_cache)
         )
 
     def attend(
@@ -121,6 +134,7 @@ class CupyAttentionBackend(AttentionBackend):
                 meta.seq_lens,
                 scale,
                 meta.max_seq_len,
+                kv_scales=self._scales(kv_cache),
                 sliding_window=sliding_window,
                 logits_soft_cap=logits_soft_cap,
             )
@@ -134,6 +148,7 @@ class CupyAttentionBackend(AttentionBackend):
                 meta.query_start_loc,
                 scale,
                 meta.max_query_len,
+                kv_scales=self._scales(kv_cache),
                 sliding_window=sliding_window,
                 logits_soft_cap=logits_soft_cap,
             )

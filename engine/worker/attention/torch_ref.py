@@ -10,6 +10,9 @@ is split into up to MAX_GROUPS groups of similar length where that saves padded 
 The index tensors depend only on the metadata: they are built once per step (`prepare`) and
 reused by every layer.
 
+An fp8 cache (float8_e4m3fn) is written as K / scale and V / scale (saturated) and read back
+through `dequantize_fp8` into the query dtype, with the layer's scales (`layer_scales`).
+
 The attention call per group: a masked `scaled_dot_product_attention`, or plain causal SDPA (no
 mask) when every sequence of the group is new and of one length (a cold prompt).
 Sliding-window layers use the same gathered K/V with a windowed mask: one mask per distinct
@@ -32,6 +35,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.worker.attention.base import AttentionBackend, AttentionMetadata
+from engine.worker.attention.kv_quant import dequantize_fp8, is_fp8, quantize_fp8
 
 
 @dataclass(slots=True)
@@ -150,6 +154,7 @@ class TorchAttentionBackend(AttentionBackend):
     """
 
     name = "torch"
+    supports_fp8_kv = True
 
     def __init__(self) -> None:
         self._plan: _StepPlan | None = None
@@ -172,10 +177,16 @@ class TorchAttentionBackend(AttentionBackend):
         plan = self._plan_for(meta)
         # cache: [2, NB * BS, Hkv, D] view of this layer's K and V
         cache = kv_cache.view(2, -1, num_kv_heads, head_dim)
+        scales = self.layer_scales(kv_cache) if is_fp8(kv_cache) else None
         for i, new in enumerate((k, v)):  # [T, Hkv, D] each
             if plan.write_tokens is not None:
                 new = new[plan.write_tokens]  # [W, Hkv, D]
-            cache[i].index_copy_(0, plan.write_slots, new.to(cache.dtype))
+            if scales is None:
+                cache[i].index_copy_(0, plan.write_slots, new.to(cache.dtype))
+            else:
+                # NOTE: torch has no float8 index_copy_ on the CPU; the bytes are the same.
+                codes = quantize_fp8(new, scales[i]).view(torch.uint8)
+                cache[i].view(torch.uint8).index_copy_(0, plan.write_slots, codes)
 
     def attend(
         self,
@@ -189,8 +200,17 @@ class TorchAttentionBackend(AttentionBackend):
     ) -> torch.Tensor:
         self.check_options(sliding_window, logits_soft_cap)
         plan = self._plan_for(meta)
+        kv_scales = self.layer_scales(kv_cache) if is_fp8(kv_cache) else None
         rows = [
-            _attend(q, kv_cache, g, scale, g.effective_window(sliding_window), logits_soft_cap)
+            _attend(
+                q,
+                kv_cache,
+                g,
+                scale,
+                g.effective_window(sliding_window),
+                logits_soft_cap,
+                kv_scales,
+            )
             for g in plan.groups
         ]
         out = rows[0] if len(rows) == 1 else torch.cat(rows)  # [sum Sg * Q, Hq, D]
@@ -208,10 +228,13 @@ def _attend(
     scale: float,
     window: int | None,
     soft_cap: float | None,
+    kv_scales: tuple[float, float] | None = None,
 ) -> torch.Tensor:
     """q: [T, Hq, D]; kv_cache: [2, NB, BS, Hkv, D] -> [Sg * Q, Hq, D] rows (sequence-major).
 
-    window: an effective sliding window (None: none that hides a key of this group)."""
+    window: an effective sliding window (None: none that hides a key of this group).
+    kv_scales: the layer's (K, V) scales of an fp8 cache; None for a cache in a float type. K and
+    V are dequantized before the scores, so the soft cap sees the true q . k * scale."""
     num_q_heads, head_dim = q.shape[1], q.shape[2]
     num_kv_heads, block_size = kv_cache.shape[3], kv_cache.shape[2]
     g = num_q_heads // num_kv_heads
@@ -221,11 +244,13 @@ def _attend(
     # per K and V. [Sg * C, BS, Hkv, D] -> [Sg, C * BS, Hkv, D] -> first L positions.
     idx = group.block_index(block_size)
     k, v = (
-        kv_cache[i]
-        .index_select(0, idx)
-        .view(num_seqs, -1, num_kv_heads, head_dim)[:, :max_len]
-        .to(q.dtype)
-        .transpose(1, 2)  # [Sg, Hkv, L, D]
+        _to_query_dtype(
+            kv_cache[i]
+            .index_select(0, idx)
+            .view(num_seqs, -1, num_kv_heads, head_dim)[:, :max_len],
+            q.dtype,
+            None if kv_scales is None else kv_scales[i],
+        ).transpose(1, 2)  # [Sg, Hkv, L, D]
         for i in (0, 1)
     )
     # [Sg, Q, Hq, D]
@@ -260,6 +285,11 @@ def _attend(
         .permute(0, 3, 1, 2, 4)
         .reshape(num_seqs * max_q, num_q_heads, head_dim)
     )
+
+
+def _to_query_dtype(x: torch.Tensor, dtype: torch.dtype, kv_scale: float | None) -> torch.Tensor:
+    """Gathered K or V [Sg, L, Hkv, D] in the query dtype (fp8: dequantized with kv_scale)."""
+    return x.to(dtype) if kv_scale is None else dequantize_fp8(x, dtype, kv_scale)
 
 
 def _meta_tensors(meta: AttentionMetadata) -> tuple[torch.Tensor, ...]:

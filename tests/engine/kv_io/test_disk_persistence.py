@@ -8,6 +8,7 @@ budget), and that a directory that breaks mid-run turns the tier off while reque
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import shutil
@@ -60,16 +61,33 @@ def reference(tiny_llama_path: Path) -> Iterator[LLM]:
     yield llm
 
 
+@pytest.fixture(scope="module")
+def fp8_reference(tiny_llama_path: Path) -> Iterator[LLM]:
+    """Caching off, fp8 KV: the expected outputs of the fp8 engines."""
+    llm = make_llm(
+        tiny_llama_path,
+        num_device_blocks=512,
+        num_cpu_blocks=0,
+        enable_prefix_caching=False,
+        kv_cache_dtype="fp8_e4m3",
+    )
+    yield llm
+
+
+@pytest.mark.parametrize("kv", ["auto", "fp8_e4m3"])
 def test_restart_after_graceful_close_serves_the_hot_prefix(
-    tiny_llama_path: Path, reference: LLM, tmp_path: Path
+    tiny_llama_path: Path, reference: LLM, fp8_reference: LLM, tmp_path: Path, kv: str
 ) -> None:
+    """fp8_e4m3: the blocks on disk are fp8 (with the scales in the manifest, adopted at
+    restart), and the outputs are the fp8 engine's."""
+    if kv != "auto":
+        reference = fp8_reference
+    new_llm = functools.partial(make_llm, kv_cache_dtype=kv)
     prefix = rand_tokens(1024, 1)
     first = prefix + rand_tokens(20, 2)
     # A device pool that holds the hot prefix: nothing is ever evicted, so before write-through
     # nothing of it reached disk.
-    llm = make_llm(
-        tiny_llama_path, num_device_blocks=256, num_cpu_blocks=16, disk_dir=str(tmp_path)
-    )
+    llm = new_llm(tiny_llama_path, num_device_blocks=256, num_cpu_blocks=16, disk_dir=str(tmp_path))
     assert (
         llm.generate([first], GREEDY)[0].token_ids
         == reference.generate([first], GREEDY)[0].token_ids
@@ -80,7 +98,7 @@ def test_restart_after_graceful_close_serves_the_hot_prefix(
 
     second = prefix + rand_tokens(30, 3)
     expected = reference.generate([second], GREEDY)[0].token_ids
-    llm2 = make_llm(
+    llm2 = new_llm(
         tiny_llama_path, num_device_blocks=256, num_cpu_blocks=16, disk_dir=str(tmp_path)
     )
     out = llm2.generate([second], GREEDY)[0]
@@ -89,7 +107,7 @@ def test_restart_after_graceful_close_serves_the_hot_prefix(
     llm2.engine.close()
 
     # Warm start: the most recently used blocks come back into the CPU tier in the background.
-    llm3 = make_llm(
+    llm3 = new_llm(
         tiny_llama_path,
         num_device_blocks=256,
         num_cpu_blocks=80,
@@ -101,6 +119,8 @@ def test_restart_after_graceful_close_serves_the_hot_prefix(
     out = llm3.generate([second], GREEDY)[0]
     assert out.token_ids == expected
     assert out.cached_tokens.cpu >= 0.98 * 1024 and out.cached_tokens.disk == 0
+    scales = llm3.engine.kv_scales
+    assert (scales is None) == (kv == "auto") and (scales is None or scales.source == "disk")
     llm3.engine.close()
 
 
