@@ -14,7 +14,14 @@ from engine.worker.models.layers.linear import PackedLinear, bucket_rows
 def test_packed_linear_matches_linear(dtype: torch.dtype, bias: bool) -> None:
     torch.manual_seed(0)
     linear = nn.Linear(96, 160, bias=bias, dtype=dtype)
-    packed = PackedLinear(linear)
+    try:
+        packed = PackedLinear(linear)
+    except RuntimeError as e:
+        # oneDNN packs bf16 only with AVX-512 (bw/vl/dq) or AVX-NE-CONVERT; pack_linears then
+        # leaves the model's layers as they are (tested in test_model.py).
+        if dtype == torch.bfloat16 and "cpu support" in str(e):
+            pytest.skip(f"this CPU cannot pack bf16 weights: {e}")
+        raise
     # One row (decode), a few rows, many rows, a 3-D batch and a non-contiguous view.
     inputs = [
         torch.randn(1, 96, dtype=dtype),
