@@ -127,16 +127,23 @@ class SparseMoE(nn.Module):
         return weights, ids
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        k = self.spec.top_k
+        t, k = x.shape[0], self.spec.top_k
         weights, ids = self.route(x)
         flat = ids.reshape(-1)  # [T * k] expert of each (token, choice) pair
         order = flat.argsort(stable=True)  # [T * k] pairs grouped by expert
-        token = order // k  # [T * k] the token of each sorted pair
         counts = torch.bincount(flat, minlength=self.spec.num_experts)  # [E]
-        out = self.experts(x.index_select(0, token), counts)  # [T * k, H]
+        out = self.experts(x.index_select(0, order // k), counts)  # [T * k, H] sorted pairs
         w = weights.reshape(-1)[order, None]  # [T * k, 1]
         if self.spec.weights_in_model_dtype:
             out = out * w.to(x.dtype)
         else:
             out = (out * w).to(x.dtype)
-        return torch.zeros_like(x).index_add_(0, token, out)  # [T, H]
+        # each token's k rows, in the sorted list's order (ascending expert: stable sort, distinct
+        # ids), then summed left to right: the reference's index_add_ over experts in order
+        where = torch.empty_like(order)
+        where[order] = torch.arange(order.numel(), device=order.device)  # pair -> sorted row
+        rows = out.index_select(0, where.view(t, k).sort(dim=1).values.reshape(-1)).view(t, k, -1)
+        acc = rows[:, 0]
+        for j in range(1, k):  # k is the routing fan-out (2-8), not a loop over tokens
+            acc = acc + rows[:, j]
+        return acc  # [T, H]
