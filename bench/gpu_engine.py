@@ -89,7 +89,7 @@ def ensure_random_llama(cache_dir: Path, dtype: str) -> Path:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from tests.tiny_models import build_tokenizer
+    from bench.tiny_models import build_tokenizer
 
     out = cache_dir / f"random-llama-3.2-1b-{dtype}"
     if (out / "config.json").exists():

@@ -19,12 +19,12 @@ from pathlib import Path
 import pytest
 import torch
 
+from bench.tiny_models import FAMILY_BUILDERS
 from engine.config import ModelConfig
 from engine.worker.attention import TorchAttentionBackend
 from engine.worker.model_loader import load_model
 from tests.engine.test_parity_families import family_prompts, hf_reference
 from tests.engine.worker.test_model import _paged_logits
-from tests.tiny_models import FAMILY_BUILDERS
 
 NEW_TOKENS = 64
 MIN_AGREEMENT = 0.9

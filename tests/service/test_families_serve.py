@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 
+from bench.tiny_models import FAMILY_BUILDERS
 from clients.client import DejaClient
 from clients.session import ChatSession
 from tests.service.serving import serving
-from tests.tiny_models import FAMILY_BUILDERS
 
 BLOCK_SIZE = 16  # deja serve's default
 

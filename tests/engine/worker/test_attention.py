@@ -8,8 +8,8 @@ import random
 import pytest
 import torch
 
+from bench.tiny_models import make_attention_metadata
 from engine.worker.attention import TorchAttentionBackend, get_attention_backend
-from tests.tiny_models import make_attention_metadata
 
 torch.set_num_threads(2)
 

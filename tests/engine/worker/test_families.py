@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 import torch
 
+from bench.tiny_models import FAMILY_BUILDERS
 from engine.config import ModelConfig
 from engine.worker.attention import TorchAttentionBackend
 from engine.worker.model_loader import iter_weights, load_model, read_hf_config
@@ -21,7 +22,6 @@ from engine.worker.models.layers.linear import pack_linears
 from engine.worker.models.layers.moe import MoESpec, SparseMoE
 from engine.worker.models.layers.rotary import RotaryEmbedding, apply_rope, rope_inv_freq
 from tests.engine.worker.test_model import _check_parity
-from tests.tiny_models import FAMILY_BUILDERS
 
 torch.set_num_threads(2)
 CPU = torch.device("cpu")

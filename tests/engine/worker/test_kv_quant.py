@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from bench.tiny_models import make_attention_metadata
 from engine import LLM
 from engine.config import CacheConfig
 from engine.worker.attention import TorchAttentionBackend
@@ -23,7 +24,6 @@ from engine.worker.attention.kv_quant import (
     quantize_fp8,
 )
 from engine.worker.kv_calibration import checkpoint_kv_scales
-from tests.tiny_models import make_attention_metadata
 
 torch.set_num_threads(2)
 

@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 import torch
 
+from bench.tiny_models import build_tiny_llama, make_attention_metadata
 from engine.config import ModelConfig
 from engine.frontend.prompt import apply_chat_template
 from engine.worker.attention import TorchAttentionBackend
@@ -28,7 +29,6 @@ from engine.worker.models.base import CausalLM
 from engine.worker.models.layers.rotary import rope_inv_freq
 from engine.worker.models.llama import LlamaForCausalLM
 from engine.worker.models.sliding_window import kv_window, layer_windows
-from tests.tiny_models import build_tiny_llama, make_attention_metadata
 
 torch.set_num_threads(2)
 
