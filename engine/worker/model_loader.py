@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from engine.config import ModelConfig
+from engine.kv_io.host_memory import HostMemoryTrimmer
 from engine.worker.attention.base import AttentionBackend
 from engine.worker.attention.kv_quant import is_kv_scale_name
 from engine.worker.models import get_model_class
@@ -130,6 +131,8 @@ def load_model(
         model = model.to(device)
         if device.type == "cpu":
             model.use_cpu_layout()
+    if tp is not None:  # the checkpoint slices read and the unpacked weights, back to the OS
+        HostMemoryTrimmer(every_s=0.0).maybe_trim()
     model.eval()
     model.requires_grad_(False)
     return model, hf_config

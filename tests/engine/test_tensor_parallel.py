@@ -27,7 +27,7 @@ CONFIGS: dict[str, dict[str, Any]] = {
     ),
 }
 
-MODELS = {
+MODELS: dict[str, tuple[Any, dict[str, Any]]] = {
     "llama-gqa": (build_tiny_llama, {}),
     "qwen2-kv1-odd-vocab": (
         build_tiny_qwen2,
@@ -56,7 +56,9 @@ def check_tp(path: Path, vocab: int, n_prompts: int = 10, max_len: int = 300) ->
         for run in range(2 if name == "cache-on" else 1):
             got = greedy(llm, prompts)
             for i, (g, e) in enumerate(zip(got, expected, strict=True)):
-                assert g == e, f"{name} run {run}: prompt {i} ({len(prompts[i])} tokens): {g} != {e}"
+                assert g == e, (
+                    f"{name} run {run}: prompt {i} ({len(prompts[i])} tokens): {g} != {e}"
+                )
         stats = llm.engine.get_stats()
         if name == "cache-on":
             assert stats.prefix_hits > 0
@@ -90,7 +92,10 @@ def test_two_ranks_demo_model(demo_model_path: Path) -> None:
 @pytest.mark.parametrize(
     ("overrides", "message"),
     [
-        ({"num_attention_heads": 6, "num_key_value_heads": 6, "hidden_size": 60}, "not a multiple of 4"),
+        (
+            {"num_attention_heads": 6, "num_key_value_heads": 6, "hidden_size": 60},
+            "not a multiple of 4",
+        ),
         ({"num_key_value_heads": 1, "num_attention_heads": 4}, None),
         ({"intermediate_size": 130}, "intermediate_size 130"),
     ],

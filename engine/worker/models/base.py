@@ -87,9 +87,7 @@ class DecoderLayer(nn.Module):
 class DecoderModel(nn.Module):
     """transformers' `model.` prefix: embed_tokens, layers, norm."""
 
-    def __init__(
-        self, embed: nn.Embedding, layers: Iterable[DecoderLayer], norm: nn.Module
-    ) -> None:
+    def __init__(self, embed: nn.Module, layers: Iterable[DecoderLayer], norm: nn.Module) -> None:
         super().__init__()
         self.embed_tokens = embed
         self.layers = nn.ModuleList(layers)
@@ -162,7 +160,9 @@ class CausalLM(nn.Module):
         self.model = DecoderModel(embed, layers, self.norm_class(cfg.hidden_size, eps, dtype))
         self.lm_head = new_linear(cfg.hidden_size, vocab_rows, False, dtype)
         if self.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
+            tied = self.model.embed_tokens.weight
+            assert isinstance(tied, nn.Parameter)
+            self.lm_head.weight = tied
         self.layer_rope = [self.rope_key(i) for i in range(cfg.num_hidden_layers)]
         self.rotary = nn.ModuleDict(
             {key: RotaryEmbedding(cfg, self.head_dim, dtype, None if key == "default" else key)
