@@ -162,12 +162,20 @@ class EngineConfig:
     """Seed for requests without their own seed."""
     num_threads: int | None = None
     """torch intra-op threads of the process that runs the engine (None: torch's default, one
-    per core). Set where the engine is built, in the thread that runs it."""
+    per core). Set where the engine is built, in the thread that runs it. Under tensor
+    parallelism, per rank (None: the cores divided among the ranks)."""
+    tensor_parallel_size: int = 1
+    """Ranks the model is split over (Megatron): 1 runs it whole in the engine core; N > 1
+    starts N - 1 worker processes, one per device (CUDA: NCCL; CPU: gloo)."""
 
     def __post_init__(self) -> None:
         check(
             self.num_threads is None or self.num_threads >= 1,
             f"num_threads must be >= 1, got {self.num_threads}",
+        )
+        check(
+            self.tensor_parallel_size >= 1,
+            f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}",
         )
         check_one_of("device", self.device, DEVICES)
         check_one_of("attention_backend", self.attention_backend, ATTENTION_BACKENDS)

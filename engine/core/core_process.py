@@ -229,6 +229,8 @@ def run_engine_core(
         ready.send(("failed", f"{type(e).__name__}: {e}"))
         ready.close()
         sys.exit(1)
+    if engine.tp is not None:
+        engine.tp.on_death = _tp_worker_died
     widen_pipe(outputs)
     ready.send(("ready", engine.model_info, engine.get_stats()))
     ready.close()
@@ -243,3 +245,11 @@ def run_engine_core(
     outputs.close()
     inputs.close()
     sys.exit(code)
+
+
+def _tp_worker_died(message: str) -> None:
+    """A tensor-parallel worker died (the executor's watch thread): the core exits at once, so
+    the API server sees a dead engine (NOT_SERVING, open streams fail, `deja serve` exits 1)
+    instead of a step loop stuck in, or failing, collectives."""
+    log.error("%s; the engine core exits", message)
+    os._exit(1)

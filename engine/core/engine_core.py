@@ -47,7 +47,7 @@ from engine.sample.structured.compiler import GrammarCompilerPool
 from engine.stats import EngineStats, ModelInfo
 from engine.worker.attention import get_attention_backend
 from engine.worker.attention.kv_quant import FP8_DTYPE, KVScales, kv_block_bytes
-from engine.worker.cpu_features import resolve_dtype
+from engine.worker.cpu_features import resolve_device, resolve_dtype
 from engine.worker.kv_calibration import (
     KVCalibration,
     KVScaleSources,
@@ -64,16 +64,9 @@ from engine.worker.model_loader import (
 )
 from engine.worker.model_runner import BeamSamples, ModelRunner, StepSamples
 from engine.worker.models.sliding_window import kv_window, layer_windows
+from engine.worker.parallel.executor import TPExecutor
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-
-
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name == "cuda" and not torch.cuda.is_available():
-        raise ValueError("device 'cuda' was asked for but CUDA is not available; use --device cpu")
-    return torch.device(name)
 
 
 class EngineCore:
@@ -96,15 +89,22 @@ class EngineCore:
             )
         self.max_model_len = mc.max_model_len or max_pos
         self.backend = get_attention_backend(config.attention_backend, self.device)
-        self.model, hf_config = load_model(mc, self.device, self.backend)
+        self.tp = (
+            TPExecutor(config, hf_config, self.device) if config.tensor_parallel_size > 1 else None
+        )
+        """Ranks 1..N-1 of tensor parallelism (this process is rank 0); None: N = 1."""
+        group = None if self.tp is None else self.tp.group
+        self.model, hf_config = load_model(mc, self.device, self.backend, group)
         self.tokenizer = load_tokenizer(mc.path)
         num_layers, num_kv_heads, head_dim = kv_dims(hf_config)
+        # each rank's cache holds its own KV heads (engine/worker/parallel/group.py)
+        rank_kv_heads = num_kv_heads if group is None else group.kv_heads(num_kv_heads)[1]
         cc = config.cache
         self.kv_dtype = kv_cache_storage(cc.kv_cache_dtype, self.dtype, self.backend)
         """The KV cache's storage dtype on every tier (fp8: quantized with `kv_scales`)."""
         # NOTE: an fp8 block is half a bf16 one: the same budgets hold twice the blocks.
         self.block_bytes = kv_block_bytes(
-            num_layers, cc.block_size, num_kv_heads, head_dim, self.kv_dtype
+            num_layers, cc.block_size, rank_kv_heads, head_dim, self.kv_dtype
         )
         num_blocks = cc.num_device_blocks or max(
             1, int(cc.device_memory_gib * 2**30) // self.block_bytes
@@ -138,7 +138,7 @@ class EngineCore:
         """Which hashes each tier started or stopped holding since `take_kv_events`."""
         self._kv_batches = 0
         fingerprint = model_fingerprint(mc.path) if cc.disk_dir else None
-        layer_shape = (cc.block_size, num_kv_heads, head_dim)
+        layer_shape = (cc.block_size, rank_kv_heads, head_dim)
         self.kv_scales: KVScales | None = None
         """Per-layer K and V scales of an fp8 cache (checkpoint, disk manifest or calibrated)."""
         if self.kv_dtype == FP8_DTYPE:
@@ -163,6 +163,9 @@ class EngineCore:
         )
         if built is not None:
             self.tiers, self.offload = built
+        if self.tp is not None:
+            cpu_blocks = 0 if self.offload is None else self.offload.cpu_cache.shape[2]
+            self.tp.allocate(num_blocks, cpu_blocks)
         # NOTE: blocks leave a sequence as its window moves on only when every layer slides;
         # swap preemption holds a sequence's whole table in the CPU tier, so it keeps them all.
         window = kv_window(layer_windows(hf_config)) if cc.preemption_mode != "swap" else None
@@ -189,6 +192,7 @@ class EngineCore:
             eos,
             self.device,
             offload=self.offload,
+            tp=self.tp,
         )
         self.grammars = GrammarCompilerPool(self.tokenizer, self.vocab_size, eos)
         """Structured outputs: compiles response formats off the step loop, cached per spec."""

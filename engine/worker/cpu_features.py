@@ -1,4 +1,4 @@
-"""What the host CPU can do, for choices made once at start-up (the default dtype).
+"""What the host can do, for choices made once at start-up (the device, the default dtype).
 
 Read from /proc/cpuinfo (Linux); elsewhere nothing is known and the choices fall back to the
 safe side (float32).
@@ -7,6 +7,8 @@ safe side (float32).
 from __future__ import annotations
 
 from functools import cache
+
+import torch
 
 BF16_FLAGS = ("avx512_bf16", "amx_bf16")
 """CPU flags of bfloat16 arithmetic units that oneDNN's bf16 kernels use (AVX-512 BF16, AMX)."""
@@ -37,3 +39,12 @@ def resolve_dtype(name: str, device_type: str) -> str:
     if device_type == "cuda" or has_bf16_units():
         return "bfloat16"
     return "float32"
+
+
+def resolve_device(name: str) -> torch.device:
+    """auto: cuda when available, else cpu; ValueError for cuda without CUDA."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device 'cuda' was asked for but CUDA is not available; use --device cpu")
+    return torch.device(name)

@@ -9,15 +9,20 @@ import hashlib
 import json
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from engine.config import ModelConfig
+from engine.kv_io.host_memory import HostMemoryTrimmer
 from engine.worker.attention.base import AttentionBackend
 from engine.worker.attention.kv_quant import is_kv_scale_name
 from engine.worker.models import get_model_class
 from engine.worker.models.base import CausalLM
+from engine.worker.models.layers.weights import TPSlice, slice_map
+
+if TYPE_CHECKING:
+    from engine.worker.parallel.group import TPGroup
 
 HFConfig = Any
 """A transformers PretrainedConfig (typed loosely: its attributes depend on the family)."""
@@ -79,33 +84,55 @@ def model_fingerprint(model_path: str | Path) -> str:
     return h.hexdigest()
 
 
-def iter_weights(path: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_weights(
+    path: str | Path, slices: dict[str, TPSlice | None] | None = None
+) -> Iterator[tuple[str, torch.Tensor]]:
     """(name, tensor) for every weight of every weight file, read lazily on the CPU; KV-cache
-    scales (`layers.N.self_attn.k_scale`, ...) are not weights: kv_calibration.py reads them."""
+    scales (`layers.N.self_attn.k_scale`, ...) are not weights: kv_calibration.py reads them.
+
+    slices (tensor parallelism): name -> the (dim, start, length) part to read of it, None to
+    skip it; names absent are read whole. Only those parts are read from the file."""
     from safetensors import safe_open
 
     for file in safetensors_files(path):
         with safe_open(str(file), framework="pt", device="cpu") as f:
             for name in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
-                if not is_kv_scale_name(name):
+                if is_kv_scale_name(name):
+                    continue
+                if slices is None or name not in slices:
                     yield name, f.get_tensor(name)
+                    continue
+                part = slices[name]
+                if part is None:
+                    continue
+                dim, start, length = part
+                view = f.get_slice(name)
+                index = (slice(None),) * dim + (slice(start, start + length),)
+                yield name, view[index]
 
 
 def load_model(
-    model_config: ModelConfig, device: torch.device, backend: AttentionBackend
+    model_config: ModelConfig,
+    device: torch.device,
+    backend: AttentionBackend,
+    tp: TPGroup | None = None,
 ) -> tuple[CausalLM, HFConfig]:
     """Builds our model for the folder's architecture, loads its weights in model_config.dtype on
-    `device`, in eval mode with gradients off."""
+    `device`, in eval mode with gradients off. With a tensor-parallel group: this rank's shard,
+    read as slices of the checkpoint's tensors (no rank reads a whole split tensor)."""
     hf_config = read_hf_config(model_config.path)
     model_cls = get_model_class(hf_config)
     safetensors_files(model_config.path)  # fail on missing weights before building the model
     dtype: torch.dtype = getattr(torch, model_config.dtype)
     with torch.no_grad():
-        model = model_cls(hf_config, dtype, backend)
-        model.load_weights(iter_weights(model_config.path))
+        model = model_cls(hf_config, dtype, backend, tp)
+        slices = slice_map(model) if tp is not None else None
+        model.load_weights(iter_weights(model_config.path, slices))
         model = model.to(device)
         if device.type == "cpu":
             model.use_cpu_layout()
+    if tp is not None:  # the checkpoint slices read and the unpacked weights, back to the OS
+        HostMemoryTrimmer(every_s=0.0).maybe_trim()
     model.eval()
     model.requires_grad_(False)
     return model, hf_config

@@ -15,10 +15,12 @@ from engine.sample.sampler import OutputTokens, Sampler, SamplingRow
 from engine.sample.structured.mask_filler import PendingMask, TokenMaskFiller
 from engine.worker.attention.base import AttentionBackend
 from engine.worker.input_batch import InputBatch
+from engine.worker.parallel.step import StepBatch
 
 if TYPE_CHECKING:  # the core's step types; the worker only reads them
     from engine.core.scheduler import ScheduledSeq, SchedulerOutput
     from engine.core.sequence import Request, Sequence
+    from engine.worker.parallel.executor import TPExecutor
 
 
 class Offload(Protocol):
@@ -83,6 +85,8 @@ class ModelRunner:
     _: KW_ONLY
     offload: Offload | None = None
     """Carries out a plan's CPU and disk copies (engine/kv_io/offload.py); None: no tiers."""
+    tp: TPExecutor | None = None
+    """Ranks 1..N-1 under tensor parallelism: each step goes to them before the forward."""
     masks: TokenMaskFiller = field(init=False)
     """Fills the structured-output token mask while the forward runs."""
     inputs: InputBatch = field(init=False)
@@ -114,11 +118,16 @@ class ModelRunner:
         """
         self.apply_plan(sched.plan)
         if not sched.scheduled:
+            if self.tp is not None and sched.plan:
+                self.tp.send_step(sched.plan, None, [])
             return []
         step = self.inputs.build(sched.scheduled, tables)
         input_ids, positions, meta = step.input_ids, step.positions, step.meta
         self.backend.prepare(meta)
         plan = self._sampling_plan(sched.scheduled)
+        if self.tp is not None:
+            rows = plan.row_index + plan.beam_index
+            self.tp.send_step(sched.plan, StepBatch.of(self.inputs, step), rows)
         # The grammar masks fill on a worker thread while the model runs.
         pending = self.masks.start(plan.matchers, plan.filters) if plan.rows else None
         try:
@@ -209,8 +218,10 @@ class ModelRunner:
         return plan
 
     def close(self) -> None:
-        """Stops the mask worker."""
+        """Stops the mask worker and the tensor-parallel workers."""
         self.masks.close()
+        if self.tp is not None:
+            self.tp.close()
 
 
 def _settle(pending: PendingMask | None) -> None:

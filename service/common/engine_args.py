@@ -132,6 +132,13 @@ def add_engine_args(parser: argparse.ArgumentParser) -> list[argparse.Action]:
             g, "--threads", type=int, help="torch intra-op threads of the engine (one per core)."
         ),
         add_flag(g, "--max-model-len", type=int, help="Prompt + output limit (checkpoint's)."),
+        add_flag(
+            g,
+            "--tensor-parallel-size",
+            type=int,
+            default=1,
+            help="Ranks the model is split over (one process and device each; CPU: gloo).",
+        ),
         *add_config_flags(g, _CACHE, _CACHE_FLAGS),
         *add_config_flags(g, _SCHED, _SCHED_FLAGS),
         add_flag(g, "--seed", type=int, default=0, help="Seed for requests without their own."),
@@ -167,4 +174,5 @@ def engine_config_from_args(
         attention_backend=args.attention_backend,
         seed=args.seed,
         num_threads=args.threads,
+        tensor_parallel_size=args.tensor_parallel_size,
     )

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -22,8 +22,11 @@ from engine.worker.models.layers.linear import new_linear, pack_linears
 from engine.worker.models.layers.mlp import GatedMLP
 from engine.worker.models.layers.norm import NormClass, RMSNorm
 from engine.worker.models.layers.rotary import RotaryEmbedding
-from engine.worker.models.layers.weights import load_checkpoint
+from engine.worker.models.layers.weights import load_checkpoint, slice_map
 from engine.worker.models.sliding_window import layer_windows
+
+if TYPE_CHECKING:
+    from engine.worker.parallel.group import TPGroup
 
 
 def head_dim(cfg: Any) -> int:
@@ -84,9 +87,7 @@ class DecoderLayer(nn.Module):
 class DecoderModel(nn.Module):
     """transformers' `model.` prefix: embed_tokens, layers, norm."""
 
-    def __init__(
-        self, embed: nn.Embedding, layers: Iterable[DecoderLayer], norm: nn.Module
-    ) -> None:
+    def __init__(self, embed: nn.Module, layers: Iterable[DecoderLayer], norm: nn.Module) -> None:
         super().__init__()
         self.embed_tokens = embed
         self.layers = nn.ModuleList(layers)
@@ -100,12 +101,24 @@ class CausalLM(nn.Module):
     sandwich_norms = False
     checkpoint_renames: dict[str, str] = {}
     """Substring of a checkpoint name -> ours (e.g. Mixtral's `.block_sparse_moe.` -> `.mlp.`)."""
+    supports_tensor_parallel = False
+    """The family splits over a tensor-parallel group (shared attention and gated MLP only)."""
 
-    def __init__(self, hf_config: Any, dtype: torch.dtype, backend: AttentionBackend) -> None:
+    def __init__(
+        self,
+        hf_config: Any,
+        dtype: torch.dtype,
+        backend: AttentionBackend,
+        tp: TPGroup | None = None,
+    ) -> None:
+        """tp: this rank's tensor-parallel group (None: the whole model in this process)."""
         super().__init__()
         cfg = self.config = hf_config
         self.dtype = dtype
         self.backend = backend
+        self.tp = tp
+        if tp is not None and not self.supports_tensor_parallel:
+            raise ValueError(f"{type(self).__name__} does not support tensor parallelism")
         self.head_dim = head_dim(cfg)
         self.tie_word_embeddings = bool(getattr(cfg, "tie_word_embeddings", False))
         eps = float(cfg.rms_norm_eps)
@@ -123,7 +136,7 @@ class CausalLM(nn.Module):
                         f"{type(self).__name__} needs {option}={value} on layer {i}, which the "
                         f"{backend.name!r} attention backend does not implement"
                     )
-            attn = Attention(spec, dtype, backend)
+            attn = Attention(spec, dtype, backend, tp)
             layers.append(
                 DecoderLayer(
                     attn,
@@ -135,11 +148,21 @@ class CausalLM(nn.Module):
                     self.sandwich_norms,
                 )
             )
-        embed = torch.nn.utils.skip_init(nn.Embedding, cfg.vocab_size, cfg.hidden_size, dtype=dtype)
+        embed: nn.Module
+        self.vocab_start, vocab_rows = 0, int(cfg.vocab_size)
+        if tp is None:
+            embed = torch.nn.utils.skip_init(nn.Embedding, vocab_rows, cfg.hidden_size, dtype=dtype)
+        else:
+            from engine.worker.parallel.embedding import VocabParallelEmbedding
+
+            embed = VocabParallelEmbedding(vocab_rows, cfg.hidden_size, dtype, tp)
+            self.vocab_start, vocab_rows = embed.start, embed.num_rows
         self.model = DecoderModel(embed, layers, self.norm_class(cfg.hidden_size, eps, dtype))
-        self.lm_head = new_linear(cfg.hidden_size, cfg.vocab_size, False, dtype)
+        self.lm_head = new_linear(cfg.hidden_size, vocab_rows, False, dtype)
         if self.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
+            tied = self.model.embed_tokens.weight
+            assert isinstance(tied, nn.Parameter)
+            self.lm_head.weight = tied
         self.layer_rope = [self.rope_key(i) for i in range(cfg.num_hidden_layers)]
         self.rotary = nn.ModuleDict(
             {key: RotaryEmbedding(cfg, self.head_dim, dtype, None if key == "default" else key)
@@ -174,7 +197,7 @@ class CausalLM(nn.Module):
         cfg = self.config
         act = str(getattr(cfg, "hidden_act", None) or getattr(cfg, "hidden_activation", "silu"))
         bias = bool(getattr(cfg, "mlp_bias", False))
-        return GatedMLP(cfg.hidden_size, cfg.intermediate_size, act, bias, self.dtype)
+        return GatedMLP(cfg.hidden_size, cfg.intermediate_size, act, bias, self.dtype, self.tp)
 
     def rope_key(self, layer: int) -> str:
         """Which rotary setting layer `layer` uses: a key of a per-layer-type rope_parameters
@@ -207,8 +230,12 @@ class CausalLM(nn.Module):
         return self.model.norm(h)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden: [N, hidden] -> [N, vocab] float32 (soft-capped where the family caps)."""
+        """hidden: [N, hidden] -> [N, vocab] float32 (soft-capped where the family caps).
+
+        Tensor-parallel: every rank computes its vocabulary slice; all of them get the whole."""
         logits = self.lm_head(hidden)
+        if self.tp is not None:
+            logits = self.tp.gather_vocab(logits, int(self.config.vocab_size))
         if self.final_soft_cap is not None:
             logits = torch.tanh(logits / self.final_soft_cap) * self.final_soft_cap
         return logits.float()
@@ -226,4 +253,12 @@ class CausalLM(nn.Module):
         weight missing at the end.
         """
         skip = ["lm_head.weight"] if self.tie_word_embeddings else []
+        if self.tp is not None:
+            skip += [name for name, part in slice_map(self).items() if part is None]
         load_checkpoint(self, weights, rename=self.checkpoint_renames, skip=skip)
+
+    def tp_slices(self) -> dict[str, tuple[int, int, int] | None]:
+        """The LM head's vocabulary rows (tensor-parallel; the embedding declares its own)."""
+        if self.tp is None or self.tie_word_embeddings:
+            return {}
+        return {"lm_head.weight": (0, self.vocab_start, self.lm_head.out_features)}

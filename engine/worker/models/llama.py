@@ -12,9 +12,13 @@ from engine.worker.models.layers.attention import AttentionSpec
 class LlamaForCausalLM(CausalLM):
     """Llama and Mistral: pre-norm RMSNorm, fused q/k/v and gate/up, SiLU, rotary."""
 
+    supports_tensor_parallel = True
+
 
 class Qwen2ForCausalLM(CausalLM):
     """Qwen2: Llama with a bias on q/k/v (not on o_proj)."""
+
+    supports_tensor_parallel = True
 
     def attention_spec(self, layer: int) -> AttentionSpec:
         return dataclasses.replace(super().attention_spec(layer), qkv_bias=True, o_bias=False)

@@ -5,6 +5,7 @@ window and logit soft-cap handed to the backend."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -13,6 +14,9 @@ from engine.worker.attention.base import AttentionBackend, AttentionMetadata
 from engine.worker.models.layers.linear import new_linear
 from engine.worker.models.layers.norm import NormClass
 from engine.worker.models.layers.rotary import apply_rope
+
+if TYPE_CHECKING:
+    from engine.worker.parallel.group import TPGroup
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,17 +52,32 @@ class AttentionSpec:
 
 
 class Attention(nn.Module):
-    def __init__(self, spec: AttentionSpec, dtype: torch.dtype, backend: AttentionBackend) -> None:
+    """With a tensor-parallel group: this rank's heads only (column-parallel q/k/v, row-parallel
+    o_proj summed over the ranks; o_proj's bias on rank 0 alone)."""
+
+    def __init__(
+        self,
+        spec: AttentionSpec,
+        dtype: torch.dtype,
+        backend: AttentionBackend,
+        tp: TPGroup | None = None,
+    ) -> None:
         super().__init__()
         self.spec = spec
+        self.tp = tp
         self.num_heads, self.num_kv_heads = spec.num_heads, spec.num_kv_heads
+        self.q_start = self.kv_start = 0
+        if tp is not None:
+            self.q_start, self.num_heads = tp.heads(spec.num_heads)
+            self.kv_start, self.num_kv_heads = tp.kv_heads(spec.num_kv_heads)
         self.head_dim = spec.head_dim
-        self.q_size = spec.num_heads * spec.head_dim
-        self.kv_size = spec.num_kv_heads * spec.head_dim
+        self.q_size = self.num_heads * spec.head_dim
+        self.kv_size = self.num_kv_heads * spec.head_dim
         self.qkv_proj = new_linear(
             spec.hidden_size, self.q_size + 2 * self.kv_size, spec.qkv_bias, dtype
         )
-        self.o_proj = new_linear(self.q_size, spec.hidden_size, spec.o_bias, dtype)
+        o_bias = spec.o_bias and (tp is None or tp.rank == 0)
+        self.o_proj = new_linear(self.q_size, spec.hidden_size, o_bias, dtype)
         self.q_norm: nn.Module | None = None
         self.k_norm: nn.Module | None = None
         if spec.qk_norm is not None:
@@ -74,6 +93,19 @@ class Attention(nn.Module):
             out[f"q_proj.{suffix}"] = (f"qkv_proj.{suffix}", 0, q)
             out[f"k_proj.{suffix}"] = (f"qkv_proj.{suffix}", q, kv)
             out[f"v_proj.{suffix}"] = (f"qkv_proj.{suffix}", q + kv, kv)
+        return out
+
+    def tp_slices(self) -> dict[str, tuple[int, int, int] | None]:
+        """Checkpoint name -> (dim, start, length) this rank reads; None: not on this rank."""
+        d = self.head_dim
+        q = (0, self.q_start * d, self.q_size)
+        kv = (0, self.kv_start * d, self.kv_size)
+        out: dict[str, tuple[int, int, int] | None] = {}
+        for suffix in ("weight", "bias"):
+            out[f"q_proj.{suffix}"], out[f"k_proj.{suffix}"], out[f"v_proj.{suffix}"] = q, kv, kv
+        out["o_proj.weight"] = (1, self.q_start * d, self.q_size)
+        if self.o_proj.bias is None:
+            out["o_proj.bias"] = None
         return out
 
     def forward(
@@ -107,4 +139,7 @@ class Attention(nn.Module):
             sliding_window=self.spec.sliding_window,
             logits_soft_cap=self.spec.logits_soft_cap,
         )  # [T, Hq, D]
-        return self.o_proj(out.reshape(num_tokens, self.q_size))  # [T, hidden]
+        out = self.o_proj(out.reshape(num_tokens, self.q_size))  # [T, hidden]
+        if self.tp is not None:
+            self.tp.all_reduce(out)  # the other ranks' heads' share
+        return out

@@ -55,6 +55,24 @@ def shard_map(model: nn.Module) -> dict[str, Shard]:
     return out
 
 
+TPSlice = tuple[int, int, int]
+"""(dim, start, length): the part of a checkpoint tensor one tensor-parallel rank reads."""
+
+
+def slice_map(model: nn.Module) -> dict[str, TPSlice | None]:
+    """Full (our) name -> the slice this rank reads, None for a tensor it holds no part of, over
+    every module that declares `tp_slices()`; names absent are read whole (replicated)."""
+    out: dict[str, TPSlice | None] = {}
+    for prefix, module in model.named_modules():
+        declare = getattr(module, "tp_slices", None)
+        if declare is None:
+            continue
+        base = f"{prefix}." if prefix else ""
+        for name, value in declare().items():
+            out[base + name] = value
+    return out
+
+
 def load_checkpoint(
     model: nn.Module,
     weights: Iterable[tuple[str, torch.Tensor]],

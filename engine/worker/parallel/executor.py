@@ -1,0 +1,171 @@
+"""Rank 0's side of tensor parallelism (vLLM V1's multiprocess executor, reduced): starts ranks
+1..N-1 as worker processes, joins their group, sends each step, and watches them.
+
+The scheduler and the KV manager stay single, in the engine core; rank 0's model runner runs in
+the core's thread as with N=1 and calls `send_step` before each forward, so every rank runs the
+same forward over its own heads and block ids are the same on every rank. A worker that dies
+marks the executor failed (the next step raises instead of waiting) and calls `on_death` within
+WATCH_INTERVAL_S; the engine-core process sets it to exit, which the API server already treats
+as a dead engine (health NOT_SERVING, open streams fail, `deja serve` exits 1).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import pickle
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import weakref
+from collections.abc import Callable
+from multiprocessing.connection import Connection
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from engine.config import EngineConfig
+from engine.kv.plan import KVPlan
+from engine.worker.parallel.group import TPGroup, check_shapes, init_group
+from engine.worker.parallel.step import StepBatch, StepMessage
+from engine.worker.parallel.worker import WorkerSpec
+
+log = logging.getLogger("deja.tp")
+
+WATCH_INTERVAL_S = 0.1
+READY_TIMEOUT_S = 1800.0
+"""Longest a worker may take to load its shard."""
+
+
+def _spawn(spec: WorkerSpec) -> tuple[subprocess.Popen[bytes], Connection]:
+    """`python -m engine.worker.parallel.worker FD` with one end of a socket pair as FD.
+
+    NOTE: a subprocess, not multiprocessing: the engine core is itself a daemonic
+    multiprocessing child, and those may not start children of their own."""
+    mine, theirs = socket.socketpair()
+    root = str(Path(__file__).resolve().parents[3])
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])),
+    }
+    cmd = [sys.executable, "-m", "engine.worker.parallel.worker", str(theirs.fileno())]
+    proc = subprocess.Popen(cmd, pass_fds=(theirs.fileno(),), env=env)
+    theirs.close()
+    conn = Connection(mine.detach())
+    conn.send_bytes(pickle.dumps(spec, protocol=pickle.HIGHEST_PROTOCOL))
+    return proc, conn
+
+
+def _stop(procs: list[subprocess.Popen[bytes]], conns: list[Connection], store_dir: str) -> None:
+    for conn in conns:
+        with contextlib.suppress(Exception):
+            conn.send_bytes(pickle.dumps(("stop",)))
+        with contextlib.suppress(Exception):
+            conn.close()
+    deadline = time.monotonic() + 5.0
+    for proc in procs:
+        try:
+            proc.wait(max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    shutil.rmtree(store_dir, ignore_errors=True)
+
+
+class TPExecutor:
+    """Ranks 1..N-1 of one engine, and rank 0's group."""
+
+    def __init__(self, config: EngineConfig, hf_config: Any, device: torch.device) -> None:
+        from engine.worker.models import get_model_class
+
+        world = config.tensor_parallel_size
+        cls = get_model_class(hf_config)
+        check_shapes(hf_config, world, cls.supports_tensor_parallel, cls.__name__)
+        cc = config.cache
+        if cc.disk_dir:
+            raise ValueError("the disk tier is not built for tensor_parallel_size > 1 yet")
+        if cc.kv_cache_dtype != "auto":
+            raise ValueError("an fp8 KV cache is not built for tensor_parallel_size > 1 yet")
+        if device.type == "cuda" and torch.cuda.device_count() < world:
+            raise ValueError(
+                f"tensor_parallel_size={world} needs {world} CUDA devices, "
+                f"found {torch.cuda.device_count()}"
+            )
+        threads = config.num_threads or max(1, len(os.sched_getaffinity(0)) // world)
+        torch.set_num_threads(threads)
+        self.world = world
+        self.failed: str | None = None
+        self.on_death: Callable[[str], None] | None = None
+        """Called once, from the watch thread, with the message of a worker's death."""
+        self._closing = False
+        self._store_dir = tempfile.mkdtemp(prefix="deja-tp-")
+        store = os.path.join(self._store_dir, "store")
+        self.procs: list[subprocess.Popen[bytes]] = []
+        self.conns: list[Connection] = []
+        self._finalizer = weakref.finalize(self, _stop, self.procs, self.conns, self._store_dir)
+        for rank in range(1, world):
+            spec = WorkerSpec(config, rank, world, store, device.type, threads, os.getpid())
+            proc, conn = _spawn(spec)
+            self.procs.append(proc)
+            self.conns.append(conn)
+        self.group: TPGroup = init_group(0, world, store, device)
+
+    @property
+    def pids(self) -> list[int]:
+        """The worker processes' ids (ranks 1..N-1)."""
+        return [p.pid for p in self.procs]
+
+    def allocate(self, num_device_blocks: int, num_cpu_blocks: int) -> None:
+        """Tells the workers the pool sizes, waits until every one has loaded, starts watching."""
+        msg = pickle.dumps(("alloc", num_device_blocks, num_cpu_blocks))
+        for conn in self.conns:
+            conn.send_bytes(msg)
+        deadline = time.monotonic() + READY_TIMEOUT_S
+        for rank, (proc, conn) in enumerate(zip(self.procs, self.conns, strict=True), 1):
+            while not conn.poll(0.2):
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(
+                        f"tensor-parallel rank {rank} did not start (exit {proc.poll()})"
+                    )
+            reply = pickle.loads(conn.recv_bytes())
+            if reply[0] != "ready":
+                raise RuntimeError(f"tensor-parallel worker failed to start: {reply[1]}")
+        threading.Thread(target=self._watch, name="deja-tp-watch", daemon=True).start()
+
+    def send_step(self, plan: KVPlan, batch: StepBatch | None, logit_rows: list[int]) -> None:
+        """Sends one step to every worker (before rank 0's own forward)."""
+        if self.failed is not None:
+            raise RuntimeError(self.failed)
+        msg = pickle.dumps(("step", StepMessage(plan, batch, logit_rows)), pickle.HIGHEST_PROTOCOL)
+        try:
+            for conn in self.conns:
+                conn.send_bytes(msg)
+        except OSError as e:
+            raise RuntimeError(f"a tensor-parallel worker is unreachable: {e!r}") from e
+
+    def _watch(self) -> None:
+        while not self._closing:
+            for rank, proc in enumerate(self.procs, 1):
+                code = proc.poll()
+                if code is None or self._closing:
+                    continue
+                self.failed = (
+                    f"tensor-parallel worker rank {rank} (pid {proc.pid}) exited with code "
+                    f"{code}; the engine cannot step without it"
+                )
+                log.error("%s", self.failed)
+                if self.on_death is not None:
+                    self.on_death(self.failed)
+                return
+            time.sleep(WATCH_INTERVAL_S)
+
+    def close(self) -> None:
+        """Stops the workers (waits briefly, then kills them)."""
+        self._closing = True
+        self._finalizer()

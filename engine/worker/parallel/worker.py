@@ -1,0 +1,133 @@
+"""A tensor-parallel worker process (ranks 1..N-1): loads its shard, allocates its own paged KV
+cache (its KV heads, the core's block ids) and CPU tier, and runs each step rank 0 sends it.
+
+Started by the engine core (engine/worker/parallel/executor.py) as
+`python -m engine.worker.parallel.worker FD`, FD one end of a socket pair; the first message is
+its `WorkerSpec`. It exits when the core says stop, when the pipe closes (the core died), when
+its parent changes, or when a step fails (a collective whose peer died): never waits forever.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import pickle
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+
+import torch
+
+from engine.config import EngineConfig
+from engine.kv.plan import KVPlan
+from engine.kv_io.offload import KVOffload
+from engine.worker.attention import AttentionBackend, get_attention_backend
+from engine.worker.model_loader import kv_dims, load_model
+from engine.worker.parallel.group import init_group
+from engine.worker.parallel.step import StepMessage
+
+log = logging.getLogger("deja.tp_worker")
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerSpec:
+    config: EngineConfig
+    """The engine's config, dtype resolved."""
+    rank: int
+    world: int
+    store_path: str
+    """The FileStore the group meets in."""
+    device: str
+    """cpu, or cuda (this rank's device is cuda:rank)."""
+    num_threads: int
+    parent_pid: int
+
+
+def _watch_parent(parent_pid: int) -> None:
+    while os.getppid() == parent_pid:
+        time.sleep(0.5)
+    os._exit(0)
+
+
+def run_worker(conn: Connection) -> int:
+    spec: WorkerSpec = pickle.loads(conn.recv_bytes())
+    logging.basicConfig(
+        level=logging.INFO,
+        format=f"%(asctime)s %(levelname)s %(name)s[rank {spec.rank}]: %(message)s",
+        stream=sys.stderr,
+    )
+    threading.Thread(target=_watch_parent, args=(spec.parent_pid,), daemon=True).start()
+    torch.set_num_threads(spec.num_threads)
+    device = torch.device(spec.device)
+    if device.type == "cuda":
+        torch.cuda.set_device(spec.rank)
+        device = torch.device("cuda", spec.rank)
+    cfg = spec.config
+    try:
+        group = init_group(spec.rank, spec.world, spec.store_path, device)
+        backend = get_attention_backend(cfg.attention_backend, device)
+        model, hf_config = load_model(cfg.model, device, backend, group)
+        msg = pickle.loads(conn.recv_bytes())
+        if msg[0] != "alloc":
+            return 0
+        num_layers, num_kv_heads, head_dim = kv_dims(hf_config)
+        layer = (cfg.cache.block_size, group.kv_heads(num_kv_heads)[1], head_dim)
+        dtype = model.dtype
+        kv_cache = torch.zeros((num_layers, 2, msg[1], *layer), dtype=dtype, device=device)
+        backend.bind_kv_cache(kv_cache, None)
+        offload = None
+        if msg[2]:
+            shape = (num_layers, 2, msg[2], *layer)
+            offload = KVOffload(torch.zeros(shape, dtype=dtype, pin_memory=kv_cache.is_cuda))
+    except BaseException as e:
+        log.exception("tensor-parallel worker failed to start")
+        conn.send_bytes(pickle.dumps(("failed", f"rank {spec.rank}: {type(e).__name__}: {e}")))
+        return 1
+    conn.send_bytes(pickle.dumps(("ready",)))
+    with torch.inference_mode():
+        while True:
+            try:
+                msg = pickle.loads(conn.recv_bytes())
+            except (EOFError, OSError):
+                log.warning("the engine core is gone; tensor-parallel worker exiting")
+                return 0
+            if msg[0] != "step":
+                return 0
+            step: StepMessage = msg[1]
+            _apply_plan(step.plan, kv_cache, offload, backend)
+            if step.batch is None:
+                continue
+            input_ids, positions, meta = step.batch.to(device)
+            backend.prepare(meta)
+            hidden = model(input_ids, positions, kv_cache, meta)  # [T, hidden]
+            if step.logit_rows:
+                idx = torch.tensor(step.logit_rows, dtype=torch.int64, device=device)
+                model.compute_logits(hidden.index_select(0, idx))  # joins the gather
+
+
+def _apply_plan(
+    plan: KVPlan, kv_cache: torch.Tensor, offload: KVOffload | None, backend: AttentionBackend
+) -> None:
+    """The plan's CPU-tier copies and copy-on-write, on this rank's share of each block."""
+    if offload is not None and (plan.spill or plan.swap_in):
+        offload.apply(plan, kv_cache)
+    if plan.cow:
+        src = torch.tensor([s for s, _ in plan.cow], dtype=torch.long, device=kv_cache.device)
+        dst = torch.tensor([d for _, d in plan.cow], dtype=torch.long, device=kv_cache.device)
+        backend.copy_blocks(kv_cache, src, dst)
+
+
+def main() -> None:
+    conn = Connection(int(sys.argv[1]))
+    try:
+        code = run_worker(conn)
+    except BaseException:
+        log.exception("tensor-parallel worker failed")
+        code = 1
+    sys.exit(code)
+
+
+if __name__ == "__main__":
+    main()
