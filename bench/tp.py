@@ -79,7 +79,7 @@ def run(args: argparse.Namespace) -> int:
     if args.child:
         return child(args)
     common.setup_torch(1)
-    from tests.tiny_models import build_random_llama
+    from bench.tiny_models import build_random_llama
 
     path = (args.cache_dir or common.default_cache_dir()) / "bench-llama-64m-tp"
     if not (path / "config.json").exists():

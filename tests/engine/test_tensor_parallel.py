@@ -11,9 +11,9 @@ from typing import Any
 
 import pytest
 
+from bench.tiny_models import TOKENIZER_VOCAB_SIZE, build_tiny_llama, build_tiny_qwen2
 from engine import LLM, SamplingParams
 from tests.engine.test_parity import hf_greedy, shared_prefix_prompts
-from tests.tiny_models import TOKENIZER_VOCAB_SIZE, build_tiny_llama, build_tiny_qwen2
 
 MAX_TOKENS = 10
 
