@@ -1,0 +1,155 @@
+"""Paged attention in place on the CPU: the C++ kernel of cpu_paged_attention.cpp.
+
+Per layer: `index_copy_` writes the new K/V by slot (as the torch backend), then one kernel call
+attends every sequence of the flat batch (decode, prefill, prefill chunks over a cached prefix,
+mixed) directly over the paged cache: K/V blocks are read through the block tables where they
+are, never gathered into a padded copy, so a cached prefix costs only its new tokens' attention.
+The step's work split (sequences x KV heads x query chunks, long decodes split over key blocks)
+is planned inside the kernel from the metadata; nothing is built per layer here.
+
+Supported per layer: float32 or bfloat16 queries over a cache of the same dtype or fp8
+(float8_e4m3fn, with the layer's scales), head_dim <= 256, block_size <= 64, at most 48 query
+heads per KV head, sliding windows, logit soft caps. Anything else goes to the torch reference
+backend for that layer, with one warning per reason (`fallback_reasons` lists them).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from engine.worker.attention.base import AttentionBackend, AttentionMetadata
+from engine.worker.attention.kv_quant import KVScales, is_fp8, quantize_fp8
+from engine.worker.attention.torch_ref import TorchAttentionBackend
+
+logger = logging.getLogger(__name__)
+
+MAX_HEAD_DIM = 256
+MAX_BLOCK_SIZE = 64
+MAX_GROUP = 48
+KERNEL_DTYPES = (torch.float32, torch.bfloat16)
+
+
+class CpuPagedAttentionBackend(AttentionBackend):
+    """Paged attention with the C++ CPU kernel; `ops` is `load_kernel().ops`."""
+
+    name = "cpu"
+    supports_fp8_kv = True
+
+    def __init__(self, ops: object) -> None:
+        self._ops = ops
+        self._fallback = TorchAttentionBackend()
+        self._fallback_in_use = False
+        self.fallback_reasons: set[str] = set()
+        """Why layers went to the torch backend (each logged once)."""
+        self._meta: AttentionMetadata | None = None
+        self._write_tokens: torch.Tensor | None = None
+        self._write_slots: torch.Tensor | None = None
+
+    def bind_kv_cache(self, kv_cache: torch.Tensor, scales: KVScales | None) -> None:
+        super().bind_kv_cache(kv_cache, scales)
+        self._fallback.bind_kv_cache(kv_cache, scales)
+
+    def prepare(self, meta: AttentionMetadata) -> None:
+        """The step's write slots (one host check for padding slots); the fallback's plan only
+        when some layer uses it."""
+        slots = meta.slot_mapping.to(torch.int64)
+        valid = slots >= 0
+        if bool(valid.all()):
+            self._write_tokens, self._write_slots = None, slots
+        else:
+            self._write_tokens = valid.nonzero().squeeze(1)
+            self._write_slots = slots[self._write_tokens]
+        self._meta = meta
+        if self._fallback_in_use:
+            self._fallback.prepare(meta)
+
+    def _writes(self, meta: AttentionMetadata) -> tuple[torch.Tensor | None, torch.Tensor]:
+        if self._meta is not meta or self._write_slots is None:
+            self.prepare(meta)
+        assert self._write_slots is not None
+        return self._write_tokens, self._write_slots
+
+    def write_kv(
+        self, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata
+    ) -> None:
+        tokens, slots = self._writes(meta)
+        num_kv_heads, head_dim = k.shape[1], k.shape[2]
+        cache = kv_cache.view(2, -1, num_kv_heads, head_dim)  # [2, NB * BS, Hkv, D]
+        scales = self.layer_scales(kv_cache) if is_fp8(kv_cache) else None
+        for i, new in enumerate((k, v)):  # [T, Hkv, D] each
+            if tokens is not None:
+                new = new[tokens]
+            if scales is None:
+                cache[i].index_copy_(0, slots, new.to(cache.dtype))
+            else:
+                # NOTE: torch has no float8 index_copy_ on the CPU; the bytes are the same.
+                codes = quantize_fp8(new, scales[i]).view(torch.uint8)
+                cache[i].view(torch.uint8).index_copy_(0, slots, codes)
+
+    def unsupported(self, q: torch.Tensor, kv_cache: torch.Tensor) -> str | None:
+        """Why the kernel cannot attend this layer (None: it can)."""
+        head_dim, group = q.shape[2], q.shape[1] // kv_cache.shape[3]
+        if q.device.type != "cpu":
+            return f"device {q.device}"
+        if q.dtype not in KERNEL_DTYPES:
+            return f"dtype {q.dtype}"
+        if kv_cache.dtype != q.dtype and not is_fp8(kv_cache):
+            return f"cache dtype {kv_cache.dtype} with {q.dtype} queries"
+        if head_dim > MAX_HEAD_DIM or q.stride(2) != 1:
+            return f"head_dim {head_dim} (max {MAX_HEAD_DIM}) or strided rows"
+        if kv_cache.shape[2] > MAX_BLOCK_SIZE:
+            return f"block_size {kv_cache.shape[2]} (max {MAX_BLOCK_SIZE})"
+        if group > MAX_GROUP:
+            return f"{group} query heads per KV head (max {MAX_GROUP})"
+        if not kv_cache.is_contiguous():
+            return "a non-contiguous cache view"
+        return None
+
+    def attend(
+        self,
+        q: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+        *,
+        sliding_window: int | None = None,
+        logits_soft_cap: float | None = None,
+    ) -> torch.Tensor:
+        self.check_options(sliding_window, logits_soft_cap)
+        reason = self.unsupported(q, kv_cache)
+        if reason is not None:
+            if reason not in self.fallback_reasons:
+                self.fallback_reasons.add(reason)
+                logger.warning("CPU attention kernel: %s; torch attention for it", reason)
+            if not self._fallback_in_use:
+                self._fallback_in_use = True
+                self._fallback.prepare(meta)
+            return self._fallback.attend(
+                q,
+                kv_cache,
+                meta,
+                scale,
+                sliding_window=sliding_window,
+                logits_soft_cap=logits_soft_cap,
+            )
+        k_scale, v_scale = self.layer_scales(kv_cache) if is_fp8(kv_cache) else (1.0, 1.0)
+        num_queries = sum(meta.query_lens_cpu)
+        out = torch.empty_like(q)  # [T, Hq, D]
+        if num_queries < q.shape[0]:
+            out[num_queries:] = 0  # padding tokens after the last sequence
+        self._ops.paged_attention(  # type: ignore[attr-defined]
+            out,
+            q,
+            kv_cache,
+            meta.block_tables,
+            meta.query_start_loc,
+            meta.seq_lens,
+            scale,
+            sliding_window or 0,
+            logits_soft_cap or 0.0,
+            k_scale,
+            v_scale,
+        )
+        return out
