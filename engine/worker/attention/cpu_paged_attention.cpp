@@ -10,9 +10,9 @@
 //
 // Work item: (sequence, KV head, a chunk of queries, a range of key blocks). The G query heads of
 // the KV head and the chunk's queries form R = chunk * G rows that share every K/V block read.
-// Per block: K and V rows are converted to float once into a small staging tile (in L1), scores
-// are R x BS dot products, an online softmax (float32) rescales the accumulators, P @ V adds to
-// them. Few long items (batch-1 decode) are split over key-block ranges (flash-decoding) and the
+// Per block: each K row is converted to float once and dotted with the R rows (scores R x BS),
+// an online softmax (float32) rescales the accumulators, each V row is converted once and added
+// to them, weighted. Nothing is copied out of the cache beyond one row at a time. Few long items (batch-1 decode) are split over key-block ranges (flash-decoding) and the
 // partial (max, sum, acc) are merged afterwards. OpenMP over items, torch's thread count.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -89,10 +89,12 @@ struct Problem {
 };
 
 // Attends one item's rows over its key blocks; leaves unnormalised acc, running max m, sum l.
-template <typename scalar_t, typename cache_t>
+// kD: the head dim as a compile-time constant (64, 128), or 0 for any (p.head_dim).
+template <int64_t kD, typename scalar_t, typename cache_t>
 void attend_item(const Problem& p, const Item& it, const scalar_t* q, const cache_t* cache,
                  float* acc, float* m, float* l) {
-  const int64_t D = p.head_dim, BS = p.block_size, G = p.group;
+  const int64_t D = kD > 0 ? kD : p.head_dim;
+  const int64_t BS = p.block_size, G = p.group;
   const int64_t R = (it.q1 - it.q0) * G;
   const int64_t seq_len = p.seq_lens[it.seq];
   const int64_t qstart = p.qsl[it.seq];
@@ -102,7 +104,7 @@ void attend_item(const Problem& p, const Item& it, const scalar_t* q, const cach
   const int64_t tok_stride = p.num_kv_heads * D;
   const int64_t v_offset = p.num_blocks_cache * BS * tok_stride;
 
-  alignas(64) float qrows[kRowsPerItem * kMaxHeadDim];  // R <= kRowsPerItem
+  alignas(64) float qrows[kRowsPerItem * kMaxHeadDim];  // [R, D], R <= kRowsPerItem
   // rows r = (query j - q0) * G + g; q pre-multiplied by scale * k_scale (the true scores)
   const float qmul = p.scale * p.k_scale;
   for (int64_t j = it.q0; j < it.q1; ++j) {
@@ -119,10 +121,8 @@ void attend_item(const Problem& p, const Item& it, const scalar_t* q, const cach
   }
   std::fill(acc, acc + R * D, 0.0f);
 
-  alignas(64) float kt[kMaxHeadDim * kMaxBlockSize];  // K tile transposed: [D][BS]
-  alignas(64) float vt[kMaxBlockSize * kMaxHeadDim];  // V tile: [BS][D]
-  alignas(64) float krow[kMaxHeadDim];
-  std::vector<float> scores(R * BS);
+  alignas(64) float row[kMaxHeadDim];
+  alignas(64) float scores[kRowsPerItem * kMaxBlockSize];  // [R, BS]
   const int64_t last_key = std::min(seq_len, ctx + it.q1);  // keys [.., last_key) can be visible
   const int32_t* table = p.block_tables + it.seq * p.max_blocks;
   for (int64_t b = it.b0; b < it.b1; ++b) {
@@ -131,33 +131,29 @@ void attend_item(const Problem& p, const Item& it, const scalar_t* q, const cach
     if (nk <= 0) break;
     const cache_t* kblk = cache + (static_cast<int64_t>(table[b]) * BS) * tok_stride + it.head * D;
     const cache_t* vblk = kblk + v_offset;
+    // scores[r][t] = q_r . k_t: each K row is converted once and dotted with every row
     for (int64_t t = 0; t < nk; ++t) {
-      load_row(kblk + t * tok_stride, krow, D, lut);
-      for (int64_t d = 0; d < D; ++d) kt[d * BS + t] = krow[d];
-      load_row(vblk + t * tok_stride, vt + t * D, D, lut);
-    }
-    for (int64_t t = nk; t < BS; ++t) {
-      for (int64_t d = 0; d < D; ++d) kt[d * BS + t] = 0.0f;
-    }
-    // scores[r][t] = sum_d q[r][d] * k[t][d]: outer products over d, vectorised over keys
-    for (int64_t r = 0; r < R; ++r) {
-      float* s = scores.data() + r * BS;
-      const float* qr = qrows + r * D;
-      for (int64_t t = 0; t < BS; ++t) s[t] = 0.0f;
-      for (int64_t d = 0; d < D; ++d) {
-        const float qd = qr[d];
-        const float* kd = kt + d * BS;
-#pragma omp simd
-        for (int64_t t = 0; t < BS; ++t) s[t] += qd * kd[t];
+      load_row(kblk + t * tok_stride, row, D, lut);
+      for (int64_t r = 0; r < R; ++r) {
+        const float* qr = qrows + r * D;
+        float dot = 0.0f;
+#pragma omp simd reduction(+ : dot)
+        for (int64_t d = 0; d < D; ++d) dot += qr[d] * row[d];
+        scores[r * BS + t] = dot;
       }
     }
+    // online softmax per row; probabilities left in scores, 0 outside the row's visible keys
+    bool any = false;
     for (int64_t r = 0; r < R; ++r) {
-      float* s = scores.data() + r * BS;
+      float* s = scores + r * BS;
       const int64_t pos = ctx + it.q0 + r / G;
-      // visible keys of this row in the block: [lo, hi)
-      const int64_t hi = std::min(nk, pos - key0 + 1);
+      const int64_t hi = std::min(nk, pos - key0 + 1);  // visible keys of the row: [lo, hi)
       const int64_t lo = p.window > 0 ? std::max<int64_t>(0, pos - p.window + 1 - key0) : 0;
-      if (hi <= lo) continue;
+      if (hi <= lo) {
+        std::fill(s, s + nk, 0.0f);
+        continue;
+      }
+      any = true;
       float mx = kNegInf;
       for (int64_t t = lo; t < hi; ++t) {
         if (p.soft_cap > 0.0f) s[t] = p.soft_cap * std::tanh(s[t] / p.soft_cap);
@@ -166,25 +162,39 @@ void attend_item(const Problem& p, const Item& it, const scalar_t* q, const cach
       const float m_new = std::max(m[r], mx);
       const float alpha = std::exp(m[r] - m_new);  // 0 when m[r] is -inf
       float sum = 0.0f;
-      for (int64_t t = lo; t < hi; ++t) {
-        s[t] = std::exp(s[t] - m_new);
-        sum += s[t];
+      for (int64_t t = 0; t < nk; ++t) {
+        const float e = (t >= lo && t < hi) ? std::exp(s[t] - m_new) : 0.0f;
+        s[t] = e;
+        sum += e;
       }
       l[r] = l[r] * alpha + sum;
       m[r] = m_new;
-      float* a = acc + r * D;
       if (alpha != 1.0f) {
+        float* a = acc + r * D;
 #pragma omp simd
         for (int64_t d = 0; d < D; ++d) a[d] *= alpha;
       }
-      for (int64_t t = lo; t < hi; ++t) {
-        const float pt = s[t];
-        const float* vr = vt + t * D;
+    }
+    if (!any) continue;
+    // acc[r] += p[r][t] * v_t: each V row is converted once and added to every row
+    for (int64_t t = 0; t < nk; ++t) {
+      load_row(vblk + t * tok_stride, row, D, lut);
+      for (int64_t r = 0; r < R; ++r) {
+        const float pt = scores[r * BS + t];
+        float* a = acc + r * D;
 #pragma omp simd
-        for (int64_t d = 0; d < D; ++d) a[d] += pt * vr[d];
+        for (int64_t d = 0; d < D; ++d) a[d] += pt * row[d];
       }
     }
   }
+}
+
+template <typename scalar_t, typename cache_t>
+void attend_any(const Problem& p, const Item& it, const scalar_t* q, const cache_t* cache,
+                float* acc, float* m, float* l) {
+  if (p.head_dim == 64) attend_item<64>(p, it, q, cache, acc, m, l);
+  else if (p.head_dim == 128) attend_item<128>(p, it, q, cache, acc, m, l);
+  else attend_item<0>(p, it, q, cache, acc, m, l);
 }
 
 // out rows of one item (or of a merged split item): acc / l * v_scale, in the output dtype.
@@ -219,11 +229,11 @@ void run(const Problem& p, const std::vector<Item>& items, int64_t num_parts,
     for (int64_t i = 0; i < n; ++i) {
       const Item& it = items[i];
       if (it.part < 0) {
-        attend_item(p, it, q, cache, acc.data(), m.data(), l.data());
+        attend_any(p, it, q, cache, acc.data(), m.data(), l.data());
         write_rows(p, it, acc.data(), l.data(), out);
       } else {
         float* ml = part_ml.data() + it.part * max_rows * 2;
-        attend_item(p, it, q, cache, part_acc.data() + it.part * max_rows * D, ml, ml + max_rows);
+        attend_any(p, it, q, cache, part_acc.data() + it.part * max_rows * D, ml, ml + max_rows);
       }
     }
     // merge split items: parts of one (seq, head, queries) in merges[k]
@@ -255,12 +265,12 @@ void run(const Problem& p, const std::vector<Item>& items, int64_t num_parts,
 }
 
 // Work items of the batch, splitting long ones over key blocks when there are too few items.
-void plan_items(const Problem& p, int64_t num_seqs, std::vector<Item>& items, int64_t& num_parts,
-                std::vector<std::vector<int64_t>>& merges) {
+void plan_items(const Problem& p, const std::vector<int64_t>& seqs, std::vector<Item>& items,
+                int64_t& num_parts, std::vector<std::vector<int64_t>>& merges) {
   const int64_t chunk = std::max<int64_t>(1, kRowsPerItem / p.group);
   struct Span { int64_t seq, q0, q1, b0, b1; };
   std::vector<Span> spans;
-  for (int64_t s = 0; s < num_seqs; ++s) {
+  for (int64_t s : seqs) {
     const int64_t qlen = p.qsl[s + 1] - p.qsl[s];
     const int64_t ctx = p.seq_lens[s] - qlen;
     for (int64_t q0 = 0; q0 < qlen; q0 += chunk) {
@@ -301,10 +311,12 @@ void plan_items(const Problem& p, int64_t num_seqs, std::vector<Item>& items, in
 
 // out: [T, Hq, D] (rows past the last sequence's queries are left as they are);
 // q: [T, Hq, D]; kv_cache: [2, NB, BS, Hkv, D]; block_tables [S, MB], query_start_loc [S + 1],
-// seq_lens [S]: int32, CPU. window 0: none; soft_cap 0: none; k/v scales: fp8 cache, else 1.
+// seq_lens [S]: int32, CPU; seq_index [S'] int64: the sequences to attend (empty: all; the
+// others' rows are left as they are). window 0: none; soft_cap 0: none; k/v scales: fp8, else 1.
 void paged_attention(at::Tensor out, at::Tensor q, at::Tensor kv_cache, at::Tensor block_tables,
-                     at::Tensor query_start_loc, at::Tensor seq_lens, double scale, int64_t window,
-                     double soft_cap, double k_scale, double v_scale) {
+                     at::Tensor query_start_loc, at::Tensor seq_lens, at::Tensor seq_index,
+                     double scale, int64_t window, double soft_cap, double k_scale,
+                     double v_scale) {
   TORCH_CHECK(q.dim() == 3 && out.sizes() == q.sizes(), "q and out must be [T, Hq, D]");
   TORCH_CHECK(q.stride(2) == 1 && out.stride(2) == 1, "q/out rows must be dense");
   TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.size(0) == 2 && kv_cache.is_contiguous(),
@@ -349,7 +361,18 @@ void paged_attention(at::Tensor out, at::Tensor q, at::Tensor kv_cache, at::Tens
   std::vector<Item> items;
   std::vector<std::vector<int64_t>> merges;
   int64_t num_parts = 0;
-  plan_items(p, num_seqs, items, num_parts, merges);
+  std::vector<int64_t> seqs;
+  if (seq_index.numel() == 0) {
+    for (int64_t i = 0; i < num_seqs; ++i) seqs.push_back(i);
+  } else {
+    TORCH_CHECK(seq_index.scalar_type() == at::kLong && seq_index.is_contiguous(), "seq_index");
+    const int64_t* idx = seq_index.data_ptr<int64_t>();
+    for (int64_t i = 0; i < seq_index.numel(); ++i) {
+      TORCH_CHECK(idx[i] >= 0 && idx[i] < num_seqs, "seq_index out of range");
+      seqs.push_back(idx[i]);
+    }
+  }
+  plan_items(p, seqs, items, num_parts, merges);
   const bool fp8 = ct == at::kFloat8_e4m3fn;
   if (qt == at::kFloat) {
     const float* qd = q.data_ptr<float>();

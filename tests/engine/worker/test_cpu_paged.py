@@ -14,7 +14,12 @@ import random
 import pytest
 import torch
 
-from engine.worker.attention import AttentionBackend, AttentionMetadata, get_attention_backend
+from engine.worker.attention import (
+    AttentionBackend,
+    AttentionMetadata,
+    cpu_paged,
+    get_attention_backend,
+)
 from engine.worker.attention.cpu_kernel import load_kernel
 from engine.worker.attention.cpu_paged import CpuPagedAttentionBackend
 from engine.worker.attention.kv_quant import FP8_DTYPE, KVScales
@@ -72,13 +77,23 @@ def _run(
     return out, cache
 
 
+@pytest.mark.parametrize("route", ["kernel", "split"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("heads", [(4, 4), (9, 3), (6, 1)], ids=lambda h: f"{h[0]}q{h[1]}kv")
 @pytest.mark.parametrize("block_size", [8, 16, 32])
 @pytest.mark.parametrize("case", list(CASES))
 def test_kernel_matches_torch_backend(
-    case: str, block_size: int, heads: tuple[int, int], dtype: torch.dtype
+    case: str,
+    block_size: int,
+    heads: tuple[int, int],
+    dtype: torch.dtype,
+    route: str,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
+    """route "kernel": every sequence through the kernel; "split": long prefill chunks by SDPA
+    over their own blocks (the default), the rest by the kernel."""
+    if route == "kernel":
+        monkeypatch.setattr(cpu_paged, "SDPA_MIN_QUERIES", 1 << 30)
     q, k, v, cache, meta = _batch(case, heads, block_size, 64, dtype)
     want, want_cache = _run(TorchAttentionBackend(), q, k, v, cache, meta)
     got, got_cache = _run(CpuPagedAttentionBackend(KERNEL.ops), q, k, v, cache, meta)
@@ -123,7 +138,7 @@ def test_window_never_reads_released_blocks() -> None:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-@pytest.mark.parametrize("case", ["decode", "mixed"])
+@pytest.mark.parametrize("case", ["decode", "mixed", "cached_prefix"])
 def test_kernel_fp8_cache(case: str, dtype: torch.dtype) -> None:
     q, k, v, cache, meta = _batch(case, (9, 3), 16, 64, dtype)
     cache8 = (cache.float() / 4).clamp(-448, 448).to(FP8_DTYPE)
