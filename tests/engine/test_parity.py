@@ -72,11 +72,12 @@ def run_engine(path: Path, prompts: list[list[int]], **cfg: object) -> tuple[lis
     return [o.token_ids for o in outs], llm
 
 
-def check_parity(path: Path, vocab: int) -> None:
+def check_parity(path: Path, vocab: int, backend: str = "auto") -> None:
     prompts = shared_prefix_prompts(vocab, 16, 600, seed=1)
     expected = hf_greedy(path, prompts, MAX_TOKENS)
     for name, cfg in CONFIGS.items():
-        got, llm = run_engine(path, prompts, **cfg)
+        got, llm = run_engine(path, prompts, attention_backend=backend, **cfg)
+        assert backend == "auto" or llm.engine.backend.name == backend
         for i, (g, e) in enumerate(zip(got, expected, strict=True)):
             assert g == e, f"{name}: prompt {i} ({len(prompts[i])} tokens) differs: {g} != {e}"
         stats = llm.engine.get_stats()
@@ -88,18 +89,37 @@ def check_parity(path: Path, vocab: int) -> None:
             assert stats.prefix_hits > 0
 
 
-def test_parity_tiny_qwen2_gqa(tiny_qwen2_path: Path) -> None:
+def _backend(name: str) -> str:
+    """The attention backend to test; skips "cpu" where its C++ kernel cannot be built."""
+    if name == "cpu":
+        from engine.worker.attention.cpu_kernel import load_kernel
+
+        kernel = load_kernel()
+        if kernel.ops is None:
+            pytest.skip(f"CPU attention kernel not built: {kernel.reason}")
+    return name
+
+
+BACKENDS = ["torch", "cpu"]
+"""The torch reference and the C++ CPU kernel (the CPU's default when it builds)."""
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_parity_tiny_qwen2_gqa(tiny_qwen2_path: Path, backend: str) -> None:
     from transformers import AutoConfig
 
     cfg = AutoConfig.from_pretrained(tiny_qwen2_path)
     assert cfg.num_key_value_heads < cfg.num_attention_heads  # grouped-query attention
-    check_parity(tiny_qwen2_path, cfg.vocab_size)
+    check_parity(tiny_qwen2_path, cfg.vocab_size, _backend(backend))
 
 
-def test_parity_tiny_llama(tiny_llama_path: Path) -> None:
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_parity_tiny_llama(tiny_llama_path: Path, backend: str) -> None:
     from transformers import AutoConfig
 
-    check_parity(tiny_llama_path, AutoConfig.from_pretrained(tiny_llama_path).vocab_size)
+    check_parity(
+        tiny_llama_path, AutoConfig.from_pretrained(tiny_llama_path).vocab_size, _backend(backend)
+    )
 
 
 @pytest.mark.slow

@@ -8,16 +8,19 @@ import importlib.util
 import torch
 
 from engine.worker.attention.base import AttentionBackend, AttentionMetadata
+from engine.worker.attention.cpu_kernel import load_kernel
+from engine.worker.attention.cpu_paged import CpuPagedAttentionBackend
 from engine.worker.attention.torch_ref import TorchAttentionBackend
 
 __all__ = [
     "AttentionBackend",
     "AttentionMetadata",
+    "CpuPagedAttentionBackend",
     "TorchAttentionBackend",
     "get_attention_backend",
 ]
 
-BACKEND_NAMES = ("auto", "torch", "cupy")
+BACKEND_NAMES = ("auto", "torch", "cupy", "cpu")
 
 
 def _cupy_usable(device: torch.device) -> bool:
@@ -30,11 +33,23 @@ def _cupy_usable(device: torch.device) -> bool:
 
 def get_attention_backend(name: str, device: torch.device) -> AttentionBackend:
     """ "torch" -> the reference backend; "cupy" -> the CUDA kernels (imported only when asked);
-    "auto" -> cupy on a CUDA device when CuPy is installed, else torch."""
+    "cpu" -> the C++ CPU paged-attention kernel (built on first use, cached per machine);
+    "auto" -> cupy on a CUDA device when CuPy is installed; on the CPU the C++ kernel when it
+    builds and loads (else torch, with the reason logged once)."""
     if name == "auto":
-        name = "cupy" if _cupy_usable(device) else "torch"
+        if device.type == "cuda":
+            name = "cupy" if _cupy_usable(device) else "torch"
+        else:
+            name = "cpu" if load_kernel().ops is not None else "torch"
     if name == "torch":
         return TorchAttentionBackend()
+    if name == "cpu":
+        if device.type != "cpu":
+            raise ValueError(f"attention backend 'cpu' runs on the CPU, got {device}")
+        kernel = load_kernel()
+        if kernel.ops is None:
+            raise ValueError(f"attention backend 'cpu' is not available: {kernel.reason}")
+        return CpuPagedAttentionBackend(kernel.ops)
     if name == "cupy":
         if device.type != "cuda" or not torch.cuda.is_available():
             raise ValueError(

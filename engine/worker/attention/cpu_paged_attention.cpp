@@ -1,0 +1,392 @@
+// Paged attention on the CPU, reading K/V in place from the paged cache (deja's CPU fast path).
+//
+// Cache layout (one layer): kv_cache [2, NB, BS, Hkv, D], index 0 = K, 1 = V; slot s lives at
+// block s / BS, offset s % BS. Dtypes: float32 or bfloat16 queries over a cache of the same dtype,
+// or over a float8_e4m3fn cache (K / k_scale, V / v_scale, one scale per layer).
+//
+// Flat batch: sequence i owns query tokens [qsl[i], qsl[i + 1]); its new tokens sit at positions
+// [ctx_i, seq_len_i), ctx_i = seq_len_i - query_len_i. Query at position p sees keys k <= p (and
+// k > p - window with a sliding window). Keys before the first query's window are never read.
+//
+// Work item: (sequence, KV head, a chunk of queries, a range of key blocks). The G query heads of
+// the KV head and the chunk's queries form R = chunk * G rows that share every K/V block read.
+// Per block: each K row is converted to float once and dotted with the R rows (scores R x BS),
+// an online softmax (float32) rescales the accumulators, each V row is converted once and added
+// to them, weighted. Nothing is copied out of the cache beyond one row at a time. Few long items (batch-1 decode) are split over key-block ranges (flash-decoding) and the
+// partial (max, sum, acc) are merged afterwards. OpenMP over items, torch's thread count.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <c10/util/Float8_e4m3fn.h>
+#include <omp.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+namespace {
+
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+constexpr int64_t kMaxHeadDim = 256;
+constexpr int64_t kMaxBlockSize = 64;
+constexpr int64_t kRowsPerItem = 48;  // query rows (queries x G) one item aims for
+constexpr int64_t kMinBlocksPerPart = 8;  // a split part reads at least this many blocks
+
+struct Fp8Table {
+  float value[256];
+  Fp8Table() {
+    for (int i = 0; i < 256; ++i) {
+      value[i] = static_cast<float>(c10::Float8_e4m3fn(static_cast<uint8_t>(i), c10::Float8_e4m3fn::from_bits()));
+    }
+  }
+};
+const Fp8Table& fp8_table() {
+  static const Fp8Table table;
+  return table;
+}
+
+// Row of D elements -> float (fp8: the stored code's value, before its layer scale).
+inline void load_row(const float* src, float* dst, int64_t d, const float*) {
+  std::memcpy(dst, src, d * sizeof(float));
+}
+inline void load_row(const at::BFloat16* src, float* dst, int64_t d, const float*) {
+  const uint16_t* bits = reinterpret_cast<const uint16_t*>(src);
+#pragma omp simd
+  for (int64_t i = 0; i < d; ++i) {
+    uint32_t w = static_cast<uint32_t>(bits[i]) << 16;
+    float f;
+    std::memcpy(&f, &w, sizeof(f));
+    dst[i] = f;
+  }
+}
+inline void load_row(const uint8_t* src, float* dst, int64_t d, const float* lut) {
+  for (int64_t i = 0; i < d; ++i) dst[i] = lut[src[i]];
+}
+
+inline void store_row(const float* src, float* dst, int64_t d) { std::memcpy(dst, src, d * sizeof(float)); }
+inline void store_row(const float* src, at::BFloat16* dst, int64_t d) {
+  for (int64_t i = 0; i < d; ++i) dst[i] = at::BFloat16(src[i]);
+}
+
+struct Item {
+  int64_t seq, head, q0, q1;  // queries [q0, q1) of the sequence (0 = its first new token)
+  int64_t b0, b1;             // key blocks [b0, b1) this item reads
+  int64_t part;               // index into the partial buffers; -1: writes the output directly
+};
+
+struct Problem {
+  int64_t num_heads, num_kv_heads, group, head_dim, block_size, num_blocks_cache;
+  int64_t max_blocks;  // row stride of block_tables
+  int64_t q_stride_t, q_stride_h, out_stride_t, out_stride_h;
+  int64_t window;  // 0: none
+  float scale, soft_cap, k_scale, v_scale;  // soft_cap 0: none; scales 1 unless fp8
+  const int32_t* block_tables;
+  const int32_t* qsl;
+  const int32_t* seq_lens;
+};
+
+// Attends one item's rows over its key blocks; leaves unnormalised acc, running max m, sum l.
+// kD: the head dim as a compile-time constant (64, 128), or 0 for any (p.head_dim).
+template <int64_t kD, typename scalar_t, typename cache_t>
+void attend_item(const Problem& p, const Item& it, const scalar_t* q, const cache_t* cache,
+                 float* acc, float* m, float* l) {
+  const int64_t D = kD > 0 ? kD : p.head_dim;
+  const int64_t BS = p.block_size, G = p.group;
+  const int64_t R = (it.q1 - it.q0) * G;
+  const int64_t seq_len = p.seq_lens[it.seq];
+  const int64_t qstart = p.qsl[it.seq];
+  const int64_t ctx = seq_len - (p.qsl[it.seq + 1] - qstart);
+  const float* lut = fp8_table().value;
+  // token stride inside one block of one head, and the V half's offset
+  const int64_t tok_stride = p.num_kv_heads * D;
+  const int64_t v_offset = p.num_blocks_cache * BS * tok_stride;
+
+  alignas(64) float qrows[kRowsPerItem * kMaxHeadDim];  // [R, D], R <= kRowsPerItem
+  // rows r = (query j - q0) * G + g; q pre-multiplied by scale * k_scale (the true scores)
+  const float qmul = p.scale * p.k_scale;
+  for (int64_t j = it.q0; j < it.q1; ++j) {
+    for (int64_t g = 0; g < G; ++g) {
+      const scalar_t* src = q + (qstart + j) * p.q_stride_t + (it.head * G + g) * p.q_stride_h;
+      float* dst = qrows + ((j - it.q0) * G + g) * D;
+      load_row(src, dst, D, lut);
+      for (int64_t d = 0; d < D; ++d) dst[d] *= qmul;
+    }
+  }
+  for (int64_t r = 0; r < R; ++r) {
+    m[r] = kNegInf;
+    l[r] = 0.0f;
+  }
+  std::fill(acc, acc + R * D, 0.0f);
+
+  alignas(64) float row[kMaxHeadDim];
+  alignas(64) float scores[kRowsPerItem * kMaxBlockSize];  // [R, BS]
+  const int64_t last_key = std::min(seq_len, ctx + it.q1);  // keys [.., last_key) can be visible
+  const int32_t* table = p.block_tables + it.seq * p.max_blocks;
+  for (int64_t b = it.b0; b < it.b1; ++b) {
+    const int64_t key0 = b * BS;
+    const int64_t nk = std::min(BS, last_key - key0);
+    if (nk <= 0) break;
+    const cache_t* kblk = cache + (static_cast<int64_t>(table[b]) * BS) * tok_stride + it.head * D;
+    const cache_t* vblk = kblk + v_offset;
+    // scores[r][t] = q_r . k_t: each K row is converted once and dotted with every row
+    for (int64_t t = 0; t < nk; ++t) {
+      load_row(kblk + t * tok_stride, row, D, lut);
+      for (int64_t r = 0; r < R; ++r) {
+        const float* qr = qrows + r * D;
+        float dot = 0.0f;
+#pragma omp simd reduction(+ : dot)
+        for (int64_t d = 0; d < D; ++d) dot += qr[d] * row[d];
+        scores[r * BS + t] = dot;
+      }
+    }
+    // online softmax per row; probabilities left in scores, 0 outside the row's visible keys
+    bool any = false;
+    for (int64_t r = 0; r < R; ++r) {
+      float* s = scores + r * BS;
+      const int64_t pos = ctx + it.q0 + r / G;
+      const int64_t hi = std::min(nk, pos - key0 + 1);  // visible keys of the row: [lo, hi)
+      const int64_t lo = p.window > 0 ? std::max<int64_t>(0, pos - p.window + 1 - key0) : 0;
+      if (hi <= lo) {
+        std::fill(s, s + nk, 0.0f);
+        continue;
+      }
+      any = true;
+      float mx = kNegInf;
+      for (int64_t t = lo; t < hi; ++t) {
+        if (p.soft_cap > 0.0f) s[t] = p.soft_cap * std::tanh(s[t] / p.soft_cap);
+        mx = std::max(mx, s[t]);
+      }
+      const float m_new = std::max(m[r], mx);
+      const float alpha = std::exp(m[r] - m_new);  // 0 when m[r] is -inf
+      float sum = 0.0f;
+      for (int64_t t = 0; t < nk; ++t) {
+        const float e = (t >= lo && t < hi) ? std::exp(s[t] - m_new) : 0.0f;
+        s[t] = e;
+        sum += e;
+      }
+      l[r] = l[r] * alpha + sum;
+      m[r] = m_new;
+      if (alpha != 1.0f) {
+        float* a = acc + r * D;
+#pragma omp simd
+        for (int64_t d = 0; d < D; ++d) a[d] *= alpha;
+      }
+    }
+    if (!any) continue;
+    // acc[r] += p[r][t] * v_t: each V row is converted once and added to every row
+    for (int64_t t = 0; t < nk; ++t) {
+      load_row(vblk + t * tok_stride, row, D, lut);
+      for (int64_t r = 0; r < R; ++r) {
+        const float pt = scores[r * BS + t];
+        float* a = acc + r * D;
+#pragma omp simd
+        for (int64_t d = 0; d < D; ++d) a[d] += pt * row[d];
+      }
+    }
+  }
+}
+
+template <typename scalar_t, typename cache_t>
+void attend_any(const Problem& p, const Item& it, const scalar_t* q, const cache_t* cache,
+                float* acc, float* m, float* l) {
+  if (p.head_dim == 64) attend_item<64>(p, it, q, cache, acc, m, l);
+  else if (p.head_dim == 128) attend_item<128>(p, it, q, cache, acc, m, l);
+  else attend_item<0>(p, it, q, cache, acc, m, l);
+}
+
+// out rows of one item (or of a merged split item): acc / l * v_scale, in the output dtype.
+template <typename scalar_t>
+void write_rows(const Problem& p, const Item& it, const float* acc, const float* l, scalar_t* out) {
+  const int64_t D = p.head_dim, G = p.group;
+  const int64_t qstart = p.qsl[it.seq];
+  alignas(64) float row[kMaxHeadDim];
+  for (int64_t j = it.q0; j < it.q1; ++j) {
+    for (int64_t g = 0; g < G; ++g) {
+      const int64_t r = (j - it.q0) * G + g;
+      const float inv = l[r] > 0.0f ? p.v_scale / l[r] : 0.0f;
+      for (int64_t d = 0; d < D; ++d) row[d] = acc[r * D + d] * inv;
+      store_row(row, out + (qstart + j) * p.out_stride_t + (it.head * G + g) * p.out_stride_h, D);
+    }
+  }
+}
+
+template <typename scalar_t, typename cache_t>
+void run(const Problem& p, const std::vector<Item>& items, int64_t num_parts,
+         const std::vector<std::vector<int64_t>>& merges, const scalar_t* q, const cache_t* cache,
+         scalar_t* out) {
+  const int64_t D = p.head_dim;
+  const int64_t max_rows = kRowsPerItem;
+  std::vector<float> part_acc(num_parts * max_rows * D), part_ml(num_parts * max_rows * 2);
+  const int threads = std::max(1, at::get_num_threads());
+  const int64_t n = static_cast<int64_t>(items.size());
+#pragma omp parallel num_threads(threads)
+  {
+    std::vector<float> acc(max_rows * D), m(max_rows), l(max_rows);
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t i = 0; i < n; ++i) {
+      const Item& it = items[i];
+      if (it.part < 0) {
+        attend_any(p, it, q, cache, acc.data(), m.data(), l.data());
+        write_rows(p, it, acc.data(), l.data(), out);
+      } else {
+        float* ml = part_ml.data() + it.part * max_rows * 2;
+        attend_any(p, it, q, cache, part_acc.data() + it.part * max_rows * D, ml, ml + max_rows);
+      }
+    }
+    // merge split items: parts of one (seq, head, queries) in merges[k]
+    const int64_t nm = static_cast<int64_t>(merges.size());
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t k = 0; k < nm; ++k) {
+      const Item& first = items[merges[k][0]];
+      const int64_t R = (first.q1 - first.q0) * p.group;
+      for (int64_t r = 0; r < R; ++r) {
+        float mx = kNegInf;
+        for (int64_t idx : merges[k]) mx = std::max(mx, part_ml[items[idx].part * max_rows * 2 + r]);
+        float sum = 0.0f;
+        float* a = acc.data() + r * D;
+        std::fill(a, a + D, 0.0f);
+        for (int64_t idx : merges[k]) {
+          const int64_t pi = items[idx].part;
+          const float pm = part_ml[pi * max_rows * 2 + r];
+          if (pm == kNegInf) continue;
+          const float w = std::exp(pm - mx);
+          sum += w * part_ml[pi * max_rows * 2 + max_rows + r];
+          const float* pa = part_acc.data() + (pi * max_rows + r) * D;
+          for (int64_t d = 0; d < D; ++d) a[d] += w * pa[d];
+        }
+        l[r] = sum;
+      }
+      write_rows(p, first, acc.data(), l.data(), out);
+    }
+  }
+}
+
+// Work items of the batch, splitting long ones over key blocks when there are too few items.
+void plan_items(const Problem& p, const std::vector<int64_t>& seqs, std::vector<Item>& items,
+                int64_t& num_parts, std::vector<std::vector<int64_t>>& merges) {
+  const int64_t chunk = std::max<int64_t>(1, kRowsPerItem / p.group);
+  struct Span { int64_t seq, q0, q1, b0, b1; };
+  std::vector<Span> spans;
+  for (int64_t s : seqs) {
+    const int64_t qlen = p.qsl[s + 1] - p.qsl[s];
+    const int64_t ctx = p.seq_lens[s] - qlen;
+    for (int64_t q0 = 0; q0 < qlen; q0 += chunk) {
+      const int64_t q1 = std::min(qlen, q0 + chunk);
+      const int64_t first_key = p.window > 0 ? std::max<int64_t>(0, ctx + q0 - p.window + 1) : 0;
+      const int64_t end_key = std::min<int64_t>(p.seq_lens[s], ctx + q1);
+      spans.push_back({s, q0, q1, first_key / p.block_size,
+                       (end_key + p.block_size - 1) / p.block_size});
+    }
+  }
+  const int64_t threads = std::max(1, at::get_num_threads());
+  const int64_t base = static_cast<int64_t>(spans.size()) * p.num_kv_heads;
+  num_parts = 0;
+  for (const Span& sp : spans) {
+    const int64_t nb = sp.b1 - sp.b0;
+    int64_t parts = 1;
+    if (base < 2 * threads) {
+      parts = std::min<int64_t>((2 * threads + base - 1) / base, nb / kMinBlocksPerPart);
+      parts = std::max<int64_t>(parts, 1);
+    }
+    for (int64_t h = 0; h < p.num_kv_heads; ++h) {
+      if (parts == 1) {
+        items.push_back({sp.seq, h, sp.q0, sp.q1, sp.b0, sp.b1, -1});
+        continue;
+      }
+      std::vector<int64_t> group;
+      for (int64_t k = 0; k < parts; ++k) {
+        group.push_back(static_cast<int64_t>(items.size()));
+        items.push_back({sp.seq, h, sp.q0, sp.q1, sp.b0 + nb * k / parts,
+                         sp.b0 + nb * (k + 1) / parts, num_parts++});
+      }
+      merges.push_back(std::move(group));
+    }
+  }
+}
+
+}  // namespace
+
+// out: [T, Hq, D] (rows past the last sequence's queries are left as they are);
+// q: [T, Hq, D]; kv_cache: [2, NB, BS, Hkv, D]; block_tables [S, MB], query_start_loc [S + 1],
+// seq_lens [S]: int32, CPU; seq_index [S'] int64: the sequences to attend (empty: all; the
+// others' rows are left as they are). window 0: none; soft_cap 0: none; k/v scales: fp8, else 1.
+void paged_attention(at::Tensor out, at::Tensor q, at::Tensor kv_cache, at::Tensor block_tables,
+                     at::Tensor query_start_loc, at::Tensor seq_lens, at::Tensor seq_index,
+                     double scale, int64_t window, double soft_cap, double k_scale,
+                     double v_scale) {
+  TORCH_CHECK(q.dim() == 3 && out.sizes() == q.sizes(), "q and out must be [T, Hq, D]");
+  TORCH_CHECK(q.stride(2) == 1 && out.stride(2) == 1, "q/out rows must be dense");
+  TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.size(0) == 2 && kv_cache.is_contiguous(),
+              "kv_cache must be a contiguous [2, NB, BS, Hkv, D]");
+  TORCH_CHECK(q.scalar_type() == out.scalar_type(), "q and out dtypes differ");
+  const auto qt = q.scalar_type(), ct = kv_cache.scalar_type();
+  TORCH_CHECK(qt == at::kFloat || qt == at::kBFloat16, "q must be float32 or bfloat16");
+  TORCH_CHECK(ct == qt || ct == at::kFloat8_e4m3fn, "kv_cache must be q's dtype or float8_e4m3fn");
+  for (const at::Tensor* t : {&block_tables, &query_start_loc, &seq_lens}) {
+    TORCH_CHECK(t->scalar_type() == at::kInt && t->stride(-1) == 1 && t->device().is_cpu(),
+                "metadata tensors must be int32 CPU tensors with dense rows");
+  }
+  TORCH_CHECK(block_tables.dim() == 2 && query_start_loc.dim() == 1 && seq_lens.dim() == 1);
+  Problem p;
+  p.num_heads = q.size(1);
+  p.num_kv_heads = kv_cache.size(3);
+  p.head_dim = q.size(2);
+  TORCH_CHECK(p.num_heads % p.num_kv_heads == 0 && kv_cache.size(4) == p.head_dim, "head shapes");
+  TORCH_CHECK(p.head_dim <= kMaxHeadDim, "head_dim > ", kMaxHeadDim);
+  p.group = p.num_heads / p.num_kv_heads;
+  TORCH_CHECK(p.group <= kRowsPerItem, "more than ", kRowsPerItem, " query heads per KV head");
+  p.block_size = kv_cache.size(2);
+  TORCH_CHECK(p.block_size <= kMaxBlockSize, "block_size > ", kMaxBlockSize);
+  p.num_blocks_cache = kv_cache.size(1);
+  p.max_blocks = block_tables.stride(0);
+  p.q_stride_t = q.stride(0);
+  p.q_stride_h = q.stride(1);
+  p.out_stride_t = out.stride(0);
+  p.out_stride_h = out.stride(1);
+  p.window = window;
+  p.scale = static_cast<float>(scale);
+  p.soft_cap = static_cast<float>(soft_cap);
+  p.k_scale = static_cast<float>(k_scale);
+  p.v_scale = static_cast<float>(v_scale);
+  p.block_tables = block_tables.data_ptr<int32_t>();
+  p.qsl = query_start_loc.data_ptr<int32_t>();
+  p.seq_lens = seq_lens.data_ptr<int32_t>();
+  const int64_t num_seqs = seq_lens.size(0);
+  TORCH_CHECK(query_start_loc.size(0) == num_seqs + 1 && block_tables.size(0) >= num_seqs);
+  TORCH_CHECK(p.qsl[num_seqs] <= q.size(0), "query_start_loc runs past q");
+
+  std::vector<Item> items;
+  std::vector<std::vector<int64_t>> merges;
+  int64_t num_parts = 0;
+  std::vector<int64_t> seqs;
+  if (seq_index.numel() == 0) {
+    for (int64_t i = 0; i < num_seqs; ++i) seqs.push_back(i);
+  } else {
+    TORCH_CHECK(seq_index.scalar_type() == at::kLong && seq_index.is_contiguous(), "seq_index");
+    const int64_t* idx = seq_index.data_ptr<int64_t>();
+    for (int64_t i = 0; i < seq_index.numel(); ++i) {
+      TORCH_CHECK(idx[i] >= 0 && idx[i] < num_seqs, "seq_index out of range");
+      seqs.push_back(idx[i]);
+    }
+  }
+  plan_items(p, seqs, items, num_parts, merges);
+  const bool fp8 = ct == at::kFloat8_e4m3fn;
+  if (qt == at::kFloat) {
+    const float* qd = q.data_ptr<float>();
+    float* od = out.data_ptr<float>();
+    if (fp8) run(p, items, num_parts, merges, qd, static_cast<const uint8_t*>(kv_cache.data_ptr()), od);
+    else run(p, items, num_parts, merges, qd, kv_cache.data_ptr<float>(), od);
+  } else {
+    const at::BFloat16* qd = q.data_ptr<at::BFloat16>();
+    at::BFloat16* od = out.data_ptr<at::BFloat16>();
+    if (fp8) run(p, items, num_parts, merges, qd, static_cast<const uint8_t*>(kv_cache.data_ptr()), od);
+    else run(p, items, num_parts, merges, qd, kv_cache.data_ptr<at::BFloat16>(), od);
+  }
+}
+
+TORCH_LIBRARY(deja_cpu_attn, m) {
+  m.def("paged_attention", &paged_attention);
+}
