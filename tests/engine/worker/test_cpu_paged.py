@@ -14,6 +14,7 @@ import random
 import pytest
 import torch
 
+from bench.tiny_models import make_attention_metadata
 from engine.worker.attention import (
     AttentionBackend,
     AttentionMetadata,
@@ -25,7 +26,6 @@ from engine.worker.attention.cpu_paged import CpuPagedAttentionBackend
 from engine.worker.attention.kv_quant import FP8_DTYPE, KVScales
 from engine.worker.attention.torch_ref import TorchAttentionBackend
 from tests.engine.worker.test_attention import _random_tables
-from tests.tiny_models import make_attention_metadata
 
 torch.set_num_threads(2)
 
