@@ -7,9 +7,10 @@ are, never gathered into a padded copy, so a cached prefix costs only its new to
 The step's work split (sequences x KV heads x query chunks, long decodes split over key blocks)
 is planned inside the kernel from the metadata; nothing is built per layer here.
 
-NOTE: a sequence with SDPA_MIN_QUERIES or more new tokens (a prefill chunk; on layers without a
-window or soft cap) goes to SDPA instead: its own blocks are gathered (its length only, no
-padding to other sequences) and SDPA's flash kernel (oneDNN: AVX-512 BF16 / AMX) attends them.
+NOTE: the sequences with SDPA_MIN_QUERIES or more new tokens (prefill chunks; on layers without a
+window or soft cap) go to SDPA instead, all of them together through the torch backend's batched
+path (up to 4 length groups, one gather + one SDPA call each, never a loop over sequences): SDPA's
+flash kernel (oneDNN: AVX-512 BF16 / AMX) attends them.
 The kernel computes scores as float32 dot products, ~8 GFLOP/s a core, where SDPA reaches ~60
 on such chunks; there the copy is O(keys) against O(queries x keys) of attention. Decode tokens
 and short chunks, the bulk of a serving step, never leave the cache.
@@ -25,10 +26,9 @@ from __future__ import annotations
 import logging
 
 import torch
-import torch.nn.functional as F
 
 from engine.worker.attention.base import AttentionBackend, AttentionMetadata
-from engine.worker.attention.kv_quant import KVScales, dequantize_fp8, is_fp8, quantize_fp8
+from engine.worker.attention.kv_quant import KVScales, is_fp8, quantize_fp8
 from engine.worker.attention.torch_ref import TorchAttentionBackend
 
 logger = logging.getLogger(__name__)
@@ -59,14 +59,17 @@ class CpuPagedAttentionBackend(AttentionBackend):
         self._write_slots: torch.Tensor | None = None
         self._kernel_seqs: torch.Tensor | None = None
         """[S'] int64: the sequences the kernel attends (empty: all; None: none)."""
-        self._sdpa_seqs: list[tuple[int, int, int, int]] = []
-        """(sequence, first token, new tokens, sequence length) of those SDPA attends."""
-        self._masks: dict[tuple[int, int, torch.dtype], torch.Tensor] = {}
-        """The step's SDPA masks (see `_sdpa_one`)."""
+        self._prefill = TorchAttentionBackend()
+        """Attends the step's long prefill chunks (see the module's NOTE)."""
+        self._prefill_meta: AttentionMetadata | None = None
+        """The metadata of just those sequences (None: the step has none)."""
+        self._prefill_tokens: slice | torch.Tensor = slice(0)
+        """Their tokens in the flat batch: a slice when contiguous, else an index tensor."""
 
     def bind_kv_cache(self, kv_cache: torch.Tensor, scales: KVScales | None) -> None:
         super().bind_kv_cache(kv_cache, scales)
         self._fallback.bind_kv_cache(kv_cache, scales)
+        self._prefill.bind_kv_cache(kv_cache, scales)
 
     def prepare(self, meta: AttentionMetadata) -> None:
         """The step's write slots (one host check for padding slots); the fallback's plan only
@@ -79,23 +82,16 @@ class CpuPagedAttentionBackend(AttentionBackend):
             self._write_tokens = valid.nonzero().squeeze(1)
             self._write_slots = slots[self._write_tokens]
         self._meta = meta
-        self._masks = {}
-        starts = [0]
-        for n in meta.query_lens_cpu:
-            starts.append(starts[-1] + n)
-        lens = zip(meta.query_lens_cpu, meta.seq_lens_cpu, strict=True)
-        self._sdpa_seqs = [
-            (i, starts[i], n, seq_len)
-            for i, (n, seq_len) in enumerate(lens)
-            if n >= SDPA_MIN_QUERIES
-        ]
+        long = [i for i, n in enumerate(meta.query_lens_cpu) if n >= SDPA_MIN_QUERIES]
         self._kernel_seqs = _EMPTY
-        if len(self._sdpa_seqs) == meta.num_seqs:
-            self._kernel_seqs = None
-        elif self._sdpa_seqs:
-            long = {i for i, *_ in self._sdpa_seqs}
-            rest = [i for i in range(meta.num_seqs) if i not in long]
-            self._kernel_seqs = torch.tensor(rest, dtype=torch.int64)
+        self._prefill_meta = None
+        if long:
+            self._prefill_meta, self._prefill_tokens = _sub_metadata(meta, long)
+            if len(long) == meta.num_seqs:
+                self._kernel_seqs = None
+            else:
+                rest = sorted(set(range(meta.num_seqs)) - set(long))
+                self._kernel_seqs = torch.tensor(rest, dtype=torch.int64)
         if self._fallback_in_use:
             self._fallback.prepare(meta)
 
@@ -192,61 +188,45 @@ class CpuPagedAttentionBackend(AttentionBackend):
                 k_scale,
                 v_scale,
             )
-        if plain:
-            for seq, start, n, seq_len in self._sdpa_seqs:
-                out[start : start + n] = _sdpa_one(
-                    q[start : start + n],
-                    kv_cache,
-                    meta.block_tables[seq],
-                    seq_len,
-                    scale,
-                    scales,
-                    self._masks,
-                )
+        if plain and self._prefill_meta is not None:
+            rows = self._prefill.attend(
+                q[self._prefill_tokens], kv_cache, self._prefill_meta, scale
+            )
+            out[self._prefill_tokens] = rows
         return out
 
 
 _EMPTY = torch.empty(0, dtype=torch.int64)
 
 
-def _sdpa_one(
-    q: torch.Tensor,
-    kv_cache: torch.Tensor,
-    table: torch.Tensor,
-    seq_len: int,
-    scale: float,
-    kv_scales: tuple[float, float] | None,
-    masks: dict[tuple[int, int, torch.dtype], torch.Tensor],
-) -> torch.Tensor:
-    """One sequence's chunk: q [Q, Hq, D] over its own L = seq_len keys -> [Q, Hq, D].
-
-    kv_cache: [2, NB, BS, Hkv, D]; table: [max_blocks] int32 (its first ceil(L / BS) are read).
-    masks: the step's additive masks by (Q, L, dtype), built by the first layer that needs one.
-    """
-    num_q, num_q_heads, head_dim = q.shape
-    block_size, num_kv_heads = kv_cache.shape[2], kv_cache.shape[3]
-    g = num_q_heads // num_kv_heads
-    blocks = table[: -(-seq_len // block_size)].to(torch.int64)
-    kv = kv_cache.index_select(1, blocks).flatten(1, 2)[:, :seq_len]  # [2, L, Hkv, D]
-    if kv_scales is not None:
-        kv = torch.stack([dequantize_fp8(kv[i], q.dtype, kv_scales[i]) for i in (0, 1)])
-    k, v = kv.transpose(1, 2).to(q.dtype).unsqueeze(1)  # [1, Hkv, L, D] each
-    context = seq_len - num_q
-    if context == 0:
-        out = F.scaled_dot_product_attention(
-            q.transpose(0, 1).unsqueeze(0), k, v, is_causal=True, scale=scale, enable_gqa=True
-        )  # [1, Hq, Q, D]
-        return out[0].transpose(0, 1)
-    # the G query heads of each KV head folded into the query axis: [1, Hkv, G * Q, D]
-    queries = q.view(num_q, num_kv_heads, g, head_dim).permute(1, 2, 0, 3)
-    queries = queries.reshape(1, num_kv_heads, g * num_q, head_dim)
-    mask = masks.get((num_q, seq_len, q.dtype))
-    if mask is None:
-        # query j (position context + j) sees keys p <= context + j: [1, 1, G * Q, L]
-        hidden = torch.arange(seq_len)[None, :] > (torch.arange(num_q) + context)[:, None]
-        mask = torch.zeros(num_q, seq_len, dtype=q.dtype).masked_fill_(hidden, float("-inf"))
-        mask = mask.repeat(g, 1)[None, None]
-        masks[(num_q, seq_len, q.dtype)] = mask
-    out = F.scaled_dot_product_attention(queries, k, v, attn_mask=mask, scale=scale)
-    # [1, Hkv, G * Q, D] -> [Q, Hq, D]
-    return out.view(num_kv_heads, g, num_q, head_dim).permute(2, 0, 1, 3).reshape(q.shape)
+def _sub_metadata(
+    meta: AttentionMetadata, seqs: list[int]
+) -> tuple[AttentionMetadata, slice | torch.Tensor]:
+    """The metadata of sequences `seqs` alone (their block tables, lengths and slots), and their
+    tokens in the flat batch (a slice when they are contiguous, as the scheduler lays prefills)."""
+    starts = [0]
+    for n in meta.query_lens_cpu:
+        starts.append(starts[-1] + n)
+    query_lens = [meta.query_lens_cpu[i] for i in seqs]
+    seq_lens = [meta.seq_lens_cpu[i] for i in seqs]
+    ranges = [(starts[i], starts[i + 1]) for i in seqs]
+    tokens: slice | torch.Tensor
+    if all(ranges[j][1] == ranges[j + 1][0] for j in range(len(ranges) - 1)):
+        tokens = slice(ranges[0][0], ranges[-1][1])
+    else:
+        tokens = torch.cat([torch.arange(a, b) for a, b in ranges])
+    index = torch.tensor(seqs, dtype=torch.int64)
+    loc = [0]
+    for n in query_lens:
+        loc.append(loc[-1] + n)
+    sub = AttentionMetadata(
+        slot_mapping=meta.slot_mapping[tokens],
+        query_start_loc=torch.tensor(loc, dtype=meta.query_start_loc.dtype),
+        seq_lens=meta.seq_lens.index_select(0, index),
+        block_tables=meta.block_tables.index_select(0, index),
+        query_lens_cpu=query_lens,
+        seq_lens_cpu=seq_lens,
+        max_query_len=max(query_lens),
+        max_seq_len=max(seq_lens),
+    )
+    return sub, tokens
