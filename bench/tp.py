@@ -96,7 +96,8 @@ def run(args: argparse.Namespace) -> int:
             build_random_llama(p, shape)
     info = report.machine_info(1)
     report.print_header("deja bench tp: resident memory per rank", str(path), info)
-    runs, runtime = {}, {}
+    runs: dict[int, Any] = {}
+    runtime: dict[int, Any] = {}
     for n in (1, 2):
         for p, blocks, out in ((path, args.blocks, runs), (tiny, RUNTIME_BLOCKS, runtime)):
             cmd = [sys.executable, "-m", "bench.tp", "--child", str(n), "--path", str(p),
