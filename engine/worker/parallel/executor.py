@@ -149,21 +149,37 @@ class TPExecutor:
         except OSError as e:
             raise RuntimeError(f"a tensor-parallel worker is unreachable: {e!r}") from e
 
-    def _watch(self) -> None:
-        while not self._closing:
-            for rank, proc in enumerate(self.procs, 1):
-                code = proc.poll()
-                if code is None or self._closing:
-                    continue
-                self.failed = (
+    def _dead(self) -> str | None:
+        for rank, proc in enumerate(self.procs, 1):
+            code = proc.poll()
+            if code is not None:
+                return (
                     f"tensor-parallel worker rank {rank} (pid {proc.pid}) exited with code "
                     f"{code}; the engine cannot step without it"
                 )
+        return None
+
+    def _watch(self) -> None:
+        while not self._closing:
+            dead = self._dead()
+            if dead is not None and not self._closing:
+                self.failed = dead
                 log.error("%s", self.failed)
                 if self.on_death is not None:
                     self.on_death(self.failed)
                 return
             time.sleep(WATCH_INTERVAL_S)
+
+    def dead_worker(self, timeout_s: float) -> str | None:
+        """Why a step failed, when a worker died: a collective with a dead peer often fails
+        (connection reset) before the watch thread sees the exit. Waits up to `timeout_s` for an
+        exit; the message, or None when every worker lives."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            dead = self.failed or self._dead()
+            if dead is not None or time.monotonic() >= deadline:
+                return dead
+            time.sleep(WATCH_INTERVAL_S / 4)
 
     def close(self) -> None:
         """Stops the workers (waits briefly, then kills them)."""
