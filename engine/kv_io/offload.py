@@ -311,7 +311,7 @@ def disk_manifest(
     return manifest
 
 
-def stored_kv_scales(disk_dir: str, manifest: dict[str, Any]) -> KVScalesJSON | None:
+def stored_kv_scales(disk_dir: str | Path, manifest: dict[str, Any]) -> KVScalesJSON | None:
     """The scales in `disk_dir`'s manifest when it is `manifest` but for them (same format,
     model, layout and KV dtype), else None: an fp8 engine restarted on its disk tier adopts the
     scales its blocks were written with instead of calibrating new ones."""
@@ -333,6 +333,18 @@ class TPShare:
     kv_heads: int
 
 
+def rank_disk(
+    disk_dir: str, manifest: dict[str, Any], tp: TPShare | None
+) -> tuple[Path, dict[str, Any]]:
+    """(folder, manifest) of this rank's disk files: `disk_dir` itself at N = 1, else
+    `<disk_dir>/tp<N>-rank<r>` with N, the rank and its KV heads in the manifest."""
+    directory = Path(disk_dir).expanduser()
+    if tp is None:
+        return directory, manifest
+    share = {"size": tp.world, "rank": tp.rank, "kv_heads": [tp.first_kv_head, tp.kv_heads]}
+    return directory / f"tp{tp.world}-rank{tp.rank}", {**manifest, "tensor_parallel": share}
+
+
 def open_disk(
     cache: CacheConfig, manifest: dict[str, Any], block_bytes: int, tp: TPShare | None
 ) -> DiskFiles | None:
@@ -340,18 +352,8 @@ def open_disk(
     the folder belongs to another model or layout. The budget `disk_gib` is shared by the N
     ranks' folders (each gets its 1 / N in blocks of rank 0's, the largest, share)."""
     assert cache.disk_dir
-    directory = Path(cache.disk_dir).expanduser()
+    directory, manifest = rank_disk(cache.disk_dir, manifest, tp)
     world = 1 if tp is None else tp.world
-    if tp is not None:
-        directory = directory / f"tp{tp.world}-rank{tp.rank}"
-        manifest = {
-            **manifest,
-            "tensor_parallel": {
-                "size": tp.world,
-                "rank": tp.rank,
-                "kv_heads": [tp.first_kv_head, tp.kv_heads],
-            },
-        }
     capacity = int(cache.disk_gib * 2**30) // (world * (HEADER_BYTES + block_bytes))
     if capacity < 1:
         raise ValueError(f"disk_gib {cache.disk_gib} cannot hold one block of {block_bytes} bytes")

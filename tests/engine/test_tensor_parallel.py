@@ -146,3 +146,33 @@ def test_refuses_shapes_that_do_not_split(
 def test_refuses_other_families_before_starting_workers(tiny_family: Any) -> None:
     with pytest.raises(ValueError, match="not supported with tensor_parallel_size=2"):
         LLM(str(tiny_family("gemma2")), dtype="float32", tensor_parallel_size=2)
+
+
+@pytest.mark.timeout(900)
+def test_two_ranks_fp8_kv_cache(tmp_path: Path) -> None:
+    """fp8_e4m3 KV: the calibration pass runs on both ranks and takes each layer's maximum over
+    them, so the scales are one rank's and the outputs the one-rank fp8 engine's, through the
+    CPU tier (swap preemption) and the disk tier (restart: the scales of rank 0's folder)."""
+    path = build_tiny_llama(
+        tmp_path / "m", hidden_size=96, num_attention_heads=6, num_key_value_heads=3
+    )
+    prompts = shared_prefix_prompts(TOKENIZER_VOCAB_SIZE, 10, 300, seed=3)
+    fp8: dict[str, Any] = dict(dtype="float32", kv_cache_dtype="fp8_e4m3")
+    one = LLM(str(path), **fp8, **CONFIGS["cache-on"])
+    expected = greedy(one, prompts)
+    assert one.engine.kv_scales is not None and one.engine.kv_scales.source == "calibrated"
+    swap = LLM(str(path), tensor_parallel_size=2, **fp8, **CONFIGS["preempt-swap"])
+    assert greedy(swap, prompts) == expected
+    assert swap.engine.kv_scales == one.engine.kv_scales
+    assert swap.engine.get_stats().num_preemptions > 0
+    swap.engine.runner.close()
+    disk = str(tmp_path / "disk")
+    for run in ("write", "restart"):
+        llm = LLM(str(path), tensor_parallel_size=2, num_cpu_blocks=64, disk_dir=disk, **fp8)
+        assert llm.engine.kv_scales is not None
+        assert llm.engine.kv_scales.source == ("calibrated" if run == "write" else "disk")
+        assert greedy(llm, prompts) == expected
+        if run == "restart":
+            disk_tier = next(t for t in llm.engine.get_stats().tiers if t.name == "disk")
+            assert disk_tier.hits > 0
+        assert llm.engine.close(timeout_s=30.0)

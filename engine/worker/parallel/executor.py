@@ -34,6 +34,7 @@ from engine.config import EngineConfig
 from engine.kv.hashing import BlockHash
 from engine.kv.plan import KVPlan
 from engine.kv_io.offload import DiskOp, KVOffload
+from engine.worker.attention.kv_quant import KVScales
 from engine.worker.parallel.group import TPGroup, check_shapes, init_group
 from engine.worker.parallel.step import StepBatch, StepMessage
 from engine.worker.parallel.worker import WorkerSpec
@@ -94,9 +95,6 @@ class TPExecutor:
         world = config.tensor_parallel_size
         cls = get_model_class(hf_config)
         check_shapes(hf_config, world, cls.supports_tensor_parallel, cls.__name__)
-        cc = config.cache
-        if cc.kv_cache_dtype != "auto":
-            raise ValueError("an fp8 KV cache is not built for tensor_parallel_size > 1 yet")
         if device.type == "cuda" and torch.cuda.device_count() < world:
             raise ValueError(
                 f"tensor_parallel_size={world} needs {world} CUDA devices, "
@@ -128,17 +126,28 @@ class TPExecutor:
         """The worker processes' ids (ranks 1..N-1)."""
         return [p.pid for p in self.procs]
 
+    def calibrate(self, prompts: list[list[int]]) -> None:
+        """Starts the fp8 KV-scale calibration pass on the workers (engine/worker/
+        kv_calibration.py); rank 0 then runs its own, and the passes meet in their collectives."""
+        self._send(("calibrate", prompts))
+
     def allocate(
-        self, num_device_blocks: int, num_cpu_blocks: int, offload: KVOffload | None = None
+        self,
+        num_device_blocks: int,
+        num_cpu_blocks: int,
+        offload: KVOffload | None = None,
+        kv_scales: KVScales | None = None,
     ) -> None:
-        """Tells the workers the pool sizes (and rank 0's disk manifest: each worker opens its
-        own folder), waits until every one has loaded, starts watching."""
+        """Tells the workers the pool sizes, the fp8 cache's scales (None: the model's dtype)
+        and rank 0's disk manifest (each worker opens its own folder), waits until every one has
+        loaded, starts watching."""
         manifest = None
         if offload is not None and offload.disk is not None:
             manifest = offload.disk_manifest
             offload.disk.peers_probe = self.probe
             self._disk_ops = offload.disk_ops
-        msg = pickle.dumps(("alloc", num_device_blocks, num_cpu_blocks, manifest))
+        scales = None if kv_scales is None else kv_scales.to_json()
+        msg = pickle.dumps(("alloc", num_device_blocks, num_cpu_blocks, manifest, scales))
         for conn in self.conns:
             conn.send_bytes(msg)
         deadline = time.monotonic() + READY_TIMEOUT_S

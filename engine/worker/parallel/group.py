@@ -39,6 +39,12 @@ class TPGroup:
         """Sums `t` over the ranks, in place (row-parallel outputs, the vocab-parallel embedding)."""
         self.pg.allreduce([t]).wait()
 
+    def all_reduce_max(self, t: torch.Tensor) -> None:
+        """Elementwise maximum over the ranks, in place (fp8 KV-scale calibration)."""
+        opts = dist.AllreduceOptions()
+        opts.reduceOp = dist.ReduceOp(dist.ReduceOp.MAX)
+        self.pg.allreduce([t], opts).wait()
+
     def gather_vocab(self, local: torch.Tensor, vocab_size: int) -> torch.Tensor:
         """local: [rows, this rank's vocab slice] -> [rows, vocab_size] on every rank (all-gather;
         slices are padded to ceil(V / N) columns and the padding cut off)."""

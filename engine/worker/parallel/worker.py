@@ -24,6 +24,8 @@ from engine.config import EngineConfig
 from engine.kv.plan import KVPlan
 from engine.kv_io.offload import KVOffload, TPShare, open_disk
 from engine.worker.attention import AttentionBackend, get_attention_backend
+from engine.worker.attention.kv_quant import FP8_DTYPE, KVScales
+from engine.worker.kv_calibration import calibration_pass
 from engine.worker.model_loader import kv_dims, load_model
 from engine.worker.models.base import CausalLM
 from engine.worker.parallel.group import init_group
@@ -70,15 +72,19 @@ def run_worker(conn: Connection) -> int:
         group = init_group(spec.rank, spec.world, spec.store_path, device)
         backend = get_attention_backend(cfg.attention_backend, device)
         model, hf_config = load_model(cfg.model, device, backend, group)
-        msg = pickle.loads(conn.recv_bytes())
-        if msg[0] != "alloc":
-            return 0
         num_layers, num_kv_heads, head_dim = kv_dims(hf_config)
         first_kv, rank_kv = group.kv_heads(num_kv_heads)
         layer = (cfg.cache.block_size, rank_kv, head_dim)
-        dtype = model.dtype
+        msg = pickle.loads(conn.recv_bytes())
+        if msg[0] == "calibrate":  # fp8: join rank 0's pass (its maximum over the ranks)
+            calibration_pass(model, backend, msg[1], (num_layers, *layer))
+            msg = pickle.loads(conn.recv_bytes())
+        if msg[0] != "alloc":
+            return 0
+        scales = None if msg[4] is None else KVScales.from_json(msg[4], source="rank 0")
+        dtype = model.dtype if scales is None else FP8_DTYPE
         kv_cache = torch.zeros((num_layers, 2, msg[1], *layer), dtype=dtype, device=device)
-        backend.bind_kv_cache(kv_cache, None)
+        backend.bind_kv_cache(kv_cache, scales)
         offload = None
         if msg[2]:
             shape = (num_layers, 2, msg[2], *layer)
