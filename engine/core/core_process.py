@@ -49,6 +49,9 @@ log = logging.getLogger("deja.engine_core")
 
 IDLE_POLL_S = 0.1
 """How long an idle core blocks for a command before checking on its parent."""
+TP_DEATH_WAIT_S = 1.0
+"""After a failed step with tensor parallelism: how long to wait for a worker's exit to name
+it as the cause (a collective with a dead peer can fail before the exit is seen)."""
 PIPE_BYTES = 1 << 20
 """Pipe buffer asked of the kernel (F_SETPIPE_SZ), so a slow reader does not block a step."""
 STATS_INTERVAL_S = 0.05
@@ -239,8 +242,17 @@ def run_engine_core(
     try:
         core.run()
     except BaseException as e:
-        log.exception("engine core step loop failed")
-        core._send(("failed", f"the engine core failed: {type(e).__name__}: {e}"))
+        message = f"{type(e).__name__}: {e}"
+        dead = None
+        if engine.tp is not None:
+            engine.tp.on_death = None  # this thread reports it (below)
+            dead = engine.tp.dead_worker(TP_DEATH_WAIT_S)
+        if dead is not None:  # the step failed in a collective because a worker died
+            log.error("%s (the step failed: %s); the engine core exits", dead, message)
+            message = dead
+        else:
+            log.exception("engine core step loop failed")
+        core._send(("failed", f"the engine core failed: {message}"))
         code = 1
     outputs.close()
     inputs.close()

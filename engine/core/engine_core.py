@@ -40,7 +40,7 @@ from engine.kv.events import (
 from engine.kv.manager import KVCacheManager
 from engine.kv.tiers import TieredCache
 from engine.kv_io.host_memory import HostMemoryTrimmer
-from engine.kv_io.offload import KVOffload, build_tiers, disk_manifest
+from engine.kv_io.offload import KVOffload, TPShare, build_tiers, disk_manifest
 from engine.outputs import RequestOutput, TokenLogprob
 from engine.sample.sampler import Sampler
 from engine.sample.structured.compiler import GrammarCompilerPool
@@ -141,11 +141,13 @@ class EngineCore:
         layer_shape = (cc.block_size, rank_kv_heads, head_dim)
         self.kv_scales: KVScales | None = None
         """Per-layer K and V scales of an fp8 cache (checkpoint, disk manifest or calibrated)."""
+        share = None if group is None else TPShare(0, group.world, *group.kv_heads(num_kv_heads))
         if self.kv_dtype == FP8_DTYPE:
             manifest = disk_manifest(self.model_info, fingerprint, FP8_DTYPE, None)
+            peers = None if self.tp is None else self.tp.calibrate
             self.kv_scales = resolve_kv_scales(
-                KVScaleSources(mc.path, cc.disk_dir, manifest),
-                KVCalibration(self.model, self.backend, self.tokenizer, self.max_model_len),
+                KVScaleSources(mc.path, cc.disk_dir, manifest, share),
+                KVCalibration(self.model, self.backend, self.tokenizer, self.max_model_len, peers),
                 (num_layers, *layer_shape),
             )
         kv_cache = torch.zeros(
@@ -160,12 +162,13 @@ class EngineCore:
             self.block_bytes,
             kv_scales=None if self.kv_scales is None else self.kv_scales.to_json(),
             events=self.kv_events,
+            tp=share,
         )
         if built is not None:
             self.tiers, self.offload = built
         if self.tp is not None:
             cpu_blocks = 0 if self.offload is None else self.offload.cpu_cache.shape[2]
-            self.tp.allocate(num_blocks, cpu_blocks)
+            self.tp.allocate(num_blocks, cpu_blocks, self.offload, self.kv_scales)
         # NOTE: blocks leave a sequence as its window moves on only when every layer slides;
         # swap preemption holds a sequence's whole table in the CPU tier, so it keeps them all.
         window = kv_window(layer_windows(hf_config)) if cc.preemption_mode != "swap" else None

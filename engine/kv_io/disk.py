@@ -19,6 +19,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -127,6 +128,9 @@ class DiskFiles:
         self._max_touched = min(_MAX_TOUCHED, max(1024, 2 * (capacity_blocks or _MAX_TOUCHED)))
         self._to_touch: list[BlockHash] = []
         """Hashes read in this step whose mtime refresh is due (step thread)."""
+        self.peers_probe: Callable[[BlockHash], bool] | None = None
+        """Tensor-parallel rank 0: whether every other rank verified its share of the block
+        (engine/worker/parallel/executor.py); a hit needs all of them."""
 
     @classmethod
     def open(
@@ -184,6 +188,17 @@ class DiskFiles:
         return self._writer.enabled
 
     def probe(self, block_hash: BlockHash) -> bool:
+        if not self._probe(block_hash):
+            return False
+        if self.peers_probe is None or self.peers_probe(block_hash):
+            return True
+        # another rank lacks its share (a refused or failed write, a budget scan): this
+        # share alone is of no use, so it goes too
+        self._buffer.pop(block_hash, None)
+        self.delete(block_hash)
+        return False
+
+    def _probe(self, block_hash: BlockHash) -> bool:
         if block_hash in self._stored:
             return True
         if block_hash in self._buffer:

@@ -9,6 +9,15 @@ copied into its own staging payload (on CUDA: a device gather, then one non-bloc
 pinned host memory whose event the writer thread waits on), queued for the writer thread, and the
 step goes on; it also hands the disk index the files a shared-budget scan deleted, and moves the
 payloads warm start has read so far into free CPU blocks.
+
+Tensor parallelism (N > 1): each rank keeps its own share of every block (its KV heads) in its
+own folder, `<disk_dir>/tp<N>-rank<r>`, whose manifest names N, the rank and its heads, so a
+restart with the same N finds its files and another N (including N = 1, at `<disk_dir>` itself)
+is a clean miss. Rank 0 decides everything, as for the other tiers: it records the writes it
+queued between steps and its deletes (`disk_ops`), which the workers repeat on their shares
+before the next message, and a block is a disk hit only when every rank verified its own file
+(engine/kv_io/disk.py's `peers_probe`): a rank whose write was refused or failed, or whose file
+a budget scan removed, turns the block into a miss instead of a wrong load.
 """
 
 from __future__ import annotations
@@ -65,6 +74,11 @@ class KVOffload:
     _stream: Any = field(default=None, init=False)
     _inflight: list[torch.Tensor] = field(default_factory=list, init=False)
     """Host staging tensors of the last CUDA copies (kept alive until they are done)."""
+    disk_manifest: dict[str, Any] | None = None
+    """The disk folder's manifest without the tensor-parallel share (workers add theirs)."""
+    disk_ops: list[DiskOp] | None = None
+    """Tensor-parallel rank 0: the disk writes queued between steps and the deletes, in order,
+    for the workers to repeat on their shares (None: not recorded)."""
     direct_copies: bool = field(default_factory=kv_cache_direct_copies_available, init=False)
     """CUDA: spills and swap-ins move blocks straight between the pinned CPU tier and the
     device (cuda/tier_copy.py, CuPy); False: gather, staging tensor, scatter (torch only)."""
@@ -127,10 +141,36 @@ class KVOffload:
             self._insert_warm(tiers)
         writes = tiers.take_writes(disk.room(), device_lookup)
         if writes:
-            for h in self._stage(writes, kv_cache):
+            refused = self._stage(writes, kv_cache)
+            for h in refused:
                 tiers.forget_write(h)
-        for h in index.take_deletes():
-            disk.delete(h)
+            if self.disk_ops is not None:
+                gone = set(refused)
+                self.disk_ops += [("dev", b, h) for b, h in writes.from_device if h not in gone]
+                self.disk_ops += [("cpu", c, h) for c, h in writes.from_cpu if h not in gone]
+        self._delete(index.take_deletes())
+
+    def _delete(self, hashes: list[BlockHash]) -> None:
+        assert self.disk is not None
+        for h in hashes:
+            self.disk.delete(h)
+        if self.disk_ops is not None:
+            self.disk_ops += [("del", 0, h) for h in hashes]
+
+    def repeat_disk_ops(self, ops: list[DiskOp], kv_cache: torch.Tensor) -> None:
+        """A tensor-parallel worker: rank 0's writes and deletes, on this rank's share."""
+        if self.disk is None:
+            return
+        writes = DiskWrites()
+        for kind, block, h in ops:
+            if kind == "del":
+                self.disk.delete(h)
+            elif kind == "dev":
+                writes.from_device.append((block, h))
+            else:
+                writes.from_cpu.append((block, h))
+        if writes:
+            self._stage(writes, kv_cache)
 
     def _stage(self, writes: DiskWrites, kv_cache: torch.Tensor) -> list[BlockHash]:
         """Copies the blocks into staging payloads and queues them; returns hashes refused."""
@@ -182,8 +222,7 @@ class KVOffload:
             snap.copy_(self.cpu_cache[:, :, cpu_id])
             self.disk.store(block_hash, snap.view(-1).view(torch.uint8))
         if self.disk_index is not None:
-            for block_hash in self.disk_index.take_deletes():
-                self.disk.delete(block_hash)
+            self._delete(self.disk_index.take_deletes())
 
     def _disk_payloads(self, plan: KVPlan) -> torch.Tensor:
         """[num_layers, 2, n, block_size, Hkv, D] host tensor of the plan's disk loads."""
@@ -240,6 +279,10 @@ class KVOffload:
         compute.wait_event(done)
 
 
+DiskOp = tuple[str, int, BlockHash]
+"""("dev", device block, hash) | ("cpu", CPU block, hash): a write queued from that block;
+("del", 0, hash): a delete."""
+
 KVScalesJSON = dict[str, list[float]]
 """Per-layer K and V scales of an fp8 cache, as the manifest holds them: {"k": [..], "v": [..]}."""
 
@@ -268,7 +311,7 @@ def disk_manifest(
     return manifest
 
 
-def stored_kv_scales(disk_dir: str, manifest: dict[str, Any]) -> KVScalesJSON | None:
+def stored_kv_scales(disk_dir: str | Path, manifest: dict[str, Any]) -> KVScalesJSON | None:
     """The scales in `disk_dir`'s manifest when it is `manifest` but for them (same format,
     model, layout and KV dtype), else None: an fp8 engine restarted on its disk tier adopts the
     scales its blocks were written with instead of calibrating new ones."""
@@ -280,6 +323,51 @@ def stored_kv_scales(disk_dir: str, manifest: dict[str, Any]) -> KVScalesJSON | 
     return scales if found == mine and isinstance(scales, dict) else None
 
 
+@dataclass(frozen=True, slots=True)
+class TPShare:
+    """Which share of every block this rank's tiers hold (tensor parallelism)."""
+
+    rank: int
+    world: int
+    first_kv_head: int
+    kv_heads: int
+
+
+def rank_disk(
+    disk_dir: str, manifest: dict[str, Any], tp: TPShare | None
+) -> tuple[Path, dict[str, Any]]:
+    """(folder, manifest) of this rank's disk files: `disk_dir` itself at N = 1, else
+    `<disk_dir>/tp<N>-rank<r>` with N, the rank and its KV heads in the manifest."""
+    directory = Path(disk_dir).expanduser()
+    if tp is None:
+        return directory, manifest
+    share = {"size": tp.world, "rank": tp.rank, "kv_heads": [tp.first_kv_head, tp.kv_heads]}
+    return directory / f"tp{tp.world}-rank{tp.rank}", {**manifest, "tensor_parallel": share}
+
+
+def open_disk(
+    cache: CacheConfig, manifest: dict[str, Any], block_bytes: int, tp: TPShare | None
+) -> DiskFiles | None:
+    """This rank's disk files (`<disk_dir>/tp<N>-rank<r>` with N > 1), or None (logged) when
+    the folder belongs to another model or layout. The budget `disk_gib` is shared by the N
+    ranks' folders (each gets its 1 / N in blocks of rank 0's, the largest, share)."""
+    assert cache.disk_dir
+    directory, manifest = rank_disk(cache.disk_dir, manifest, tp)
+    world = 1 if tp is None else tp.world
+    capacity = int(cache.disk_gib * 2**30) // (world * (HEADER_BYTES + block_bytes))
+    if capacity < 1:
+        raise ValueError(f"disk_gib {cache.disk_gib} cannot hold one block of {block_bytes} bytes")
+    return DiskFiles.open(
+        directory,
+        manifest,
+        block_bytes,
+        int(cache.disk_read_cache_mib * 2**20),
+        max_queued=cache.disk_write_queue_blocks,
+        write_queue_bytes=int(cache.disk_write_queue_mib * 2**20),
+        capacity_blocks=capacity,
+    )
+
+
 def build_tiers(
     cache: CacheConfig,
     info: ModelInfo,
@@ -289,6 +377,7 @@ def build_tiers(
     *,
     kv_scales: KVScalesJSON | None = None,
     events: KVEventBuffer | None = None,
+    tp: TPShare | None = None,
 ) -> tuple[TieredCache, KVOffload] | None:
     """The CPU tier (and the disk tier when `disk_dir` is set) of one engine, or None when off.
 
@@ -297,7 +386,8 @@ def build_tiers(
     same encoding. `model_fingerprint` (worker/model_loader.py) goes into the disk tier's
     manifest; it is read only when `disk_dir` is set. The tiers are off with prefix caching off
     (nothing would find their blocks) or a CPU tier of 0 blocks; the disk tier is filled from
-    CPU-tier evictions, so it needs the CPU tier.
+    CPU-tier evictions, so it needs the CPU tier. `tp`: rank 0's share with N > 1 (its own
+    disk folder; no warm start: the workers' CPU tiers would not hold the blocks).
     """
     if cache.num_cpu_blocks is not None:
         num_cpu = cache.num_cpu_blocks
@@ -321,31 +411,20 @@ def build_tiers(
     )
     files: DiskFiles | None = None
     index: DiskIndex | None = None
+    manifest: dict[str, Any] | None = None
     if cache.disk_dir:
-        capacity = int(cache.disk_gib * 2**30) // (HEADER_BYTES + block_bytes)
-        if capacity < 1:
-            raise ValueError(
-                f"disk_gib {cache.disk_gib} cannot hold one block of {block_bytes} bytes"
-            )
         manifest = disk_manifest(info, model_fingerprint, kv_cache.dtype, kv_scales)
-        files = DiskFiles.open(
-            cache.disk_dir,
-            manifest,
-            block_bytes,
-            int(cache.disk_read_cache_mib * 2**20),
-            max_queued=cache.disk_write_queue_blocks,
-            write_queue_bytes=int(cache.disk_write_queue_mib * 2**20),
-            capacity_blocks=capacity,
-        )
+        files = open_disk(cache, manifest, block_bytes, tp)
         if files is not None:
-            index = DiskIndex(capacity)
+            assert files.capacity_blocks is not None
+            index = DiskIndex(files.capacity_blocks)
             found = files.scan()
             for block_hash in found:
                 index.add(block_hash)
             for block_hash in index.take_deletes():
                 files.delete(block_hash)
             # most recently used first, so the hottest blocks arrive first
-            n_warm = min(cache.warm_start_blocks, num_cpu, len(index))
+            n_warm = min(cache.warm_start_blocks if tp is None else 0, num_cpu, len(index))
             files.start_warm(list(reversed(index.entries))[:n_warm])
     tiers = TieredCache(
         num_cpu,
@@ -357,4 +436,11 @@ def build_tiers(
         min_hits=cache.disk_write_min_hits,
         events=events,
     )
-    return tiers, KVOffload(cpu_cache, files, index)
+    offload = KVOffload(
+        cpu_cache,
+        files,
+        index,
+        disk_manifest=manifest if files is not None else None,
+        disk_ops=[] if tp is not None and files is not None else None,
+    )
+    return tiers, offload

@@ -11,13 +11,14 @@ The disk tier's stored scales take precedence over a new calibration (engine/kv_
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from engine.kv_io.offload import stored_kv_scales
+from engine.kv_io.offload import TPShare, rank_disk, stored_kv_scales
 from engine.worker.attention.base import AttentionBackend, AttentionMetadata
 from engine.worker.attention.kv_quant import (
     CHECKPOINT_SCALE,
@@ -127,6 +128,9 @@ class KVCalibration:
     backend: AttentionBackend
     tokenizer: Any
     max_model_len: int
+    peers: Callable[[list[list[int]]], None] | None = None
+    """Tensor parallelism: starts the same pass on the other ranks (they join its collectives
+    and the maximum over ranks); called with the prompts' token ids."""
 
 
 @torch.inference_mode()
@@ -137,16 +141,27 @@ def calibrate_kv_scales(run: KVCalibration, kv_shape: tuple[int, int, int, int])
     model's dtype, on its device; the backend's observer is removed afterwards (the caller binds
     the real cache).
     """
-    model, backend, tokenizer = run.model, run.backend, run.tokenizer
-    weight = next(model.parameters())
-    dtype, device = weight.dtype, weight.device
-    max_model_len = run.max_model_len
-    num_layers, block_size, num_kv_heads, head_dim = kv_shape
-    limit = min(MAX_TOKENS_PER_TEXT, max_model_len)
-    prompts = [tokenizer.encode(t, add_special_tokens=False)[:limit] for t in CALIBRATION_TEXTS]
+    limit = min(MAX_TOKENS_PER_TEXT, run.max_model_len)
+    texts = CALIBRATION_TEXTS
+    prompts = [run.tokenizer.encode(t, add_special_tokens=False)[:limit] for t in texts]
     prompts = [p for p in prompts if p]
     if not prompts:
         raise ValueError("the tokenizer gave no tokens for the KV-scale calibration texts")
+    if run.peers is not None:
+        run.peers(prompts)
+    return calibration_pass(run.model, run.backend, prompts, kv_shape)
+
+
+@torch.inference_mode()
+def calibration_pass(
+    model: Any, backend: AttentionBackend, prompts: list[list[int]], kv_shape: tuple[int, ...]
+) -> KVScales:
+    """The forward of `calibrate_kv_scales` over token ids; with a tensor-parallel model every
+    rank runs it (over its own KV heads) and each layer's maximum is taken over the ranks, so
+    every rank gets the scales one rank would."""
+    weight = next(model.parameters())
+    dtype, device = weight.dtype, weight.device
+    num_layers, block_size, num_kv_heads, head_dim = kv_shape
     lengths = [len(p) for p in prompts]
     meta = prefill_meta(lengths, block_size, device)
     num_blocks = sum(-(-n // block_size) for n in lengths)
@@ -169,6 +184,9 @@ def calibrate_kv_scales(run: KVCalibration, kv_shape: tuple[int, int, int, int])
         model(input_ids, positions.to(device), cache, meta)
     finally:
         backend.kv_observer = None
+    tp = getattr(model, "tp", None)
+    if tp is not None:
+        tp.all_reduce_max(amax)
     found = amax.cpu().tolist()  # [num_layers][2]
     return KVScales(
         tuple(pow2_scale(row[0]) for row in found),
@@ -187,6 +205,8 @@ class KVScaleSources:
     """The disk tier's folder (its manifest's `kv_scales`); None: no disk tier."""
     disk_manifest: dict[str, Any]
     """This engine's disk manifest without scales (engine/kv_io/offload.py's disk_manifest)."""
+    tp: TPShare | None = None
+    """Rank 0's share with N > 1: the scales are those of its own folder's blocks."""
 
 
 def resolve_kv_scales(
@@ -200,7 +220,8 @@ def resolve_kv_scales(
     if found is not None:
         return found
     if sources.disk_dir:
-        stored = stored_kv_scales(sources.disk_dir, sources.disk_manifest)
+        folder, manifest = rank_disk(sources.disk_dir, sources.disk_manifest, sources.tp)
+        stored = stored_kv_scales(folder, manifest)
         if stored is not None:
             return KVScales.from_json(stored, source="disk")
     return calibrate_kv_scales(run, kv_shape)

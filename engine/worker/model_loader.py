@@ -20,6 +20,7 @@ from engine.worker.attention.kv_quant import is_kv_scale_name
 from engine.worker.models import get_model_class
 from engine.worker.models.base import CausalLM
 from engine.worker.models.layers.weights import TPSlice, slice_map
+from engine.worker.safetensors_reader import SafetensorsReader
 
 if TYPE_CHECKING:
     from engine.worker.parallel.group import TPGroup
@@ -91,24 +92,19 @@ def iter_weights(
     scales (`layers.N.self_attn.k_scale`, ...) are not weights: kv_calibration.py reads them.
 
     slices (tensor parallelism): name -> the (dim, start, length) part to read of it, None to
-    skip it; names absent are read whole. Only those parts are read from the file."""
-    from safetensors import safe_open
-
+    skip it; names absent are read whole. Only those parts are read from the file (plain reads,
+    no memory map: see safetensors_reader.py)."""
     for file in safetensors_files(path):
-        with safe_open(str(file), framework="pt", device="cpu") as f:
-            for name in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
+        with SafetensorsReader(file) as f:
+            for name in f.names():
                 if is_kv_scale_name(name):
                     continue
                 if slices is None or name not in slices:
-                    yield name, f.get_tensor(name)
+                    yield name, f.get(name)
                     continue
                 part = slices[name]
-                if part is None:
-                    continue
-                dim, start, length = part
-                view = f.get_slice(name)
-                index = (slice(None),) * dim + (slice(start, start + length),)
-                yield name, view[index]
+                if part is not None:
+                    yield name, f.get(name, part)
 
 
 def load_model(

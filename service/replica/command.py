@@ -9,7 +9,7 @@ streams get --grace-period seconds to finish, the rest are aborted, and the disk
 writes are flushed (within the grace period) before exit.
 
 The engine's step loop runs in a process of its own (`--engine-core process`, the default; see
-engine/core/core_process.py); if that process dies, open streams end with INTERNAL, new calls get UNAVAILABLE,
+engine/core/core_process.py); if that process dies, open streams end with UNAVAILABLE (and the engine-dead trailer), new calls get UNAVAILABLE,
 health turns NOT_SERVING and `deja serve` exits with status 1 so an orchestrator restarts it.
 """
 

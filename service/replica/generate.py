@@ -216,6 +216,8 @@ class GenerateRpc(ServicerBase):
             self._engine.check_health()
         except Exception as e:
             await self.engine_failed_now(e)
+        if outcome == "engine_dead":  # the replica cannot serve; the caller may go elsewhere
+            await self._abort(context, grpc.StatusCode.UNAVAILABLE, error, outcome, trailer)
         await self._abort(context, grpc.StatusCode.INTERNAL, error, "internal", trailer)
 
     def _record(self, last: RequestOutput | None, tally: convert.StreamTally) -> None:

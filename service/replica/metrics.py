@@ -31,6 +31,7 @@ OUTCOMES = (
     "rejected_draining",
     "rejected_engine_dead",
     "stream_overflow",
+    "engine_dead",
     "internal",
 )
 """Values of the `outcome` label of deja_requests_total."""

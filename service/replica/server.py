@@ -10,7 +10,7 @@
     per-stream buffer overflow (slow reader)             RESOURCE_EXHAUSTED (request aborted)
     draining                                             UNAVAILABLE
     engine failure                                       INTERNAL, health turns NOT_SERVING
-    engine core died under an open stream                INTERNAL + trailer (common/failover.py)
+    engine core died under an open stream                UNAVAILABLE + trailer (common/failover.py)
 
 Its state and entry checks are in service/replica/servicer_base.py, Generate in
 service/replica/generate.py, the other RPCs in service/replica/admin.py.

@@ -63,7 +63,8 @@ class StreamRecord:
         elif isinstance(e, StreamOverflowError):
             self.outcome, self.error = "stream_overflow", str(e)
         elif isinstance(e, EngineDeadError):
-            self.outcome, self.error = "internal", f"engine failed: {e}"
+            self.outcome = "engine_dead"
+            self.error = f"engine failed: {e}; this replica cannot serve (retry elsewhere)"
             self.trailer = engine_dead_trailer(self.sent)
         else:
             log.exception("request %s failed", self.stream.client_id)

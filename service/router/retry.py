@@ -10,12 +10,14 @@ of the replica are retried, never failures of the request:
                                                        was killed, mid-prefill included), it is
                                                        draining, or its engine core was dead
                                                        when the call arrived
-    INTERNAL + `deja-engine-dead: 0`     engine_dead   the engine core died before the stream
-                                                       sent anything (service/common/failover.py)
+    UNAVAILABLE + `deja-engine-dead: 0`  engine_dead   the engine core died before the stream
+                                                       sent anything (service/common/failover.py;
+                                                       INTERNAL + the trailer from older replicas)
     RESOURCE_EXHAUSTED (queue full)      queue_full    the replica's admission limit
 
-Never retried: INVALID_ARGUMENT, UNAUTHENTICATED, DEADLINE_EXCEEDED, CANCELLED, an INTERNAL
-without the engine-dead trailer (a request that breaks one engine may break the next), and the
+Never retried: an UNAVAILABLE or INTERNAL whose engine-dead trailer says the replica had sent
+messages (whatever the router relayed: the caller may hold text), INVALID_ARGUMENT,
+UNAUTHENTICATED, DEADLINE_EXCEEDED, CANCELLED, an INTERNAL without the engine-dead trailer (a request that breaks one engine may break the next), and the
 RESOURCE_EXHAUSTED that are the request's own fault: gRPC's message size limit, and a stream
 aborted because its reader was too slow. Another replica would refuse those too.
 """
@@ -27,7 +29,7 @@ from typing import Any
 
 import grpc
 
-from service.common.failover import engine_dead_before_output
+from service.common.failover import engine_dead_sent
 
 CALLER_FAULT_EXHAUSTED = ("larger than max", "read the stream too slowly")
 """Details of a RESOURCE_EXHAUSTED that the request caused (gRPC's message size check; the
@@ -42,10 +44,11 @@ def retry_reason(
 ) -> str | None:
     """Why a Generate that failed with `code` before its first message may go to another replica
     (one of RETRY_REASONS); None when it must not."""
+    dead = engine_dead_sent(trailing)
+    if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.INTERNAL) and dead is not None:
+        return "engine_dead" if dead == 0 else None
     if code == grpc.StatusCode.UNAVAILABLE:
         return "unavailable"
-    if code == grpc.StatusCode.INTERNAL and engine_dead_before_output(trailing):
-        return "engine_dead"
     if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
         text = (details or "").lower()
         return None if any(s in text for s in CALLER_FAULT_EXHAUSTED) else "queue_full"

@@ -3,8 +3,8 @@ load): a real round-robin `deja route` in front of two `deja serve` replicas (ti
 separate process.
 
 The router retries a stream on the other replica when the replica's core died before the stream
-sent anything (INTERNAL with the engine-dead trailer, service/failover.py), and never once a
-token was relayed: that stream fails with the replica's INTERNAL.
+sent anything (UNAVAILABLE with the engine-dead trailer, service/common/failover.py), and never
+once a token was relayed: that stream fails with the replica's UNAVAILABLE.
 """
 
 from __future__ import annotations
@@ -125,7 +125,7 @@ async def test_stream_past_its_first_token_is_not_retried(cluster: Cluster) -> N
         with pytest.raises(grpc.aio.AioRpcError) as info:
             while await call.read() is not grpc.aio.EOF:
                 pass
-    assert info.value.code() == grpc.StatusCode.INTERNAL
+    assert info.value.code() == grpc.StatusCode.UNAVAILABLE
     assert "engine" in (info.value.details() or "")
     assert c.retries() == 0
     assert await _active_streams(c.target(other)) == 0
@@ -215,11 +215,9 @@ async def test_kill_under_load_fails_only_streams_that_had_output(
     for o in failed:  # only streams that had streamed fail, with the replica's error
         assert o.messages >= 1
         assert o.error is not None
+        assert o.error.code() == grpc.StatusCode.UNAVAILABLE
         if victim == "engine_core":
-            assert o.error.code() == grpc.StatusCode.INTERNAL
             assert "engine" in (o.error.details() or "")
-        else:
-            assert o.error.code() == grpc.StatusCode.UNAVAILABLE
     for o in outcomes:
         if o.error is None:
             assert o.final is not None and o.final.usage.completion_tokens in (8, 1000)

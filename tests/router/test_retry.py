@@ -34,6 +34,11 @@ def _retry_events(setup: Setup) -> list[dict[str, object]]:
     ("code", "details", "trailer", "reason"),
     [
         (grpc.StatusCode.UNAVAILABLE, "connection refused", (), "unavailable"),
+        (grpc.StatusCode.UNAVAILABLE, "engine failed", engine_dead_trailer(0), "engine_dead"),
+        # the replica had sent messages: never retried, though the status is UNAVAILABLE
+        (grpc.StatusCode.UNAVAILABLE, "engine failed", engine_dead_trailer(2), None),
+        (grpc.StatusCode.UNAVAILABLE, "engine failed", (("deja-engine-dead", "x"),), None),
+        # replicas before UNAVAILABLE: INTERNAL with the same trailer
         (grpc.StatusCode.INTERNAL, "engine failed", engine_dead_trailer(0), "engine_dead"),
         (grpc.StatusCode.INTERNAL, "engine failed", engine_dead_trailer(2), None),
         (grpc.StatusCode.INTERNAL, "engine failed", (), None),
@@ -58,22 +63,22 @@ def test_retry_reason(
 
 async def test_engine_death_before_output_goes_to_another_replica(setup: Setup) -> None:
     dead = setup.replicas[0]
-    dead.fail_before_first = grpc.StatusCode.INTERNAL
+    dead.fail_before_first = grpc.StatusCode.UNAVAILABLE
     dead.fail_trailer = engine_dead_trailer(0)
     finals = [await generate(setup.stub, prompt(i, 0), request_id=f"q{i}") for i in range(3)]
     assert all(f.replica_id != "r0" for f in finals)
     assert _retries(setup, "engine_dead") == len(dead.seen) >= 1
     events = _retry_events(setup)
-    assert events[0] == {"replica_id": "r0", "code": "INTERNAL", "reason": "engine_dead"}
+    assert events[0] == {"replica_id": "r0", "code": "UNAVAILABLE", "reason": "engine_dead"}
 
 
 async def test_engine_death_after_output_reaches_the_caller(setup: Setup) -> None:
     for r in setup.replicas:
-        r.fail_before_first = grpc.StatusCode.INTERNAL
+        r.fail_before_first = grpc.StatusCode.UNAVAILABLE
         r.fail_trailer = engine_dead_trailer(1)
     with pytest.raises(grpc.aio.AioRpcError) as err:
         await generate(setup.stub, prompt(0, 0))
-    assert err.value.code() == grpc.StatusCode.INTERNAL
+    assert err.value.code() == grpc.StatusCode.UNAVAILABLE
     assert sum(len(r.seen) for r in setup.replicas) == 1
     assert not _retry_events(setup)
 

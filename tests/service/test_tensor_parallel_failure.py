@@ -17,6 +17,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from clients.client import DejaClient
 from engine.frontend.core_client import EngineCoreClient
+from service.common.failover import engine_dead_sent
 from service.common.ports import free_port
 from service.common.rpc import SERVICE_NAME
 from tests.service.conftest import StartServer, make_engine
@@ -53,8 +54,10 @@ async def test_killed_worker_turns_not_serving_and_fails_streams(
         with pytest.raises(grpc.aio.AioRpcError) as info:
             async for _ in stream:
                 pass
-        # the existing engine-dead contract (issue 9): INTERNAL with the router's trailer
-        assert info.value.code() == grpc.StatusCode.INTERNAL
+        # the replica cannot serve: UNAVAILABLE, with the router's trailer (a token was sent)
+        assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert "engine" in (info.value.details() or "")
+        assert (engine_dead_sent(info.value.trailing_metadata()) or 0) >= 1
         async with grpc.aio.insecure_channel(h.target) as ch:
             stub = health_pb2_grpc.HealthStub(ch)
 

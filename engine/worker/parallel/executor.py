@@ -31,7 +31,10 @@ from typing import Any
 import torch
 
 from engine.config import EngineConfig
+from engine.kv.hashing import BlockHash
 from engine.kv.plan import KVPlan
+from engine.kv_io.offload import DiskOp, KVOffload
+from engine.worker.attention.kv_quant import KVScales
 from engine.worker.parallel.group import TPGroup, check_shapes, init_group
 from engine.worker.parallel.step import StepBatch, StepMessage
 from engine.worker.parallel.worker import WorkerSpec
@@ -62,13 +65,18 @@ def _spawn(spec: WorkerSpec) -> tuple[subprocess.Popen[bytes], Connection]:
     return proc, conn
 
 
+STOP_WAIT_S = 60.0
+"""How long a stopping worker may take (it flushes its disk tier's queued writes) before it is
+killed."""
+
+
 def _stop(procs: list[subprocess.Popen[bytes]], conns: list[Connection], store_dir: str) -> None:
     for conn in conns:
         with contextlib.suppress(Exception):
             conn.send_bytes(pickle.dumps(("stop",)))
         with contextlib.suppress(Exception):
             conn.close()
-    deadline = time.monotonic() + 5.0
+    deadline = time.monotonic() + STOP_WAIT_S
     for proc in procs:
         try:
             proc.wait(max(0.0, deadline - time.monotonic()))
@@ -87,11 +95,6 @@ class TPExecutor:
         world = config.tensor_parallel_size
         cls = get_model_class(hf_config)
         check_shapes(hf_config, world, cls.supports_tensor_parallel, cls.__name__)
-        cc = config.cache
-        if cc.disk_dir:
-            raise ValueError("the disk tier is not built for tensor_parallel_size > 1 yet")
-        if cc.kv_cache_dtype != "auto":
-            raise ValueError("an fp8 KV cache is not built for tensor_parallel_size > 1 yet")
         if device.type == "cuda" and torch.cuda.device_count() < world:
             raise ValueError(
                 f"tensor_parallel_size={world} needs {world} CUDA devices, "
@@ -115,15 +118,36 @@ class TPExecutor:
             self.procs.append(proc)
             self.conns.append(conn)
         self.group: TPGroup = init_group(0, world, store, device)
+        self._disk_ops: list[DiskOp] | None = None
+        """Rank 0's offload's record of disk writes and deletes (the same list)."""
 
     @property
     def pids(self) -> list[int]:
         """The worker processes' ids (ranks 1..N-1)."""
         return [p.pid for p in self.procs]
 
-    def allocate(self, num_device_blocks: int, num_cpu_blocks: int) -> None:
-        """Tells the workers the pool sizes, waits until every one has loaded, starts watching."""
-        msg = pickle.dumps(("alloc", num_device_blocks, num_cpu_blocks))
+    def calibrate(self, prompts: list[list[int]]) -> None:
+        """Starts the fp8 KV-scale calibration pass on the workers (engine/worker/
+        kv_calibration.py); rank 0 then runs its own, and the passes meet in their collectives."""
+        self._send(("calibrate", prompts))
+
+    def allocate(
+        self,
+        num_device_blocks: int,
+        num_cpu_blocks: int,
+        offload: KVOffload | None = None,
+        kv_scales: KVScales | None = None,
+    ) -> None:
+        """Tells the workers the pool sizes, the fp8 cache's scales (None: the model's dtype)
+        and rank 0's disk manifest (each worker opens its own folder), waits until every one has
+        loaded, starts watching."""
+        manifest = None
+        if offload is not None and offload.disk is not None:
+            manifest = offload.disk_manifest
+            offload.disk.peers_probe = self.probe
+            self._disk_ops = offload.disk_ops
+        scales = None if kv_scales is None else kv_scales.to_json()
+        msg = pickle.dumps(("alloc", num_device_blocks, num_cpu_blocks, manifest, scales))
         for conn in self.conns:
             conn.send_bytes(msg)
         deadline = time.monotonic() + READY_TIMEOUT_S
@@ -140,32 +164,72 @@ class TPExecutor:
 
     def send_step(self, plan: KVPlan, batch: StepBatch | None, logit_rows: list[int]) -> None:
         """Sends one step to every worker (before rank 0's own forward)."""
+        self._send(("step", StepMessage(plan, batch, logit_rows)))
+
+    def _send(self, msg: tuple[Any, ...]) -> None:
+        """To every worker, after the disk writes and deletes recorded since the last message
+        (so a worker repeats them between the same two steps as rank 0)."""
         if self.failed is not None:
             raise RuntimeError(self.failed)
-        msg = pickle.dumps(("step", StepMessage(plan, batch, logit_rows)), pickle.HIGHEST_PROTOCOL)
+        data = [pickle.dumps(msg, pickle.HIGHEST_PROTOCOL)]
+        if self._disk_ops:
+            data.insert(0, pickle.dumps(("disk", list(self._disk_ops))))
+            self._disk_ops.clear()
         try:
             for conn in self.conns:
-                conn.send_bytes(msg)
+                for d in data:
+                    conn.send_bytes(d)
         except OSError as e:
             raise RuntimeError(f"a tensor-parallel worker is unreachable: {e!r}") from e
 
-    def _watch(self) -> None:
-        while not self._closing:
-            for rank, proc in enumerate(self.procs, 1):
-                code = proc.poll()
-                if code is None or self._closing:
-                    continue
-                self.failed = (
+    def probe(self, block_hash: BlockHash) -> bool:
+        """Whether every worker holds its share of the block on disk (verified into its read
+        buffer for this step's load); rank 0's disk files ask before counting a hit."""
+        self._send(("probe", block_hash))
+        found = True
+        for rank, (proc, conn) in enumerate(zip(self.procs, self.conns, strict=True), 1):
+            while not conn.poll(WATCH_INTERVAL_S):
+                if proc.poll() is not None or self.failed is not None:
+                    raise RuntimeError(self.failed or f"tensor-parallel rank {rank} exited")
+            found = pickle.loads(conn.recv_bytes())[1] and found
+        return found
+
+    def _dead(self) -> str | None:
+        for rank, proc in enumerate(self.procs, 1):
+            code = proc.poll()
+            if code is not None:
+                return (
                     f"tensor-parallel worker rank {rank} (pid {proc.pid}) exited with code "
                     f"{code}; the engine cannot step without it"
                 )
+        return None
+
+    def _watch(self) -> None:
+        while not self._closing:
+            dead = self._dead()
+            if dead is not None and not self._closing:
+                self.failed = dead
                 log.error("%s", self.failed)
                 if self.on_death is not None:
                     self.on_death(self.failed)
                 return
             time.sleep(WATCH_INTERVAL_S)
 
+    def dead_worker(self, timeout_s: float) -> str | None:
+        """Why a step failed, when a worker died: a collective with a dead peer often fails
+        (connection reset) before the watch thread sees the exit. Waits up to `timeout_s` for an
+        exit; the message, or None when every worker lives."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            dead = self.failed or self._dead()
+            if dead is not None or time.monotonic() >= deadline:
+                return dead
+            time.sleep(WATCH_INTERVAL_S / 4)
+
     def close(self) -> None:
-        """Stops the workers (waits briefly, then kills them)."""
+        """Stops the workers (they flush their disk writes; killed after STOP_WAIT_S)."""
         self._closing = True
+        if self._disk_ops and self.failed is None:
+            with contextlib.suppress(Exception):
+                self._send(("disk-only",))
         self._finalizer()

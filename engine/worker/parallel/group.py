@@ -5,10 +5,13 @@ The group is a ProcessGroup object of its own over a FileStore, not torch.distri
 group: no process-global state, so one process can build, close and rebuild engines (tests, the
 offline `LLM`) without init_process_group / destroy_process_group pairs.
 
-Head and vocabulary split (Megatron): rank r holds query heads [r * H / N, (r + 1) * H / N); KV
-heads [r * K / N, (r + 1) * K / N) when K >= N, else the one KV head r // (N / K) (replicated on
-N / K ranks, each of which holds exactly the query heads that read it); vocabulary rows
-[r * ceil(V / N), ...), the last rank's slice shorter when N does not divide V.
+Head and vocabulary split (Megatron): when K >= N, the K KV heads are split as evenly as N
+allows, the first K % N ranks holding one more (3 over 2 ranks: [2, 1]), and each rank holds the
+query heads of its KV heads' groups (G = H / K each: [6, 3] for SmolLM2's 9 / 3), so q/k/v and
+o_proj shards may differ in size between ranks. When K < N, rank r holds the one KV head
+r // (N / K), replicated on N / K ranks, and the query heads [r * H / N, (r + 1) * H / N) (each a
+reader of that head). Vocabulary rows [r * ceil(V / N), ...), the last rank's slice shorter when N
+does not divide V; the MLP's intermediate rows are split evenly.
 """
 
 from __future__ import annotations
@@ -36,6 +39,12 @@ class TPGroup:
         """Sums `t` over the ranks, in place (row-parallel outputs, the vocab-parallel embedding)."""
         self.pg.allreduce([t]).wait()
 
+    def all_reduce_max(self, t: torch.Tensor) -> None:
+        """Elementwise maximum over the ranks, in place (fp8 KV-scale calibration)."""
+        opts = dist.AllreduceOptions()
+        opts.reduceOp = dist.ReduceOp(dist.ReduceOp.MAX)
+        self.pg.allreduce([t], opts).wait()
+
     def gather_vocab(self, local: torch.Tensor, vocab_size: int) -> torch.Tensor:
         """local: [rows, this rank's vocab slice] -> [rows, vocab_size] on every rank (all-gather;
         slices are padded to ceil(V / N) columns and the padding cut off)."""
@@ -47,10 +56,9 @@ class TPGroup:
         self.pg.allgather([outs], [local]).wait()
         return torch.cat(outs, dim=-1)[..., :vocab_size]
 
-    def heads(self, num_heads: int) -> tuple[int, int]:
+    def heads(self, num_heads: int, num_kv_heads: int) -> tuple[int, int]:
         """(first query head, query heads) of this rank."""
-        per = num_heads // self.world
-        return self.rank * per, per
+        return q_head_range(num_heads, num_kv_heads, self.rank, self.world)
 
     def kv_heads(self, num_kv_heads: int) -> tuple[int, int]:
         """(first KV head, KV heads) of this rank; one replicated head when K < N."""
@@ -67,10 +75,23 @@ class TPGroup:
 
 
 def kv_head_range(num_kv_heads: int, rank: int, world: int) -> tuple[int, int]:
+    """(first KV head, KV heads): K >= N split as evenly as possible, the first K % N ranks one
+    more; K < N one head per rank, replicated on N / K ranks."""
     if num_kv_heads >= world:
-        per = num_kv_heads // world
-        return rank * per, per
+        per, extra = divmod(num_kv_heads, world)
+        return rank * per + min(rank, extra), per + (rank < extra)
     return rank // (world // num_kv_heads), 1
+
+
+def q_head_range(num_heads: int, num_kv_heads: int, rank: int, world: int) -> tuple[int, int]:
+    """(first query head, query heads): the groups of this rank's KV heads when K >= N, else an
+    even 1 / N of the heads (all of them readers of this rank's replicated KV head)."""
+    if num_kv_heads >= world:
+        group = num_heads // num_kv_heads
+        first, count = kv_head_range(num_kv_heads, rank, world)
+        return first * group, count * group
+    per = num_heads // world
+    return rank * per, per
 
 
 def vocab_rows(vocab_size: int, world: int, rank: int) -> tuple[int, int]:
@@ -90,14 +111,23 @@ def check_shapes(hf_config: Any, world: int, supported: bool, arch: str) -> None
     kv = int(getattr(hf_config, "num_key_value_heads", None) or heads)
     inter = int(hf_config.intermediate_size)
     problems = []
-    if heads % world:
-        problems.append(f"num_attention_heads {heads} is not a multiple of {world}")
-    if kv >= world and kv % world:
-        problems.append(f"num_key_value_heads {kv} is not a multiple of {world}")
+    # K >= N: any K splits (unevenly when N does not divide it), each rank keeping whole groups.
+    # K < N: each KV head is replicated on N / K ranks that share its query heads evenly, which
+    # needs N / K whole and H / N whole (a rank's query heads all read its one KV head).
     if kv < world and world % kv:
-        problems.append(f"{world} is not a multiple of num_key_value_heads {kv}")
+        problems.append(
+            f"{world} ranks cannot replicate num_key_value_heads {kv} evenly "
+            f"({world} is not a multiple of {kv})"
+        )
+    elif kv < world and heads % world:
+        problems.append(
+            f"num_attention_heads {heads} is not a multiple of {world} (with fewer KV heads "
+            f"than ranks each rank holds an equal share of the query heads)"
+        )
     if inter % world:
-        problems.append(f"intermediate_size {inter} is not a multiple of {world}")
+        problems.append(
+            f"intermediate_size {inter} is not a multiple of {world} (the MLP rows split evenly)"
+        )
     if problems:
         raise ValueError(
             f"tensor_parallel_size={world} cannot split this model: " + "; ".join(problems)

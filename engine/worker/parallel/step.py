@@ -5,9 +5,11 @@ batch is a few small integer arrays, so a pipe costs tens of microseconds a step
 fixed shapes, no second collective and no shared-memory bookkeeping; its end-of-file is also how
 a worker learns that the core is gone.
 
-    core -> worker:  ("alloc", num_device_blocks, num_cpu_blocks) | ("step", StepMessage)
-                     | ("stop",)
-    worker -> core:  ("ready",) | ("failed", message)
+    core -> worker:  ("alloc", num_device_blocks, num_cpu_blocks, disk manifest | None)
+                     | ("disk", [DiskOp]) (rank 0's disk writes and deletes, repeated first)
+                     | ("probe", block hash) (answered: does this rank hold its share on disk)
+                     | ("step", StepMessage) | ("disk-only",) | ("stop",)
+    worker -> core:  ("ready",) | ("failed", message) | ("probe", found)
 """
 
 from __future__ import annotations

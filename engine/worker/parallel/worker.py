@@ -22,9 +22,12 @@ import torch
 
 from engine.config import EngineConfig
 from engine.kv.plan import KVPlan
-from engine.kv_io.offload import KVOffload
+from engine.kv_io.offload import KVOffload, TPShare, open_disk
 from engine.worker.attention import AttentionBackend, get_attention_backend
+from engine.worker.attention.kv_quant import FP8_DTYPE, KVScales
+from engine.worker.kv_calibration import calibration_pass
 from engine.worker.model_loader import kv_dims, load_model
+from engine.worker.models.base import CausalLM
 from engine.worker.parallel.group import init_group
 from engine.worker.parallel.step import StepMessage
 
@@ -69,34 +72,74 @@ def run_worker(conn: Connection) -> int:
         group = init_group(spec.rank, spec.world, spec.store_path, device)
         backend = get_attention_backend(cfg.attention_backend, device)
         model, hf_config = load_model(cfg.model, device, backend, group)
+        num_layers, num_kv_heads, head_dim = kv_dims(hf_config)
+        first_kv, rank_kv = group.kv_heads(num_kv_heads)
+        layer = (cfg.cache.block_size, rank_kv, head_dim)
         msg = pickle.loads(conn.recv_bytes())
+        if msg[0] == "calibrate":  # fp8: join rank 0's pass (its maximum over the ranks)
+            calibration_pass(model, backend, msg[1], (num_layers, *layer))
+            msg = pickle.loads(conn.recv_bytes())
         if msg[0] != "alloc":
             return 0
-        num_layers, num_kv_heads, head_dim = kv_dims(hf_config)
-        layer = (cfg.cache.block_size, group.kv_heads(num_kv_heads)[1], head_dim)
-        dtype = model.dtype
+        scales = None if msg[4] is None else KVScales.from_json(msg[4], source="rank 0")
+        dtype = model.dtype if scales is None else FP8_DTYPE
         kv_cache = torch.zeros((num_layers, 2, msg[1], *layer), dtype=dtype, device=device)
-        backend.bind_kv_cache(kv_cache, None)
+        backend.bind_kv_cache(kv_cache, scales)
         offload = None
         if msg[2]:
             shape = (num_layers, 2, msg[2], *layer)
-            offload = KVOffload(torch.zeros(shape, dtype=dtype, pin_memory=kv_cache.is_cuda))
+            cpu = torch.zeros(shape, dtype=dtype, pin_memory=kv_cache.is_cuda)
+            disk = None
+            if msg[3] is not None:  # rank 0's manifest: this rank's folder and share
+                share = TPShare(spec.rank, spec.world, first_kv, rank_kv)
+                block_bytes = cpu[:, :, 0].numel() * cpu.element_size()
+                disk = open_disk(cfg.cache, msg[3], block_bytes, share)
+            offload = KVOffload(cpu, disk)
     except BaseException as e:
         log.exception("tensor-parallel worker failed to start")
         conn.send_bytes(pickle.dumps(("failed", f"rank {spec.rank}: {type(e).__name__}: {e}")))
         return 1
     conn.send_bytes(pickle.dumps(("ready",)))
+    try:
+        _serve(conn, model, kv_cache, offload, backend, device)
+    finally:
+        if offload is not None:
+            offload.close()  # the disk tier's queued writes reach disk
+    return 0
+
+
+def _serve(
+    conn: Connection,
+    model: CausalLM,
+    kv_cache: torch.Tensor,
+    offload: KVOffload | None,
+    backend: AttentionBackend,
+    device: torch.device,
+) -> None:
     with torch.inference_mode():
         while True:
             try:
                 msg = pickle.loads(conn.recv_bytes())
             except (EOFError, OSError):
                 log.warning("the engine core is gone; tensor-parallel worker exiting")
-                return 0
+                return
+            if msg[0] == "disk":  # rank 0's writes and deletes since the last message
+                if offload is not None:
+                    offload.repeat_disk_ops(msg[1], kv_cache)
+                continue
+            if msg[0] == "probe":
+                disk = None if offload is None else offload.disk
+                found = disk is not None and disk.probe(msg[1])
+                conn.send_bytes(pickle.dumps(("probe", found)))
+                continue
+            if msg[0] == "disk-only":
+                continue
             if msg[0] != "step":
-                return 0
+                return
             step: StepMessage = msg[1]
             _apply_plan(step.plan, kv_cache, offload, backend)
+            if offload is not None and offload.disk is not None:
+                offload.disk.end_step()
             if step.batch is None:
                 continue
             input_ids, positions, meta = step.batch.to(device)
@@ -111,7 +154,7 @@ def _apply_plan(
     plan: KVPlan, kv_cache: torch.Tensor, offload: KVOffload | None, backend: AttentionBackend
 ) -> None:
     """The plan's CPU-tier copies and copy-on-write, on this rank's share of each block."""
-    if offload is not None and (plan.spill or plan.swap_in):
+    if offload is not None and (plan.spill or plan.swap_in or plan.disk_store or plan.disk_load):
         offload.apply(plan, kv_cache)
     if plan.cow:
         src = torch.tensor([s for s, _ in plan.cow], dtype=torch.long, device=kv_cache.device)

@@ -68,7 +68,7 @@ class Attention(nn.Module):
         self.num_heads, self.num_kv_heads = spec.num_heads, spec.num_kv_heads
         self.q_start = self.kv_start = 0
         if tp is not None:
-            self.q_start, self.num_heads = tp.heads(spec.num_heads)
+            self.q_start, self.num_heads = tp.heads(spec.num_heads, spec.num_kv_heads)
             self.kv_start, self.num_kv_heads = tp.kv_heads(spec.num_kv_heads)
         self.head_dim = spec.head_dim
         self.q_size = self.num_heads * spec.head_dim

@@ -70,15 +70,17 @@ def pack_linears(model: nn.Module) -> bool:
     Returns False, leaving every layer as it was, where oneDNN cannot pack this dtype on this CPU
     (bf16 without AVX-512 or AVX-NE-CONVERT): plain F.linear then computes the same products.
     """
+    # NOTE: (module, name) pairs, not the children: a list holding every nn.Linear would keep
+    # every unpacked weight alive until the end (the loading peak: packed + unpacked weights).
     linears = [
-        (module, name, child)
+        (module, name)
         for module in model.modules()
         for name, child in module.named_children()
         if isinstance(child, nn.Linear)
     ]
-    for i, (module, name, child) in enumerate(linears):  # one at a time: no second copy
+    for i, (module, name) in enumerate(linears):  # one at a time: each unpacked weight freed
         try:
-            setattr(module, name, PackedLinear(child))
+            setattr(module, name, PackedLinear(getattr(module, name)))
         except RuntimeError:
             if i:
                 raise
