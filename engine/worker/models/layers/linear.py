@@ -25,11 +25,14 @@ class PackedLinear(nn.Module):
     the state dict; load weights before packing.
     """
 
-    def __init__(self, linear: nn.Linear | torch.Tensor, batch_hint: int = 1) -> None:
-        """linear: an nn.Linear, or a bare [out, in] weight (no bias)."""
+    def __init__(self, linear: nn.Linear | torch.Tensor, batch_hint: int | None = None) -> None:
+        """linear: an nn.Linear, or a bare [out, in] weight (no bias). batch_hint: the row count
+        oneDNN lays the weight out for (default: `default_batch_hint` of its dtype)."""
         super().__init__()
         weight = (linear.weight if isinstance(linear, nn.Linear) else linear).detach()
         self.out_features, self.in_features = weight.shape
+        if batch_hint is None:
+            batch_hint = default_batch_hint(weight.dtype)
         self.weight_packed = torch.ops.mkldnn._reorder_linear_weight(
             weight.contiguous(), batch_hint
         )
@@ -47,6 +50,18 @@ class PackedLinear(nn.Module):
             flat, self.weight_packed, self.bias, "none", [], ""
         )  # [bucket, out]
         return out[:rows].view(*x.shape[:-1], self.out_features)
+
+
+def default_batch_hint(dtype: torch.dtype) -> int:
+    """The row count a weight is packed for: 16 in float32, 1 otherwise.
+
+    NOTE: measured on a 2-core Xeon (AVX-512, AMX), torch 2.13: a float32 weight packed for 16
+    rows runs 1.2-1.8x faster than one packed for 1 row at every M from 4 to 64 and as fast or
+    faster at M = 1 (the demo model's down_proj: 217 -> 125 us at one row; a 512 x 1024 expert
+    at 16 rows: 140 -> 86 us). In bfloat16 (AMX / avx512_bf16 kernels) the hint moved nothing
+    consistently, and 1 was best at 64 rows, so it stays 1 there.
+    """
+    return 16 if dtype == torch.float32 else 1
 
 
 def bucket_rows(rows: int) -> int:
