@@ -86,6 +86,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--reps", type=int, default=None, help="repetitions per latency column (default 5)"
     )
     parser.add_argument(
+        "--attention-backend",
+        default="auto",
+        choices=("auto", "torch", "cpu"),
+        help="deja's attention backend (auto: the C++ CPU kernel where it builds)",
+    )
+    parser.add_argument(
         "--vllm-python",
         default=None,
         metavar="PATH",
@@ -150,7 +156,7 @@ def make_job(model_path: str, args: argparse.Namespace) -> dict[str, Any]:
 def deja_generate(model_path: str, args: argparse.Namespace) -> Generate:
     from engine import SamplingParams
 
-    llm = common.our_llm(model_path, args)
+    llm = common.our_llm(model_path, args, attention_backend=args.attention_backend)
 
     def generate(prompts: Any, max_tokens: Any) -> list[list[int]]:
         params = [
@@ -204,7 +210,7 @@ def check_agreement(model_path: str, args: argparse.Namespace, count: int) -> di
             )[0, len(p) :]
             theirs.append([int(t) for t in row])
     del hf
-    llm = common.our_llm(model_path, args)
+    llm = common.our_llm(model_path, args, attention_backend=args.attention_backend)
     greedy = SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
     ours = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, greedy)]
     free = sum(a == b for o, t in zip(ours, theirs, strict=True) for a, b in zip(o, t, strict=True))
