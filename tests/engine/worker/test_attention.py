@@ -10,6 +10,7 @@ import torch
 
 from bench.tiny_models import make_attention_metadata
 from engine.worker.attention import TorchAttentionBackend, get_attention_backend
+from engine.worker.attention.base import AttentionMetadata
 
 torch.set_num_threads(2)
 
@@ -29,6 +30,31 @@ def _random_tables(
         tables.append(ids[at : at + n])
         at += n
     return tables, num_blocks
+
+
+def random_step(
+    key: str,
+    context_lens: list[int],
+    query_lens: list[int],
+    padding: int,
+    heads: tuple[int, int],
+    block_size: int,
+    head_dim: int,
+) -> tuple[
+    AttentionMetadata, list[list[int]], torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor
+]:
+    """A random step seeded by `key`: (metadata, block tables, q, k, v, cache) in float32, the
+    cache [2, num_blocks, block_size, Hkv, D] holding random values in every slot."""
+    rng = random.Random(key)
+    gen = torch.Generator().manual_seed(rng.randrange(1 << 30))
+    seq_lens = [c + q for c, q in zip(context_lens, query_lens, strict=True)]
+    tables, num_blocks = _random_tables(rng, seq_lens, block_size)
+    meta, _ = make_attention_metadata(context_lens, query_lens, tables, block_size, padding)
+    num_tokens = sum(query_lens) + padding
+    hq, hkv = heads
+    q, k, v = (torch.randn(num_tokens, h, head_dim, generator=gen) for h in (hq, hkv, hkv))
+    cache = torch.randn(2, num_blocks, block_size, hkv, head_dim, generator=gen)
+    return meta, tables, q, k, v, cache
 
 
 def _reference(
@@ -97,18 +123,16 @@ def test_torch_backend_matches_reference(
     heads: tuple[int, int], block_size: int, case: str
 ) -> None:
     context_lens, query_lens, padding = CASES[case]
-    num_q_heads, num_kv_heads = heads
-    rng = random.Random(f"{case}-{block_size}-{heads}")
-    gen = torch.Generator().manual_seed(rng.randrange(1 << 30))
-    seq_lens = [c + q for c, q in zip(context_lens, query_lens, strict=True)]
-    tables, num_blocks = _random_tables(rng, seq_lens, block_size)
-    meta, _ = make_attention_metadata(context_lens, query_lens, tables, block_size, padding)
-    num_tokens = sum(query_lens) + padding
-    q = torch.randn(num_tokens, num_q_heads, HEAD_DIM, generator=gen)
-    k = torch.randn(num_tokens, num_kv_heads, HEAD_DIM, generator=gen)
-    v = torch.randn(num_tokens, num_kv_heads, HEAD_DIM, generator=gen)
     # context K/V (and every other slot) hold random values before the step
-    cache = torch.randn(2, num_blocks, block_size, num_kv_heads, HEAD_DIM, generator=gen)
+    meta, tables, q, k, v, cache = random_step(
+        f"{case}-{block_size}-{heads}",
+        context_lens,
+        query_lens,
+        padding,
+        heads,
+        block_size,
+        HEAD_DIM,
+    )
     scale = HEAD_DIM**-0.5
 
     want_out, want_cache = _reference(

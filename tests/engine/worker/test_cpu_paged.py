@@ -9,12 +9,10 @@ built (no compiler): the engine then runs the torch backend.
 from __future__ import annotations
 
 import logging
-import random
 
 import pytest
 import torch
 
-from bench.tiny_models import make_attention_metadata
 from engine.worker.attention import (
     AttentionBackend,
     AttentionMetadata,
@@ -25,7 +23,7 @@ from engine.worker.attention.cpu_kernel import load_kernel
 from engine.worker.attention.cpu_paged import CpuPagedAttentionBackend
 from engine.worker.attention.kv_quant import FP8_DTYPE, KVScales
 from engine.worker.attention.torch_ref import TorchAttentionBackend
-from tests.engine.worker.test_attention import _random_tables
+from tests.engine.worker.test_attention import random_step
 
 torch.set_num_threads(2)
 
@@ -49,17 +47,11 @@ def _batch(
     case: str, heads: tuple[int, int], block_size: int, head_dim: int, dtype: torch.dtype
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, AttentionMetadata]:
     context_lens, query_lens, padding = CASES[case]
-    rng = random.Random(f"{case}-{heads}-{block_size}-{head_dim}")
-    gen = torch.Generator().manual_seed(rng.randrange(1 << 30))
-    seq_lens = [c + q for c, q in zip(context_lens, query_lens, strict=True)]
-    tables, num_blocks = _random_tables(rng, seq_lens, block_size)
-    meta, _ = make_attention_metadata(context_lens, query_lens, tables, block_size, padding)
-    num_tokens = sum(query_lens) + padding
-    hq, hkv = heads
-    q, k, v = (
-        torch.randn(num_tokens, h, head_dim, generator=gen).to(dtype) for h in (hq, hkv, hkv)
+    key = f"{case}-{heads}-{block_size}-{head_dim}"
+    meta, _, q, k, v, cache = random_step(
+        key, context_lens, query_lens, padding, heads, block_size, head_dim
     )
-    cache = torch.randn(2, num_blocks, block_size, hkv, head_dim, generator=gen).to(dtype)
+    q, k, v, cache = (t.to(dtype) for t in (q, k, v, cache))
     return q, k, v, cache, meta
 
 
