@@ -4,11 +4,12 @@ Builds once (in the cache dir) a small random Qwen3-MoE (8 experts, top-2) and a
 with the same active parameters per token: the same attention, and a dense MLP as wide as the
 two experts a token runs (2 x the expert width). Then, in one run:
   1. a decode step at batch 64 (`deja bench step`'s measurement: 64 sequences of 32-token
-     prompts, pure-decode steps timed one by one): MoE step ms / dense step ms, target <= 1.5x;
+     prompts, pure-decode steps timed one by one, the two models' steps alternated in rounds):
+     median MoE step ms / median dense step ms, target <= 1.5x;
   2. offline throughput on the MoE: our engine against transformers `generate` (static batches)
      on the same requests, target >= 2x; greedy outputs are checked for parity on a few.
 
-    deja bench moe [--steps 32] [--num-requests 32] [--quick] [--dtype float32]
+    deja bench moe [--steps 32] [--rounds 4] [--num-requests 32] [--quick] [--dtype float32]
 """
 
 from __future__ import annotations
@@ -36,7 +37,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.set_defaults(model="moe")
     parser.add_argument("--batch", type=int, default=64, help="decode batch size")
     parser.add_argument("--steps", type=int, default=32, help="timed decode steps")
-    parser.add_argument("--warmup", type=int, default=4, help="decode steps before timing")
+    parser.add_argument("--warmup", type=int, default=8, help="decode steps before timing")
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=4,
+        help="MoE and dense timed steps alternated in this many rounds",
+    )
     parser.add_argument("--prompt-len", type=int, default=32, help="prompt tokens per request")
     parser.add_argument("--batch-size", type=int, default=8, help="transformers' static batch")
     common.add_num_requests_argument(parser, full=32, quick=8)
@@ -57,11 +64,26 @@ def build_models(cache: Path) -> tuple[str, str]:
     return str(moe), str(dense)
 
 
-def decode_step_ms(model_path: str, args: argparse.Namespace) -> dict[str, float]:
-    from bench.step import measure_batch
+def decode_step_ms(paths: dict[str, str], args: argparse.Namespace) -> dict[str, dict[str, float]]:
+    """{name: {"step": median step ms, "forward": mean forward ms}} at batch `args.batch`, the
+    models' timed steps alternated in `args.rounds` rounds (both engines built and warmed first),
+    so a slow spell of a shared machine falls on both alike."""
+    from bench.step import StepProbe
 
     step_args = argparse.Namespace(**{**vars(args), "device": "cpu", "attention_backend": "torch"})
-    return measure_batch(model_path, step_args, args.batch)["ms"]
+    rounds = max(1, min(args.rounds, args.steps))
+    probes = {
+        name: StepProbe(path, step_args, args.batch, args.steps) for name, path in paths.items()
+    }
+    for r in range(rounds):
+        count = args.steps // rounds + (r < args.steps % rounds)
+        for probe in probes.values():
+            probe.time_steps(count)
+    out = {}
+    for name, probe in probes.items():
+        probe.close()
+        out[name] = {"step": probe.median_ms("step"), "forward": probe.mean_ms()["forward"]}
+    return out
 
 
 def offline(model_path: str, args: argparse.Namespace) -> dict[str, Any]:
@@ -96,15 +118,15 @@ def run(args: argparse.Namespace) -> int:
     info = report.machine_info(args.threads)
     report.print_header("deja bench moe: batched experts vs dense and transformers", moe, info)
     if args.quick:
-        args.steps, args.warmup = 4, 1
+        args.steps, args.warmup, args.rounds = 8, 4, 2
     print(
         f"MoE: {EXPERTS} experts, top-{TOP_K}, expert width {EXPERT_WIDTH}; dense: MLP width "
         f"{TOP_K * EXPERT_WIDTH} (same active parameters); {SHAPE}; {args.dtype}"
     )
     sys.stdout.flush()
-    step = {name: decode_step_ms(path, args) for name, path in (("moe", moe), ("dense", dense))}
+    step = decode_step_ms({"moe": moe, "dense": dense}, args)
     report.print_table(
-        ["model", f"decode step ms (batch {args.batch})", "forward ms"],
+        ["model", f"decode step ms (batch {args.batch}, median)", "forward ms (mean)"],
         [(name, ms["step"], ms["forward"]) for name, ms in step.items()],
         digits=3,
     )

@@ -120,52 +120,80 @@ def _instrument(engine: Any, clock: _PhaseClock) -> None:
     clock.wrap(runner, "sampler", "sample")
 
 
+class StepProbe:
+    """One engine with `batch` requests prefilled and warmed up, whose pure-decode steps can be
+    timed phase by phase in rounds (so two engines' steps can be alternated in one run)."""
+
+    def __init__(self, model_path: str, args: argparse.Namespace, batch: int, steps: int) -> None:
+        """steps: how many decode steps `time_steps` will be asked for in all."""
+        from engine import SamplingParams
+
+        block_size = 16
+        per_seq_blocks = -(-(args.prompt_len + args.warmup + steps + 2) // block_size)
+        llm = common.our_llm(
+            model_path,
+            args,
+            device=args.device,
+            attention_backend=args.attention_backend,
+            max_num_seqs=batch,
+            num_device_blocks=batch * per_seq_blocks + 8,
+            block_size=block_size,
+        )
+        self.batch = batch
+        self.engine = engine = llm.engine
+        rng = random.Random(args.seed)
+        ids, _ = common.allowed_token_ids(model_path)
+        params = SamplingParams(
+            temperature=0.0, max_tokens=args.warmup + steps + 2, ignore_eos=True
+        )
+        for _ in range(batch):
+            engine.add_request(common.random_prompt(rng, ids, args.prompt_len), params)
+        while any(not r.seqs or not r.seqs[0].output_token_ids for r in engine.requests.values()):
+            engine.step()  # prefill
+        for _ in range(args.warmup):
+            engine.step()
+        self.clock = _PhaseClock(cuda=engine.device.type == "cuda")
+        _instrument(engine, self.clock)
+        self.samples: list[dict[str, float]] = []
+        """Seconds per phase (plus "step" and "device") of every timed step so far."""
+
+    def time_steps(self, count: int) -> None:
+        """Times `count` more decode steps into `samples`."""
+        for _ in range(count):
+            start = time.perf_counter()
+            self.engine.step()
+            step_s = time.perf_counter() - start
+            phases, device_s = self.clock.take()
+            phases["output"] = step_s - sum(phases.values())
+            self.samples.append({**phases, "step": step_s, "device": device_s})
+
+    def close(self) -> None:
+        while self.engine.has_unfinished_requests():
+            self.engine.step()
+        self.engine.close()
+
+    def mean_ms(self) -> dict[str, float]:
+        """Mean milliseconds per phase over the timed steps, plus "host" (step - forward)."""
+        ms = {
+            name: 1000 * sum(s[name] for s in self.samples) / len(self.samples)
+            for name in (*PHASES, "step", "device")
+        }
+        ms["host"] = ms["step"] - ms["forward"]
+        return ms
+
+    def median_ms(self, name: str) -> float:
+        """The median over the timed steps of one phase (or "step"), in milliseconds."""
+        values = sorted(s[name] for s in self.samples)
+        mid = len(values) // 2
+        return 500 * (values[mid] + values[~mid])
+
+
 def measure_batch(model_path: str, args: argparse.Namespace, batch: int) -> dict[str, Any]:
     """Mean milliseconds per phase over `args.steps` decode steps of `batch` sequences."""
-    from engine import SamplingParams
-
-    block_size = 16
-    per_seq_blocks = -(-(args.prompt_len + args.warmup + args.steps + 2) // block_size)
-    llm = common.our_llm(
-        model_path,
-        args,
-        device=args.device,
-        attention_backend=args.attention_backend,
-        max_num_seqs=batch,
-        num_device_blocks=batch * per_seq_blocks + 8,
-        block_size=block_size,
-    )
-    engine = llm.engine
-    rng = random.Random(args.seed)
-    ids, _ = common.allowed_token_ids(model_path)
-    params = SamplingParams(
-        temperature=0.0, max_tokens=args.warmup + args.steps + 2, ignore_eos=True
-    )
-    for _ in range(batch):
-        engine.add_request(common.random_prompt(rng, ids, args.prompt_len), params)
-    while any(not r.seqs or not r.seqs[0].output_token_ids for r in engine.requests.values()):
-        engine.step()  # prefill
-    for _ in range(args.warmup):
-        engine.step()
-    clock = _PhaseClock(cuda=engine.device.type == "cuda")
-    _instrument(engine, clock)
-    sums = dict.fromkeys((*PHASES, "step", "device"), 0.0)
-    for _ in range(args.steps):
-        start = time.perf_counter()
-        engine.step()
-        step_s = time.perf_counter() - start
-        phases, device_s = clock.take()
-        phases["output"] = step_s - sum(phases.values())
-        for name, value in phases.items():
-            sums[name] += value
-        sums["step"] += step_s
-        sums["device"] += device_s
-    while engine.has_unfinished_requests():
-        engine.step()
-    engine.close()
-    ms = {name: 1000 * value / args.steps for name, value in sums.items()}
-    ms["host"] = ms["step"] - ms["forward"]
-    return {"batch": batch, "ms": ms, "cuda": clock.cuda}
+    probe = StepProbe(model_path, args, batch, args.steps)
+    probe.time_steps(args.steps)
+    probe.close()
+    return {"batch": batch, "ms": probe.mean_ms(), "cuda": probe.clock.cuda}
 
 
 def _row(r: dict[str, Any]) -> list[Any]:

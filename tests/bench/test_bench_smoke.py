@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from bench import common, offline, peer, prefix, step
+from bench import common, moe, offline, peer, prefix, step
 
 
 def _run_quick(
@@ -65,6 +65,30 @@ def test_step_quick(
         assert abs(phases - ms["step"]) < 1e-6 * max(1.0, ms["step"])
         assert ms["forward"] > 0 and ms["schedule"] > 0 and ms["prepare"] > 0 and ms["sample"] > 0
         assert ms["host"] == ms["step"] - ms["forward"]
+
+
+def test_moe_step_alternates_rounds(tiny_llama_path: Path) -> None:
+    """`deja bench moe` times its two models' decode steps alternately, in rounds, and reports the
+    median step: each model gets every one of its steps, split over the rounds."""
+    args = common.parse_args(
+        moe.add_arguments,
+        ["--batch", "3", "--steps", "5", "--rounds", "2", "--warmup", "1"],
+    )
+    probes: list[Any] = []
+    original = step.StepProbe.time_steps
+
+    def record(self: Any, count: int) -> None:
+        probes.append((id(self), count))
+        original(self, count)
+
+    path = str(tiny_llama_path)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(step.StepProbe, "time_steps", record)
+        result = moe.decode_step_ms({"a": path, "b": path}, args)
+    assert [count for _, count in probes] == [3, 3, 2, 2]
+    assert probes[0][0] != probes[1][0] and probes[0][0] == probes[2][0]  # a, b, a, b
+    for ms in result.values():
+        assert ms["step"] > 0 and ms["forward"] > 0
 
 
 def test_peer_quick(

@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.worker.models.layers.linear import PackedLinear, new_linear
+from engine.worker.models.layers.linear import PackedLinear, bucket_rows, new_linear
 from engine.worker.models.layers.mlp import activation
 from engine.worker.models.layers.weights import Shard
 
@@ -93,20 +93,54 @@ class Experts(nn.Module):
             h = torch._grouped_mm(x, self.gate_up_proj.transpose(1, 2), offs=offs)  # [N, 2I]
             gate, up = h.chunk(2, dim=-1)
             return torch._grouped_mm(self.act(gate) * up, self.down_proj.transpose(1, 2), offs=offs)
+        if self.packed is not None:
+            return self._packed_forward(x, counts)
         out = torch.empty_like(x)
         start = 0
         for e, n in enumerate(counts.tolist()):  # one host sync; idle experts are skipped
-            if n == 0:
-                continue
-            rows = x[start : start + n]  # [n, H]
-            if self.packed is not None:
-                gate, up = self.packed[2 * e](rows).chunk(2, dim=-1)  # [n, I] each
-                out[start : start + n] = self.packed[2 * e + 1](self.act(gate) * up)
-            else:
-                gate, up = F.linear(rows, self.gate_up_proj[e]).chunk(2, dim=-1)
+            if n:
+                gate, up = F.linear(x[start : start + n], self.gate_up_proj[e]).chunk(2, dim=-1)
                 out[start : start + n] = F.linear(self.act(gate) * up, self.down_proj[e])
-            start += n
+                start += n
         return out
+
+    def _packed_forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """The CPU path: x padded once so that every active expert's run is a whole row bucket
+        (`bucket_rows`, which bounds oneDNN's kernel cache), one packed GEMM per active expert and
+        projection, the activation once over all rows between the two rounds."""
+        assert self.packed is not None
+        runs = [(e, n, bucket_rows(n)) for e, n in enumerate(counts.tolist()) if n]  # host sync
+        width = x.shape[1]
+        if any(n != b for _, n, b in runs):
+            padded = x.new_zeros(sum(b for _, _, b in runs), width)  # [P, H]
+            src = dst = 0
+            for _, n, b in runs:
+                padded[dst : dst + n] = x[src : src + n]
+                src, dst = src + n, dst + b
+            x = padded
+        linear = torch.ops.mkldnn._linear_pointwise
+        gate_up, start = [], 0
+        for e, _, b in runs:  # [b, 2I] per expert
+            gate_up.append(
+                linear(x[start : start + b], self.packed[2 * e].weight_packed, None, "none", [], "")
+            )
+            start += b
+        gate, up = torch.cat(gate_up).chunk(2, dim=-1)  # [P, I] each
+        hidden = self.act(gate) * up  # [P, I]
+        down, start = [], 0
+        for e, n, b in runs:  # [n, H] per expert, padding rows dropped
+            down.append(
+                linear(
+                    hidden[start : start + b],
+                    self.packed[2 * e + 1].weight_packed,
+                    None,
+                    "none",
+                    [],
+                    "",
+                )[:n]
+            )
+            start += b
+        return torch.cat(down)
 
 
 class SparseMoE(nn.Module):
@@ -129,21 +163,20 @@ class SparseMoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         t, k = x.shape[0], self.spec.top_k
         weights, ids = self.route(x)
+        # each token's k choices in ascending expert order: the reference adds them up that way
+        ids, choice = ids.sort(dim=1)  # [T, k]
+        weights = weights.gather(1, choice)  # [T, k]
         flat = ids.reshape(-1)  # [T * k] expert of each (token, choice) pair
         order = flat.argsort(stable=True)  # [T * k] pairs grouped by expert
         counts = torch.bincount(flat, minlength=self.spec.num_experts)  # [E]
         out = self.experts(x.index_select(0, order // k), counts)  # [T * k, H] sorted pairs
-        w = weights.reshape(-1)[order, None]  # [T * k, 1]
+        pairs = torch.empty_like(out).index_copy_(0, order, out).view(t, k, -1)  # [T, k, H]
+        w = weights.unsqueeze(-1)  # [T, k, 1]
         if self.spec.weights_in_model_dtype:
-            out = out * w.to(x.dtype)
+            pairs = pairs * w.to(x.dtype)
         else:
-            out = (out * w).to(x.dtype)
-        # each token's k rows, in the sorted list's order (ascending expert: stable sort, distinct
-        # ids), then summed left to right: the reference's index_add_ over experts in order
-        where = torch.empty_like(order)
-        where[order] = torch.arange(order.numel(), device=order.device)  # pair -> sorted row
-        rows = out.index_select(0, where.view(t, k).sort(dim=1).values.reshape(-1)).view(t, k, -1)
-        acc = rows[:, 0]
+            pairs = (pairs * w).to(x.dtype)
+        acc = pairs[:, 0]
         for j in range(1, k):  # k is the routing fan-out (2-8), not a loop over tokens
-            acc = acc + rows[:, j]
+            acc = acc + pairs[:, j]  # left to right: the reference's index_add_ over experts
         return acc  # [T, H]
