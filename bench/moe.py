@@ -70,7 +70,7 @@ def decode_step_ms(paths: dict[str, str], args: argparse.Namespace) -> dict[str,
     so a slow spell of a shared machine falls on both alike."""
     from bench.step import StepProbe
 
-    step_args = argparse.Namespace(**{**vars(args), "device": "cpu", "attention_backend": "torch"})
+    step_args = argparse.Namespace(**{**vars(args), "device": "cpu", "attention_backend": "auto"})
     rounds = max(1, min(args.rounds, args.steps))
     probes = {
         name: StepProbe(path, step_args, args.batch, args.steps) for name, path in paths.items()

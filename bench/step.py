@@ -41,7 +41,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prompt-len", type=int, default=32, help="prompt tokens per request")
     parser.add_argument("--device", default="cpu", help="cpu, cuda or auto")
     parser.add_argument(
-        "--attention-backend", default="torch", help="torch (reference) or cupy (CUDA kernels)"
+        "--attention-backend",
+        default="auto",
+        help="auto (the engine's default: the C++ kernel on a CPU, cupy on a GPU), torch (reference),"
+        " cpu or cupy",
     )
 
 

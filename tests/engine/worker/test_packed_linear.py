@@ -6,7 +6,12 @@ import pytest
 import torch
 from torch import nn
 
-from engine.worker.models.layers.linear import PackedLinear, bucket_rows
+from engine.worker.models.layers.linear import (
+    PackedLinear,
+    bucket_rows,
+    pack_linears,
+    worth_packing,
+)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -48,3 +53,18 @@ def test_bucket_rows_bounds_shapes_and_waste() -> None:
     assert all(b <= m * 1.125 for m, b in zip(range(1, 4097), buckets, strict=True))
     assert buckets == sorted(buckets)
     assert len(set(buckets)) <= 100
+
+
+def test_pack_linears_leaves_small_float32_weights_plain() -> None:
+    """A small float32 weight stays nn.Linear (F.linear's sgemm beats oneDNN's per-call cost);
+    a large one is packed; both still compute what they computed before."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 192), nn.Linear(192, 512))  # 12,288 / 98,304 elements
+    x = torch.randn(3, 64)
+    with torch.no_grad():
+        want = model(x)
+        assert pack_linears(model)
+        assert type(model[0]) is nn.Linear and not worth_packing(model[0].weight)
+        assert isinstance(model[1], PackedLinear)
+        torch.testing.assert_close(model(x), want, atol=1e-5, rtol=1e-5)
+    assert worth_packing(torch.empty(192, 64, dtype=torch.bfloat16))

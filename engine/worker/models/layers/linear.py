@@ -78,9 +78,26 @@ def bucket_rows(rows: int) -> int:
     return -(-rows // step) * step
 
 
+SMALL_FLOAT32_WEIGHT = 1 << 16
+"""Float32 weights with fewer elements than this stay plain nn.Linear (see `worth_packing`)."""
+
+
+def worth_packing(weight: torch.Tensor) -> bool:
+    """Whether a PackedLinear beats F.linear on this weight: every weight but a small float32 one.
+
+    NOTE: oneDNN's packed linear costs ~20-25 us a call whatever the shape, where F.linear on a
+    small float32 weight goes to MKL's sgemm in ~3 us (2-core AMD EPYC, torch 2.13: 192 x 64 at
+    one row 3.5 vs 28 us, at 16 rows 9 vs 29 us; at 256 rows within 25% either way). Small
+    weights are the tiny test models' layers and the MoE router gate ([experts, hidden]). In
+    bfloat16 F.linear goes through oneDNN too (~18 us), so every bf16 weight is packed.
+    """
+    return not (weight.dtype == torch.float32 and weight.numel() < SMALL_FLOAT32_WEIGHT)
+
+
 def pack_linears(model: nn.Module) -> bool:
-    """Replaces every nn.Linear under `model` by its PackedLinear (CPU only, after loading), and
-    lets every module with a `pack_for_cpu()` method (e.g. the experts) pack its own weights.
+    """Replaces every nn.Linear under `model` that is `worth_packing` by its PackedLinear (CPU
+    only, after loading), and lets every module with a `pack_for_cpu()` method (e.g. the experts)
+    pack its own weights.
 
     Returns False, leaving every layer as it was, where oneDNN cannot pack this dtype on this CPU
     (bf16 without AVX-512 or AVX-NE-CONVERT): plain F.linear then computes the same products.
@@ -91,7 +108,7 @@ def pack_linears(model: nn.Module) -> bool:
         (module, name)
         for module in model.modules()
         for name, child in module.named_children()
-        if isinstance(child, nn.Linear)
+        if isinstance(child, nn.Linear) and worth_packing(child.weight)
     ]
     for i, (module, name) in enumerate(linears):  # one at a time: each unpacked weight freed
         try:
