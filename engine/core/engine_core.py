@@ -375,21 +375,20 @@ class EngineCore:
         finally:
             self.kv.end_step()
         now = time.monotonic()
-        if sched.scheduled:
-            decodes = sum(1 for item in sched.scheduled if item.start >= item.seq.num_prompt_tokens)
-            prefill = sum(
-                item.num_new_tokens
-                for item in sched.scheduled
-                if item.start < item.seq.num_prompt_tokens
-            )
-            self.step_rates.observe(prefill, decodes, now - scheduled_at, now)
+        decodes = prefill = 0
         for item in sched.scheduled:
             seq = item.seq
+            if item.start >= len(seq.request.prompt_token_ids):
+                decodes += 1
+            else:
+                prefill += item.num_new_tokens
             seq.num_computed_tokens += item.num_new_tokens
             self.kv.cache_blocks(seq)
             m = seq.request.metrics
             if m.first_scheduled is None:
                 m.first_scheduled = scheduled_at
+        if sched.scheduled:
+            self.step_rates.observe(prefill, decodes, now - scheduled_at, now)
         for res in results:
             if isinstance(res, BeamSamples):
                 self._process_beams(res, now)
@@ -434,7 +433,8 @@ class EngineCore:
         self._touched[req.request_id] = req
         if req.metrics.first_token is None:
             req.metrics.first_token = now
-        self._pin_prompt(seq, now)
+        if req.params.pin_ttl_s > 0:
+            self._pin_prompt(seq, now)
         if len(res.token_ids) > 1:  # first tokens of n samples: fork the prompt's blocks
             req.forked = True
             children = [seq]

@@ -171,7 +171,7 @@ class OutputProcessor:
         out = self._samples.get(seq.seq_id)
         if out is None:
             return None
-        new_tokens = seq.token_ids[seq.num_prompt_tokens + out.sent_tokens :]
+        new_tokens = seq.token_ids[len(seq.request.prompt_token_ids) + out.sent_tokens :]
         if not new_tokens and not out.pending_text and seq.finish_reason is None:
             return None
         if out.final_sent:
@@ -180,7 +180,7 @@ class OutputProcessor:
         if out.logprobs is not None:
             lps = out.logprobs[out.sent_logprobs :]
             out.sent_logprobs = len(out.logprobs)
-        ranked = seq.request.params.wants_logprob and seq.finish_reason is not None
+        ranked = seq.finish_reason is not None and seq.request.params.wants_logprob
         delta = CompletionOutput(
             index=seq.index if index is None else index,
             cumulative_logprob=seq.cum_logprob if ranked else None,

@@ -173,6 +173,16 @@ class Scheduler:
         budget left."""
         i = 0
         while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            if (
+                seq.request.beam is None
+                and len(seq.token_ids) - seq.num_computed_tokens == 1
+                and self.kv.fits_in_place(seq)
+            ):  # a decode token into a block the sequence holds: nothing to allocate or check
+                out.scheduled.append(ScheduledSeq(seq, 1, seq.num_computed_tokens))
+                budget -= 1
+                i += 1
+                continue
             unit = self._unit(self.running, i)
             chunks = self._chunks(unit, [s.num_uncomputed for s in unit], budget)
             if not any(chunks):

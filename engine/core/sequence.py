@@ -65,7 +65,7 @@ class Request:
     def finished(self) -> bool:
         if self.beam is not None:
             return self.beam.done
-        if not self.forked and self.params.num_samples > 1:
+        if len(self.seqs) == 1 or (not self.forked and self.params.num_samples > 1):
             return bool(self.seqs) and self.seqs[0].status is SeqStatus.FINISHED
         return all(s.status is SeqStatus.FINISHED for s in self.seqs)
 

@@ -264,6 +264,18 @@ class KVCacheManager:
         last = table[(num_computed - 1) // self.block_size]
         return last is not None and last.ref_cnt > 1
 
+    def fits_in_place(self, seq: SeqLike) -> bool:
+        """Whether one more token of `seq` goes into a block it already holds alone: `allocate(seq,
+        1)` would take no block, copy none and release none (the decode step's common case)."""
+        pos = seq.num_computed_tokens  # the new token's position
+        if pos % self.block_size == 0 or self.sliding_window is not None:
+            return False
+        table = self.tables.get(seq.seq_id)
+        if table is None or len(table) <= pos // self.block_size:
+            return False
+        last = table[pos // self.block_size]
+        return last is not None and last.ref_cnt == 1
+
     def allocate(self, seq: SeqLike, num_new_tokens: int, match: PrefixMatch | None = None) -> bool:
         """Gives the sequence room for `num_new_tokens` more tokens (after a prefix match).
 
@@ -323,8 +335,10 @@ class KVCacheManager:
 
     def cache_blocks(self, seq: SeqLike) -> None:
         """Registers the sequence's newly full, computed blocks in the prefix cache."""
-        if not self.enable_caching:
-            return
+        if not self.enable_caching or seq.num_computed_tokens < self.block_size * (
+            seq.num_cached_blocks + 1
+        ):
+            return  # no new full block
         table = self.tables.get(seq.seq_id)
         if table is None:
             return
