@@ -16,6 +16,7 @@ import torch
 from engine.config import ModelConfig
 from engine.kv_io.host_memory import HostMemoryTrimmer
 from engine.worker.attention.base import AttentionBackend
+from engine.worker.attention.cpu_kernel import load_kernel
 from engine.worker.attention.kv_quant import is_kv_scale_name
 from engine.worker.models import get_model_class
 from engine.worker.models.base import CausalLM
@@ -126,7 +127,7 @@ def load_model(
         model.load_weights(iter_weights(model_config.path, slices))
         model = model.to(device)
         if device.type == "cpu":
-            model.use_cpu_layout()
+            model.use_cpu_layout(load_kernel().ops)
     if tp is not None:  # the checkpoint slices read and the unpacked weights, back to the OS
         HostMemoryTrimmer(every_s=0.0).maybe_trim()
     model.eval()

@@ -1,4 +1,5 @@
-"""Builds and loads the CPU paged-attention kernel (cpu_paged_attention.cpp), once per machine.
+"""Builds and loads the CPU kernels (cpu_paged_attention.cpp, and the models' fused RMSNorm,
+models/layers/cpu_rms_norm.cpp), once per machine.
 
 The kernel is compiled with the machine's own C++ compiler for the machine's own CPU
 (`-O3 -march=native -fopenmp`, against the installed torch's headers and libraries) into
@@ -35,6 +36,8 @@ from engine.worker.cpu_features import cpu_flags
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("cpu_paged_attention.cpp")
+SOURCES = (SOURCE, Path(__file__).parents[1] / "models" / "layers" / "cpu_rms_norm.cpp")
+"""Compiled into one library: the paged attention and the fused RMSNorm (the model's layers)."""
 CXX_FLAGS = ("-O3", "-march=native", "-fopenmp", "-std=c++17", "-shared", "-fPIC")
 LIBRARY = "deja_cpu_attn.so"
 
@@ -48,7 +51,8 @@ class KernelLoad:
     """What `load_kernel` found: the loaded library, or why there is none."""
 
     ops: object | None
-    """torch.ops.deja_cpu_attn (paged_attention) when loaded; None otherwise."""
+    """torch.ops.deja_cpu_attn (paged_attention, rms_norm, add_rms_norm) when loaded; None
+    otherwise."""
     path: Path | None
     """The shared library loaded (None when none was)."""
     reason: str
@@ -71,7 +75,7 @@ def build_key(cxx: str) -> str:
     """Hash of everything the library depends on (source, flags, torch, compiler, CPU)."""
     h = hashlib.sha256()
     for part in (
-        SOURCE.read_bytes(),
+        *(source.read_bytes() for source in SOURCES),
         " ".join(CXX_FLAGS).encode(),
         torch.__version__.encode(),
         _compiler_version(cxx).encode(),
@@ -93,7 +97,7 @@ def _compile(cxx: str, target: Path) -> None:
         *CXX_FLAGS,
         f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
         *includes,
-        str(SOURCE),
+        *(str(source) for source in SOURCES),
         *(f"-L{p}" for p in libdirs),
         *(f"-Wl,-rpath,{p}" for p in libdirs),
         "-lc10",

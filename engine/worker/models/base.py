@@ -78,8 +78,8 @@ class DecoderLayer(nn.Module):
         """x: [T, hidden] -> [T, hidden]."""
         h = self.self_attn(self.input_layernorm(x), *rope, kv_cache, meta)
         if not self.sandwich:
-            x = x + h
-            return x + self.mlp(self.post_attention_layernorm(x))
+            x, normed = self.post_attention_layernorm.add_norm(x, h)  # x += h, then its norm
+            return x + self.mlp(normed)
         x = x + self.post_attention_layernorm(h)
         return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
 
@@ -240,11 +240,18 @@ class CausalLM(nn.Module):
             logits = torch.tanh(logits / self.final_soft_cap) * self.final_soft_cap
         return logits.float()
 
-    def use_cpu_layout(self) -> None:
+    def use_cpu_layout(self, kernels: Any = None) -> None:
         """Packs every projection for oneDNN (PackedLinear); call once, after loading, when the
         model runs on the CPU. A tied lm_head gets its own packed copy (the embedding keeps its
-        rows): vocab x hidden more memory, for the largest product of every step."""
+        rows): vocab x hidden more memory, for the largest product of every step.
+
+        kernels: torch.ops.deja_cpu_attn (the C++ CPU kernels) when loaded: every RMSNorm then
+        runs in one call (cpu_rms_norm.cpp); None keeps torch's ops."""
         pack_linears(self)
+        if kernels is not None:
+            for module in self.modules():
+                if isinstance(module, RMSNorm):
+                    module.use_kernel(kernels)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copies Hugging Face checkpoint tensors (names as in transformers) into our layout.
