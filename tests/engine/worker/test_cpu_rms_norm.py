@@ -38,12 +38,12 @@ def test_rms_norm_and_fused_add_match_torch(dtype: torch.dtype, rows: int, hidde
     h = torch.randn(rows, hidden).to(dtype)
     # float32: the sum of squares in another order (last-bit differences); bf16: the same value
     # before the final rounding, so at most one bf16 step apart
-    tol = {"atol": 1e-5, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 0.0, "rtol": 8e-3}
+    atol, rtol = (1e-5, 1e-5) if dtype == torch.float32 else (0.0, 8e-3)
     with torch.no_grad():
-        torch.testing.assert_close(fused(x), ref(x), **tol)
+        torch.testing.assert_close(fused(x), ref(x), atol=atol, rtol=rtol)
         summed, normed = fused.add_norm(x, h)
         assert torch.equal(summed, x + h)  # the residual sum rounds as torch's add does
-        torch.testing.assert_close(normed, ref(x + h), **tol)
+        torch.testing.assert_close(normed, ref(x + h), atol=atol, rtol=rtol)
         assert not torch.equal(summed, x)  # the inputs were not modified in place
     if dtype == torch.bfloat16:
         close = (fused(x) == ref(x)).float().mean().item()
