@@ -1,5 +1,5 @@
 """Builds and loads the CPU kernels (cpu_paged_attention.cpp, and the models' fused RMSNorm,
-models/layers/cpu_rms_norm.cpp), once per machine.
+models/layers/cpu_layers.cpp), once per machine.
 
 The kernel is compiled with the machine's own C++ compiler for the machine's own CPU
 (`-O3 -march=native -fopenmp`, against the installed torch's headers and libraries) into
@@ -36,7 +36,7 @@ from engine.worker.cpu_features import cpu_flags
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("cpu_paged_attention.cpp")
-SOURCES = (SOURCE, Path(__file__).parents[1] / "models" / "layers" / "cpu_rms_norm.cpp")
+SOURCES = (SOURCE, Path(__file__).parents[1] / "models" / "layers" / "cpu_layers.cpp")
 """Compiled into one library: the paged attention and the fused RMSNorm (the model's layers)."""
 CXX_FLAGS = ("-O3", "-march=native", "-fopenmp", "-std=c++17", "-shared", "-fPIC")
 LIBRARY = "deja_cpu_attn.so"

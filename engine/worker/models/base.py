@@ -245,12 +245,12 @@ class CausalLM(nn.Module):
         model runs on the CPU. A tied lm_head gets its own packed copy (the embedding keeps its
         rows): vocab x hidden more memory, for the largest product of every step.
 
-        kernels: torch.ops.deja_cpu_attn (the C++ CPU kernels) when loaded: every RMSNorm then
-        runs in one call (cpu_rms_norm.cpp); None keeps torch's ops."""
+        kernels: torch.ops.deja_cpu_attn (the C++ CPU kernels) when loaded: every RMSNorm and
+        RoPE then runs in one call (cpu_layers.cpp); None keeps torch's ops."""
         pack_linears(self)
         if kernels is not None:
             for module in self.modules():
-                if isinstance(module, RMSNorm):
+                if isinstance(module, RMSNorm | Attention):
                     module.use_kernel(kernels)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:

@@ -5,7 +5,7 @@ window and logit soft-cap handed to the backend."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -78,6 +78,8 @@ class Attention(nn.Module):
         )
         o_bias = spec.o_bias and (tp is None or tp.rank == 0)
         self.o_proj = new_linear(self.q_size, spec.hidden_size, o_bias, dtype)
+        self.kernel: Any = None
+        """torch.ops.deja_cpu_attn (its `rope`), or None: RoPE in torch ops (`apply_rope`)."""
         self.q_norm: nn.Module | None = None
         self.k_norm: nn.Module | None = None
         if spec.qk_norm is not None:
@@ -108,6 +110,24 @@ class Attention(nn.Module):
             out["o_proj.bias"] = None
         return out
 
+    def use_kernel(self, ops: Any) -> None:
+        """Applies RoPE with the CPU kernel from now on (one call instead of ~8 torch ops)."""
+        self.kernel = ops
+
+    def _rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """x: [T, H, D] -> [T, H, D] rotated (the same bits either way; see cpu_layers.cpp)."""
+        if (
+            self.kernel is not None
+            and x.dtype in (torch.float32, torch.bfloat16)
+            and cos.dtype == x.dtype
+            and x.stride(-1) == 1
+            and cos.stride(-1) == 1
+            and sin.stride(-1) == 1
+        ):
+            out: torch.Tensor = self.kernel.rope(x, cos, sin)
+            return out
+        return apply_rope(x, cos, sin)
+
     def forward(
         self,
         x: torch.Tensor,
@@ -123,11 +143,11 @@ class Attention(nn.Module):
         qk = qk.view(num_tokens, self.num_heads + self.num_kv_heads, self.head_dim)
         if self.q_norm is None or self.k_norm is None:
             # q and k heads side by side get one RoPE: [T, Hq + Hkv, D]
-            q, k = apply_rope(qk, cos, sin).split([self.num_heads, self.num_kv_heads], dim=1)
+            q, k = self._rope(qk, cos, sin).split([self.num_heads, self.num_kv_heads], dim=1)
         else:
             q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
-            q = apply_rope(self.q_norm(q), cos, sin)  # [T, Hq, D]
-            k = apply_rope(self.k_norm(k), cos, sin)  # [T, Hkv, D]
+            q = self._rope(self.q_norm(q), cos, sin)  # [T, Hq, D]
+            k = self._rope(self.k_norm(k), cos, sin)  # [T, Hkv, D]
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
         out = self.backend.forward(
             q,

@@ -13,7 +13,7 @@ from torch import nn
 class RMSNorm(nn.Module):
     """x * rsqrt(mean(x^2) + eps), normalized in float32, cast back, then * weight.
 
-    On the CPU, `use_kernel` hands it the C++ kernels (cpu_rms_norm.cpp): one call instead of
+    On the CPU, `use_kernel` hands it the C++ kernels (cpu_layers.cpp): one call instead of
     torch's composite of small ops, and `add_norm` fuses the residual add before it.
     """
 

@@ -1,7 +1,12 @@
-// RMSNorm on the CPU in one call, and its fused residual-add form (vLLM's fused_add_rms_norm).
+// The decoder layer's small ops in one call each, on the CPU: RMSNorm, its fused residual-add form
+// (vLLM's fused_add_rms_norm) and rotate-half RoPE.
 //
 // Built into the same library as the paged-attention kernel (engine/worker/attention/cpu_kernel.py
-// compiles both); registered as torch.ops.deja_cpu_attn.rms_norm / add_rms_norm.
+// compiles both); registered as torch.ops.deja_cpu_attn.rms_norm / add_rms_norm / rope.
+//
+// NOTE: no floating-point contraction in this file (the pragma below): RoPE's x1 * cos - x2 * sin
+// must round each product, then the difference, as torch's separate ops do, so that it gives the
+// same bits; an FMA would round once.
 //
 // NOTE: on the CPU torch's rms_norm is a composite of ~8 small ops (pow, mean, add, rsqrt, mul,
 // casts): 10-25 us a call whatever the size, 5 calls a step on a 2-layer model, 61 on the demo
@@ -19,6 +24,8 @@
 
 #include <cmath>
 #include <tuple>
+
+#pragma GCC optimize("fp-contract=off")
 
 namespace {
 
@@ -95,9 +102,57 @@ std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::T
   return {sum, out};
 }
 
+// Rotate-half RoPE as transformers applies it, on the first R = 2 * half dims of every head
+// (the rest pass through): out1 = x1 * cos - x2 * sin, out2 = x2 * cos + x1 * sin, each product
+// and sum rounded to the input dtype as torch's ops round them.
+// x: [T, H, D] (any strides but a dense last dim); cos, sin: [T, 1, half] (dense last dim)
+// -> a new contiguous [T, H, D].
+at::Tensor rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
+  TORCH_CHECK(x.dim() == 3 && x.stride(2) == 1 && x.device().is_cpu(),
+              "x must be a CPU [T, H, D] with a dense last dim");
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16,
+              "rope: float32 or bfloat16 only");
+  const int64_t T = x.size(0), H = x.size(1), D = x.size(2), half = cos.size(-1);
+  for (const at::Tensor* t : {&cos, &sin}) {
+    TORCH_CHECK(t->dim() == 3 && t->size(0) == T && t->size(1) == 1 && t->stride(2) == 1 &&
+                    t->scalar_type() == x.scalar_type(),
+                "cos and sin must be [T, 1, half] in x's dtype with a dense last dim");
+  }
+  TORCH_CHECK(sin.size(2) == half && 2 * half <= D, "rotary dims must fit the head");
+  at::Tensor out = at::empty({T, H, D}, x.options());
+  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, x.scalar_type(), "rope", [&] {
+    using st = scalar_t;
+    const st* xd = x.data_ptr<st>();
+    const st* cd = cos.data_ptr<st>();
+    const st* sd = sin.data_ptr<st>();
+    st* od = out.data_ptr<st>();
+    const int64_t xs0 = x.stride(0), xs1 = x.stride(1), cs0 = cos.stride(0), ss0 = sin.stride(0);
+    auto r = [](float v) { return static_cast<float>(static_cast<st>(v)); };  // round to st
+    at::parallel_for(0, T, grain(H * D), [&](int64_t begin, int64_t end) {
+      for (int64_t t = begin; t < end; ++t) {
+        const st* c = cd + t * cs0;
+        const st* s = sd + t * ss0;
+        for (int64_t h = 0; h < H; ++h) {
+          const st* in = xd + t * xs0 + h * xs1;
+          st* o = od + (t * H + h) * D;
+          for (int64_t i = 0; i < half; ++i) {
+            const float x1 = static_cast<float>(in[i]), x2 = static_cast<float>(in[half + i]);
+            const float ci = static_cast<float>(c[i]), si = static_cast<float>(s[i]);
+            o[i] = static_cast<st>(r(x1 * ci) - r(x2 * si));
+            o[half + i] = static_cast<st>(r(x2 * ci) + r(x1 * si));
+          }
+          for (int64_t i = 2 * half; i < D; ++i) o[i] = in[i];
+        }
+      }
+    });
+  });
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(deja_cpu_attn, m) {
   m.def("rms_norm", &rms_norm);
   m.def("add_rms_norm", &add_rms_norm);
+  m.def("rope", &rope);
 }

@@ -1,4 +1,5 @@
-"""The C++ RMSNorm kernels (cpu_rms_norm.cpp) against RMSNorm's torch ops.
+"""The C++ layer kernels (cpu_layers.cpp: RMSNorm, fused add + RMSNorm, RoPE) against the
+torch ops they replace.
 
 Skips, with the reason, where the kernels cannot be built (no compiler): the engine then keeps
 torch's ops.
@@ -11,6 +12,7 @@ import torch
 
 from engine.worker.attention.cpu_kernel import load_kernel
 from engine.worker.models.layers.norm import RMSNorm
+from engine.worker.models.layers.rotary import apply_rope
 
 KERNEL = load_kernel()
 pytestmark = pytest.mark.skipif(
@@ -72,3 +74,26 @@ def test_non_contiguous_or_other_dtype_input_takes_torch_ops() -> None:
     half = RMSNorm(32, 1e-5, torch.float16)
     half.use_kernel(KERNEL.ops)
     assert half.kernel is None  # the kernels take float32 and bfloat16 only
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    ("tokens", "heads", "head_dim", "rotary"), [(2, 6, 64, 64), (37, 3, 96, 32)]
+)
+def test_rope_gives_apply_ropes_bits(
+    dtype: torch.dtype, tokens: int, heads: int, head_dim: int, rotary: int
+) -> None:
+    """Bit for bit what apply_rope's torch ops give (each product and sum rounded as torch rounds
+    them), on a strided [T, H, D] view as the attention passes it (q and k heads of the fused
+    qkv output), with full and partial rotary dims."""
+    torch.manual_seed(tokens)
+    qkv = torch.randn(tokens, (heads + 2) * head_dim).to(dtype)
+    x = qkv[:, : heads * head_dim].view(tokens, heads, head_dim)  # rows strided by (H + 2) * D
+    assert not x.is_contiguous()
+    angles = torch.randn(tokens, rotary) * 3
+    cos_sin = torch.cat((angles[:, : rotary // 2].cos(), angles[:, : rotary // 2].sin()), -1)
+    cos_sin = cos_sin.to(dtype)
+    cos, sin = cos_sin[:, None, : rotary // 2], cos_sin[:, None, rotary // 2 :]
+    got = KERNEL.ops.rope(x, cos, sin)  # type: ignore[union-attr]
+    assert got.is_contiguous() and got.dtype == dtype
+    assert torch.equal(got, apply_rope(x, cos, sin))
