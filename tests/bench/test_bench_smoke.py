@@ -104,6 +104,11 @@ def test_peer_quick(
     agree = data["agreement"]
     assert agree["tokens"] == 128
     assert 0 <= agree["free_running"] <= 1 and 0 <= agree["teacher_forced"] <= 1
+    for key in ("hf_eager_vs_sdpa_free_running", "hf_eager_vs_sdpa_teacher_forced"):
+        assert 0 <= agree[key] <= 1, key
+    assert re.search(
+        r"yardstick, transformers bfloat16 eager against its sdpa: teacher-forced \d", text
+    )
     # The tiny random model's logits are nearly flat, so only the bounds are certain; on the demo
     # model the teacher-forced agreement is ~98%.
     assert re.search(r"teacher-forced \d+\.\d%", text), text
