@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# Alternates an older commit and the working tree on the tiny model, in one run: batch-1 decode
+# steps/s (`bench.step`) and offline throughput of 256 mixed requests (`bench.offline`, deja
+# alone). The issue 24 figures in the README came from `scripts/compare_trees.sh 2854be9`.
+#
+#   scripts/compare_trees.sh OLD_COMMIT [REPS]
+set -euo pipefail
+old=${1:?usage: scripts/compare_trees.sh OLD_COMMIT [REPS]}
+reps=${2:-3}
+root=$(cd "$(dirname "$0")/.." && pwd)
+py="$root/.venv/bin/python"
+wt=$(mktemp -d /tmp/deja-old-XXXXXX)
+trap 'git -C "$root" worktree remove --force "$wt" >/dev/null 2>&1 || rm -rf "$wt"' EXIT
+git -C "$root" worktree add --detach "$wt" "$old" >/dev/null 2>&1
+for rep in $(seq "$reps"); do
+  for tree in "$wt" "$root"; do
+    cd "$tree"
+    steps=$(PYTHONPATH=$tree "$py" -m bench.step --model tiny --batches 1 --steps 400 2>&1 |
+      awk '$1 == "1" {print $NF}')
+    offline=$(PYTHONPATH=$tree "$py" -m bench.offline --model tiny --skip-generate \
+      --skip-generate-batch --parity 0 --num-requests 256 2>&1 |
+      awk '/^deja \(ours\) / {print $(NF - 1)}')
+    name=$([ "$tree" = "$root" ] && echo "working tree" || echo "$old")
+    echo "rep $rep $name: batch-1 steps/s $steps, offline tok/s $offline"
+  done
+done
