@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from bench import common, moe, offline, peer, prefix, step
+from bench import common, kv_dtype, moe, offline, peer, prefix, step
 
 
 def _run_quick(
@@ -112,6 +112,19 @@ def test_peer_quick(
     # The tiny random model's logits are nearly flat, so only the bounds are certain; on the demo
     # model the teacher-forced agreement is ~98%.
     assert re.search(r"teacher-forced \d+\.\d%", text), text
+
+
+def test_kv_dtype_quick_judges_the_teacher_forced_agreement(
+    tiny_llama_path: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`deja bench kv-dtype`: fp8 against the model-dtype KV cache; the verdict follows the
+    teacher-forced agreement and the capacity, and both agreements are printed."""
+    text, data = _run_quick(kv_dtype, tiny_llama_path, tmp_path, capsys)
+    tf, capacity = data["teacher_forced"]["top1_agreement"], data["capacity_vs_bf16"]
+    assert capacity == pytest.approx(2.0, rel=0.01)
+    want = tf >= kv_dtype.AGREEMENT_TARGET and capacity >= kv_dtype.CAPACITY_TARGET
+    assert data["verdict"] == ("PASS" if want else "FAIL")
+    assert re.search(r"(PASS|FAIL): teacher-forced agreement \d+\.\d% .*free-running \d", text)
 
 
 def test_peer_without_vllm_says_so(tiny_llama_path: Path, tmp_path: Path) -> None:
