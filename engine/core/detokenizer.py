@@ -21,7 +21,7 @@ tokens exist.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from engine.sample.sampling_params import SamplingParams
 
@@ -61,6 +61,31 @@ def make_decode(
     return slow
 
 
+def make_stream(tokenizer: PreTrainedTokenizerBase, skip_special_tokens: bool) -> Any:
+    """A `tokenizers` DecodeStream and the Rust tokenizer it steps with, for a fast tokenizer with a
+    byte-level decoder (GPT-2 style: Llama 3, Qwen, SmolLM2), else None: the same
+    prefix/read-offset window, kept in Rust, one call a token.
+
+    NOTE: only byte-level: with SentencePiece byte fallback the stream can emit a chunk that is
+    not a prefix of the whole decode (ids of two lone bytes gave "\\x00\\ufffd" where the decode
+    is "\\ufffd\\ufffd"), which the windowed path never does.
+
+    NOTE: vLLM's fast incremental detokenizer uses it too; here it replaces two Python-driven
+    decodes a token (~1 us a token instead of ~3-5, which counts at batch 256)."""
+    from transformers.tokenization_utils_tokenizers import TokenizersBackend
+
+    try:
+        from tokenizers.decoders import ByteLevel, DecodeStream
+    except ImportError:
+        return None
+    if type(tokenizer)._decode is not TokenizersBackend._decode:
+        return None
+    backend = tokenizer.backend_tokenizer  # type: ignore[attr-defined]
+    if not isinstance(backend.decoder, ByteLevel):
+        return None
+    return DecodeStream(skip_special_tokens=skip_special_tokens), backend
+
+
 class IncrementalDetokenizer:
     """Turns one sample's output tokens into text deltas; one instance per sample."""
 
@@ -90,12 +115,27 @@ class IncrementalDetokenizer:
         self._stops = [s for s in params.stop if s]
         self._max_stop_len = max((len(s) for s in self._stops), default=0)
         self._finished = False
+        self._stream = make_stream(tokenizer, params.skip_special_tokens)
+        """(DecodeStream, Rust tokenizer) where available: it keeps the window itself."""
+        self._stream_chars = 0
+        """Characters of the output's text the stream has produced so far."""
 
     def add(self, token_id: int) -> str:
         """Appends one generated token; returns the text that is now safe to emit (may be "")."""
         if self._finished:
             return ""
         self._ids.append(token_id)
+        if self._stream is not None:
+            stream, backend = self._stream
+            try:
+                chunk = stream.step(backend, token_id)  # None while a character is incomplete
+            except Exception:  # the stream's own errors ("invalid prefix encountered")
+                self._leave_stream()
+            else:
+                if not chunk:
+                    return ""
+                self._stream_chars += len(chunk)
+                return self._emit(chunk, final=False)
         new_text = self._decode(self._ids[self._prefix_offset :])
         if len(new_text) <= len(self._prefix_text) or new_text.endswith(_REPLACEMENT):
             return ""
@@ -105,11 +145,22 @@ class IncrementalDetokenizer:
         self._read_offset = len(self._ids)
         return self._emit(delta, final=False)
 
+    def _leave_stream(self) -> None:
+        """Continues on the windowed path from where the stream stopped (not expected with a
+        byte-level decoder): the window restarts at the first id, its text the stream's so far."""
+        ids = self._ids[:-1]  # the ids before the token the stream refused
+        self._prefix_offset, self._read_offset = 0, len(ids)
+        self._prefix_text = self._decode(ids)[: self._stream_chars]
+        self._stream = None
+
     def flush(self) -> str:
         """At finish (not by a stop string): returns the text still held back."""
         if self._finished:
             return ""
-        delta = self._decode(self._ids[self._prefix_offset :])[len(self._prefix_text) :]
+        if self._stream is not None:  # what the stream still holds: the rest of the whole decode
+            delta = self._decode(self._ids)[self._stream_chars :]
+        else:
+            delta = self._decode(self._ids[self._prefix_offset :])[len(self._prefix_text) :]
         out = self._emit(delta, final=True)
         self._finished = True
         return out

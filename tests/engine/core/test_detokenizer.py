@@ -171,6 +171,63 @@ def test_random_ids_equal_full_decode(
     assert "".join(deltas) == _decode(smollm2, ids, skip)
 
 
+@_HYPO
+@given(data=st.data())
+def test_stream_and_window_paths_give_the_same_text(
+    smollm2: PreTrainedTokenizerBase, data: st.DataObject
+) -> None:
+    """A fast byte-level tokenizer decodes through tokenizers' DecodeStream; the windowed path
+    (every other tokenizer) gives the same text, on any ids (split UTF-8 included)."""
+    vocab = len(smollm2)
+    split_char_ids = _encode(smollm2, _FALLBACK_TEXT)
+    ids = data.draw(
+        st.lists(st.one_of(st.integers(0, vocab - 1), st.sampled_from(split_char_ids)), max_size=40)
+    )
+    params = SamplingParams(skip_special_tokens=data.draw(st.booleans()))
+    texts = []
+    for stream in (True, False):
+        detok = IncrementalDetokenizer(smollm2, [1, 2, 3], params)
+        assert detok._stream is not None
+        if not stream:
+            detok._stream = None
+        texts.append("".join(detok.add(t) for t in ids) + detok.flush())
+    assert texts[0] == texts[1] == _decode(smollm2, ids, params.skip_special_tokens)
+
+
+def test_a_stream_error_continues_on_the_windowed_path(smollm2: PreTrainedTokenizerBase) -> None:
+    """Should DecodeStream refuse a token, the sample goes on with the windowed path: no error
+    reaches the request and the text is still the whole decode."""
+    ids = _encode(smollm2, _FALLBACK_TEXT)
+    detok = IncrementalDetokenizer(smollm2, [1], SamplingParams())
+    assert detok._stream is not None
+    stream, backend = detok._stream
+
+    class Refuses:
+        calls = 0
+
+        def step(self, tok: object, token_id: int) -> str | None:
+            Refuses.calls += 1
+            if Refuses.calls == 5:
+                raise Exception("Invalid prefix encountered while decoding stream")
+            out: str | None = stream.step(tok, token_id)
+            return out
+
+    detok._stream = (Refuses(), backend)
+    text = "".join(detok.add(t) for t in ids) + detok.flush()
+    assert detok._stream is None
+    assert text == _decode(smollm2, ids)
+
+
+def test_stream_only_for_byte_level_decoders(
+    smollm2: PreTrainedTokenizerBase, llama_style: PreTrainedTokenizerBase
+) -> None:
+    """SentencePiece byte fallback: DecodeStream can emit text that is not a prefix of the whole
+    decode, or raise ("Invalid prefix encountered"), so those tokenizers keep the windowed path."""
+    params = SamplingParams()
+    assert IncrementalDetokenizer(smollm2, [1], params)._stream is not None
+    assert IncrementalDetokenizer(llama_style, [1], params)._stream is None
+
+
 _TEXT = st.text(alphabet=list("abcdehlorstw  \n.!é你好🎉🤖"), max_size=30)
 
 
