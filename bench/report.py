@@ -39,6 +39,7 @@ def machine_info(threads: int) -> dict[str, Any]:
         "transformers": transformers.__version__,
         "cpu_flags": cpu_flags(),
         "load_avg_at_start": load_avg(),
+        "cpu_times_at_start": cpu_times(),
     }
 
 
@@ -73,6 +74,35 @@ def load_avg() -> list[float]:
         return []
 
 
+def cpu_times() -> list[int]:
+    """The machine's CPU time counters since boot, /proc/stat's first line (user, nice, system,
+    idle, iowait, irq, softirq, steal, ...; empty where there is none)."""
+    try:
+        with open("/proc/stat", encoding="utf-8") as f:
+            fields = f.readline().split()
+    except OSError:
+        return []
+    if not fields or fields[0] != "cpu":
+        return []
+    return [int(x) for x in fields[1:]]
+
+
+STEAL = 7
+"""The steal counter's index in `cpu_times`: time the hypervisor gave this VM's CPUs to others."""
+NOISY_STEAL = 0.05
+"""A run with more steal than this is flagged: its figures move with the neighbours' load."""
+
+
+def steal_share(start: Sequence[int], end: Sequence[int]) -> float | None:
+    """The share of CPU time stolen by the hypervisor between two `cpu_times` readings (None
+    without both, or without a steal counter)."""
+    if len(start) <= STEAL or len(end) <= STEAL:
+        return None
+    # guest times (after steal) are already counted in user and nice
+    total = sum(end[: STEAL + 1]) - sum(start[: STEAL + 1])
+    return (end[STEAL] - start[STEAL]) / total if total > 0 else None
+
+
 def format_load(values: Sequence[float]) -> str:
     """Load averages as the report lines print them: "0.52, 0.61, 0.70"."""
     return ", ".join(f"{x:.2f}" for x in values)
@@ -86,6 +116,12 @@ def finish_info(info: dict[str, Any]) -> str:
     busy = bool(end) and end[1] > (os.cpu_count() or 1) + 0.5
     load = format_load(end)
     note = " (busy with other work: figures are noisy)" if busy else ""
+    steal = steal_share(info.get("cpu_times_at_start", []), cpu_times())
+    info["cpu_steal_share"] = steal
+    if steal is not None:
+        note += f", CPU steal {steal:.1%} during the run"
+        if steal > NOISY_STEAL:
+            note += " (the hypervisor gave this VM's CPUs to others: figures are noisy)"
     return f"load avg at end {load}{note}"
 
 
