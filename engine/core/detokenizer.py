@@ -31,6 +31,16 @@ if TYPE_CHECKING:
 _REPLACEMENT = "\ufffd"
 
 
+def rust_tokenizer(tokenizer: PreTrainedTokenizerBase) -> Any:
+    """The Rust tokenizer behind a fast tokenizer whose `_decode` is transformers' own (so its
+    decode is the Rust tokenizer's and nothing else), else None."""
+    from transformers.tokenization_utils_tokenizers import TokenizersBackend
+
+    if type(tokenizer)._decode is not TokenizersBackend._decode:
+        return None
+    return tokenizer.backend_tokenizer  # type: ignore[attr-defined]
+
+
 def make_decode(
     tokenizer: PreTrainedTokenizerBase, skip_special_tokens: bool
 ) -> Callable[[list[int]], str]:
@@ -41,10 +51,8 @@ def make_decode(
     tokenizer's `decode(ids, skip_special_tokens)` and nothing else; calling it directly gives the
     same text in about a third of the time (two decodes per generated token add up at batch 256).
     """
-    from transformers.tokenization_utils_tokenizers import TokenizersBackend
-
-    if type(tokenizer)._decode is TokenizersBackend._decode:
-        backend = tokenizer.backend_tokenizer  # type: ignore[attr-defined]
+    backend = rust_tokenizer(tokenizer)
+    if backend is not None:
 
         def fast(ids: list[int]) -> str:
             return backend.decode(ids, skip_special_tokens=skip_special_tokens)
@@ -72,16 +80,12 @@ def make_stream(tokenizer: PreTrainedTokenizerBase, skip_special_tokens: bool) -
 
     NOTE: vLLM's fast incremental detokenizer uses it too; here it replaces two Python-driven
     decodes a token (~1 us a token instead of ~3-5, which counts at batch 256)."""
-    from transformers.tokenization_utils_tokenizers import TokenizersBackend
-
     try:
         from tokenizers.decoders import ByteLevel, DecodeStream
     except ImportError:
         return None
-    if type(tokenizer)._decode is not TokenizersBackend._decode:
-        return None
-    backend = tokenizer.backend_tokenizer  # type: ignore[attr-defined]
-    if not isinstance(backend.decoder, ByteLevel):
+    backend = rust_tokenizer(tokenizer)
+    if backend is None or not isinstance(backend.decoder, ByteLevel):
         return None
     return DecodeStream(skip_special_tokens=skip_special_tokens), backend
 

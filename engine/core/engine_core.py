@@ -378,7 +378,7 @@ class EngineCore:
         decodes = prefill = 0
         for item in sched.scheduled:
             seq = item.seq
-            if item.start >= len(seq.request.prompt_token_ids):
+            if item.start >= seq.num_prompt_tokens:
                 decodes += 1
             else:
                 prefill += item.num_new_tokens

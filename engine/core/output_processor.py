@@ -171,7 +171,7 @@ class OutputProcessor:
         out = self._samples.get(seq.seq_id)
         if out is None:
             return None
-        new_tokens = seq.token_ids[len(seq.request.prompt_token_ids) + out.sent_tokens :]
+        new_tokens = seq.token_ids[seq.num_prompt_tokens + out.sent_tokens :]
         if not new_tokens and not out.pending_text and seq.finish_reason is None:
             return None
         if out.final_sent:

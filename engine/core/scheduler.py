@@ -175,9 +175,7 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             if (
-                seq.request.beam is None
-                and len(seq.token_ids) - seq.num_computed_tokens == 1
-                and self.kv.fits_in_place(seq)
+                seq.request.beam is None and seq.num_uncomputed == 1 and self.kv.fits_in_place(seq)
             ):  # a decode token into a block the sequence holds: nothing to allocate or check
                 out.scheduled.append(ScheduledSeq(seq, 1, seq.num_computed_tokens))
                 budget -= 1

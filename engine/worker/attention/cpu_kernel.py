@@ -1,5 +1,5 @@
-"""Builds and loads the CPU kernels (cpu_paged_attention.cpp, and the models' fused RMSNorm,
-models/layers/cpu_layers.cpp), once per machine.
+"""Builds and loads the CPU kernels (cpu_paged_attention.cpp, and the models' RMSNorm, fused
+add + RMSNorm and RoPE, models/layers/cpu_layers.cpp), once per machine.
 
 The kernel is compiled with the machine's own C++ compiler for the machine's own CPU
 (`-O3 -march=native -fopenmp`, against the installed torch's headers and libraries) into
@@ -37,7 +37,7 @@ logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("cpu_paged_attention.cpp")
 SOURCES = (SOURCE, Path(__file__).parents[1] / "models" / "layers" / "cpu_layers.cpp")
-"""Compiled into one library: the paged attention and the fused RMSNorm (the model's layers)."""
+"""Compiled into one library: the paged attention and the decoder layers' small ops."""
 CXX_FLAGS = ("-O3", "-march=native", "-fopenmp", "-std=c++17", "-shared", "-fPIC")
 LIBRARY = "deja_cpu_attn.so"
 
@@ -51,7 +51,7 @@ class KernelLoad:
     """What `load_kernel` found: the loaded library, or why there is none."""
 
     ops: object | None
-    """torch.ops.deja_cpu_attn (paged_attention, rms_norm, add_rms_norm) when loaded; None
+    """torch.ops.deja_cpu_attn (paged_attention, rms_norm, add_rms_norm, rope) when loaded; None
     otherwise."""
     path: Path | None
     """The shared library loaded (None when none was)."""

@@ -46,10 +46,15 @@ class PackedLinear(nn.Module):
         padded = bucket_rows(rows)
         if padded != rows:
             flat = F.pad(flat, (0, 0, 0, padded - rows))  # [bucket, in]
-        out = torch.ops.mkldnn._linear_pointwise(
-            flat, self.weight_packed, self.bias, "none", [], ""
-        )  # [bucket, out]
+        out = self.apply_rows(flat)  # [bucket, out]
         return out[:rows].view(*x.shape[:-1], self.out_features)
+
+    def apply_rows(self, rows: torch.Tensor) -> torch.Tensor:
+        """[M, in] -> [M, out] as it is: the caller has made M a row bucket (`bucket_rows`)."""
+        out: torch.Tensor = torch.ops.mkldnn._linear_pointwise(
+            rows, self.weight_packed, self.bias, "none", [], ""
+        )
+        return out
 
 
 def default_batch_hint(dtype: torch.dtype) -> int:

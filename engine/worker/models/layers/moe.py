@@ -17,6 +17,7 @@ weights, are scatter-added back to their tokens. No loop over tokens, none over 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -104,10 +105,16 @@ class Experts(nn.Module):
                 start += n
         return out
 
+    def _packed_linear(self, i: int) -> PackedLinear:
+        """packed[i]: expert i // 2's gate_up (even i) or down (odd i) projection."""
+        assert self.packed is not None
+        return cast(PackedLinear, self.packed[i])
+
     def _packed_forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """The CPU path: x padded once so that every active expert's run is a whole row bucket
         (`bucket_rows`, which bounds oneDNN's kernel cache), one packed GEMM per active expert and
-        projection, the activation once over all rows between the two rounds."""
+        projection (PackedLinear.apply_rows: no per-call pad), the activation once over all rows
+        between the two rounds."""
         assert self.packed is not None
         runs = [(e, n, bucket_rows(n)) for e, n in enumerate(counts.tolist()) if n]  # host sync
         width = x.shape[1]
@@ -118,27 +125,15 @@ class Experts(nn.Module):
                 padded[dst : dst + n] = x[src : src + n]
                 src, dst = src + n, dst + b
             x = padded
-        linear = torch.ops.mkldnn._linear_pointwise
         gate_up, start = [], 0
         for e, _, b in runs:  # [b, 2I] per expert
-            gate_up.append(
-                linear(x[start : start + b], self.packed[2 * e].weight_packed, None, "none", [], "")
-            )
+            gate_up.append(self._packed_linear(2 * e).apply_rows(x[start : start + b]))
             start += b
         gate, up = torch.cat(gate_up).chunk(2, dim=-1)  # [P, I] each
         hidden = self.act(gate) * up  # [P, I]
         down, start = [], 0
         for e, n, b in runs:  # [n, H] per expert, padding rows dropped
-            down.append(
-                linear(
-                    hidden[start : start + b],
-                    self.packed[2 * e + 1].weight_packed,
-                    None,
-                    "none",
-                    [],
-                    "",
-                )[:n]
-            )
+            down.append(self._packed_linear(2 * e + 1).apply_rows(hidden[start : start + b])[:n])
             start += b
         return torch.cat(down)
 
