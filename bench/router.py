@@ -43,6 +43,9 @@ from service.common.flags import add_bool_flag, add_flag
 from service.common.ports import free_port
 from service.router.policy import POLICIES
 
+_POLL_INTERVAL_S = 0.5
+"""`deja route --poll-interval` of the bench's routers (`--router-args` can override it)."""
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     c = parser.add_argument_group("cluster")
@@ -94,6 +97,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_flag(o, "--overhead-requests", type=int, default=300, help="Requests timed.")
     add_flag(o, "--overhead-policy", default="cost", choices=POLICIES, help="Policy timed.")
     add_flag(o, "--redis-url", help="Look up in this Redis (default: the in-memory store).")
+    s = parser.add_argument_group(
+        "simulator check (--simulate: the run's requests replayed in `deja bench sim`'s cluster)"
+    )
+    add_bool_flag(
+        s,
+        "--simulate",
+        default=False,
+        help="Replay each deja policy's measured requests in the simulator (same send times, "
+        "token ids and answers) and print simulated vs measured TTFT p50/p99.",
+    )
+    add_flag(
+        s,
+        "--sim-profile",
+        default="calibrate",
+        help="Step costs of the simulated replicas: 'calibrate' (fit them on this machine "
+        "before the run, bench/sim/calibrate.py), 'cpu' (the stored fit) or a calibrate.py JSON.",
+    )
 
 
 @dataclasses.dataclass
@@ -109,6 +129,8 @@ class _Runs:
     model: str = ""
     oracle_cached: int = 0
     """Prompt tokens an unlimited cache would have held (`oracle_cached_tokens`), all rounds."""
+    rounds: list[tuple[Any, list[Any]]] = dataclasses.field(default_factory=list)
+    """(sessions, records) of each round, for --simulate."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -149,6 +171,7 @@ async def _drive(
             target, args, label, workload, ready_s=60, messages_of=messages_of
         )
     runs.records += records
+    runs.rounds.append((workload.sessions, records))
     runs.oracle_cached += oracle_cached_tokens(workload.sessions, records, info.block_size)
     runs.duration_s += duration
     runs.model = info.model_id
@@ -210,7 +233,7 @@ def _run_policy(
                 # prefix chain for them and every policy routes blind.
                 model=chat.model_path if chat is not None else None,
                 metrics_port=metrics_port,
-                extra=["--poll-interval", "0.5", *shlex.split(args.router_args)],
+                extra=["--poll-interval", str(_POLL_INTERVAL_S), *shlex.split(args.router_args)],
             ),
         )
         for n in names:
@@ -318,6 +341,28 @@ def format_comparison(rows: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def _simulated(args: argparse.Namespace, runs: dict[str, _Runs], model: Any) -> dict[str, Any]:
+    """--simulate: each deja policy's rounds replayed in the simulator (bench/sim/replay.py);
+    policy -> (measured, simulated) figures."""
+    from bench.sim.replay import measured_figures, replay, router_settings, simulated_figures
+
+    poll_s, weights = router_settings(args.router_args, _POLL_INTERVAL_S)
+    rows = {}
+    for policy, measured in runs.items():
+        if policy not in POLICIES:
+            continue  # smg: not a policy the simulator runs
+        sim = replay(
+            measured.rounds,
+            model=model,
+            num_replicas=args.num_replicas,
+            policy=policy,
+            poll_interval_s=poll_s,
+            weights=weights,
+        )
+        rows[policy] = (measured_figures(measured.records), simulated_figures(sim))
+    return rows
+
+
 def run(args: argparse.Namespace) -> int:
     from bench.workload import summarize_by_turn
 
@@ -338,6 +383,15 @@ def run(args: argparse.Namespace) -> int:
         return 2
     runs = {policy: _Runs() for policy in policies}
     info: dict[str, Any] = {"load_avg_at_start": report.load_avg()}
+    sim_model = None
+    if args.simulate:
+        from bench.sim.replay import sim_model as make_sim_model
+
+        cores = [c.strip() for c in args.pin_cores.split(",") if c.strip()]
+        sim_model = make_sim_model(
+            args.sim_profile, args.model, args.server_args, cores[0] if cores else None
+        )
+        print(f"simulator cost model: {sim_model.as_dict()}", file=sys.stderr)
     workload: Any = None
     with tempfile.TemporaryDirectory(prefix="deja-bench-router-") as tmp_dir:
         tmp = args.logs_dir or tmp_dir
@@ -371,6 +425,12 @@ def run(args: argparse.Namespace) -> int:
         "comparison": compare(results),
         "machine": info,
     }
+    sim_rows = _simulated(args, runs, sim_model) if sim_model is not None else None
+    if sim_rows is not None:
+        out["simulated"] = {
+            policy: {"measured": dataclasses.asdict(real), "simulated": dataclasses.asdict(sim)}
+            for policy, (real, sim) in sim_rows.items()
+        }
     end_line = report.finish_line(info)
     if not report.emit_report(out, args.output, args.json):
         for policy, r in results.items():
@@ -379,6 +439,11 @@ def run(args: argparse.Namespace) -> int:
                 counts = ", ".join(f"{k} {int(v)}" for k, v in sorted(r[key].items()))
                 print(f"  {key}: {counts or 'not counted (no deja route)'}")
         print(format_comparison(out["comparison"]))
+        if sim_rows is not None:
+            from bench.sim.replay import format_comparison as format_sim
+
+            print(f"simulator cost model: {sim_model.source}")  # type: ignore[union-attr]
+            print(format_sim(sim_rows))
         if chat is not None:
             print(
                 "chat (smg among the policies): every policy got the conversation as chat text; "

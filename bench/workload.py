@@ -147,6 +147,8 @@ class Record:
     itl_s: list[float] = field(default_factory=list)
     """Gaps between consecutive messages carrying tokens."""
     error: str | None = None
+    sent_at: float = 0.0
+    """`time.perf_counter()` when it was sent (after any client-side wait for a slot)."""
 
     @property
     def output_tokens(self) -> int:
@@ -171,7 +173,7 @@ async def run_one(
     backend: Backend, prompt: list[int], output_len: int, session: int, turn: int, session_id: str
 ) -> Record:
     rec = Record(session=session, turn=turn, prompt_tokens=len(prompt))
-    t0 = time.perf_counter()
+    t0 = rec.sent_at = time.perf_counter()
     last: float | None = None
     try:
         async for ids, cached in backend.stream(prompt, output_len, session_id):

@@ -21,6 +21,7 @@ def test_bench_router_runs_each_policy_on_fresh_replicas(
     flags += ["--input-len", "32", "--output-len", "4", "--max-concurrency", "2"]
     flags += ["--request-rate", "20", "--warmup-requests", "1", "--no-progress"]
     flags += ["--server-args", "--max-num-seqs 4 --threads 1", "--output", str(out_json)]
+    flags += ["--simulate", "--sim-profile", "cpu"]
     args = common.parse_args(router.add_arguments, flags)
     assert router.run(args) == 0
     text = capsys.readouterr().out
@@ -41,6 +42,13 @@ def test_bench_router_runs_each_policy_on_fresh_replicas(
     assert re.search(r"^load avg at end [\d.]+, .*\(at start [\d.]+, ", text, re.M), text
     assert len(data["machine"]["load_avg_at_start"]) == 3
     assert re.search(r"^oracle: .* more than \d+\.\d\dx round robin's here$", text, re.M), text
+    # --simulate: the same 9 requests per policy replayed in the simulator, beside the measured.
+    for policy in ("cost", "round_robin"):
+        sim = data["simulated"][policy]
+        assert sim["measured"]["requests"] == sim["simulated"]["requests"] == 9
+        assert sim["simulated"]["p50_s"] > 0
+        assert re.search(rf"^{policy}\s+sim\s+\d+\.\d", text, re.M), text
+        assert re.search(rf"^{policy}: simulated TTFT p50 within 25% of the measured: ", text, re.M)
 
 
 def test_bench_router_refuses_a_rate_that_is_not_positive(
