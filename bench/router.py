@@ -341,12 +341,21 @@ def format_comparison(rows: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def _simulated(args: argparse.Namespace, runs: dict[str, _Runs], model: Any) -> dict[str, Any]:
+def _simulated(
+    args: argparse.Namespace, runs: dict[str, _Runs], model: Any, chat: _Chat | None
+) -> dict[str, Any]:
     """--simulate: each deja policy's rounds replayed in the simulator (bench/sim/replay.py);
     policy -> (measured, simulated) figures."""
     from bench.sim.replay import measured_figures, replay, router_settings, simulated_figures
 
     poll_s, weights = router_settings(args.router_args, _POLL_INTERVAL_S)
+    served_ids = None
+    if chat is not None:  # the replicas computed the chat template over the decoded history
+        from engine.frontend.prompt import apply_chat_template
+
+        def served_ids(prompt: list[int]) -> list[int]:
+            return apply_chat_template(chat.tokenizer, chat.messages_of(prompt))
+
     rows = {}
     for policy, measured in runs.items():
         if policy not in POLICIES:
@@ -358,6 +367,7 @@ def _simulated(args: argparse.Namespace, runs: dict[str, _Runs], model: Any) -> 
             policy=policy,
             poll_interval_s=poll_s,
             weights=weights,
+            served_ids=served_ids,
         )
         rows[policy] = (measured_figures(measured.records), simulated_figures(sim))
     return rows
@@ -425,7 +435,7 @@ def run(args: argparse.Namespace) -> int:
         "comparison": compare(results),
         "machine": info,
     }
-    sim_rows = _simulated(args, runs, sim_model) if sim_model is not None else None
+    sim_rows = _simulated(args, runs, sim_model, chat) if sim_model is not None else None
     if sim_rows is not None:
         out["simulated"] = {
             policy: {"measured": dataclasses.asdict(real), "simulated": dataclasses.asdict(sim)}

@@ -16,7 +16,7 @@ import json
 import shlex
 import subprocess
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -39,18 +39,25 @@ _FIT_KEYS = (
 )
 
 
-def trace_workload(sessions: Sequence[Any], records: Sequence[Any]) -> Workload:
+def trace_workload(
+    sessions: Sequence[Any],
+    records: Sequence[Any],
+    served_ids: Callable[[list[int]], list[int]] | None = None,
+) -> Workload:
     """One measured round (bench.workload sessions and their `Record`s) as a simulator workload.
 
     Turn t's prompt is the session's prefix, every earlier user message and measured answer, and
     user message t, as the client built it; a session ends at its first failed request (the
-    client sent nothing after it)."""
+    client sent nothing after it). `served_ids` maps such a prompt to the ids the replica
+    computed when the client sent it as chat text (the chat template over the decoded
+    history); a turn is then hashed on its own, since the template's tail keeps one turn's
+    prompt from being a prefix of the next."""
     by_turn = {(r.session, r.turn): r for r in records}
     t0 = min((r.sent_at for r in records), default=0.0)
     out: list[SimSession] = []
     for i, s in enumerate(sessions):
         history = list(s.prefix)
-        sim = SimSession(f"s{i}", growing=True)
+        sim = SimSession(f"s{i}", growing=served_ids is None)
         for t, user in enumerate(s.turns, start=1):
             rec = by_turn.get((i, t))
             if rec is None or rec.error is not None:
@@ -61,7 +68,8 @@ def trace_workload(sessions: Sequence[Any], records: Sequence[Any]) -> Workload:
                     f"session {i} turn {t}: the record's prompt has {rec.prompt_tokens} tokens, "
                     f"the workload's {len(prompt)}: not this workload's record"
                 )
-            sim.turns.append(Turn(prompt, list(rec.output_ids), arrival=rec.sent_at - t0))
+            served = prompt if served_ids is None else served_ids(prompt)
+            sim.turns.append(Turn(served, list(rec.output_ids), arrival=rec.sent_at - t0))
             history = prompt + list(rec.output_ids)
         if sim.turns:
             out.append(sim)
@@ -160,6 +168,7 @@ def replay(
     policy: str,
     poll_interval_s: float,
     weights: CostWeights | None,
+    served_ids: Callable[[list[int]], list[int]] | None = None,
 ) -> list[RequestRecord]:
     """Every measured round, each on a fresh simulated cluster; their requests together."""
     out: list[RequestRecord] = []
@@ -167,7 +176,7 @@ def replay(
         cluster = Cluster(
             model, num_replicas, policy, poll_interval_s=poll_interval_s, weights=weights
         )
-        out += cluster.run(trace_workload(sessions, records)).records
+        out += cluster.run(trace_workload(sessions, records, served_ids)).records
     return out
 
 

@@ -125,3 +125,30 @@ def test_replica_and_router_settings_come_from_the_bench_flags() -> None:
     }
     fitted = model_from_fit(fit, "test")
     assert fitted.prefill_token_s == 0.001 and fitted.device_blocks == CPU.device_blocks
+
+
+def test_chat_text_turns_are_replayed_as_the_ids_the_replica_served() -> None:
+    """With the history sent as chat text, the replica computed the template around it: the
+    simulator gets those ids, each turn hashed on its own, and later turns still find the
+    history's blocks."""
+    sessions = _sessions()[:1]
+    recs = _records(sessions, gap_s=120.0)
+
+    def served(prompt: list[int]) -> list[int]:
+        return [1, 2, 3] + prompt + [7, 8]
+
+    wl = trace_workload(sessions, recs, served)
+    s0 = wl.sessions[0]
+    assert not s0.growing
+    assert s0.turns[0].prompt == served(sessions[0].prefix + sessions[0].turns[0])
+    sim = replay(
+        [(sessions, recs)],
+        model=replace(CPU, max_num_seqs=16),
+        num_replicas=1,
+        policy="cost",
+        poll_interval_s=0.5,
+        weights=None,
+        served_ids=served,
+    )
+    assert sim[0].prompt_tokens == recs[0].prompt_tokens + 5
+    assert sim[1].cached_tokens >= ((recs[0].prompt_tokens + 3) // BS) * BS - BS

@@ -61,14 +61,18 @@ def test_cached_history_wins_until_its_queue_costs_more_than_recomputing() -> No
     inputs = RouteInputs("s1", "r0", {"r0": 60}, prompt_tokens=1000)  # r0 holds 960 tokens
     idle = decide("cost", [_c("r0"), _c("r1")], inputs, GUARD)
     assert (idle.replica_id, idle.reason, idle.uncached_tokens) == ("r0", "cost", 40)
-    # r0 has 500 tokens queued: 0.54 s there against 1.0 s recomputing on r1.
+    # r0 has 500 tokens queued: 0.54 s there against 1.0 s recomputing on r1 (which the
+    # default recompute_weight 2 charges 3.0 s: the 1.0 s its later arrivals wait, twice).
     busy = decide("cost", [_c("r0", queued_prefill_tokens=500), _c("r1")], inputs, GUARD)
     assert busy.replica_id == "r0"
-    # 2,000 queued: 2.04 s there, the history moves.
-    hot = decide("cost", [_c("r0", queued_prefill_tokens=2000), _c("r1")], inputs, GUARD)
+    # 2,000 queued: 2.04 s there, still under 3.0 s.
+    warm = decide("cost", [_c("r0", queued_prefill_tokens=2000), _c("r1")], inputs, GUARD)
+    assert warm.replica_id == "r0"
+    # 3,500 queued: 3.54 s there, the history moves.
+    hot = decide("cost", [_c("r0", queued_prefill_tokens=3500), _c("r1")], inputs, GUARD)
     assert hot.replica_id == "r1"
     # The router's own unanswered sends count when the poll has not seen them yet.
-    own = decide("cost", [_c("r0", pending_prefill_tokens=2000), _c("r1")], inputs, GUARD)
+    own = decide("cost", [_c("r0", pending_prefill_tokens=3500), _c("r1")], inputs, GUARD)
     assert own.replica_id == "r1"
 
 
@@ -78,12 +82,19 @@ def test_recompute_weight_charges_the_work_a_move_adds() -> None:
     cands = [_c("r0", queued_prefill_tokens=1500), _c("r1")]
     own_ttft = decide("cost", cands, inputs, GUARD, weights=CostWeights(recompute_weight=0))
     assert own_ttft.replica_id == "r1"
-    # Weighted, the move costs r1's later arrivals the 1.0 s of prefill it adds: 2.0 > 1.58.
-    weighted = decide("cost", cands, inputs, GUARD)
+    # Weighted, the move costs r1's later arrivals the 1.0 s of prefill it adds: 1.0 + 1 x 1.0
+    # = 2.0 > 1.53 at weight 1, and 3.0 at the default 2.
+    weighted = decide("cost", cands, inputs, GUARD, weights=CostWeights(recompute_weight=1))
     # (the estimate reported is the TTFT, less the 0.05 s stickiness bonus)
     assert (weighted.replica_id, weighted.est_ttft_s) == ("r0", pytest.approx(1.49))
     # The weight only raises the bar: a queue that costs more than both still moves the session.
     cands = [_c("r0", queued_prefill_tokens=2500), _c("r1")]
+    assert (
+        decide("cost", cands, inputs, GUARD, weights=CostWeights(recompute_weight=1)).replica_id
+        == "r1"
+    )
+    assert decide("cost", cands, inputs, GUARD).replica_id == "r0"  # 2.53 < 3.0
+    cands = [_c("r0", queued_prefill_tokens=3500), _c("r1")]
     assert decide("cost", cands, inputs, GUARD).replica_id == "r1"
     with pytest.raises(ValueError):
         CostWeights(recompute_weight=-1)
@@ -111,7 +122,10 @@ def test_packing_weight_splits_a_group_of_turns_arriving_together() -> None:
     light = RouteInputs("s1", "r0", {"r0": 60}, prompt_tokens=1000)  # 40 new tokens on r0
     assert _group(light, 4) == ["r0"] * 4  # recomputing 1,000 tokens costs far more
     heavy = RouteInputs("s1", "r0", {"r0": 40}, prompt_tokens=1000)  # 360 new tokens on r0
-    assert _group(heavy, 4) == ["r0", "r0", "r1", "r0"]  # the third goes where it waits alone
+    # The fourth goes where it waits alone: 1.39 s there + (2 + 3 waiting) x 0.36 s = 3.19 s
+    # against 1.0 s + 2 x 1.0 s on r1 (recompute_weight 2).
+    assert _group(heavy, 4) == ["r0", "r0", "r0", "r1"]
+    assert _group(heavy, 4, CostWeights(recompute_weight=1)) == ["r0", "r0", "r1", "r0"]
     # Without it the whole group queues on r0.
     assert _group(heavy, 4, CostWeights(packing_weight=0)) == ["r0"] * 4
     with pytest.raises(ValueError):
