@@ -36,6 +36,7 @@ from service.replica.agent import ReplicaAgent
 from service.replica.kv_events import KvBatch
 from service.router.cost import CostWeights
 from service.router.policy import Candidate, OverloadGuard, RouteInputs, decide
+from service.router.popularity import PrefixPopularity
 
 T = TypeVar("T")
 MODEL_ID = "sim-model"
@@ -78,6 +79,7 @@ class _Router:
     pending: dict[str, int] = field(default_factory=dict)
     pending_requests: dict[str, int] = field(default_factory=dict)
     inflight: dict[str, int] = field(default_factory=dict)
+    popularity: PrefixPopularity = field(default_factory=PrefixPopularity)
 
 
 @dataclass(slots=True)
@@ -252,8 +254,17 @@ class Cluster:
                     pending_requests=router.pending_requests.get(rid, 0),
                 )
             )
+        shares = None
+        if router.policy == "cost":  # as `deja route` tracks it (service/router/popularity.py)
+            shares = router.popularity.shares(chain, self.clock)
+            router.popularity.observe(chain, self.clock)
         inputs = RouteInputs(
-            session.session_id, session_replica, prefix, True, prompt_tokens=len(turn.prompt)
+            session.session_id,
+            session_replica,
+            prefix,
+            True,
+            prompt_tokens=len(turn.prompt),
+            prefix_shares=shares,
         )
         d = decide(router.policy, candidates, inputs, self.guard, next(router.rr), self.weights)
         rec.replica_id = d.replica_id

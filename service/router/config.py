@@ -99,7 +99,8 @@ _COST_FLAGS = (
         "holder_share",
         float,
         "A replica holding at least this share of the prompt in its cache is exempt from "
-        "--load-bound, like the session's own replica (0: off).",
+        "--load-bound, like the session's own replica, for a prefix whose share of recent "
+        "traffic fits one replica (0: off).",
     ),
     ConfigFlag(
         "holder_bound",

@@ -70,11 +70,16 @@ class CostWeights:
     docs/routing.md)."""
     prefix_gain: float = 0.5
     """See `prefix_bound`."""
-    holder_share: float = 0.0
+    holder_share: float = 0.5
     """A replica whose cached blocks cover at least this share of the prompt is exempt from
     the load bound, as the session's own replica is: leaving it means recomputing what it
-    holds, which the estimate weighs against its queue. 0: off."""
-    holder_bound: float = 0.0
+    holds, which the estimate weighs against its queue. Only while such holders are at most
+    half of the pool, and only for a prefix whose share of the router's recent traffic fits
+    one replica's share (service/router/popularity.py): a system prompt that many sessions
+    start with must spread whoever computed it first. 0: off (the default until 2026-11-27,
+    before the traffic share: on the chat workload the exemption piled new sessions onto the
+    first holders of the system prompts)."""
+    holder_bound: float = 1.5
     """The exemption of `holder_share` holds up to this x the mean load (the load bound's two
     caps); 0: no cap."""
     recompute_weight: float = 2.0

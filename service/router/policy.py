@@ -19,6 +19,7 @@ only through the prompt tokens the replica would not have to compute.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -31,6 +32,7 @@ from service.router.cost import (
     held_blocks,
     within_bound,
 )
+from service.router.popularity import share_at
 
 POLICIES = ("cost", "affinity", "round_robin", "prefix_only")
 REASONS = ("session", "prefix", "load", "fallback", "round_robin", "cost")
@@ -117,6 +119,9 @@ class RouteInputs:
     """The prompt's length in tokens (cost policy; 0: unknown)."""
     prefix_tiers: Mapping[str, tuple[int, int, int]] | None = None
     """Replica id -> leading blocks held on (device, cpu, disk); None: prefix_blocks, all device."""
+    prefix_shares: tuple[tuple[int, float], ...] | None = None
+    """(block index, share of the router's recent requests whose prompts contain the prompt's
+    blocks up to it) at a few depths (service/router/popularity.py); None: not tracked."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -181,13 +186,19 @@ def _decide_cost(
     if w.holder_share > 0 and inputs.prompt_tokens > 0:
         # NOTE: like the session's replica, a replica holding most of the prompt is exempt
         # (the request is little new work there), while such holders are at most half of the
-        # pool: a prefix most replicas hold is no reason to break the bound, since replicas
-        # within it hold it too. Off by default: with few distinct prefixes (4 system prompts
-        # over 16 replicas) it piles their sessions onto the first holders (docs/routing.md).
+        # pool (a prefix most replicas hold is no reason to break the bound: replicas within
+        # it hold it too), and only for a prefix whose share of the traffic fits one replica:
+        # a popular one (4 system prompts over 16 replicas) must spread whoever computed it
+        # first, and exempting its holders piles its sessions onto them (docs/routing.md).
         need = w.holder_share * inputs.prompt_tokens
         holders = {
             rid for rid, c in costs.items() if inputs.prompt_tokens - c.uncached_tokens >= need
         }
+        if holders and inputs.prefix_shares is not None:
+            depth = max(0, math.ceil(need / pool[0].block_size) - 1)
+            share = share_at(inputs.prefix_shares, depth)
+            if share is not None and share * len(costs) > 1.0:
+                holders = set()
         if w.holder_bound > 0:
             holders &= within_bound(loads, utils, w.holder_bound)
         if 2 * len(holders) <= len(costs):

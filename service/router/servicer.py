@@ -42,6 +42,7 @@ from service.router.config import RouterConfig
 from service.router.metrics import RouterMetrics
 from service.router.policy import Candidate, NoReplicaError, RouteDecision, RouteInputs, decide
 from service.router.pool import ReplicaHandle, ReplicaPool
+from service.router.popularity import PrefixPopularity
 from service.router.prompt import PromptChains, PromptHasher
 from service.router.retry import replica_is_down, retry_reason
 
@@ -130,6 +131,8 @@ class RouterServicer(pb_grpc.InferenceServicer):
         self._metrics = metrics
         self._tracer = get_tracer(tracer_provider)
         self._rr = itertools.count()
+        self._popularity = PrefixPopularity()
+        """Shares of recent traffic per leading prompt block (the cost policy's holder rule)."""
         self.inflight = 0
         self.draining = False
 
@@ -194,6 +197,7 @@ class RouterServicer(pb_grpc.InferenceServicer):
         if cfg.policy == "cost":
             sticky = False  # the session counts only through what its replica holds
             prompt_tokens = await prompt.num_tokens()
+        shares = None
         if store_ok and not sticky:
             prefix, tiers = {}, {}
             groups: dict[tuple[str, int], list[str]] = {}
@@ -204,13 +208,17 @@ class RouterServicer(pb_grpc.InferenceServicer):
                 chain = await prompt.chain(model_id, block_size)
                 if not chain:
                     continue
+                if shares is None and cfg.policy == "cost" and cfg.cost.holder_share > 0:
+                    now = time.monotonic()
+                    shares = self._popularity.shares(chain, now)
+                    self._popularity.observe(chain, now)
                 ok, held = await self._store_call(
                     "longest_prefix", self._store.longest_prefix_tiers(chain)
                 )
                 store_ok &= ok
                 tiers.update({rid: t for rid, t in (held or {}).items() if rid in ids})
             prefix = {rid: sum(t) for rid, t in tiers.items()}
-        return RouteInputs(key, session_replica, prefix, store_ok, prompt_tokens, tiers)
+        return RouteInputs(key, session_replica, prefix, store_ok, prompt_tokens, tiers, shares)
 
     async def record(
         self, request: pb.GenerateRequest, replica_id: str, prompt: PromptChains

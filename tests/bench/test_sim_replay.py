@@ -135,7 +135,7 @@ def test_chat_text_turns_are_replayed_as_the_ids_the_replica_served() -> None:
     recs = _records(sessions, gap_s=120.0)
 
     def served(prompt: list[int]) -> list[int]:
-        return [1, 2, 3] + prompt + [7, 8]
+        return [1, 2, 3, *prompt, 7, 8]
 
     wl = trace_workload(sessions, recs, served)
     s0 = wl.sessions[0]

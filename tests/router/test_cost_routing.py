@@ -169,9 +169,12 @@ def test_prefix_bound_lets_a_large_cached_prefix_outweigh_a_small_excess_load() 
     # r0 holds 60 of the prompt's 62 blocks and has one request more than the others.
     inputs = RouteInputs("new", None, {"r0": 60}, prompt_tokens=1000)
     cands = [_c("r0", running=2), _c("r1", running=1), _c("r2", running=1), _c("r3", running=1)]
-    assert decide("cost", cands, inputs, GUARD).replica_id != "r0"  # cap ceil(6 / 4) = 2
-    w = CostWeights(prefix_bound=1.5)  # cap ceil(1.5 * 6 / 4) = 3: r0 is within it
+    # (the holder exemption, on by default, would take r0 too: off here to see the bounds)
+    plain = CostWeights(holder_share=0)
+    assert decide("cost", cands, inputs, GUARD, weights=plain).replica_id != "r0"  # cap 2
+    w = CostWeights(prefix_bound=1.5, holder_share=0)  # cap ceil(1.5 * 6 / 4) = 3: r0 is in
     assert decide("cost", cands, inputs, GUARD, weights=w).replica_id == "r0"
+    assert decide("cost", cands, inputs, GUARD).replica_id == "r0"  # the default: a holder
     # Too far over even the wider bound: the prefix does not pull.
     cands[0] = _c("r0", running=4)
     assert decide("cost", cands, inputs, GUARD, weights=w).replica_id != "r0"
@@ -183,8 +186,12 @@ def test_holder_share_exempts_a_replica_holding_most_of_the_prompt_from_the_boun
     # r0 holds 60 of the prompt's 62 blocks but has 4 requests out: over the bound (cap 2).
     inputs = RouteInputs("new", None, {"r0": 60}, prompt_tokens=1000)
     cands = [_c("r0", running=4), _c("r1"), _c("r2"), _c("r3")]
+    # the default caps the exemption at 1.5x the mean (ceil(1.5 * 5 / 4) = 2): r0 is over it
     assert decide("cost", cands, inputs, GUARD).replica_id != "r0"
-    w = CostWeights(holder_share=0.5)
+    assert (
+        decide("cost", cands, inputs, GUARD, weights=CostWeights(holder_share=0)).replica_id != "r0"
+    )
+    w = CostWeights(holder_share=0.5, holder_bound=0)
     assert decide("cost", cands, inputs, GUARD, weights=w).replica_id == "r0"
     # A prefix under the share is no reason to leave the bound.
     few = RouteInputs("new", None, {"r0": 20}, prompt_tokens=1000)
@@ -205,6 +212,26 @@ def test_holder_share_exempts_a_replica_holding_most_of_the_prompt_from_the_boun
         CostWeights(holder_share=1.5)
     with pytest.raises(ValueError):
         CostWeights(holder_bound=0.5)
+
+
+def test_holders_of_a_prefix_too_popular_for_one_replica_stay_bounded() -> None:
+    """The exemption holds for a prefix whose share of recent traffic fits one replica's share
+    (share x replicas <= 1), judged at the block that makes a holder (half the prompt)."""
+    cands = [_c("r0", running=4), _c("r1"), _c("r2"), _c("r3")]
+    w = CostWeights(holder_share=0.5, holder_bound=0.0)
+
+    def routed(shares: tuple[tuple[int, float], ...] | None) -> str:
+        inputs = RouteInputs("new", None, {"r0": 60}, prompt_tokens=1000, prefix_shares=shares)
+        return decide("cost", cands, inputs, GUARD, weights=w).replica_id
+
+    assert routed(None) == "r0"  # not tracked: the exemption as before
+    # a customer's document: 1 request in 10 starts with blocks 0..31
+    assert routed(((0, 0.9), (1, 0.5), (3, 0.2), (7, 0.1), (15, 0.1), (31, 0.1))) == "r0"
+    # a system prompt 1 request in 2 starts with: the four replicas must share it
+    assert routed(((0, 0.9), (1, 0.5), (3, 0.5), (7, 0.5), (15, 0.5), (31, 0.5))) != "r0"
+    # judged at block 31 (500 tokens of 16): a popular first block alone does not count
+    assert routed(((0, 1.0), (31, 0.25))) == "r0"
+    assert routed(((0, 1.0), (31, 0.26))) != "r0"
 
 
 # -- routers on one Redis -------------------------------------------------------------------------
