@@ -88,6 +88,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="Rounds; each starts every policy's cluster afresh, policies interleaved.",
     )
     add_run_flags(w)
+    add_flag(
+        w,
+        "--capacity-share",
+        type=float,
+        help="Set --request-rate to this share of round robin's closed-loop capacity here, "
+        "measured first on fresh replicas with the same workload (issue 26's load: 0.67).",
+    )
     parser.set_defaults(dataset="multi-turn")
     o = parser.add_argument_group(
         "router overhead (--overhead: no replicas, bench/router_overhead.py)"
@@ -373,6 +380,31 @@ def _simulated(
     return rows
 
 
+def _set_rate_from_capacity(
+    args: argparse.Namespace, workload: Any, tmp: Path, chat: _Chat | None, info: dict[str, Any]
+) -> Any:
+    """--capacity-share: round robin's closed-loop capacity (requests per second, the workload
+    on fresh replicas, every request in flight as soon as the concurrency cap allows), then
+    `args.request_rate` = the share of it."""
+    probe = argparse.Namespace(**vars(args))
+    probe.request_rate = math.inf
+    measured = _Runs()
+    workload = _run_policy(probe, "round_robin", workload, tmp / "capacity", measured, chat)
+    ok = sum(1 for r in measured.records if r.error is None)
+    capacity = ok / measured.duration_s if measured.duration_s > 0 else 0.0
+    if not capacity > 0:
+        raise RuntimeError("the capacity run served no request")
+    args.request_rate = args.capacity_share * capacity
+    info["capacity_rps"] = capacity
+    print(
+        f"round robin's closed-loop capacity: {capacity:.3f} requests/s ({ok} in "
+        f"{measured.duration_s:.1f} s); --request-rate {args.request_rate:.3f} "
+        f"({args.capacity_share:.0%} of it)",
+        file=sys.stderr,
+    )
+    return workload
+
+
 def run(args: argparse.Namespace) -> int:
     from bench.workload import summarize_by_turn
 
@@ -391,6 +423,9 @@ def run(args: argparse.Namespace) -> int:
     if not args.request_rate > 0:
         print("deja bench router: --request-rate must be > 0 (inf: a closed loop)", file=sys.stderr)
         return 2
+    if args.capacity_share is not None and not 0 < args.capacity_share <= 1:
+        print("deja bench router: --capacity-share must be in (0, 1]", file=sys.stderr)
+        return 2
     runs = {policy: _Runs() for policy in policies}
     info: dict[str, Any] = {"load_avg_at_start": report.load_avg()}
     sim_model = None
@@ -406,6 +441,8 @@ def run(args: argparse.Namespace) -> int:
     with tempfile.TemporaryDirectory(prefix="deja-bench-router-") as tmp_dir:
         tmp = args.logs_dir or tmp_dir
         try:
+            if args.capacity_share is not None:
+                workload = _set_rate_from_capacity(args, workload, Path(tmp), chat, info)
             # NOTE: rounds interleave the policies so that drifting background load on a shared
             # machine hits them alike.
             for round_ in range(args.repeat):

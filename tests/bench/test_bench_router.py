@@ -57,3 +57,25 @@ def test_bench_router_refuses_a_rate_that_is_not_positive(
     args = common.parse_args(router.add_arguments, ["--request-rate", "0", "--no-progress"])
     assert router.run(args) == 2  # before any process starts
     assert "--request-rate must be > 0" in capsys.readouterr().err
+
+
+def test_bench_router_sets_the_rate_from_round_robins_measured_capacity(
+    tiny_llama_path: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out_json = tmp_path / "router.json"
+    flags = ["--model", str(tiny_llama_path), "--policies", "cost", "--capacity-share", "0.5"]
+    flags += ["--num-sessions", "2", "--num-turns", "2", "--prefix-len", "32"]
+    flags += ["--input-len", "32", "--output-len", "4", "--max-concurrency", "2"]
+    flags += ["--warmup-requests", "1", "--no-progress", "--output", str(out_json)]
+    flags += ["--server-args", "--max-num-seqs 4 --threads 1"]
+    args = common.parse_args(router.add_arguments, flags)
+    assert router.run(args) == 0
+    err = capsys.readouterr().err
+    data = json.loads(out_json.read_text())
+    capacity = data["machine"]["capacity_rps"]
+    assert capacity > 0
+    assert data["request_rate"] == pytest.approx(0.5 * capacity)
+    assert re.search(r"closed-loop capacity: [\d.]+ requests/s \(4 in ", err), err
+    assert data["results"]["cost"]["requests"] == 4 and data["results"]["cost"]["failed"] == 0
+    bad = common.parse_args(router.add_arguments, ["--capacity-share", "1.5", "--no-progress"])
+    assert router.run(bad) == 2
