@@ -353,30 +353,24 @@ def _simulated(
 ) -> dict[str, Any]:
     """--simulate: each deja policy's rounds replayed in the simulator (bench/sim/replay.py);
     policy -> (measured, simulated) figures."""
-    from bench.sim.replay import measured_figures, replay, router_settings, simulated_figures
+    from bench.sim import replay as sim
 
-    poll_s, weights = router_settings(args.router_args, _POLL_INTERVAL_S)
-    served_ids = None
-    if chat is not None:  # the replicas computed the chat template over the decoded history
-        from engine.frontend.prompt import apply_chat_template
-
-        def served_ids(prompt: list[int]) -> list[int]:
-            return apply_chat_template(chat.tokenizer, chat.messages_of(prompt))
-
+    poll_s, weights = sim.router_settings(args.router_args, _POLL_INTERVAL_S)
+    served = sim.chat_served_ids(chat.tokenizer, chat.messages_of) if chat is not None else None
     rows = {}
     for policy, measured in runs.items():
         if policy not in POLICIES:
             continue  # smg: not a policy the simulator runs
-        sim = replay(
+        replayed = sim.replay(
             measured.rounds,
             model=model,
             num_replicas=args.num_replicas,
             policy=policy,
             poll_interval_s=poll_s,
             weights=weights,
-            served_ids=served_ids,
+            served_ids=served,
         )
-        rows[policy] = (measured_figures(measured.records), simulated_figures(sim))
+        rows[policy] = (sim.measured_figures(measured.records), sim.simulated_figures(replayed))
     return rows
 
 

@@ -256,8 +256,7 @@ class Cluster:
             )
         shares = None
         if router.policy == "cost":  # as `deja route` tracks it (service/router/popularity.py)
-            shares = router.popularity.shares(chain, self.clock)
-            router.popularity.observe(chain, self.clock)
+            shares = router.popularity.track(chain, self.clock)
         inputs = RouteInputs(
             session.session_id,
             session_replica,

@@ -231,3 +231,14 @@ def sim_model(profile: str, model: str, server_args: str, core: str | None) -> C
         with open(profile) as f:
             base = model_from_fit(json.load(f)["fit"], profile)
     return model_for_replicas(base, server_args)
+
+
+def chat_served_ids(tokenizer: Any, messages_of: Callable[[list[int]], Any]) -> Callable[..., Any]:
+    """`trace_workload`'s `served_ids` for a run that sent chat text: the replicas computed the
+    chat template over the history decoded into one user message (`messages_of`)."""
+    from engine.frontend.prompt import apply_chat_template
+
+    def served_ids(prompt: list[int]) -> list[int]:
+        return apply_chat_template(tokenizer, messages_of(prompt))
+
+    return served_ids

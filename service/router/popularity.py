@@ -73,6 +73,12 @@ class PrefixPopularity:
             out.append((d, min(1.0, self._decayed(entry, now) / total) if entry else 0.0))
         return tuple(out)
 
+    def track(self, chain: Sequence[BlockHash], now: float) -> tuple[tuple[int, float], ...]:
+        """`shares` of this request's chain as the traffic before it, then `observe` of it."""
+        shares = self.shares(chain, now)
+        self.observe(chain, now)
+        return shares
+
 
 def share_at(shares: Sequence[tuple[int, float]], depth: int) -> float | None:
     """The share of requests containing the chain's first `depth + 1` blocks, bounded from above

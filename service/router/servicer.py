@@ -131,8 +131,7 @@ class RouterServicer(pb_grpc.InferenceServicer):
         self._metrics = metrics
         self._tracer = get_tracer(tracer_provider)
         self._rr = itertools.count()
-        self._popularity = PrefixPopularity()
-        """Shares of recent traffic per leading prompt block (the cost policy's holder rule)."""
+        self._popularity = PrefixPopularity()  # traffic shares for the cost policy's holders
         self.inflight = 0
         self.draining = False
 
@@ -209,9 +208,7 @@ class RouterServicer(pb_grpc.InferenceServicer):
                 if not chain:
                     continue
                 if shares is None and cfg.policy == "cost" and cfg.cost.holder_share > 0:
-                    now = time.monotonic()
-                    shares = self._popularity.shares(chain, now)
-                    self._popularity.observe(chain, now)
+                    shares = self._popularity.track(chain, time.monotonic())
                 ok, held = await self._store_call(
                     "longest_prefix", self._store.longest_prefix_tiers(chain)
                 )

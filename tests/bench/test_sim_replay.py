@@ -152,3 +152,19 @@ def test_chat_text_turns_are_replayed_as_the_ids_the_replica_served() -> None:
     )
     assert sim[0].prompt_tokens == recs[0].prompt_tokens + 5
     assert sim[1].cached_tokens >= ((recs[0].prompt_tokens + 3) // BS) * BS - BS
+
+
+def test_chat_served_ids_renders_the_template_over_the_decoded_history() -> None:
+    from bench.sim.replay import chat_served_ids
+
+    class Tok:
+        chat_template = "t"
+
+        def apply_chat_template(self, messages, **kw):  # type: ignore[no-untyped-def]
+            assert kw["add_generation_prompt"] and kw["tokenize"]
+            return [1, *(ord(c) for c in messages[0]["content"]), 2]
+
+    served = chat_served_ids(
+        Tok(), lambda ids: [{"role": "user", "content": "".join(map(chr, ids))}]
+    )
+    assert served([104, 105]) == [1, 104, 105, 2]

@@ -33,6 +33,9 @@ def test_shares_count_requests_per_depth_and_bound_deeper_ones() -> None:
     # depth 5 is not counted: the share at depth 3 bounds it
     assert share_at(pop.shares(a, 0.0), 5) == pytest.approx(0.8)
     assert share_at(((2, 0.5),), 1) is None
+    # track: the shares before this request, then the request counted
+    assert dict(pop.track(b, 0.0))[9] == pytest.approx(0.2)
+    assert dict(pop.shares(b, 0.0))[9] == pytest.approx(2 / 6)
 
 
 def test_counts_decay_with_their_half_life_and_memory_is_capped() -> None:
