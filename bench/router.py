@@ -32,12 +32,14 @@ from typing import Any
 from bench import report
 from bench.router_cluster import (
     ProcessGroup,
+    engine_busy_seconds,
     route_argv,
     scrape,
     serve_argv,
     wait_healthy,
     wait_router_replicas,
 )
+from bench.router_table import compare, format_comparison
 from bench.served import add_run_flags, dataset_spec, drive, format_result
 from service.common.flags import add_bool_flag, add_flag
 from service.common.ports import free_port
@@ -138,6 +140,9 @@ class _Runs:
     """Prompt tokens an unlimited cache would have held (`oracle_cached_tokens`), all rounds."""
     rounds: list[tuple[Any, list[Any]]] = dataclasses.field(default_factory=list)
     """(sessions, records) of each round, for --simulate."""
+    busy_s: list[float] = dataclasses.field(default_factory=list)
+    """Each round's engine busy seconds, all replicas (`deja_engine_busy_seconds`); deja route
+    rounds only."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -211,12 +216,12 @@ def _run_policy(
     group = ProcessGroup(workdir)
     names = [f"r{i}" for i in range(args.num_replicas)]
     ports = {n: free_port() for n in names}
+    replica_metrics = {n: free_port() for n in names}
     router_port, metrics_port = free_port(), free_port()
     try:
         for n in names:
-            argv = serve_argv(
-                args.model, port=ports[n], replica_id=n, extra=shlex.split(args.server_args)
-            )
+            extra = [*shlex.split(args.server_args), "--metrics-port", str(replica_metrics[n])]
+            argv = serve_argv(args.model, port=ports[n], replica_id=n, extra=extra)
             group.spawn(n, pinned(argv, args.pin_cores, names.index(n)))
         t0 = time.monotonic()
         if policy == SMG:
@@ -249,6 +254,7 @@ def _run_policy(
         print(f"{policy}: cluster ready in {time.monotonic() - t0:.1f} s", file=sys.stderr)
         target = f"127.0.0.1:{router_port}"
         workload = asyncio.run(_drive(target, args, policy, workload, runs, chat))
+        runs.busy_s.append(engine_busy_seconds(list(replica_metrics.values())))
         text = scrape(metrics_port)
         for reason, count in _route_counts(text, "reason").items():
             runs.routes[reason] = runs.routes.get(reason, 0.0) + count
@@ -283,95 +289,53 @@ def pinned(argv: list[str], cores: str, index: int) -> list[str]:
     return ["taskset", "-c", ids[index % len(ids)], *argv]
 
 
-def _row(r: dict[str, Any]) -> dict[str, Any]:
-    later = r.get("turns_2plus", r)
-    return {
-        "hit_rate": r["prefix_hit_rate"],
-        "hit_rate_turns_2plus": later["prefix_hit_rate"],
-        "oracle_hit_rate": r["oracle_hit_rate"],
-        "ttft_p50_ms": r["ttft_ms"].get("p50"),
-        "ttft_p99_ms": r["ttft_ms"].get("p99"),
-        "ttft_p50_ms_turns_2plus": later["ttft_ms"].get("p50"),
-        "ttft_p99_ms_turns_2plus": later["ttft_ms"].get("p99"),
-    }
-
-
-def compare(results: dict[str, dict[str, Any]]) -> dict[str, Any]:
-    """Per policy: hit rates (and the oracle's, the most any policy can cache), TTFT p50/p99
-    (all, turns 2+), and ratios to round robin (TTFT: round robin's / this policy's, so > 1 is
-    faster; hit rate: this policy's / round robin's)."""
-    rows = {policy: _row(r) for policy, r in results.items()}
-    base = rows.get("round_robin")
-    if base is not None:
-        for row in rows.values():
-            vs: dict[str, float | None] = {
-                k: (base[k] / v if v and base[k] else None)
-                for k, v in row.items()
-                if k.startswith("ttft")
-            }
-            vs["hit_rate"] = row["hit_rate"] / base["hit_rate"] if base["hit_rate"] else None
-            row["vs_round_robin"] = vs
-    return rows
-
-
-def format_comparison(rows: dict[str, Any]) -> str:
-    def ms(v: float | None) -> str:
-        return f"{v:9.1f}" if v is not None else f"{'-':>9}"
-
-    lines = [
-        "== routing policies (TTFT in ms; x = round robin's TTFT / this policy's) ==",
-        f"{'policy':<12}{'hit':>7}{'hit 2+':>8}{'p50':>9}{'p99':>9}{'p50 2+':>9}{'p99 2+':>9}"
-        f"{'x p50':>8}{'x p99':>8}{'x p50 2+':>10}{'x hit':>7}{'oracle':>8}",
-    ]
-    for policy, row in rows.items():
-        vs = row.get("vs_round_robin", {})
-
-        def ratio(key: str, vs: dict[str, Any] = vs) -> str:
-            v = vs.get(key)
-            return f"{v:.2f}" if v else "-"
-
-        lines.append(
-            f"{policy:<12}{100 * row['hit_rate']:6.1f}%{100 * row['hit_rate_turns_2plus']:7.1f}%"
-            f"{ms(row['ttft_p50_ms'])}{ms(row['ttft_p99_ms'])}"
-            f"{ms(row['ttft_p50_ms_turns_2plus'])}{ms(row['ttft_p99_ms_turns_2plus'])}"
-            f"{ratio('ttft_p50_ms'):>8}{ratio('ttft_p99_ms'):>8}"
-            f"{ratio('ttft_p50_ms_turns_2plus'):>10}{ratio('hit_rate'):>7}"
-            f"{100 * row['oracle_hit_rate']:7.1f}%"
-        )
-    base = rows.get("round_robin")
-    if base is not None and base["hit_rate"]:
-        best = max(row["oracle_hit_rate"] for row in rows.values()) / base["hit_rate"]
-        lines.append(
-            "oracle: one replica with an unlimited cache; no policy's hit rate can exceed it, "
-            f"so none can reach more than {best:.2f}x round robin's here"
-        )
-    return "\n".join(lines)
-
-
 def _simulated(
     args: argparse.Namespace, runs: dict[str, _Runs], model: Any, chat: _Chat | None
-) -> dict[str, Any]:
-    """--simulate: each deja policy's rounds replayed in the simulator (bench/sim/replay.py);
-    policy -> (measured, simulated) figures."""
+) -> tuple[dict[str, Any], dict[str, float]]:
+    """--simulate: each deja policy's rounds replayed in the simulator (bench/sim/replay.py),
+    its step costs scaled so that the simulated replicas are busy as long as the real ones
+    were (all deja policies' rounds together); policy -> (measured, simulated) figures, and
+    the scale's figures."""
     from bench.sim import replay as sim
 
     poll_s, weights = sim.router_settings(args.router_args, _POLL_INTERVAL_S)
     served = sim.chat_served_ids(chat.tokenizer, chat.messages_of) if chat is not None else None
-    rows = {}
-    for policy, measured in runs.items():
-        if policy not in POLICIES:
-            continue  # smg: not a policy the simulator runs
-        replayed = sim.replay(
-            measured.rounds,
-            model=model,
-            num_replicas=args.num_replicas,
-            policy=policy,
-            poll_interval_s=poll_s,
-            weights=weights,
-            served_ids=served,
-        )
-        rows[policy] = (sim.measured_figures(measured.records), sim.simulated_figures(replayed))
-    return rows
+    jobs = {p: r for p, r in runs.items() if p in POLICIES}  # smg: the simulator does not run it
+    replays: dict[float, dict[str, tuple[list[Any], float]]] = {}
+
+    def replay_all(factor: float) -> dict[str, tuple[list[Any], float]]:
+        if factor not in replays:
+            m = sim.scaled(model, factor)
+            replays[factor] = {
+                p: sim.replay(
+                    r.rounds,
+                    model=m,
+                    num_replicas=args.num_replicas,
+                    policy=p,
+                    poll_interval_s=poll_s,
+                    weights=weights,
+                    served_ids=served,
+                )
+                for p, r in jobs.items()
+            }
+        return replays[factor]
+
+    measured_busy = sum(sum(r.busy_s) for r in jobs.values())
+    factor = sim.fit_busy_scale(
+        lambda f: sum(busy for _, busy in replay_all(f).values()), measured_busy
+    )
+    final = replay_all(factor)
+    rows = {
+        p: (sim.measured_figures(r.records), sim.simulated_figures(final[p][0]))
+        for p, r in jobs.items()
+    }
+    scale = {
+        "factor": factor,
+        "measured_busy_s": measured_busy,
+        "engine_only_busy_s": sum(busy for _, busy in replay_all(1.0).values()),
+        "simulated_busy_s": sum(busy for _, busy in final.values()),
+    }
+    return rows, scale
 
 
 def _set_rate_from_capacity(
@@ -466,12 +430,13 @@ def run(args: argparse.Namespace) -> int:
         "comparison": compare(results),
         "machine": info,
     }
-    sim_rows = _simulated(args, runs, sim_model, chat) if sim_model is not None else None
+    sim_rows, scale = _simulated(args, runs, sim_model, chat) if sim_model else (None, {})
     if sim_rows is not None:
         out["simulated"] = {
             policy: {"measured": dataclasses.asdict(real), "simulated": dataclasses.asdict(sim)}
             for policy, (real, sim) in sim_rows.items()
         }
+        out["simulated_busy_scale"] = scale
     end_line = report.finish_line(info)
     if not report.emit_report(out, args.output, args.json):
         for policy, r in results.items():
@@ -484,6 +449,12 @@ def run(args: argparse.Namespace) -> int:
             from bench.sim.replay import format_comparison as format_sim
 
             print(f"simulator cost model: {sim_model.source}")  # type: ignore[union-attr]
+            print(
+                f"step costs x {scale['factor']:.2f}: the replicas' engines were busy "
+                f"{scale['measured_busy_s']:.1f} s (deja_engine_busy_seconds), the simulated "
+                f"ones {scale['engine_only_busy_s']:.1f} s at the engine-only calibration, "
+                f"{scale['simulated_busy_s']:.1f} s scaled"
+            )
             print(format_sim(sim_rows))
         if chat is not None:
             print(

@@ -236,3 +236,20 @@ def wait_router_replicas(
         if time.monotonic() > deadline:
             raise TimeoutError(f"{name} sees fewer than {n} healthy replicas:\n{group.tail(name)}")
         time.sleep(0.25)
+
+
+def engine_busy_seconds(metrics_ports: Sequence[int], timeout_s: float = 10.0) -> float:
+    """The replicas' `deja_engine_busy_seconds` summed (wall seconds their engines spent in
+    steps), once the engines are idle and the counters have settled (each replica refreshes its
+    engine metrics every 0.5 s); 0.0 if they never settle."""
+    deadline = time.monotonic() + timeout_s
+    last = None
+    while time.monotonic() < deadline:
+        texts = [scrape(p) for p in metrics_ports]
+        busy = sum(metric_sum(t, "deja_engine_busy_seconds_total") for t in texts)
+        idle = all(metric_sum(t, "deja_num_requests_running") == 0 for t in texts)
+        if idle and busy == last:
+            return busy
+        last = busy if idle else None
+        time.sleep(0.6)
+    return 0.0

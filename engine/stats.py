@@ -132,6 +132,11 @@ class EngineStats:
     """The scheduler's token budget per step."""
     utilisation: float = 0.0
     """Share of the last ~120 s spent in steps (engine/core/step_rates.py)."""
+    busy_seconds: float = 0.0
+    """Wall seconds the engine spent in steps since start (CPU time lost to other processes on
+    its core during a step included)."""
+    num_steps: int = 0
+    """Engine steps since start."""
 
     @property
     def prefix_hit_rate(self) -> float:

@@ -169,15 +169,48 @@ def replay(
     poll_interval_s: float,
     weights: CostWeights | None,
     served_ids: Callable[[list[int]], list[int]] | None = None,
-) -> list[RequestRecord]:
-    """Every measured round, each on a fresh simulated cluster; their requests together."""
+) -> tuple[list[RequestRecord], float]:
+    """Every measured round, each on a fresh simulated cluster: their requests together, and
+    the simulated replicas' busy seconds (time in steps) over all rounds."""
     out: list[RequestRecord] = []
+    busy = 0.0
     for sessions, records in rounds:
         cluster = Cluster(
             model, num_replicas, policy, poll_interval_s=poll_interval_s, weights=weights
         )
         out += cluster.run(trace_workload(sessions, records, served_ids)).records
-    return out
+        busy += sum(r.busy_s for r in cluster.replicas.values())
+    return out, busy
+
+
+def scaled(model: CostModel, factor: float) -> CostModel:
+    """`model` with every step cost multiplied by `factor`."""
+    costs: dict[str, Any] = {k: factor * getattr(model, k) for k in _FIT_KEYS}
+    return replace(model, **costs)
+
+
+def fit_busy_scale(
+    busy_at: Callable[[float], float], measured_busy_s: float, *, tries: int = 4
+) -> float:
+    """The factor on the step costs at which the simulated replicas are busy as long as the real
+    ones were (`busy_at(factor)`: the replay's busy seconds at that factor), by fixed-point
+    iteration (busy time is not linear in the factor: dearer steps batch more); 1.0 when
+    nothing was measured.
+
+    The engine-only calibration prices a step on a core of its own; a real replica's step also
+    loses its core to the replica's API process (streaming, tokenizing), which only the
+    replica's own busy time shows."""
+    if not measured_busy_s > 0:
+        return 1.0
+    factor = 1.0
+    for _ in range(tries):
+        busy = busy_at(factor)
+        if not busy > 0:
+            return 1.0
+        if abs(busy / measured_busy_s - 1) < 0.01:
+            break
+        factor *= measured_busy_s / busy
+    return factor
 
 
 def format_comparison(rows: dict[str, tuple[Figures, Figures]]) -> str:

@@ -143,9 +143,11 @@ class EngineCoreProc:
                     log.warning("the API server exited; engine core shutting down")
                     self._stopping, self._flush_timeout_s = True, 10.0
                 continue
+            started = time.monotonic()
             outs = eng.step()
             self._stats_dirty = True
             self._send_outputs(outs)
+            eng.step_rates.count_busy(time.monotonic() - started)
         for rid in list(eng.requests):
             eng.abort(rid)
         while eng.has_unfinished_requests():

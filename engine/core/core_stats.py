@@ -64,6 +64,8 @@ def engine_stats(core: EngineCore) -> EngineStats:
         decode_seq_s=core.step_rates.decode_seq_s,
         step_tokens=core.config.scheduler.max_num_batched_tokens,
         utilisation=core.step_rates.utilisation(time.monotonic()),
+        busy_seconds=core.step_rates.total_busy_s,
+        num_steps=core.step_rates.total_steps,
         num_running=len(running),
         num_waiting=len(sched.waiting),
         num_preemptions=sched.num_preemptions,

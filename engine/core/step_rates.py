@@ -55,10 +55,20 @@ class StepRates:
     _busy_s: float = 0.0
     """Step seconds, decayed with time constant `window_s`, as of `_busy_at`."""
     _busy_at: float = 0.0
+    total_busy_s: float = 0.0
+    """Wall seconds of whole steps since start, as the step loop times them (`count_busy`:
+    scheduling and output processing included, unlike `observe`'s), not decayed."""
+    total_steps: int = 0
+    """Steps counted by `count_busy` since start."""
 
     def utilisation(self, now: float) -> float:
         decay = math.exp(-max(0.0, now - self._busy_at) / self.window_s)
         return min(1.0, self._busy_s * decay / self.window_s)
+
+    def count_busy(self, seconds: float) -> None:
+        """One whole step of the step loop took `seconds` (wall)."""
+        self.total_busy_s += seconds
+        self.total_steps += 1
 
     def observe(
         self, prefill_tokens: int, decode_seqs: int, seconds: float, now: float | None = None

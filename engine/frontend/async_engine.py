@@ -14,6 +14,7 @@ import contextlib
 import logging
 import queue
 import threading
+import time
 from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -170,7 +171,9 @@ class AsyncEngine(EngineFrontend):
                     self._wake.wait(timeout=0.5)
                     self._wake.clear()
                     continue
+                started = time.monotonic()
                 outs = eng.step()
+                eng.step_rates.count_busy(time.monotonic() - started)
                 self._stats = eng.get_stats()
                 for out in outs:
                     self._deliver(out)

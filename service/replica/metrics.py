@@ -74,6 +74,10 @@ class _EngineStatsCollector(Collector):
         yield gauge("deja_free_device_blocks", "Device KV blocks free.", s.free_device_blocks)
         yield counter("deja_num_preemptions", "Preempted requests.", s.num_preemptions)
         yield counter(
+            "deja_engine_busy_seconds", "Wall seconds the engine spent in steps.", s.busy_seconds
+        )
+        yield counter("deja_engine_steps", "Engine steps.", s.num_steps)
+        yield counter(
             "deja_prefix_cache_queries", "Prompt tokens looked up in the cache.", s.prefix_queries
         )
         yield counter("deja_prefix_cache_hits", "Prompt tokens served from cache.", s.prefix_hits)

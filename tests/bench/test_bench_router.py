@@ -49,6 +49,11 @@ def test_bench_router_runs_each_policy_on_fresh_replicas(
         assert sim["simulated"]["p50_s"] > 0
         assert re.search(rf"^{policy}\s+sim\s+\d+\.\d", text, re.M), text
         assert re.search(rf"^{policy}: simulated TTFT p50 within 25% of the measured: ", text, re.M)
+    # ... with the step costs scaled to the replicas' measured busy time (deja_engine_busy_seconds)
+    scale = data["simulated_busy_scale"]
+    assert scale["measured_busy_s"] > 0 and scale["engine_only_busy_s"] > 0
+    assert scale["simulated_busy_s"] == pytest.approx(scale["measured_busy_s"], rel=0.05)
+    assert re.search(r"^step costs x \d+\.\d\d: the replicas' engines were busy", text, re.M)
 
 
 def test_bench_router_refuses_a_rate_that_is_not_positive(

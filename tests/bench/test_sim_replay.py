@@ -8,12 +8,14 @@ import pytest
 
 from bench.sim.profile import CPU
 from bench.sim.replay import (
+    fit_busy_scale,
     format_comparison,
     measured_figures,
     model_for_replicas,
     model_from_fit,
     replay,
     router_settings,
+    scaled,
     simulated_figures,
     trace_workload,
 )
@@ -86,7 +88,7 @@ def test_an_isolated_request_costs_its_modelled_prefill_and_later_turns_hit() ->
     sessions = _sessions()[:1]
     model = replace(CPU, max_num_seqs=16)
     recs = _records(sessions, gap_s=120.0)
-    sim = replay(
+    sim, busy = replay(
         [(sessions, recs)],
         model=model,
         num_replicas=1,
@@ -95,6 +97,7 @@ def test_an_isolated_request_costs_its_modelled_prefill_and_later_turns_hit() ->
         weights=None,
     )
     assert [r.turn for r in sim] == [0, 1, 2]
+    assert busy >= sum(r.ttft_s for r in sim)  # each request's wait is its own steps here
     p = recs[0].prompt_tokens
     assert sim[0].ttft_s == pytest.approx(model.step_s(p, p * p / 2, 0, 0), rel=0.05)
     assert sim[0].cached_tokens == 0
@@ -141,7 +144,7 @@ def test_chat_text_turns_are_replayed_as_the_ids_the_replica_served() -> None:
     s0 = wl.sessions[0]
     assert not s0.growing
     assert s0.turns[0].prompt == served(sessions[0].prefix + sessions[0].turns[0])
-    sim = replay(
+    sim, _ = replay(
         [(sessions, recs)],
         model=replace(CPU, max_num_seqs=16),
         num_replicas=1,
@@ -168,3 +171,31 @@ def test_chat_served_ids_renders_the_template_over_the_decoded_history() -> None
         Tok(), lambda ids: [{"role": "user", "content": "".join(map(chr, ids))}]
     )
     assert served([104, 105]) == [1, 104, 105, 2]
+
+
+def test_step_costs_scale_until_the_simulated_replicas_are_as_busy_as_the_measured() -> None:
+    """The whole-replica scale: the replay's busy time at the fitted factor matches the
+    measured busy time, and the factor multiplies every step cost (cache sizes unchanged)."""
+    sessions = _sessions()
+    recs = _records(sessions, gap_s=0.3)
+    model = replace(CPU, max_num_seqs=16)
+
+    def busy_at(factor: float) -> float:
+        return replay(
+            [(sessions, recs)],
+            model=scaled(model, factor),
+            num_replicas=2,
+            policy="round_robin",
+            poll_interval_s=0.5,
+            weights=None,
+        )[1]
+
+    base = busy_at(1.0)
+    factor = fit_busy_scale(busy_at, 1.6 * base)
+    assert 1.5 < factor < 3.0  # dearer steps batch more: busy time grows slower than the costs
+    assert busy_at(factor) == pytest.approx(1.6 * base, rel=0.03)
+    double = scaled(model, 2.0)
+    assert double.prefill_token_s == 2 * model.prefill_token_s
+    assert double.step_overhead_s == 2 * model.step_overhead_s
+    assert double.device_blocks == model.device_blocks
+    assert fit_busy_scale(busy_at, 0.0) == 1.0  # nothing measured: the engine-only costs

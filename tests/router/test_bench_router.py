@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.router import compare, format_comparison
+from bench.router_table import compare, format_comparison
 from service import cli
 
 

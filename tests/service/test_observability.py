@@ -148,6 +148,9 @@ async def test_metrics_endpoint(start_server: StartServer, server: Harness) -> N
     assert m["deja_prefix_cache_hits_total{}"] >= 16
     assert m["deja_cache_tier_blocks{state=total,tier=device}"] == 512
     assert m["deja_active_streams{}"] == 0
+    # two requests of 4 tokens: at least a prefill and 3 decodes each, every step timed
+    assert m["deja_engine_steps_total{}"] >= 8
+    assert 0.0 < m["deja_engine_busy_seconds_total{}"] < 60.0
 
 
 async def test_host_buffers_in_cache_stats_and_metrics(

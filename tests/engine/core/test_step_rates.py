@@ -89,3 +89,13 @@ def test_utilisation_decays_with_time() -> None:
         r.observe(0, 1, 0.25, now=i * 0.5 + 0.25)
     assert r.utilisation(100.0) == pytest.approx(0.5, abs=0.03)
     assert r.utilisation(110.0) == pytest.approx(0.5 / 2.718, abs=0.03)  # one time constant idle
+
+
+def test_count_busy_accumulates_whole_steps_undecayed() -> None:
+    r = StepRates()
+    r.observe(0, 4, 0.01, 0.0)  # the fit's part of a step is not the count
+    assert (r.total_busy_s, r.total_steps) == (0.0, 0)
+    r.count_busy(0.02)
+    r.count_busy(0.03)
+    assert r.total_busy_s == pytest.approx(0.05)
+    assert r.total_steps == 2
