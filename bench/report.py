@@ -21,17 +21,8 @@ def machine_info(threads: int) -> dict[str, Any]:
     import torch
     import transformers
 
-    cpu = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    cpu = line.split(":", 1)[1].strip()
-                    break
-    except OSError:
-        pass
     return {
-        "cpu": cpu,
+        "cpu": cpu_model(),
         "cores": os.cpu_count(),
         "torch_threads": threads,
         "python": platform.python_version(),
@@ -41,6 +32,24 @@ def machine_info(threads: int) -> dict[str, Any]:
         "load_avg_at_start": load_avg(),
         "cpu_times_at_start": cpu_times(),
     }
+
+
+def cpu_model() -> str:
+    """The CPU's model name (/proc/cpuinfo), else what `platform` knows."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def machine_line(info: dict[str, Any]) -> str:
+    """ "machine: <cpu>, <n> cores, cpu flags: ..." from `info`'s cpu, cores and cpu_flags."""
+    flags = info.get("cpu_flags") or "unknown"
+    return f"machine: {info['cpu']}, {info['cores']} cores, cpu flags: {flags}"
 
 
 SPEED_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_tile", "amx_bf16")

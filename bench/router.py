@@ -22,7 +22,9 @@ import argparse
 import asyncio
 import dataclasses
 import math
+import os
 import shlex
+import subprocess
 import sys
 import tempfile
 import time
@@ -385,15 +387,26 @@ def run(args: argparse.Namespace) -> int:
         print("deja bench router: --capacity-share must be in (0, 1]", file=sys.stderr)
         return 2
     runs = {policy: _Runs() for policy in policies}
-    info: dict[str, Any] = {"load_avg_at_start": report.load_avg()}
+    info: dict[str, Any] = {
+        "cpu": report.cpu_model(),
+        "cores": os.cpu_count(),
+        "cpu_flags": report.cpu_flags(),
+        "load_avg_at_start": report.load_avg(),
+        "cpu_times_at_start": report.cpu_times(),
+    }
     sim_model = None
     if args.simulate:
         from bench.sim.replay import sim_model as make_sim_model
 
         cores = [c.strip() for c in args.pin_cores.split(",") if c.strip()]
-        sim_model = make_sim_model(
-            args.sim_profile, args.model, args.server_args, cores[0] if cores else None
-        )
+        try:
+            sim_model = make_sim_model(
+                args.sim_profile, args.model, args.server_args, cores[0] if cores else None
+            )
+        except (OSError, KeyError, ValueError, subprocess.CalledProcessError) as e:
+            why = getattr(e, "stderr", None) or e
+            print(f"deja bench router: --sim-profile {args.sim_profile}: {why}", file=sys.stderr)
+            return 2
         print(f"simulator cost model: {sim_model.as_dict()}", file=sys.stderr)
     workload: Any = None
     with tempfile.TemporaryDirectory(prefix="deja-bench-router-") as tmp_dir:
@@ -437,7 +450,7 @@ def run(args: argparse.Namespace) -> int:
             for policy, (real, sim) in sim_rows.items()
         }
         out["simulated_busy_scale"] = scale
-    end_line = report.finish_line(info)
+    end_line = f"{report.machine_line(info)}\n{report.finish_line(info)}"
     if not report.emit_report(out, args.output, args.json):
         for policy, r in results.items():
             print(format_result(policy, r))

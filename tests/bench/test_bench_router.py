@@ -41,6 +41,7 @@ def test_bench_router_runs_each_policy_on_fresh_replicas(
         assert 0 < row["hit_rate"] <= row["oracle_hit_rate"] < 1.0
     assert re.search(r"^load avg at end [\d.]+, .*\(at start [\d.]+, ", text, re.M), text
     assert len(data["machine"]["load_avg_at_start"]) == 3
+    assert re.search(r"^machine: .+, \d+ cores, cpu flags: ", text, re.M), text
     assert re.search(r"^oracle: .* more than \d+\.\d\dx round robin's here$", text, re.M), text
     # --simulate: the same 9 requests per policy replayed in the simulator, beside the measured.
     for policy in ("cost", "round_robin"):
@@ -54,6 +55,20 @@ def test_bench_router_runs_each_policy_on_fresh_replicas(
     assert scale["measured_busy_s"] > 0 and scale["engine_only_busy_s"] > 0
     assert scale["simulated_busy_s"] == pytest.approx(scale["measured_busy_s"], rel=0.05)
     assert re.search(r"^step costs x \d+\.\d\d: the replicas' engines were busy", text, re.M)
+
+
+def test_bench_router_refuses_a_sim_profile_it_cannot_read(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    missing = tmp_path / "nope.json"
+    flags = ["--simulate", "--sim-profile", str(missing), "--no-progress"]
+    assert router.run(common.parse_args(router.add_arguments, flags)) == 2  # before any process
+    assert f"--sim-profile {missing}: " in capsys.readouterr().err
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"rows": []}')
+    flags[2] = str(bad)
+    assert router.run(common.parse_args(router.add_arguments, flags)) == 2
+    assert "'fit'" in capsys.readouterr().err
 
 
 def test_bench_router_refuses_a_rate_that_is_not_positive(
