@@ -255,7 +255,8 @@ class Cluster:
                 )
             )
         shares = None
-        if router.policy == "cost":  # as `deja route` tracks it (service/router/popularity.py)
+        holders = (self.weights or CostWeights()).holder_share > 0
+        if router.policy == "cost" and holders:  # as `deja route` tracks it (popularity.py)
             shares = router.popularity.track(chain, self.clock)
         inputs = RouteInputs(
             session.session_id,

@@ -53,13 +53,7 @@ class PrefixPopularity:
 
     def observe(self, chain: Sequence[BlockHash], now: float) -> None:
         """Counts one request whose prompt has these leading blocks."""
-        self._total = (self._decayed(self._total, now) + 1.0, now)
-        for d in counted_depths(len(chain)):
-            h = chain[d]
-            old = self._counts.pop(h, None)
-            self._counts[h] = ((self._decayed(old, now) if old else 0.0) + 1.0, now)
-        while len(self._counts) > self._max:
-            self._counts.popitem(last=False)
+        self.track(chain, now)
 
     def shares(self, chain: Sequence[BlockHash], now: float) -> tuple[tuple[int, float], ...]:
         """(depth, share of recent requests containing the chain up to that block) at the
@@ -74,10 +68,21 @@ class PrefixPopularity:
         return tuple(out)
 
     def track(self, chain: Sequence[BlockHash], now: float) -> tuple[tuple[int, float], ...]:
-        """`shares` of this request's chain as the traffic before it, then `observe` of it."""
-        shares = self.shares(chain, now)
-        self.observe(chain, now)
-        return shares
+        """`shares` of this request's chain as the traffic before it, and it counted (as
+        `observe`), in one pass over the chain."""
+        prior = self._decayed(self._total, now)
+        self._total = (prior + 1.0, now)
+        out = []
+        for d in counted_depths(len(chain)):
+            h = chain[d]
+            old = self._counts.pop(h, None)
+            count = self._decayed(old, now) if old else 0.0
+            if prior > 0:
+                out.append((d, min(1.0, count / prior)))
+            self._counts[h] = (count + 1.0, now)
+        while len(self._counts) > self._max:
+            self._counts.popitem(last=False)
+        return tuple(out)
 
 
 def share_at(shares: Sequence[tuple[int, float]], depth: int) -> float | None:

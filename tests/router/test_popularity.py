@@ -53,3 +53,17 @@ def test_counts_decay_with_their_half_life_and_memory_is_capped() -> None:
     assert dict(small.shares(a, 0.0)) == {0: 0.0, 1: 0.0, 3: 0.0}  # a's counts went first
     with pytest.raises(ValueError):
         PrefixPopularity(half_life_s=0)
+
+
+def test_track_in_one_pass_equals_shares_then_observe() -> None:
+    one, two = PrefixPopularity(half_life_s=30.0), PrefixPopularity(half_life_s=30.0)
+    chains = [_chain(t, n, shared=2) for t, n in (("a", 9), ("b", 3), ("a", 9), ("c", 1))]
+    for i in range(40):
+        chain, now = chains[i % len(chains)], 2.5 * i
+        expected = two.shares(chain, now)
+        two.observe(chain, now)
+        got = one.track(chain, now)
+        assert [d for d, _ in got] == [d for d, _ in expected]
+        assert [s for _, s in got] == pytest.approx([s for _, s in expected])
+    assert one.track(_chain("z", 2), 100.0) != ()
+    assert PrefixPopularity().track(_chain("z", 2), 0.0) == ()  # nothing before it
