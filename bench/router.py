@@ -322,7 +322,9 @@ def _simulated(
             }
         return replays[factor]
 
-    measured_busy = sum(sum(r.busy_s) for r in jobs.values())
+    rounds_busy = [b for r in jobs.values() for b in r.busy_s]
+    # a round whose replicas could not be read: no scale (the engine-only costs)
+    measured_busy = sum(rounds_busy) if all(b > 0 for b in rounds_busy) else 0.0
     factor = sim.fit_busy_scale(
         lambda f: sum(busy for _, busy in replay_all(f).values()), measured_busy
     )
@@ -462,6 +464,8 @@ def run(args: argparse.Namespace) -> int:
             from bench.sim.replay import format_comparison as format_sim
 
             print(f"simulator cost model: {sim_model.source}")  # type: ignore[union-attr]
+            if not scale["measured_busy_s"]:
+                print("step costs not scaled: a round's replica busy time could not be read")
             print(
                 f"step costs x {scale['factor']:.2f}: the replicas' engines were busy "
                 f"{scale['measured_busy_s']:.1f} s (deja_engine_busy_seconds), the simulated "

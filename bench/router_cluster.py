@@ -241,11 +241,14 @@ def wait_router_replicas(
 def engine_busy_seconds(metrics_ports: Sequence[int], timeout_s: float = 10.0) -> float:
     """The replicas' `deja_engine_busy_seconds` summed (wall seconds their engines spent in
     steps), once the engines are idle and the counters have settled (each replica refreshes its
-    engine metrics every 0.5 s); 0.0 if they never settle."""
+    engine metrics every 0.5 s); 0.0 if they never settle or one cannot be read."""
     deadline = time.monotonic() + timeout_s
     last = None
     while time.monotonic() < deadline:
-        texts = [scrape(p) for p in metrics_ports]
+        try:
+            texts = [scrape(p) for p in metrics_ports]
+        except OSError:
+            return 0.0
         busy = sum(metric_sum(t, "deja_engine_busy_seconds_total") for t in texts)
         idle = all(metric_sum(t, "deja_num_requests_running") == 0 for t in texts)
         if idle and busy == last:

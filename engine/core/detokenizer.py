@@ -103,8 +103,8 @@ class IncrementalDetokenizer:
         self.tokenizer = tokenizer
         self.params = params
         self._decode = make_decode(tokenizer, params.skip_special_tokens)
-        self.text = ""
-        """All text emitted so far."""
+        self._chunks: list[str] = []
+        """The text emitted so far, in the pieces it was emitted in (`text` joins them)."""
         self.stop_string: str | None = None
         """The stop string that matched, once one has; nothing more is emitted after it."""
         self._ids: list[int] = []
@@ -123,6 +123,11 @@ class IncrementalDetokenizer:
         """(DecodeStream, Rust tokenizer) where available: it keeps the window itself."""
         self._stream_chars = 0
         """Characters of the output's text the stream has produced so far."""
+
+    @property
+    def text(self) -> str:
+        """All text emitted so far."""
+        return "".join(self._chunks)
 
     def add(self, token_id: int) -> str:
         """Appends one generated token; returns the text that is now safe to emit (may be "")."""
@@ -172,7 +177,7 @@ class IncrementalDetokenizer:
     def _emit(self, delta: str, *, final: bool) -> str:
         """Adds decoded text; returns what may be emitted now."""
         if not self._stops:
-            self.text += delta
+            self._chunks.append(delta)
             return delta
         buf = self._held + delta
         if len(self._ids) >= self.params.min_tokens:
@@ -183,12 +188,12 @@ class IncrementalDetokenizer:
                 self.stop_string = stop
                 self._finished = True
                 self._held = ""
-                self.text += out
+                self._chunks.append(out)
                 return out
         keep = 0 if final else self._partial_stop_len(buf)
         out = buf[: len(buf) - keep]
         self._held = buf[len(buf) - keep :]
-        self.text += out
+        self._chunks.append(out)
         return out
 
     def _find_stop(self, buf: str) -> tuple[int, str] | None:

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 from engine.core.detokenizer import IncrementalDetokenizer, make_decode
-from engine.core.sequence import Request, Sequence
+from engine.core.sequence import Request, SeqStatus, Sequence
 from engine.outputs import CompletionOutput, RequestOutput, TokenLogprob
 
 
@@ -43,7 +43,6 @@ class SampleOutput:
     sent_logprobs: int = 0
     final_sent: bool = False
     """The delta carrying finish_reason has been handed out."""
-    text: str = ""
     pending_text: str = ""
     """Text produced since the last streamed delta."""
 
@@ -103,7 +102,30 @@ class OutputProcessor:
         they finish; then one message carries the n best outputs in full, best first.
         """
         outs = []
+        samples = self._samples
         for rid, req in requests.items():
+            seqs = req.seqs
+            if len(seqs) == 1 and req.beam is None and not req.params.ranks_samples:
+                # One sample, the common case: `Request.finished` and the loop below, inline.
+                seq = seqs[0]
+                finished = seq.status is SeqStatus.FINISHED
+                delta = self._delta(seq)
+                if finished:
+                    samples.pop(seq.seq_id, None)
+                outs.append(
+                    RequestOutput(
+                        request_id=rid,
+                        prompt_token_ids=req.prompt_token_ids,
+                        outputs=[] if delta is None else [delta],
+                        finished=finished,
+                        num_cached_tokens=req.cached_tokens.total,
+                        cached_tokens=req.cached_tokens,
+                        metrics=req.metrics,
+                        error=req.error,
+                        pinned=req.pinned,
+                    )
+                )
+                continue
             finished = req.finished
             if req.beam is not None or req.params.ranks_samples:
                 if not finished:
@@ -190,7 +212,6 @@ class OutputProcessor:
             finish_reason=seq.finish_reason,
             stop_reason=seq.stop_reason,
         )
-        out.text += out.pending_text
         out.pending_text = ""
         out.sent_tokens += len(new_tokens)
         out.final_sent = seq.finish_reason is not None
