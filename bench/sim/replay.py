@@ -80,22 +80,21 @@ def trace_workload(
 
 
 def model_for_replicas(base: CostModel, server_args: str) -> CostModel:
-    """`base` with the scheduler limits the replicas were started with (`--server-args`)."""
+    """`base` with the scheduler limits and cache blocks the replicas ran with: `--server-args`
+    parsed by `deja serve`'s own engine flags, the engine's defaults where not given (the device
+    blocks: `base`'s, the default memory's blocks on the model it was fitted on)."""
+    from service.common.engine_args import add_engine_args
+
     p = argparse.ArgumentParser(add_help=False)
-    p.add_argument("--max-num-seqs", type=int)
-    p.add_argument("--max-num-batched-tokens", type=int)
-    p.add_argument("--num-device-blocks", type=int)
-    p.add_argument("--block-size", type=int)
+    add_engine_args(p)
     known, _ = p.parse_known_args(shlex.split(server_args))
-    changes: dict[str, Any] = {}
-    if known.max_num_seqs:
-        changes["max_num_seqs"] = known.max_num_seqs
-    if known.max_num_batched_tokens:
-        changes["step_tokens"] = known.max_num_batched_tokens
+    changes: dict[str, Any] = {
+        "max_num_seqs": known.max_num_seqs,
+        "step_tokens": known.max_num_batched_tokens,
+        "block_size": known.block_size,
+    }
     if known.num_device_blocks:
         changes["device_blocks"] = known.num_device_blocks
-    if known.block_size:
-        changes["block_size"] = known.block_size
     return replace(base, **changes)
 
 

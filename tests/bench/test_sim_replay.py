@@ -113,6 +113,11 @@ def test_replica_and_router_settings_come_from_the_bench_flags() -> None:
     m = model_for_replicas(CPU, "--max-num-seqs 16 --threads 1 --max-num-batched-tokens 512")
     assert (m.max_num_seqs, m.step_tokens, m.device_blocks) == (16, 512, CPU.device_blocks)
     assert model_for_replicas(CPU, "--num-device-blocks 99").device_blocks == 99
+    # what `deja serve` itself would run with: its flags and defaults, other flags ignored
+    from engine.config import SchedulerConfig
+
+    plain = model_for_replicas(replace(CPU, max_num_seqs=3), "--block-size 32 --port 1")
+    assert plain.max_num_seqs == SchedulerConfig().max_num_seqs and plain.block_size == 32
     poll, w = router_settings("--recompute-weight 3 --poll-interval 0.25", 0.5)
     assert poll == 0.25 and w.recompute_weight == 3.0
     assert router_settings("", 0.5)[0] == 0.5
