@@ -293,7 +293,7 @@ def pinned(argv: list[str], cores: str, index: int) -> list[str]:
 
 def _simulated(
     args: argparse.Namespace, runs: dict[str, _Runs], model: Any, chat: _Chat | None
-) -> tuple[dict[str, Any], dict[str, float]]:
+) -> tuple[dict[str, Any], dict[str, Any]]:
     """--simulate: each deja policy's rounds replayed in the simulator (bench/sim/replay.py),
     its step costs scaled so that the simulated replicas are busy as long as the real ones
     were (all deja policies' rounds together); policy -> (measured, simulated) figures, and
@@ -338,6 +338,10 @@ def _simulated(
         "measured_busy_s": measured_busy,
         "engine_only_busy_s": sum(busy for _, busy in replay_all(1.0).values()),
         "simulated_busy_s": sum(busy for _, busy in final.values()),
+        # the engine-only calibration's TTFT p50 (x1.00), to show what the scale changed
+        "engine_only_p50_s": {
+            p: sim.simulated_figures(recs).p50_s for p, (recs, _) in replay_all(1.0).items()
+        },
     }
     return rows, scale
 
@@ -470,7 +474,8 @@ def run(args: argparse.Namespace) -> int:
                 f"step costs x {scale['factor']:.2f}: the replicas' engines were busy "
                 f"{scale['measured_busy_s']:.1f} s (deja_engine_busy_seconds), the simulated "
                 f"ones {scale['engine_only_busy_s']:.1f} s at the engine-only calibration, "
-                f"{scale['simulated_busy_s']:.1f} s scaled"
+                f"{scale['simulated_busy_s']:.1f} s scaled; simulated TTFT p50 unscaled: "
+                + ", ".join(f"{p} {1e3 * v:.1f} ms" for p, v in scale["engine_only_p50_s"].items())
             )
             print(format_sim(sim_rows))
         if chat is not None:

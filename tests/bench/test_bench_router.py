@@ -54,6 +54,7 @@ def test_bench_router_runs_each_policy_on_fresh_replicas(
     scale = data["simulated_busy_scale"]
     assert scale["measured_busy_s"] > 0 and scale["engine_only_busy_s"] > 0
     assert scale["simulated_busy_s"] == pytest.approx(scale["measured_busy_s"], rel=0.05)
+    assert set(scale["engine_only_p50_s"]) == {"cost", "round_robin"}
     assert re.search(r"^step costs x \d+\.\d\d: the replicas' engines were busy", text, re.M)
 
 
