@@ -106,36 +106,21 @@ class OutputProcessor:
         for rid, req in requests.items():
             seqs = req.seqs
             if len(seqs) == 1 and req.beam is None and not req.params.ranks_samples:
-                # One sample, the common case: `Request.finished` and the loop below, inline.
-                seq = seqs[0]
-                finished = seq.status is SeqStatus.FINISHED
-                delta = self._delta(seq)
-                if finished:
-                    samples.pop(seq.seq_id, None)
-                outs.append(
-                    RequestOutput(
-                        request_id=rid,
-                        prompt_token_ids=req.prompt_token_ids,
-                        outputs=[] if delta is None else [delta],
-                        finished=finished,
-                        num_cached_tokens=req.cached_tokens.total,
-                        cached_tokens=req.cached_tokens,
-                        metrics=req.metrics,
-                        error=req.error,
-                        pinned=req.pinned,
-                    )
-                )
-                continue
-            finished = req.finished
-            if req.beam is not None or req.params.ranks_samples:
-                if not finished:
-                    continue
-                deltas = self._beam_outputs(req) if req.beam is not None else self._best_of(req)
+                # One sample, the common case: `Request.finished` and the delta, inline.
+                finished = seqs[0].status is SeqStatus.FINISHED
+                delta = self._delta(seqs[0])
+                deltas = [] if delta is None else [delta]
             else:
-                deltas = [d for seq in req.seqs if (d := self._delta(seq)) is not None]
+                finished = req.finished
+                if req.beam is not None or req.params.ranks_samples:
+                    if not finished:
+                        continue
+                    deltas = self._beam_outputs(req) if req.beam is not None else self._best_of(req)
+                else:
+                    deltas = [d for seq in seqs if (d := self._delta(seq)) is not None]
             if finished:
                 for seq in req.seqs:
-                    self._samples.pop(seq.seq_id, None)
+                    samples.pop(seq.seq_id, None)
             outs.append(
                 RequestOutput(
                     request_id=rid,
