@@ -97,7 +97,9 @@ def test_engine_reports_its_buffers_and_zeroes_the_cpu_tier(
 def test_trimmer_trims_at_most_every_interval() -> None:
     trimmer = HostMemoryTrimmer(every_s=10.0)
     assert trimmer.available  # glibc on every machine this project runs on
-    start = trimmer._last
+    # A start that floats hold exactly: with time.monotonic()'s own value, (start + 10.0) - start
+    # can round to just under 10.0 and the test would fail for the clock's sake, not the code's.
+    start = trimmer._last = 1024.0
     assert not trimmer.maybe_trim(start + 5.0)
     assert trimmer.maybe_trim(start + 10.0)
     assert not trimmer.maybe_trim(start + 19.0)
