@@ -2,9 +2,10 @@
 
 `EngineCore` takes prepared `Request`s (tokenized and validated by the front end's
 `InputProcessor`), and each `step` makes one scheduling decision, runs one forward pass over every
-scheduled token, and returns the streamed deltas of the requests with news. Output processing
-(stop checks, incremental detokenization) runs here, next to the scheduler, because a stop string
-decides when a sequence finishes and frees its blocks.
+scheduled token, and returns the streamed deltas of the requests with news: token ids, logprobs
+and finish reasons, without text. Stop checks run here, next to the scheduler, because a stop
+decides when a sequence finishes and frees its blocks; the text is made by the front end
+(engine/frontend/output_text.py), as in vLLM v1.
 
 It runs in the engine-core process (engine/core/core_process.py), in the AsyncEngine's step
 thread, or in the caller's thread for the offline `LLM`; the front end's `LLMEngine` adds
@@ -474,13 +475,9 @@ class EngineCore:
             seq.cum_logprob += logprob.logprob
         end = self.outputs.process_token(seq, token_id, logprob)
         if end is not None:
-            self._finish(seq, end.reason, end.stop_reason, flush=end.flush)
+            self._finish(seq, end.reason, end.stop_reason)
 
-    def _finish(
-        self, seq: Sequence, reason: str, stop_reason: int | str | None, flush: bool = True
-    ) -> None:
-        if flush:
-            self.outputs.flush(seq)
+    def _finish(self, seq: Sequence, reason: str, stop_reason: int | str | None) -> None:
         self.scheduler.remove(seq)
         seq.finish(reason, stop_reason)
 

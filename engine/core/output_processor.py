@@ -1,10 +1,12 @@
-"""From sampled tokens to what a caller streams: stop checks, detokenization and deltas.
+"""From sampled tokens to what the core streams: stop checks and token deltas.
 
-The anchor is vLLM v1's OutputProcessor: `Sequence` keeps the scheduling state (tokens, blocks,
-status), this keeps each sample's output state (its incremental detokenizer, logprobs, the text
-and tokens already streamed). `LLMEngine` appends a sampled token to the sequence, asks
-`process_token` whether the sample ends with it, and after each step turns the requests with news
-into `RequestOutput` deltas with `make_outputs`.
+The anchor is vLLM v1's OutputProcessor split: `Sequence` keeps the scheduling state (tokens,
+blocks, status), this keeps each sample's output state (its logprobs, the tokens already streamed).
+`EngineCore` appends a sampled token to the sequence, asks `process_token` whether the sample ends
+with it, and after each step turns the requests with news into `RequestOutput` deltas with
+`make_outputs`: token ids, logprobs and finish reasons. Their text is made in the front end
+(engine/frontend/output_text.py), off the core's step; only a request with stop strings is decoded
+here too, since a stop string decides when its sample ends.
 
 Stop rules, in order (the first that holds ends the sample):
     the grammar rejects the token                        error (only with conflicting settings)
@@ -13,6 +15,7 @@ Stop rules, in order (the first that holds ends the sample):
     the grammar has terminated                           stop
     a stop string completed in the text                  stop, stop_reason = the string
     max_tokens out, or the sequence reached max_model_len  length
+The token that ends a sample by one of the first four rules is not part of its text.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
-from engine.core.detokenizer import IncrementalDetokenizer, make_decode
+from engine.core.detokenizer import IncrementalDetokenizer
 from engine.core.sequence import Request, SeqStatus, Sequence
 from engine.outputs import CompletionOutput, RequestOutput, TokenLogprob
 
@@ -29,22 +32,19 @@ class StopDecision(NamedTuple):
     reason: str
     """stop, length or error."""
     stop_reason: int | str | None
-    flush: bool
-    """Flush the detokenizer's held-back text (False when a stop string cut the text)."""
 
 
 @dataclass(slots=True)
 class SampleOutput:
     """What one sample has produced for its stream."""
 
-    detokenizer: IncrementalDetokenizer
+    detokenizer: IncrementalDetokenizer | None
+    """Only for a request with stop strings: finds them (its text is not sent)."""
     logprobs: list[TokenLogprob] | None
     sent_tokens: int = 0
     sent_logprobs: int = 0
     final_sent: bool = False
     """The delta carrying finish_reason has been handed out."""
-    pending_text: str = ""
-    """Text produced since the last streamed delta."""
 
 
 class OutputProcessor:
@@ -57,8 +57,11 @@ class OutputProcessor:
 
     def add_sample(self, seq: Sequence) -> None:
         req = seq.request
+        params = req.params
         self._samples[seq.seq_id] = SampleOutput(
-            IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids, req.params),
+            IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids, params)
+            if params.stop
+            else None,
             [] if req.params.logprobs is not None else None,
         )
 
@@ -73,27 +76,22 @@ class OutputProcessor:
             # Not expected: the mask allows only what the grammar accepts, and the sampler lifts
             # min_tokens' ban where it would leave a constrained row no token.
             seq.request.error = f"token {token_id} does not fit the response_format"
-            return StopDecision("error", None, True)
+            return StopDecision("error", None)
         if token_id in params.stop_token_ids and n_out >= params.min_tokens:
-            return StopDecision("stop", token_id, True)
+            return StopDecision("stop", token_id)
         if not params.ignore_eos and token_id in self.eos_token_ids and n_out >= params.min_tokens:
-            return StopDecision("stop", None, True)
+            return StopDecision("stop", None)
         if seq.grammar is not None and seq.grammar.is_terminated():
-            return StopDecision("stop", None, True)  # the grammar ended (with ignore_eos set)
+            return StopDecision("stop", None)  # the grammar ended (with ignore_eos set)
         detok = out.detokenizer
-        out.pending_text += detok.add(token_id)
-        if detok.stop_string is not None:
-            return StopDecision("stop", detok.stop_string, False)
+        if detok is not None:
+            detok.add(token_id)
+            if detok.stop_string is not None:
+                return StopDecision("stop", detok.stop_string)
         max_tokens = params.max_tokens if params.max_tokens is not None else self.max_model_len
         if n_out >= max_tokens or len(seq.token_ids) >= self.max_model_len:
-            return StopDecision("length", None, True)
+            return StopDecision("length", None)
         return None
-
-    def flush(self, seq: Sequence) -> None:
-        """Moves the detokenizer's held-back text into the sample's next delta (it ends)."""
-        out = self._samples.get(seq.seq_id)
-        if out is not None:
-            out.pending_text += out.detokenizer.flush()
 
     def make_outputs(self, requests: dict[str, Request]) -> list[RequestOutput]:
         """One delta per request: each sample's new tokens, text and logprobs since the last.
@@ -142,10 +140,10 @@ class OutputProcessor:
         return [d for i, seq in enumerate(best) if (d := self._delta(seq, i)) is not None]
 
     def _beam_outputs(self, req: Request) -> list[CompletionOutput]:
-        """The n best finished beams (an aborted or failed search: its running beams)."""
+        """The n best finished beams (an aborted or failed search: its running beams); their
+        text is decoded in the front end."""
         group, params = req.beam, req.params
         assert group is not None
-        decode = make_decode(self.tokenizer, params.skip_special_tokens)
         if (
             group.finished
             and req.error is None
@@ -154,7 +152,6 @@ class OutputProcessor:
             return [
                 CompletionOutput(
                     index=i,
-                    text=decode(h.token_ids),
                     token_ids=h.token_ids,
                     finish_reason=h.finish_reason,
                     stop_reason=h.stop_reason,
@@ -166,7 +163,6 @@ class OutputProcessor:
         return [
             CompletionOutput(
                 index=i,
-                text=decode(seq.output_token_ids),
                 token_ids=seq.output_token_ids,
                 finish_reason=reason,
                 cumulative_logprob=seq.cum_logprob,
@@ -179,7 +175,7 @@ class OutputProcessor:
         if out is None:
             return None
         new_tokens = seq.token_ids[seq.num_prompt_tokens + out.sent_tokens :]
-        if not new_tokens and not out.pending_text and seq.finish_reason is None:
+        if not new_tokens and seq.finish_reason is None:
             return None
         if out.final_sent:
             return None
@@ -191,13 +187,11 @@ class OutputProcessor:
         delta = CompletionOutput(
             index=seq.index if index is None else index,
             cumulative_logprob=seq.cum_logprob if ranked else None,
-            text=out.pending_text,
             token_ids=new_tokens,
             logprobs=lps,
             finish_reason=seq.finish_reason,
             stop_reason=seq.stop_reason,
         )
-        out.pending_text = ""
         out.sent_tokens += len(new_tokens)
         out.final_sent = seq.finish_reason is not None
         return delta

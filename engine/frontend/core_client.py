@@ -1,7 +1,8 @@
 """`EngineCoreClient`: the AsyncEngine interface over an engine core in its own process.
 
 The client lives in the API server's process and event loop. It tokenizes and validates requests
-itself (`InputProcessor`), writes them to the core (engine/core/core_process.py) through a pipe, and fans the
+itself (`InputProcessor`), makes the text of the core's token deltas (`RequestText`, while the core
+runs its next step), writes requests to the core (engine/core/core_process.py) through a pipe, and fans the
 core's per-step output batches out to one asyncio.Queue per request: the outputs pipe is read by
 the event loop itself (`add_reader`), so no thread sits between the core and the streams.
 
@@ -34,6 +35,7 @@ from engine.core.core_process import PackedOutput, run_engine_core, unpack_outpu
 from engine.errors import EngineDeadError, StreamOverflowError
 from engine.frontend.base import EngineFrontend, read_outputs
 from engine.frontend.input_processor import InputProcessor
+from engine.frontend.output_text import RequestText
 from engine.kv.events import KVEventBatch, KVSnapshot
 from engine.outputs import RequestOutput
 
@@ -44,6 +46,8 @@ log = logging.getLogger(__name__)
 class _Stream:
     prompt_token_ids: list[int]
     queue: asyncio.Queue[RequestOutput | BaseException]
+    text: RequestText
+    """Makes the text of the core's deltas, here in the API server's process."""
     closed: bool = False
 
 
@@ -140,7 +144,11 @@ class EngineCoreClient(EngineFrontend):
         req = self._inputs.prepare(request_id=rid, **inputs)
         if rid in self._streams:
             raise ValueError(f"request id {rid!r} is already in use")
-        stream = _Stream(req.prompt_token_ids, asyncio.Queue())
+        stream = _Stream(
+            req.prompt_token_ids,
+            asyncio.Queue(),
+            RequestText(self.tokenizer, req.prompt_token_ids, req.params),
+        )
         self._streams[rid] = stream
 
         def leave(finished: bool) -> None:
@@ -268,6 +276,7 @@ class EngineCoreClient(EngineFrontend):
         if stream.closed:
             return
         out = unpack_output(packed, stream.prompt_token_ids)
+        stream.text.apply(out)
         if stream.queue.qsize() >= self.stream_buffer and not out.finished:
             stream.closed = True
             self._send_abort([rid])

@@ -1,8 +1,8 @@
 """The synchronous engine as a caller uses it: the engine core plus tokenization and validation.
 
 `LLMEngine` is an `EngineCore` (engine/core/engine_core.py) with the front end's
-`InputProcessor` on top: `add_request` tokenizes and validates a prompt, then queues it; `step`
-returns streamed deltas. The offline `LLM` and the AsyncEngine's step thread drive one.
+`InputProcessor` and `OutputText` on top: `add_request` tokenizes and validates a prompt, then
+queues it; `step` returns streamed deltas, their text made from the core's tokens after the step. The offline `LLM` and the AsyncEngine's step thread drive one.
 """
 
 from __future__ import annotations
@@ -14,7 +14,9 @@ from engine.config import EngineConfig
 from engine.core.engine_core import EngineCore
 from engine.core.sequence import Request
 from engine.frontend.input_processor import InputProcessor, PromptOptions, RequestOptions
+from engine.frontend.output_text import OutputText
 from engine.frontend.prompt import Prompt
+from engine.outputs import RequestOutput
 from engine.sample.sampling_params import SamplingParams
 
 __all__ = ["LLMEngine", "Prompt"]
@@ -26,6 +28,16 @@ class LLMEngine(EngineCore):
         self.inputs = InputProcessor(self.tokenizer, self.model_info, config.scheduler)
         """Tokenizes and validates prompts and sampling parameters (engine/frontend)."""
         self._request_ids = itertools.count()
+        self.text = OutputText(self.tokenizer)
+        """The text of each queued request's deltas (engine/frontend/output_text.py)."""
+
+    def enqueue(self, req: Request) -> None:
+        super().enqueue(req)
+        self.text.add(req.request_id, req.prompt_token_ids, req.params)
+
+    def collect_outputs(self, now: float | None = None) -> list[RequestOutput]:
+        """The core's deltas (`step` returns these too), with their text."""
+        return self.text.apply(super().collect_outputs(now))
 
     def tokenize(
         self, prompt: Prompt | None = None, messages: list[dict[str, str]] | None = None

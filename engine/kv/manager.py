@@ -146,6 +146,8 @@ class KVCacheManager:
         """seq_id -> its blocks in order; None for a block released out of the window."""
         self.num_released: dict[int, int] = {}
         """seq_id -> its leading table entries released (None), when any."""
+        self._ids: dict[int, list[int]] = {}
+        """seq_id -> `block_ids`' last answer, until the table changes (allocate, free)."""
         self.plan = KVPlan()
         """Copies accumulated since the last `take_plan`."""
         self.counters = tiers.counters if tiers is not None else TierCounters()
@@ -164,8 +166,15 @@ class KVCacheManager:
         return self.pool.num_blocks
 
     def block_ids(self, seq_id: int) -> list[int]:
-        """The sequence's block table (NULL_BLOCK_ID for released entries)."""
-        return [NULL_BLOCK_ID if b is None else b.block_id for b in self.tables.get(seq_id, ())]
+        """The sequence's block table (NULL_BLOCK_ID for released entries). Read only: the same
+        list comes back until the table changes, so a caller may keep a copy of its rows and
+        tell a changed table by identity (engine/worker/input_batch.py)."""
+        ids = self._ids.get(seq_id)
+        if ids is None:
+            table = self.tables.get(seq_id, ())
+            ids = [NULL_BLOCK_ID if b is None else b.block_id for b in table]
+            self._ids[seq_id] = ids
+        return ids
 
     def num_held_blocks(self, seq_id: int) -> int:
         """Blocks the sequence holds a reference on (its table less released entries)."""
@@ -282,6 +291,7 @@ class KVCacheManager:
         All or nothing: returns False and changes nothing when the pool is short, but for the
         release of blocks that fell out of the sliding window (always due, whatever follows).
         """
+        self._ids.pop(seq.seq_id, None)  # the table may change below
         self._release_outside_window(seq)
         if self.blocks_needed(seq, num_new_tokens, match) > self.pool.num_free:
             return False
@@ -374,6 +384,7 @@ class KVCacheManager:
         blocks = self.tables[parent.seq_id]
         self.pool.touch(b for b in blocks if b is not None)
         self.tables[child.seq_id] = list(blocks)
+        self._ids.pop(child.seq_id, None)
         if parent.seq_id in self.num_released:
             self.num_released[child.seq_id] = self.num_released[parent.seq_id]
         child.num_cached_blocks = parent.num_cached_blocks
@@ -382,6 +393,7 @@ class KVCacheManager:
         """Releases the sequence's blocks, tail first; cached ones stay findable until reused."""
         blocks = self.tables.pop(seq.seq_id, None)
         self.num_released.pop(seq.seq_id, None)
+        self._ids.pop(seq.seq_id, None)
         if blocks:
             self.pool.free(b for b in reversed(blocks) if b is not None)
 

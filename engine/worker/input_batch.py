@@ -8,6 +8,11 @@ with one non-blocking copy. On the CPU the model reads the host buffers themselv
 NOTE: the tensors `build` returns are views of the persistent buffers: they hold this step's
 values until the next `build` overwrites them. The runner and the attention backends use them
 within the step only.
+
+Block tables: a row is rewritten only when the list given for it is not the very list that row
+was written from last time. The KV manager hands out the same list for a table until the table
+changes (`KVCacheManager.block_ids`), so a decode step rewrites only the rows of sequences that
+joined, moved to another row, or gained a block.
 """
 
 from __future__ import annotations
@@ -63,6 +68,9 @@ class InputBatch:
         self._blocks = 0
         self._copied: torch.cuda.Event | None = None
         """Recorded after the last step's host-to-device copies (CUDA only)."""
+        self._rows: list[list[int] | None] = []
+        """The list each block-table row was last written from (kept alive: identity is only
+        meaningful while the list lives)."""
         self._alloc(256, 16, 16)
 
     def _alloc(self, tokens: int, seqs: int, blocks: int) -> None:
@@ -78,6 +86,7 @@ class InputBatch:
             self.seq_lens = _Buffer((seqs,), torch.int32, dev)
             # block_tables: [seqs, blocks], right-padded with block 0
             self.block_tables = _Buffer((seqs, blocks), torch.int32, dev)
+            self._rows = [None] * seqs
             self._seqs, self._blocks = seqs, blocks
 
     def build(self, scheduled: Sequence[ScheduledSeq], tables: list[list[int]]) -> StepInputs:
@@ -115,9 +124,16 @@ class InputBatch:
         seq_lens = starts_np + qlens_np
         self.seq_lens.np[:num_seqs] = seq_lens
         bt = self.block_tables.np
-        bt[:num_seqs] = 0
+        rows = self._rows
         for i, table in enumerate(tables):
-            bt[i, : len(table)] = table
+            old = rows[i]
+            if table is old:
+                continue
+            n = len(table)
+            bt[i, :n] = table
+            if old is not None and len(old) > n:
+                bt[i, n : len(old)] = 0
+            rows[i] = table
         # slot = block_id * block_size + offset within the block
         p = pos[:num_tokens]
         bs = self.block_size

@@ -117,9 +117,10 @@ async def test_upstream_status_and_details_come_through(setup: Setup) -> None:
         await setup.proxy.Embed(vpb.EmbedRequest())
     assert err.value.code() == grpc.StatusCode.UNIMPLEMENTED
     # A deadline goes upstream: a long generation ends DEADLINE_EXCEEDED, the replica cleans up.
+    # (900 tokens take 900 steps: over 0.25 s at the tiny model's fastest step seen, 0.28 ms.)
     long = request(list(range(450, 490)), temperature=0.0, max_tokens=900, ignore_eos=True)
     with pytest.raises(grpc.aio.AioRpcError) as err:
-        _ = [r async for r in setup.proxy.Generate(long, timeout=0.5)]
+        _ = [r async for r in setup.proxy.Generate(long, timeout=0.1)]
     assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
     await setup.h.assert_clean(timeout=5.0)
 
