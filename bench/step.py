@@ -22,6 +22,7 @@ a step's time is mostly host work; `--model demo` or a folder measures a real on
 from __future__ import annotations
 
 import argparse
+import gc
 import random
 import sys
 import time
@@ -29,6 +30,7 @@ from collections.abc import Callable
 from typing import Any
 
 from bench import common, report
+from engine.core.core_process import freeze_gc_heap
 
 PHASES = ("schedule", "prepare", "forward", "sample", "output", "text")
 CORE_HOST = ("schedule", "prepare", "sample", "output")
@@ -163,6 +165,7 @@ class StepProbe:
             engine.step()  # prefill
         for _ in range(args.warmup):
             engine.step()
+        freeze_gc_heap()  # as the engine-core process does once its engine is up
         self.clock = _PhaseClock(cuda=engine.device.type == "cuda")
         _instrument(engine, self.clock)
         self.samples: list[dict[str, float]] = []
@@ -182,6 +185,7 @@ class StepProbe:
         while self.engine.has_unfinished_requests():
             self.engine.step()
         self.engine.close()
+        gc.unfreeze()  # the next probe's engine starts from a collectable heap
 
     def mean_ms(self) -> dict[str, float]:
         """Mean milliseconds per phase over the timed steps, plus "host" (the core's host work

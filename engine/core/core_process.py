@@ -25,7 +25,8 @@ Messages are pickled tuples (both ends are this codebase, on one host):
     out: ("outputs", [PackedOutput, ...], EngineStats | None, KVEventBatch | None)
          | ("rejected", request_id, message)
          | ("result", call_id, ok, value) | ("failed", message)
-Deltas travel without their prompt's token ids (the client has them): see `pack_output`.
+Deltas travel as plain tuples, without their prompt's token ids (the client has them) or
+their text (the client makes it): see `pack_output`.
 KV events (engine/kv/events.py) are taken once per step, after the step, and ride in the same
 message as that step's outputs (one batch, numbered by the engine).
 """
@@ -43,7 +44,13 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from engine.config import EngineConfig
-from engine.outputs import CachedTokens, CompletionOutput, RequestMetrics, RequestOutput
+from engine.outputs import (
+    CachedTokens,
+    CompletionOutput,
+    RequestMetrics,
+    RequestOutput,
+    TokenLogprob,
+)
 
 log = logging.getLogger("deja.engine_core")
 
@@ -61,6 +68,20 @@ CALLS = frozenset({"cached_block_hashes", "get_stats", "kv_snapshot"})
 """EngineCore methods a client may `call` (read-only, step-thread only)."""
 
 
+def freeze_gc_heap() -> None:
+    """Moves every object alive now (the loaded model, tokenizer, block pool, imported modules:
+    ~400k objects) out of the cyclic garbage collector's reach, as vLLM's engine core does after
+    it starts. Python's full collections otherwise walk them all, and a step that triggers one
+    took milliseconds longer (measured: `deja bench step` at batch 256, the core's output phase
+    2.8 ms a step on average against 0.8 with collections of the frozen heap). Objects made
+    later are collected as usual. For a process that keeps its engine to the end: frozen
+    objects are never freed."""
+    import gc
+
+    gc.collect()
+    gc.freeze()
+
+
 def widen_pipe(conn: Connection) -> None:
     """Best effort: a larger kernel buffer for a pipe end (Linux F_SETPIPE_SZ)."""
     import contextlib
@@ -70,41 +91,77 @@ def widen_pipe(conn: Connection) -> None:
         fcntl.fcntl(conn.fileno(), fcntl.F_SETPIPE_SZ, PIPE_BYTES)
 
 
+PackedSample = tuple[
+    int,  # index
+    list[int],  # token_ids
+    list[tuple[int, float, list[tuple[int, float]]]] | None,  # logprobs: (token_id, logprob, top)
+    str | None,  # finish_reason
+    int | str | None,  # stop_reason
+    float | None,  # cumulative_logprob
+]
 PackedOutput = tuple[
     str,  # request_id
-    list[CompletionOutput],  # outputs (deltas)
+    list[PackedSample],  # outputs (deltas)
     bool,  # finished
-    CachedTokens,  # cached_tokens
-    RequestMetrics | None,  # metrics
+    tuple[int, int, int],  # cached_tokens: device, cpu, disk
+    tuple[float, float | None, float | None, float | None] | None,  # metrics
     str | None,  # error
     bool | None,  # pinned
 ]
+"""A delta on the wire: plain tuples, lists and numbers. Pickle takes ~15x longer over the
+dataclasses themselves (measured: 256 one-token deltas, 0.69 against 0.04 ms, in the core's
+step loop), so the core sends these and the client rebuilds the objects."""
 
 
 def pack_output(out: RequestOutput) -> PackedOutput:
+    c, m = out.cached_tokens, out.metrics
     return (
         out.request_id,
-        out.outputs,
+        [
+            (
+                s.index,
+                s.token_ids,
+                None
+                if s.logprobs is None
+                else [(lp.token_id, lp.logprob, lp.top) for lp in s.logprobs],
+                s.finish_reason,
+                s.stop_reason,
+                s.cumulative_logprob,
+            )
+            for s in out.outputs
+        ],
         out.finished,
-        out.cached_tokens,
-        out.metrics,
+        (c.device, c.cpu, c.disk),
+        None if m is None else (m.arrival, m.first_scheduled, m.first_token, m.finished),
         out.error,
         out.pinned,
     )
 
 
 def unpack_output(packed: PackedOutput, prompt_token_ids: list[int]) -> RequestOutput:
-    rid, outputs, finished, cached, metrics, error, pinned = packed
+    rid, samples, finished, cached, metrics, error, pinned = packed
+    cached_tokens = CachedTokens(*cached)
     return RequestOutput(
-        request_id=rid,
-        prompt_token_ids=prompt_token_ids,
-        outputs=outputs,
-        finished=finished,
-        num_cached_tokens=cached.total,
-        cached_tokens=cached,
-        metrics=metrics,
-        error=error,
-        pinned=pinned,
+        rid,
+        prompt_token_ids,
+        [
+            CompletionOutput(
+                index,
+                "",
+                token_ids,
+                None if lps is None else [TokenLogprob(*lp) for lp in lps],
+                finish_reason,
+                stop_reason,
+                cum,
+            )
+            for index, token_ids, lps, finish_reason, stop_reason, cum in samples
+        ],
+        finished,
+        cached_tokens.total,
+        cached_tokens,
+        None if metrics is None else RequestMetrics(*metrics),
+        error,
+        pinned,
     )
 
 
@@ -237,6 +294,7 @@ def run_engine_core(
     if engine.tp is not None:
         engine.tp.on_death = _tp_worker_died
     widen_pipe(outputs)
+    freeze_gc_heap()
     ready.send(("ready", engine.model_info, engine.get_stats()))
     ready.close()
     core = EngineCoreProc(engine, inputs, outputs, parent_pid)

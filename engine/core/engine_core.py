@@ -377,15 +377,20 @@ class EngineCore:
             self.kv.end_step()
         now = time.monotonic()
         decodes = prefill = 0
+        cache_blocks = self.kv.cache_blocks if self.kv.enable_caching else None
+        bs = self.kv.block_size
         for item in sched.scheduled:
             seq = item.seq
-            if item.start >= seq.num_prompt_tokens:
+            req = seq.request
+            n = item.num_new_tokens
+            if item.start >= len(req.prompt_token_ids):
                 decodes += 1
             else:
-                prefill += item.num_new_tokens
-            seq.num_computed_tokens += item.num_new_tokens
-            self.kv.cache_blocks(seq)
-            m = seq.request.metrics
+                prefill += n
+            computed = seq.num_computed_tokens = seq.num_computed_tokens + n
+            if cache_blocks is not None and computed >= bs * (seq.num_cached_blocks + 1):
+                cache_blocks(seq)  # a block filled up
+            m = req.metrics
             if m.first_scheduled is None:
                 m.first_scheduled = scheduled_at
         if sched.scheduled:
@@ -432,6 +437,9 @@ class EngineCore:
         seq = res.item.seq
         req = seq.request
         self._touched[req.request_id] = req
+        if req.forked:  # a running sample's next token: the common case
+            self._append(seq, res.token_ids[0], res.logprobs[0])
+            return
         if req.metrics.first_token is None:
             req.metrics.first_token = now
         if req.params.pin_ttl_s > 0:
@@ -448,8 +456,7 @@ class EngineCore:
             for child, tok, lp in zip(children, res.token_ids, res.logprobs, strict=True):
                 self._append(child, tok, lp)
             return
-        if not req.forked:
-            req.forked = True
+        req.forked = True
         self._append(seq, res.token_ids[0], res.logprobs[0])
 
     def _pin_prompt(self, seq: Sequence, now: float) -> None:
@@ -471,7 +478,7 @@ class EngineCore:
 
     def _append(self, seq: Sequence, token_id: int, logprob: object) -> None:
         seq.append_token(token_id)
-        if isinstance(logprob, TokenLogprob):
+        if logprob is not None and isinstance(logprob, TokenLogprob):
             seq.cum_logprob += logprob.logprob
         end = self.outputs.process_token(seq, token_id, logprob)
         if end is not None:

@@ -68,28 +68,33 @@ class OutputProcessor:
     def process_token(self, seq: Sequence, token_id: int, logprob: object) -> StopDecision | None:
         """Records a token already appended to `seq`; returns how the sample ends, if it does."""
         out = self._samples[seq.seq_id]
-        params = seq.request.params
+        req = seq.request
+        params = req.params
         if out.logprobs is not None and logprob is not None:
             out.logprobs.append(logprob)  # type: ignore[arg-type]
-        n_out = seq.num_output_tokens
-        if seq.grammar is not None and not seq.grammar.accept_token(token_id):
+        n_tokens = len(seq.token_ids)
+        n_out = n_tokens - len(req.prompt_token_ids)
+        grammar = seq.grammar
+        if grammar is not None and not grammar.accept_token(token_id):
             # Not expected: the mask allows only what the grammar accepts, and the sampler lifts
             # min_tokens' ban where it would leave a constrained row no token.
-            seq.request.error = f"token {token_id} does not fit the response_format"
+            req.error = f"token {token_id} does not fit the response_format"
             return StopDecision("error", None)
-        if token_id in params.stop_token_ids and n_out >= params.min_tokens:
-            return StopDecision("stop", token_id)
-        if not params.ignore_eos and token_id in self.eos_token_ids and n_out >= params.min_tokens:
-            return StopDecision("stop", None)
-        if seq.grammar is not None and seq.grammar.is_terminated():
+        if n_out >= params.min_tokens:
+            if token_id in params.stop_token_ids:
+                return StopDecision("stop", token_id)
+            if not params.ignore_eos and token_id in self.eos_token_ids:
+                return StopDecision("stop", None)
+        if grammar is not None and grammar.is_terminated():
             return StopDecision("stop", None)  # the grammar ended (with ignore_eos set)
         detok = out.detokenizer
         if detok is not None:
             detok.add(token_id)
             if detok.stop_string is not None:
                 return StopDecision("stop", detok.stop_string)
-        max_tokens = params.max_tokens if params.max_tokens is not None else self.max_model_len
-        if n_out >= max_tokens or len(seq.token_ids) >= self.max_model_len:
+        max_len = self.max_model_len
+        max_tokens = params.max_tokens
+        if n_tokens >= max_len or n_out >= (max_len if max_tokens is None else max_tokens):
             return StopDecision("length", None)
         return None
 
@@ -119,17 +124,18 @@ class OutputProcessor:
             if finished:
                 for seq in req.seqs:
                     samples.pop(seq.seq_id, None)
+            cached = req.cached_tokens
             outs.append(
                 RequestOutput(
-                    request_id=rid,
-                    prompt_token_ids=req.prompt_token_ids,
-                    outputs=deltas,
-                    finished=finished,
-                    num_cached_tokens=req.num_cached_tokens,
-                    cached_tokens=req.cached_tokens,
-                    metrics=req.metrics,
-                    error=req.error,
-                    pinned=req.pinned,
+                    rid,
+                    req.prompt_token_ids,
+                    deltas,
+                    finished,
+                    cached.device + cached.cpu + cached.disk,
+                    cached,
+                    req.metrics,
+                    req.error,
+                    req.pinned,
                 )
             )
         return outs
@@ -174,24 +180,24 @@ class OutputProcessor:
         out = self._samples.get(seq.seq_id)
         if out is None:
             return None
-        new_tokens = seq.token_ids[seq.num_prompt_tokens + out.sent_tokens :]
-        if not new_tokens and seq.finish_reason is None:
-            return None
-        if out.final_sent:
+        req = seq.request
+        new_tokens = seq.token_ids[len(req.prompt_token_ids) + out.sent_tokens :]
+        reason = seq.finish_reason
+        if (not new_tokens and reason is None) or out.final_sent:
             return None
         lps = None
         if out.logprobs is not None:
             lps = out.logprobs[out.sent_logprobs :]
             out.sent_logprobs = len(out.logprobs)
-        ranked = seq.finish_reason is not None and seq.request.params.wants_logprob
-        delta = CompletionOutput(
-            index=seq.index if index is None else index,
-            cumulative_logprob=seq.cum_logprob if ranked else None,
-            token_ids=new_tokens,
-            logprobs=lps,
-            finish_reason=seq.finish_reason,
-            stop_reason=seq.stop_reason,
-        )
+        ranked = reason is not None and req.params.wants_logprob
         out.sent_tokens += len(new_tokens)
-        out.final_sent = seq.finish_reason is not None
-        return delta
+        out.final_sent = reason is not None
+        return CompletionOutput(
+            seq.index if index is None else index,
+            "",  # the front end makes the text
+            new_tokens,
+            lps,
+            reason,
+            seq.stop_reason,
+            seq.cum_logprob if ranked else None,
+        )

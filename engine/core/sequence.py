@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from engine.core.beam import BeamGroup
 from engine.kv.hashing import BlockHash, hash_block
@@ -91,6 +91,9 @@ class Sequence:
     num_preemptions: int = 0
     cum_logprob: float = 0.0
     """Sum of the logprobs of its generated tokens (beam search, best_of)."""
+    sampling_row: Any = None
+    """The model runner's SamplingRow for this sample, made the first time it samples alone and
+    reused every step after (engine/worker/model_runner.py: `_sampling_plan`)."""
     grammar: xgr.GrammarMatcher | None = None
     """This sample's grammar matcher (structured outputs); it has accepted every output token.
     It outlives preemption: recompute and swap keep the tokens, so the state stays valid."""

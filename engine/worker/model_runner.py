@@ -199,18 +199,23 @@ class ModelRunner:
                 plan.rows.extend(
                     SamplingRow(req.params, prompt, [], req.generators[i]) for i in range(n)
                 )
+                plan.row_index.extend([end - 1] * n)
+                plan.matchers.extend([seq.grammar] * n)
+                plan.filters.extend([_token_filter(req)] * n)
             else:
-                plan.rows.append(
-                    SamplingRow(
+                # One row a sample, the same every step (its output tokens are a live view).
+                row = seq.sampling_row
+                if row is None:
+                    row = seq.sampling_row = SamplingRow(
                         req.params,
                         req.prompt_token_ids,
-                        OutputTokens(seq.token_ids, seq.num_prompt_tokens),
+                        OutputTokens(seq.token_ids, len(req.prompt_token_ids)),
                         req.generators[seq.index],
                     )
-                )
-            plan.row_index.extend([end - 1] * n)
-            plan.matchers.extend([seq.grammar] * n)
-            plan.filters.extend([_token_filter(req)] * n)
+                plan.rows.append(row)
+                plan.row_index.append(end - 1)
+                plan.matchers.append(seq.grammar)
+                plan.filters.append(_token_filter(req))
             plan.owners.append((item, n))
         for _, beams in plan.beam_groups:
             # NOTE: the scheduler runs a group's beams in lockstep: all of them sample together.

@@ -113,9 +113,11 @@ def start_engine(
         from engine.frontend.core_client import EngineCoreClient
 
         return EngineCoreClient(config, stream_buffer=stream_buffer, log_level=log_level)
+    from engine.core.core_process import freeze_gc_heap
     from engine.frontend.async_engine import AsyncEngine
 
     engine = AsyncEngine.from_config(config, stream_buffer=stream_buffer)
+    freeze_gc_heap()  # this process keeps the engine to its end
     engine.start()
     return engine
 
