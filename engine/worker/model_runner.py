@@ -135,8 +135,15 @@ class ModelRunner:
             if not plan.rows and not plan.beam_index:
                 return []
             index = plan.row_index + plan.beam_index
-            idx = torch.tensor(index, dtype=torch.int64, device=hidden.device)
-            logits = self.model.compute_logits(hidden.index_select(0, idx))  # [rows, vocab] fp32
+            # One row per sampling item (no n > 1 fan-out, no beams): the rows' token indexes
+            # strictly increase, so T of them are 0..T-1, every token in order (pure decode).
+            one_each = not plan.beam_index and len(plan.rows) == len(plan.owners)
+            if one_each and len(index) == hidden.shape[0]:
+                rows = hidden
+            else:
+                idx = torch.tensor(index, dtype=torch.int64, device=hidden.device)
+                rows = hidden.index_select(0, idx)
+            logits = self.model.compute_logits(rows)  # [rows, vocab] fp32
             mask = pending.result() if pending is not None else None
         except BaseException:
             _settle(pending)
