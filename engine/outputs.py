@@ -98,3 +98,31 @@ class RequestOutput:
     @property
     def finish_reason(self) -> str | None:
         return self.outputs[0].finish_reason
+
+    def merge(self, later: RequestOutput) -> RequestOutput:
+        """This delta followed by `later` (the next delta of the same request) as one delta, in
+        place: each sample's text, tokens and logprobs appended, the rest taken from `later`.
+        Streams merge the deltas a slow reader has not taken yet (as vLLM's
+        RequestOutputCollector does), so a reader that falls behind gets fewer, larger messages.
+        """
+        by_index = {c.index: c for c in self.outputs}
+        for c in later.outputs:
+            mine = by_index.get(c.index)
+            if mine is None:
+                self.outputs.append(c)
+                by_index[c.index] = c
+                continue
+            mine.text += c.text
+            mine.token_ids = mine.token_ids + c.token_ids
+            if c.logprobs is not None:
+                mine.logprobs = (mine.logprobs or []) + c.logprobs
+            mine.finish_reason = c.finish_reason
+            mine.stop_reason = c.stop_reason
+            mine.cumulative_logprob = c.cumulative_logprob
+        self.finished = later.finished
+        self.num_cached_tokens = later.num_cached_tokens
+        self.cached_tokens = later.cached_tokens
+        self.metrics = later.metrics
+        self.error = later.error
+        self.pinned = later.pinned
+        return self
