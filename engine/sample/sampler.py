@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import overload
 
 import torch
@@ -75,6 +75,23 @@ class SamplingRow:
     """Tokens this sequence has generated so far (read by length and iteration only)."""
     generator: torch.Generator | None
     """The request's own generator (on the sampler's device); set only when params.seed is set."""
+    # What the sampler asks of every row each step, read once from `params` (the runner keeps a
+    # sample's row for its whole life, so these cost nothing per step).
+    greedy: bool = field(init=False)
+    wants_logprob: bool = field(init=False)
+    min_tokens: int = field(init=False)
+    rep_penalty: bool = field(init=False)
+    """repetition_penalty != 1."""
+    pf_penalty: bool = field(init=False)
+    """A presence or frequency penalty."""
+
+    def __post_init__(self) -> None:
+        p = self.params
+        self.greedy = p.greedy
+        self.wants_logprob = p.wants_logprob
+        self.min_tokens = p.min_tokens
+        self.rep_penalty = p.repetition_penalty != 1.0
+        self.pf_penalty = p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
 
 
 @dataclass(slots=True)
@@ -120,7 +137,7 @@ class Sampler:
         logits = self._apply_penalties(logits, rows)
 
         # Logprobs of the rows that asked for them: [L, V]
-        lp_rows = [i for i, r in enumerate(rows) if r.params.wants_logprob]
+        lp_rows = [i for i, r in enumerate(rows) if r.wants_logprob]
         lp_index: torch.Tensor | None = None  # [L]
         logprobs: torch.Tensor | None = None
         if lp_rows:
@@ -178,7 +195,7 @@ class Sampler:
         row_idx: list[int] = []
         tok_idx: list[int] = []
         for i, r in enumerate(rows):
-            if len(r.output_token_ids) >= r.params.min_tokens:
+            if not r.min_tokens or len(r.output_token_ids) >= r.min_tokens:
                 continue
             banned = set(r.params.stop_token_ids)
             if not r.params.ignore_eos:
@@ -202,7 +219,7 @@ class Sampler:
 
     def _apply_penalties(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
         num_rows, vocab = logits.shape
-        rep_rows = [i for i, r in enumerate(rows) if r.params.repetition_penalty != 1.0]
+        rep_rows = [i for i, r in enumerate(rows) if r.rep_penalty]
         if rep_rows:
             # NOTE: the flat index is rebuilt from the token lists every call: O(prompt + output)
             # host work per penalized row and step.
@@ -213,11 +230,7 @@ class Sampler:
             penalized = torch.where(logits > 0, logits / rep, logits * rep)
             logits = torch.where(seen.view(num_rows, vocab), penalized, logits)
 
-        pf_rows = [
-            i
-            for i, r in enumerate(rows)
-            if r.params.presence_penalty != 0.0 or r.params.frequency_penalty != 0.0
-        ]
+        pf_rows = [i for i, r in enumerate(rows) if r.pf_penalty]
         if pf_rows:
             flat = self._flat_index(rows, pf_rows, vocab, with_prompt=False)
             counts = torch.zeros(num_rows * vocab, dtype=torch.float32, device=self.device)
@@ -250,7 +263,7 @@ class Sampler:
     def _sample(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
         """[B] int64 token ids."""
         greedy_ids = logits.argmax(dim=-1)  # [B]
-        if all(r.params.greedy for r in rows):
+        if all(r.greedy for r in rows):
             return greedy_ids
         vocab = logits.shape[1]
 
