@@ -3,9 +3,8 @@
 `EngineCore` takes prepared `Request`s (tokenized and validated by the front end's
 `InputProcessor`), and each `step` makes one scheduling decision, runs one forward pass over every
 scheduled token, and returns the streamed deltas of the requests with news: token ids, logprobs
-and finish reasons, without text. Stop checks run here, next to the scheduler, because a stop
-decides when a sequence finishes and frees its blocks; the text is made by the front end
-(engine/frontend/output_text.py), as in vLLM v1.
+and finish reasons. Stop checks run here, next to the scheduler (a stop frees blocks); the text is
+made by the front end (engine/frontend/output_text.py), as in vLLM v1.
 
 It runs in the engine-core process (engine/core/core_process.py), in the AsyncEngine's step
 thread, or in the caller's thread for the offline `LLM`; the front end's `LLMEngine` adds
@@ -444,20 +443,16 @@ class EngineCore:
             req.metrics.first_token = now
         if req.params.pin_ttl_s > 0:
             self._pin_prompt(seq, now)
-        if len(res.token_ids) > 1:  # first tokens of n samples: fork the prompt's blocks
-            req.forked = True
-            children = [seq]
-            for i in range(1, len(res.token_ids)):
-                child = self._new_seq(req, i, list(req.prompt_token_ids))
-                child.num_computed_tokens = seq.num_computed_tokens
-                self.kv.fork(seq, child)
-                self.scheduler.add_running(child)
-                children.append(child)
-            for child, tok, lp in zip(children, res.token_ids, res.logprobs, strict=True):
-                self._append(child, tok, lp)
-            return
         req.forked = True
-        self._append(seq, res.token_ids[0], res.logprobs[0])
+        children = [seq]  # more than one token: the first of n samples, which fork the prompt
+        for i in range(1, len(res.token_ids)):
+            child = self._new_seq(req, i, list(req.prompt_token_ids))
+            child.num_computed_tokens = seq.num_computed_tokens
+            self.kv.fork(seq, child)
+            self.scheduler.add_running(child)
+            children.append(child)
+        for child, tok, lp in zip(children, res.token_ids, res.logprobs, strict=True):
+            self._append(child, tok, lp)
 
     def _pin_prompt(self, seq: Sequence, now: float) -> None:
         """pin_ttl_s: pins the prompt's blocks once, when its first token is out."""

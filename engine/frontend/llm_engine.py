@@ -2,7 +2,8 @@
 
 `LLMEngine` is an `EngineCore` (engine/core/engine_core.py) with the front end's
 `InputProcessor` and `OutputText` on top: `add_request` tokenizes and validates a prompt, then
-queues it; `step` returns streamed deltas, their text made from the core's tokens after the step. The offline `LLM` and the AsyncEngine's step thread drive one.
+queues it; `step` returns streamed deltas, their text made from the core's tokens after the step.
+The offline `LLM` and the AsyncEngine's step thread drive one.
 """
 
 from __future__ import annotations

@@ -144,7 +144,7 @@ class GenerateRpc(ServicerBase):
         async with contextlib.aclosing(rec.outputs):  # type: ignore[type-var]
             async for out in rec.outputs:
                 rec.stream.queued = False
-                self._observe_itl(rec, rec.tally.add(out))
+                self._observe_itl(rec, rec.tally.add(out), out)
                 resp = self._delta(rec.request, rec.stream.client_id, out, first=rec.last is None)
                 rec.last = out
                 if out.finished:
@@ -160,8 +160,9 @@ class GenerateRpc(ServicerBase):
                         self.on_finished(rec.request.session_id, out.prompt_token_ids, rec.salt)
                 yield resp
 
-    def _observe_itl(self, rec: StreamRecord, new_tokens: int) -> None:
-        """Inter-token latency: the gap since the last delta, spread over its new tokens."""
+    def _observe_itl(self, rec: StreamRecord, new_tokens: int, out: RequestOutput) -> None:
+        """Inter-token latency: the gap since the last delta, spread over its new tokens. The
+        tokens that came with each sample's first (a reader behind gets merged deltas) had none."""
         if not new_tokens:
             return
         now = time.monotonic()
@@ -169,6 +170,9 @@ class GenerateRpc(ServicerBase):
             gap = (now - rec.last_token_t) / new_tokens
             for _ in range(new_tokens):
                 self._metrics.itl.observe(gap)
+        else:
+            for _ in range(new_tokens - sum(1 for c in out.outputs if c.token_ids)):
+                self._metrics.itl.observe(0.0)
         rec.last_token_t = now
 
     def _close(self, rec: StreamRecord) -> None:
