@@ -103,7 +103,10 @@ class RequestOutput:
         """This delta followed by `later` (the next delta of the same request) as one delta, in
         place: each sample's text, tokens and logprobs appended, the rest taken from `later`.
         Streams merge the deltas a slow reader has not taken yet (as vLLM's
-        RequestOutputCollector does), so a reader that falls behind gets fewer, larger messages.
+        RequestOutputCollector does), so a reader that falls behind gets fewer, larger messages;
+        `LLM.generate` adds up a request's deltas with it.
+
+        NOTE: this delta's lists grow in place; a sample new in `later` is taken over as it is.
         """
         by_index = {c.index: c for c in self.outputs}
         for c in later.outputs:
@@ -113,9 +116,11 @@ class RequestOutput:
                 by_index[c.index] = c
                 continue
             mine.text += c.text
-            mine.token_ids = mine.token_ids + c.token_ids
+            mine.token_ids.extend(c.token_ids)
             if c.logprobs is not None:
-                mine.logprobs = (mine.logprobs or []) + c.logprobs
+                if mine.logprobs is None:
+                    mine.logprobs = []
+                mine.logprobs.extend(c.logprobs)
             mine.finish_reason = c.finish_reason
             mine.stop_reason = c.stop_reason
             mine.cumulative_logprob = c.cumulative_logprob

@@ -7,7 +7,7 @@ from typing import Any
 
 from engine.config import EngineConfig
 from engine.frontend.llm_engine import LLMEngine, Prompt
-from engine.outputs import CompletionOutput, RequestOutput
+from engine.outputs import RequestOutput
 from engine.sample.sampling_params import SamplingParams
 
 
@@ -73,28 +73,11 @@ class LLM:
 
 
 def _accumulate(results: dict[str, RequestOutput], delta: RequestOutput) -> None:
+    """Adds a step's delta to its request's whole output (`RequestOutput.merge`)."""
     acc = results.get(delta.request_id)
-    if acc is None:
-        acc = RequestOutput(delta.request_id, delta.prompt_token_ids, [])
-        results[delta.request_id] = acc
-    by_index = {o.index: o for o in acc.outputs}
-    for d in delta.outputs:
-        o = by_index.get(d.index)
-        if o is None:
-            o = CompletionOutput(index=d.index, logprobs=[] if d.logprobs is not None else None)
-            acc.outputs.append(o)
-            by_index[d.index] = o
-        o.text += d.text
-        o.token_ids.extend(d.token_ids)
-        if d.logprobs is not None and o.logprobs is not None:
-            o.logprobs.extend(d.logprobs)
-        o.finish_reason = d.finish_reason
-        o.stop_reason = d.stop_reason
-        o.cumulative_logprob = d.cumulative_logprob
-    acc.outputs.sort(key=lambda o: o.index)
-    acc.finished = delta.finished
-    acc.num_cached_tokens = delta.num_cached_tokens
-    acc.cached_tokens = delta.cached_tokens
-    acc.metrics = delta.metrics
-    acc.error = delta.error
-    acc.pinned = delta.pinned
+    if acc is None:  # the engine made the delta for this step alone: it becomes the whole
+        results[delta.request_id] = acc = delta
+    else:
+        acc.merge(delta)
+    if len(acc.outputs) > 1:
+        acc.outputs.sort(key=lambda o: o.index)
