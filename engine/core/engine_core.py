@@ -376,20 +376,15 @@ class EngineCore:
             self.kv.end_step()
         now = time.monotonic()
         decodes = prefill = 0
-        cache_blocks = self.kv.cache_blocks if self.kv.enable_caching else None
-        bs = self.kv.block_size
         for item in sched.scheduled:
             seq = item.seq
-            req = seq.request
-            n = item.num_new_tokens
-            if item.start >= len(req.prompt_token_ids):
+            if item.start >= seq.num_prompt_tokens:
                 decodes += 1
             else:
-                prefill += n
-            computed = seq.num_computed_tokens = seq.num_computed_tokens + n
-            if cache_blocks is not None and computed >= bs * (seq.num_cached_blocks + 1):
-                cache_blocks(seq)  # a block filled up
-            m = req.metrics
+                prefill += item.num_new_tokens
+            seq.num_computed_tokens += item.num_new_tokens
+            self.kv.cache_blocks(seq)  # returns at once unless a block filled up
+            m = seq.request.metrics
             if m.first_scheduled is None:
                 m.first_scheduled = scheduled_at
         if sched.scheduled:
@@ -473,7 +468,7 @@ class EngineCore:
 
     def _append(self, seq: Sequence, token_id: int, logprob: object) -> None:
         seq.append_token(token_id)
-        if logprob is not None and isinstance(logprob, TokenLogprob):
+        if isinstance(logprob, TokenLogprob):
             seq.cum_logprob += logprob.logprob
         end = self.outputs.process_token(seq, token_id, logprob)
         if end is not None:

@@ -72,8 +72,7 @@ class OutputProcessor:
         params = req.params
         if out.logprobs is not None and logprob is not None:
             out.logprobs.append(logprob)  # type: ignore[arg-type]
-        n_tokens = len(seq.token_ids)
-        n_out = n_tokens - len(req.prompt_token_ids)
+        n_out = seq.num_output_tokens
         grammar = seq.grammar
         if grammar is not None and not grammar.accept_token(token_id):
             # Not expected: the mask allows only what the grammar accepts, and the sampler lifts
@@ -94,7 +93,9 @@ class OutputProcessor:
                 return StopDecision("stop", detok.stop_string)
         max_len = self.max_model_len
         max_tokens = params.max_tokens
-        if n_tokens >= max_len or n_out >= (max_len if max_tokens is None else max_tokens):
+        if len(seq.token_ids) >= max_len or n_out >= (
+            max_len if max_tokens is None else max_tokens
+        ):
             return StopDecision("length", None)
         return None
 
@@ -124,15 +125,14 @@ class OutputProcessor:
             if finished:
                 for seq in req.seqs:
                     samples.pop(seq.seq_id, None)
-            cached = req.cached_tokens
             outs.append(
                 RequestOutput(
                     rid,
                     req.prompt_token_ids,
                     deltas,
                     finished,
-                    cached.device + cached.cpu + cached.disk,
-                    cached,
+                    req.num_cached_tokens,
+                    req.cached_tokens,
                     req.metrics,
                     req.error,
                     req.pinned,
@@ -181,7 +181,7 @@ class OutputProcessor:
         if out is None:
             return None
         req = seq.request
-        new_tokens = seq.token_ids[len(req.prompt_token_ids) + out.sent_tokens :]
+        new_tokens = seq.token_ids[seq.num_prompt_tokens + out.sent_tokens :]
         reason = seq.finish_reason
         if (not new_tokens and reason is None) or out.final_sent:
             return None

@@ -216,7 +216,7 @@ class ModelRunner:
                     row = seq.sampling_row = SamplingRow(
                         req.params,
                         req.prompt_token_ids,
-                        OutputTokens(seq.token_ids, len(req.prompt_token_ids)),
+                        OutputTokens(seq.token_ids, seq.num_prompt_tokens),
                         req.generators[seq.index],
                     )
                 plan.rows.append(row)
