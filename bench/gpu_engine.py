@@ -4,7 +4,8 @@ A Llama of about 1.2B parameters built from Llama-3.2-1B's config with random we
 saved once into the cache folder), the engine issue's mixed workload scaled to 512 requests
 (prompts uniform in [32, 512] tokens, outputs uniform in [16, 128], fixed seed, ignore_eos), in
 one process and one run:
-- deja, cupy backend (our kernels) and torch reference backend;
+- deja, cupy backend (our kernels) with decode CUDA graphs, the same eager (`cupy-eager`,
+  --enforce-eager), and the torch reference backend;
 - transformers `generate` in padded static batches (left padding, each batch run to its longest
   output; only the tokens each request asked for count).
 Prints output tokens/s, the ratios (target: cupy >= 10x transformers) and greedy agreement.
@@ -77,7 +78,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-num-batched-tokens", type=int, default=8192)
     parser.add_argument("--kv-gib", type=float, default=16.0, help="deja's KV pool in GiB")
     parser.add_argument(
-        "--backends", default="cupy,torch", help="deja attention backends to run, comma-separated"
+        "--backends",
+        default="cupy,cupy-eager,torch",
+        help="deja attention backends to run, comma-separated (cupy-eager: cupy without CUDA "
+        "graphs)",
     )
     parser.add_argument("--skip-hf", action="store_true", help="skip the transformers baseline")
     parser.add_argument("--quick", action="store_true", help="32 requests: a smoke test")
@@ -114,11 +118,13 @@ def run_deja(
 
     from engine import SamplingParams
 
+    eager = backend.endswith("-eager")
     llm = common.our_llm(
         path,
         args,
         device="cuda",
-        attention_backend=backend,
+        attention_backend=backend.removesuffix("-eager"),
+        enforce_eager=eager,
         device_memory_gib=args.kv_gib,
         max_num_seqs=args.max_num_seqs,
         enable_prefix_caching=False,
@@ -135,11 +141,23 @@ def run_deja(
     torch.cuda.synchronize()
     seconds = time.perf_counter() - start
     tokens = [list(o.token_ids) for o in outs]
+    graphs = llm.engine.runner.graphs
+    capture = (
+        {"capture_s": graphs.capture_seconds, "capture_mib": graphs.capture_bytes / 2**20}
+        if graphs is not None
+        else {}
+    )
     del llm
     gc.collect()
     torch.cuda.empty_cache()
     n = sum(len(x) for x in tokens)
-    return {"seconds": seconds, "output_tokens": n, "tokens_per_s": n / seconds, "outputs": tokens}
+    return {
+        "seconds": seconds,
+        "output_tokens": n,
+        "tokens_per_s": n / seconds,
+        "outputs": tokens,
+        **capture,
+    }
 
 
 def run_hf(path: str, args: argparse.Namespace, reqs: list[Request]) -> dict[str, Any]:
@@ -195,6 +213,17 @@ def run(args: argparse.Namespace) -> int:
                 ratios[f"{a} / {b}"] = results[a]["tokens_per_s"] / results[b]["tokens_per_s"]
     for k, v in ratios.items():
         print(report.ratio_line(k, v))
+    for name, r in results.items():
+        if "capture_s" in r:
+            print(
+                f"{name}: decode CUDA graphs captured in {r['capture_s']:.2f} s, "
+                f"{r['capture_mib']:.0f} MiB"
+            )
+    if "deja (cupy)" in results and "deja (cupy-eager)" in results:
+        agree = _agreement(
+            results["deja (cupy)"]["outputs"], results["deja (cupy-eager)"]["outputs"], 10**6
+        )
+        print(f"identical greedy outputs, CUDA graphs vs eager (whole outputs): {agree:.1%}")
     if "deja (cupy)" in results and "deja (torch)" in results:
         agree = _agreement(results["deja (cupy)"]["outputs"], results["deja (torch)"]["outputs"])
         # NOTE: random weights give near-flat logits, so bf16 rounding differences flip near-ties

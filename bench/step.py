@@ -4,7 +4,8 @@ For each batch size B, B requests (32-token random prompts, ignore_eos) are pref
 steps warm up, then `--steps` pure-decode steps are timed one by one, split into:
   schedule  the scheduler's decision (Scheduler.schedule)
   prepare   the step's inputs: KV plan copies, the flat batch, the attention plan, the sampling rows
-  forward   the model (every layer) and the LM head; on a GPU also its device time (CUDA events)
+  forward   the model (every layer) and the LM head, or on a GPU the decode CUDA graph's replay;
+            on a GPU also its device time (CUDA events)
   sample    the sampler (penalties, temperature, top-k/p, the chosen ids back on the host)
   output    the rest of the core's step: appending tokens, caching full blocks, stop checks, deltas
   text      the front end's detokenization of those deltas (engine/frontend/output_text.py): in
@@ -54,6 +55,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="auto (the engine's default: the C++ kernel on a CPU, cupy on a GPU), torch (reference),"
         " cpu or cupy",
     )
+    parser.add_argument(
+        "--enforce-eager",
+        action="store_true",
+        help="no decode CUDA graphs (on a GPU with the cupy backend; the CPU always runs eager)",
+    )
 
 
 class _PhaseClock:
@@ -68,10 +74,9 @@ class _PhaseClock:
         """Replaces obj.attr (a method or a callable object) by a timed call of it."""
         setattr(obj, attr, _TimedCall(getattr(obj, attr), self, phase))
 
-    def wrap_forward(self, model: Any) -> None:
-        """Times model.forward on the host and, on a GPU, on the device."""
-        self.wrap(model, "compute_logits", "forward")
-        forward = model.forward
+    def wrap_forward(self, obj: Any, attr: str) -> None:
+        """Times obj.attr (the forward) on the host and, on a GPU, on the device."""
+        forward = getattr(obj, attr)
 
         def timed(*args: Any, **kwargs: Any) -> Any:
             if not self.cuda:
@@ -86,8 +91,8 @@ class _PhaseClock:
                 end.record()
                 self.events.append((begin, end))
 
-        model.forward = timed
-        self.wrap(model, "forward", "forward")
+        setattr(obj, attr, timed)
+        self.wrap(obj, attr, "forward")
 
     def take(self) -> tuple[dict[str, float], float]:
         """This step's seconds per phase (output still 0) and device seconds; resets."""
@@ -127,7 +132,11 @@ def _instrument(engine: Any, clock: _PhaseClock) -> None:
         if hasattr(runner, attr):
             clock.wrap(runner, attr, "prepare")
     clock.wrap(runner.backend, "prepare", "prepare")
-    clock.wrap_forward(runner.model)
+    if hasattr(runner, "run_model"):  # the forward and the LM head (or a CUDA graph's replay)
+        clock.wrap_forward(runner, "run_model")
+    else:  # older runners
+        clock.wrap(runner.model, "compute_logits", "forward")
+        clock.wrap_forward(runner.model, "forward")
     clock.wrap(runner, "sampler", "sample")
     if hasattr(engine, "text"):
         clock.wrap(engine.text, "apply", "text")
@@ -148,6 +157,7 @@ class StepProbe:
             args,
             device=args.device,
             attention_backend=args.attention_backend,
+            enforce_eager=getattr(args, "enforce_eager", False),
             max_num_seqs=batch,
             num_device_blocks=batch * per_seq_blocks + 8,
             block_size=block_size,

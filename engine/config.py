@@ -168,6 +168,11 @@ class EngineConfig:
     tensor_parallel_size: int = 1
     """Ranks the model is split over (Megatron): 1 runs it whole in the engine core; N > 1
     starts N - 1 worker processes, one per device (CUDA: NCCL; CPU: gloo)."""
+    enforce_eager: bool = False
+    """Run every step eagerly: no decode CUDA graphs (vLLM's flag)."""
+    max_cuda_graph_batch: int = 256
+    """Largest decode batch captured as a CUDA graph (sizes 1, 2, 4, 8, then every 8; capped at
+    max_num_seqs). Used only on CUDA with the cupy backend; 0 captures none."""
 
     def __post_init__(self) -> None:
         check(
@@ -180,6 +185,16 @@ class EngineConfig:
         )
         check_one_of("device", self.device, DEVICES)
         check_one_of("attention_backend", self.attention_backend, ATTENTION_BACKENDS)
+        check(
+            self.max_cuda_graph_batch >= 0,
+            f"max_cuda_graph_batch must be >= 0, got {self.max_cuda_graph_batch}",
+        )
+
+    def cuda_graph_batch(self) -> int:
+        """Largest decode batch to capture as a CUDA graph; 0 with enforce_eager."""
+        if self.enforce_eager:
+            return 0
+        return min(self.max_cuda_graph_batch, self.scheduler.max_num_seqs)
 
     @classmethod
     def from_kwargs(cls, model: str, **kwargs: Any) -> EngineConfig:

@@ -3,6 +3,9 @@
 #   tests     pytest tests/gpu -x (override the flags with GPU_PYTEST_ARGS)
 #   sanitize  compute-sanitizer memcheck + racecheck on one decode (plain and split-K) and one
 #             prefill launch (scripts/gpu_sanitize_case.py), checking deja's kernels only
+#   sanitize-graph  compute-sanitizer memcheck on a tiny engine replaying decode CUDA graphs
+#   graphs    pytest tests/gpu/test_cuda_graphs.py (replay vs eager, token-exact)
+#   step      deja bench step on the 1B bench model, CUDA graphs and --enforce-eager
 #   kernels   deja bench kernels (bench/kernels.py)
 #   gpu-quick deja bench gpu --quick (bench/gpu_engine.py)
 #   gpu       deja bench gpu (512 requests, cupy and torch backends, transformers baseline)
@@ -24,14 +27,19 @@ export TRANSFORMERS_OFFLINE=1 DEJA_CACHE_DIR="${DEJA_CACHE_DIR:-/tmp/deja-cache}
 steps=("$@")
 [ ${#steps[@]} -eq 0 ] && steps=(tests sanitize kernels gpu-quick gpu tiers parity)
 
+# Only deja's kernels (mangled names hold the namespace); torch's own are not ours to check.
+SANITIZE_FILTER=()
+if command -v compute-sanitizer >/dev/null &&
+  compute-sanitizer --help 2>&1 | grep -q -- "--kernel-name "; then
+  SANITIZE_FILTER=(--kernel-name kns=deja)
+fi
+
 sanitize() {
-  local tool filter=()
-  # Only deja's kernels (mangled names hold the namespace); torch's own are not ours to check.
-  if compute-sanitizer --help 2>&1 | grep -q -- "--kernel-name "; then filter=(--kernel-name kns=deja); fi
+  local tool
   for tool in memcheck racecheck; do
     for case in decode prefill; do
       echo "== compute-sanitizer --tool $tool: $case"
-      compute-sanitizer --tool "$tool" --error-exitcode 1 "${filter[@]}" \
+      compute-sanitizer --tool "$tool" --error-exitcode 1 "${SANITIZE_FILTER[@]}" \
         "$PY" scripts/gpu_sanitize_case.py "$case"
     done
   done
@@ -39,11 +47,23 @@ sanitize() {
 
 run_step() {
   case "$1" in
+    sanitize-graph)
+      compute-sanitizer --tool memcheck --error-exitcode 1 "${SANITIZE_FILTER[@]}" \
+        "$PY" scripts/gpu_sanitize_case.py graph ;;
+    graphs) "$PY" -m pytest tests/gpu/test_cuda_graphs.py -v -s -p no:cacheprovider ;;
+    step)
+      local model
+      model=$("$PY" -c 'from bench.gpu_engine import ensure_random_llama as e; from pathlib import Path; import os; print(e(Path(os.environ["DEJA_CACHE_DIR"]), "bfloat16"))')
+      for mode in "" --enforce-eager; do
+        "$PY" -m service.cli bench step --device cuda --model "$model" --dtype bfloat16 \
+          --batches "${STEP_BATCHES:-1,16,64,256}" --steps 32 $mode
+      done ;;
     tests) "$PY" -m pytest tests/gpu ${GPU_PYTEST_ARGS:--x} -q -rs -p no:cacheprovider ;;
     sanitize) sanitize ;;
     kernels) "$PY" -m service.cli bench kernels --json "$OUT/kernels.json" ;;
     gpu-quick) "$PY" -m service.cli bench gpu --quick ;;
-    gpu) "$PY" -m service.cli bench gpu --json "$OUT/gpu_engine.json" ;;
+    gpu) "$PY" -m service.cli bench gpu --backends "${GPU_BACKENDS:-cupy,cupy-eager,torch}" \
+      --json "$OUT/gpu_engine.json" ;;
     tiers) "$PY" -m service.cli bench tiers-gpu --json "$OUT/tiers_gpu.json" ;;
     parity)
       "$PY" -m pytest tests/gpu/test_engine_gpu.py -v -s -p no:cacheprovider \

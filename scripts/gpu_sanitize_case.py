@@ -1,6 +1,7 @@
-"""One paged decode launch (plain and split-K) and one varlen prefill launch, for compute-sanitizer.
+"""One paged decode launch (plain and split-K) and one varlen prefill launch, for compute-sanitizer;
+or `graph`: a tiny engine whose decode steps replay CUDA graphs (padded sizes included).
 
-    compute-sanitizer --tool memcheck python scripts/gpu_sanitize_case.py decode|prefill
+    compute-sanitizer --tool memcheck python scripts/gpu_sanitize_case.py decode|prefill|graph
 Small shapes (racecheck and memcheck slow kernels down a lot) with ragged lengths, GQA 4, bf16.
 """
 
@@ -15,7 +16,32 @@ from cuda import reshape_and_cache
 from tests import kernel_reference as kref
 
 
+def graph_replays() -> int:
+    """Six ragged requests on a tiny bf16 Llama (head_dim 64): decode steps of 6 down to 1
+    sequences replay the graphs of sizes 8, 4, 2 and 1 (padding rows included)."""
+    import tempfile
+
+    from bench.tiny_models import build_tiny_llama
+    from engine import LLM, SamplingParams
+
+    with tempfile.TemporaryDirectory() as tmp:
+        path = build_tiny_llama(tmp, hidden_size=256, num_attention_heads=4)
+        llm = LLM(model=str(path), device="cuda", attention_backend="cupy", dtype="bfloat16",
+                  num_device_blocks=128, max_num_seqs=8)  # fmt: skip
+        prompts = [[10 + i] * (5 + 37 * i) for i in range(6)]
+        params = [SamplingParams(temperature=0, max_tokens=4 + 3 * i, ignore_eos=True)
+                  for i in range(6)]  # fmt: skip
+        llm.generate(prompts, params)
+        graphs = llm.engine.runner.graphs
+        assert graphs is not None and graphs.replays > 0
+        print(f"graph: {graphs.replays} decode steps replayed a CUDA graph")
+        llm.engine.close()
+    return 0
+
+
 def main(which: str) -> int:
+    if which == "graph":
+        return graph_replays()
     device = torch.device("cuda", 0)
     scale = 1 / math.sqrt(128)
     if which == "decode":

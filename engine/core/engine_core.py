@@ -196,6 +196,8 @@ class EngineCore:
             self.device,
             offload=self.offload,
             tp=self.tp,
+            max_graph_batch=config.cuda_graph_batch(),
+            max_model_len=self.max_model_len,
         )
         self.grammars = GrammarCompilerPool(self.tokenizer, self.vocab_size, eos)
         """Structured outputs: compiles response formats off the step loop, cached per spec."""

@@ -14,7 +14,8 @@ from engine.sample.beam import BeamCandidate, BeamRows, top_candidates
 from engine.sample.sampler import OutputTokens, Sampler, SamplingRow
 from engine.sample.structured.mask_filler import PendingMask, TokenMaskFiller
 from engine.worker.attention.base import AttentionBackend
-from engine.worker.input_batch import InputBatch
+from engine.worker.cuda_graphs import DecodeGraphs, graph_sizes
+from engine.worker.input_batch import InputBatch, StepInputs
 from engine.worker.parallel.step import StepBatch
 
 if TYPE_CHECKING:  # the core's step types; the worker only reads them
@@ -87,6 +88,13 @@ class ModelRunner:
     """Carries out a plan's CPU and disk copies (engine/kv_io/offload.py); None: no tiers."""
     tp: TPExecutor | None = None
     """Ranks 1..N-1 under tensor parallelism: each step goes to them before the forward."""
+    max_graph_batch: int = 0
+    """Largest decode batch to capture as a CUDA graph (engine/worker/cuda_graphs.py); 0: none.
+    Captured only on CUDA, with the cupy backend, without tensor parallelism, for families whose
+    forward never syncs with the host (`supports_cuda_graphs`)."""
+    max_model_len: int = 0
+    """Longest sequence (sizes the graphs' block tables and decode launches)."""
+    graphs: DecodeGraphs | None = field(init=False, default=None)
     masks: TokenMaskFiller = field(init=False)
     """Fills the structured-output token mask while the forward runs."""
     inputs: InputBatch = field(init=False)
@@ -97,6 +105,22 @@ class ModelRunner:
         self.masks = TokenMaskFiller(
             self.sampler.vocab_size, unpack_on_host=self.device.type == "cpu"
         )
+        if (
+            self.max_graph_batch > 0
+            and self.device.type == "cuda"
+            and self.tp is None
+            and self.backend.name == "cupy"
+            and getattr(self.model, "supports_cuda_graphs", False)
+        ):
+            self.graphs = DecodeGraphs(
+                self.model,
+                self.backend,
+                self.kv_cache,
+                self.block_size,
+                self.max_model_len,
+                graph_sizes(self.max_graph_batch),
+            )
+            self.graphs.capture()
 
     def apply_plan(self, plan: KVPlan) -> None:
         if self.offload is not None and (
@@ -122,8 +146,7 @@ class ModelRunner:
                 self.tp.send_step(sched.plan, None, [])
             return []
         step = self.inputs.build(sched.scheduled, tables)
-        input_ids, positions, meta = step.input_ids, step.positions, step.meta
-        self.backend.prepare(meta)
+        self.backend.prepare(step.meta)
         plan = self._sampling_plan(sched.scheduled)
         if self.tp is not None:
             rows = plan.row_index + plan.beam_index
@@ -131,19 +154,13 @@ class ModelRunner:
         # The grammar masks fill on a worker thread while the model runs.
         pending = self.masks.start(plan.matchers, plan.filters) if plan.rows else None
         try:
-            hidden = self.model(input_ids, positions, self.kv_cache, meta)  # [T, hidden]
-            if not plan.rows and not plan.beam_index:
-                return []
             index = plan.row_index + plan.beam_index
             # One row per sampling item (no n > 1 fan-out, no beams): the rows' token indexes
             # strictly increase, so T of them are 0..T-1, every token in order (pure decode).
             one_each = not plan.beam_index and len(plan.rows) == len(plan.owners)
-            if one_each and len(index) == hidden.shape[0]:
-                rows = hidden
-            else:
-                idx = torch.tensor(index, dtype=torch.int64, device=hidden.device)
-                rows = hidden.index_select(0, idx)
-            logits = self.model.compute_logits(rows)  # [rows, vocab] fp32
+            logits = self.run_model(step, index, one_each)
+            if logits is None:
+                return []
             mask = pending.result() if pending is not None else None
         except BaseException:
             _settle(pending)
@@ -159,6 +176,30 @@ class ModelRunner:
             results.append(StepSamples(item, out.token_ids[k : k + n], out.logprobs[k : k + n]))
             k += n
         return results
+
+    def run_model(self, step: StepInputs, index: list[int], one_each: bool) -> torch.Tensor | None:
+        """The forward over every scheduled token, then the logits [len(index), V] float32 of the
+        flat tokens `index` (None when there are none). `one_each`: index is every token in order.
+
+        A pure-decode step replays a captured CUDA graph where one fits (its logits cover every
+        row); any other step runs the model eagerly."""
+        if self.graphs is not None:
+            full = self.graphs.run(step.input_ids, step.positions, step.meta)
+            if full is not None:
+                if not index:
+                    return None
+                if one_each and len(index) == full.shape[0]:
+                    return full
+                return full.index_select(0, _index_tensor(index, full.device))
+        hidden = self.model(step.input_ids, step.positions, self.kv_cache, step.meta)  # [T, hidden]
+        if not index:
+            return None
+        if one_each and len(index) == hidden.shape[0]:
+            rows = hidden
+        else:
+            rows = hidden.index_select(0, _index_tensor(index, hidden.device))
+        logits: torch.Tensor = self.model.compute_logits(rows)  # [rows, vocab] fp32
+        return logits
 
     def _rank_beams(
         self, logits: torch.Tensor, groups: list[tuple[Request, list[Sequence]]]
@@ -234,6 +275,10 @@ class ModelRunner:
         self.masks.close()
         if self.tp is not None:
             self.tp.close()
+
+
+def _index_tensor(index: list[int], device: torch.device) -> torch.Tensor:
+    return torch.tensor(index, dtype=torch.int64, device=device)
 
 
 def _settle(pending: PendingMask | None) -> None:

@@ -22,7 +22,13 @@ from engine.config import (
     ModelConfig,
     SchedulerConfig,
 )
-from service.common.flags import ConfigFlag, add_config_flags, add_flag, config_values
+from service.common.flags import (
+    ConfigFlag,
+    add_bool_flag,
+    add_config_flags,
+    add_flag,
+    config_values,
+)
 
 DEFAULT_MODEL = "demo"
 DEFAULT_CACHE_DIR = "~/.cache/deja"
@@ -139,6 +145,20 @@ def add_engine_args(parser: argparse.ArgumentParser) -> list[argparse.Action]:
             default=1,
             help="Ranks the model is split over (one process and device each; CPU: gloo).",
         ),
+        add_bool_flag(
+            g,
+            "--enforce-eager",
+            default=False,
+            help="Run every step eagerly: no decode CUDA graphs (GPU with the cupy backend).",
+        ),
+        add_flag(
+            g,
+            "--max-cuda-graph-batch",
+            type=int,
+            default=256,
+            help="Largest decode batch captured as a CUDA graph (0: none; capped at "
+            "--max-num-seqs).",
+        ),
         *add_config_flags(g, _CACHE, _CACHE_FLAGS),
         *add_config_flags(g, _SCHED, _SCHED_FLAGS),
         add_flag(g, "--seed", type=int, default=0, help="Seed for requests without their own."),
@@ -175,4 +195,6 @@ def engine_config_from_args(
         seed=args.seed,
         num_threads=args.threads,
         tensor_parallel_size=args.tensor_parallel_size,
+        enforce_eager=args.enforce_eager,
+        max_cuda_graph_batch=args.max_cuda_graph_batch,
     )

@@ -48,6 +48,9 @@ class CupyAttentionBackend(AttentionBackend):
 
     name = "cupy"
     supports_fp8_kv = True
+    decode_split: bool | None = None
+    """The decode kernel's split-K choice: None picks per launch (`use_split_k`); False keeps the
+    plain kernel (the CUDA graphs capture it so, engine/worker/cuda_graphs.py)."""
 
     def __init__(self, device: torch.device | str | None = None, fallback: bool = True) -> None:
         if not torch.cuda.is_available():
@@ -134,6 +137,7 @@ class CupyAttentionBackend(AttentionBackend):
                 meta.seq_lens,
                 scale,
                 meta.max_seq_len,
+                self.decode_split,
                 kv_scales=self._scales(kv_cache),
                 sliding_window=sliding_window,
                 logits_soft_cap=logits_soft_cap,

@@ -103,6 +103,9 @@ class CausalLM(nn.Module):
     """Substring of a checkpoint name -> ours (e.g. Mixtral's `.block_sparse_moe.` -> `.mlp.`)."""
     supports_tensor_parallel = False
     """The family splits over a tensor-parallel group (shared attention and gated MLP only)."""
+    supports_cuda_graphs = True
+    """The forward never waits on the device (no host sync, shapes fixed by the batch), so a
+    decode step can be captured as a CUDA graph (engine/worker/cuda_graphs.py)."""
 
     def __init__(
         self,

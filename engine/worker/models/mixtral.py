@@ -11,6 +11,7 @@ from engine.worker.models.layers.moe import MoESpec, SparseMoE
 
 
 class MixtralForCausalLM(CausalLM):
+    supports_cuda_graphs = False  # the experts' token counts go to the host each layer
     checkpoint_renames = {".block_sparse_moe.": ".mlp."}
 
     def build_mlp(self, layer: int) -> nn.Module:

@@ -10,6 +10,8 @@ from engine.worker.models.qwen3 import Qwen3ForCausalLM
 
 
 class Qwen3MoeForCausalLM(Qwen3ForCausalLM):
+    supports_cuda_graphs = False  # the experts' token counts go to the host each layer
+
     def build_mlp(self, layer: int) -> nn.Module:
         cfg = self.config
         sparse = (

@@ -1,0 +1,105 @@
+"""Decode CUDA graphs on a GPU: a replay gives the eager forward's tokens and logprobs, the
+graphs are used, and --enforce-eager turns them off."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("cupy")
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA is not available"),
+]
+
+from bench.tiny_models import build_tiny_llama, build_tiny_qwen2_sliding  # noqa: E402
+from engine import LLM, SamplingParams  # noqa: E402
+from tests.gpu.test_engine_gpu import LOGPROB_TOL, Greedy, assert_greedy_close  # noqa: E402
+
+MAX_TOKENS = 24
+
+
+def _run(
+    path: Path, prompts: list[list[int]], dtype: str, eager: bool, max_tokens: list[int]
+) -> tuple[list[Greedy], int]:
+    llm = LLM(
+        model=str(path),
+        device="cuda",
+        attention_backend="cupy",
+        dtype=dtype,
+        num_device_blocks=512,
+        max_num_seqs=64,
+        enforce_eager=eager,
+    )
+    params = [
+        SamplingParams(temperature=0, max_tokens=m, ignore_eos=True, logprobs=5) for m in max_tokens
+    ]
+    outs = llm.generate(prompts, params)
+    graphs = llm.engine.runner.graphs
+    assert (graphs is None) == eager
+    replays = 0 if graphs is None else graphs.replays
+    result = []
+    for out in outs:
+        o = out.outputs[0]
+        assert o.logprobs is not None
+        result.append(
+            Greedy(
+                list(o.token_ids),
+                [lp.logprob for lp in o.logprobs],
+                [dict(lp.top) for lp in o.logprobs],
+            )
+        )
+    llm.engine.close()
+    return result, replays
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return Path(
+        build_tiny_llama(tmp_path_factory.mktemp("llama"), hidden_size=256, num_attention_heads=4)
+    )
+
+
+def _prompts(n: int, lengths: list[int], seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(10, 500) for _ in range(lengths[i % len(lengths)])] for i in range(n)]
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_replay_is_token_exact_with_eager_at_a_graph_size(llama: Path, dtype: str) -> None:
+    """8 prompts of one length decode together at batch 8, a captured size: the replay runs the
+    very launches the eager forward runs, so tokens and logprobs are bit-identical."""
+    prompts = _prompts(8, [40])
+    graph, replays = _run(llama, prompts, dtype, False, [MAX_TOKENS] * 8)
+    eager, _ = _run(llama, prompts, dtype, True, [MAX_TOKENS] * 8)
+    assert replays >= MAX_TOKENS - 2
+    assert [g.tokens for g in graph] == [e.tokens for e in eager]
+    assert [g.logprobs for g in graph] == [e.logprobs for e in eager]
+
+
+def test_padded_replays_match_eager(llama: Path) -> None:
+    """Ragged prompts and outputs: the batch shrinks step by step through padded sizes (13 in a
+    graph of 16, 5 in 8, 3 in 4). Float32: same tokens, logprobs within float rounding."""
+    prompts = _prompts(13, [3, 17, 64, 100, 250])
+    max_tokens = [4 + 3 * i for i in range(13)]
+    graph, replays = _run(llama, prompts, "float32", False, max_tokens)
+    eager, _ = _run(llama, prompts, "float32", True, max_tokens)
+    assert replays > 20
+    assert [g.tokens for g in graph] == [e.tokens for e in eager]
+    for g, e in zip(graph, eager, strict=True):
+        assert max(abs(a - b) for a, b in zip(g.logprobs, e.logprobs, strict=True)) < 1e-3
+
+
+def test_padded_replays_bf16_and_sliding_window(tmp_path: Path) -> None:
+    """bf16 with a sliding window on some layers: padded replays agree with eager up to near-ties
+    (bf16 GEMMs of another row count may round differently)."""
+    path = Path(build_tiny_qwen2_sliding(tmp_path, 64, hidden_size=256))
+    prompts = _prompts(11, [5, 60, 130, 300])
+    max_tokens = [8 + 7 * i for i in range(11)]
+    graph, replays = _run(path, prompts, "bfloat16", False, max_tokens)
+    eager, _ = _run(path, prompts, "bfloat16", True, max_tokens)
+    assert replays > 20
+    assert_greedy_close(graph, eager, LOGPROB_TOL["bfloat16"])
