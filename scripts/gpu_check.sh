@@ -55,16 +55,16 @@ run_step() {
       local model
       model=$("$PY" -c 'from bench.gpu_engine import ensure_random_llama as e; from pathlib import Path; import os; print(e(Path(os.environ["DEJA_CACHE_DIR"]), "bfloat16"))')
       for mode in "" --enforce-eager; do
-        "$PY" -m service.cli bench step --device cuda --model "$model" --dtype bfloat16 \
+        "$PY" -m bench.step --device cuda --model "$model" --dtype bfloat16 \
           --batches "${STEP_BATCHES:-1,16,64,256}" --steps 32 $mode
       done ;;
     tests) "$PY" -m pytest tests/gpu ${GPU_PYTEST_ARGS:--x} -q -rs -p no:cacheprovider ;;
     sanitize) sanitize ;;
-    kernels) "$PY" -m service.cli bench kernels --json "$OUT/kernels.json" ;;
-    gpu-quick) "$PY" -m service.cli bench gpu --quick ;;
-    gpu) "$PY" -m service.cli bench gpu --backends "${GPU_BACKENDS:-cupy,cupy-eager,torch}" \
+    kernels) "$PY" -m bench.kernels --json "$OUT/kernels.json" ;;
+    gpu-quick) "$PY" -m bench.gpu_engine --quick ;;
+    gpu) "$PY" -m bench.gpu_engine --backends "${GPU_BACKENDS:-cupy,cupy-eager,torch}" \
       --json "$OUT/gpu_engine.json" ;;
-    tiers) "$PY" -m service.cli bench tiers-gpu --json "$OUT/tiers_gpu.json" ;;
+    tiers) "$PY" -m bench.tiers_gpu --json "$OUT/tiers_gpu.json" ;;
     parity)
       "$PY" -m pytest tests/gpu/test_engine_gpu.py -v -s -p no:cacheprovider \
         -k "cupy_matches_torch_backend" ;;

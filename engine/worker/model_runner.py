@@ -111,6 +111,8 @@ class ModelRunner:
             and self.tp is None
             and self.backend.name == "cupy"
             and getattr(self.model, "supports_cuda_graphs", False)
+            # not where the backend falls back to the torch reference (it syncs with the host)
+            and self.backend.supports(self.model.head_dim, self.block_size, self.model.dtype)
         ):
             self.graphs = DecodeGraphs(
                 self.model,

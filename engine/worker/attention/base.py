@@ -106,6 +106,11 @@ class AttentionBackend(ABC):
             )
         return pair
 
+    @staticmethod
+    def supports(head_dim: int, block_size: int, dtype: torch.dtype) -> bool:
+        """Whether the backend's own kernels cover this configuration (without falling back)."""
+        return True
+
     def prepare(self, meta: AttentionMetadata) -> None:  # noqa: B027 (optional hook)
         """Builds what every layer of this step shares from `meta` (index tensors, buffers).
 
