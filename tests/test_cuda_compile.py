@@ -21,7 +21,7 @@ from types import ModuleType
 import pytest
 import torch
 
-from cuda import block_copy, paged_attention, prefill_attention, reshape_and_cache
+from cuda import block_copy, layers, paged_attention, prefill_attention, reshape_and_cache
 from cuda.cupy_launch import CUDA_DIR, kernel_source
 
 LOADERS: tuple[ModuleType, ...] = (
@@ -29,6 +29,7 @@ LOADERS: tuple[ModuleType, ...] = (
     block_copy,
     paged_attention,
     prefill_attention,
+    layers,
 )
 
 

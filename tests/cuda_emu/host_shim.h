@@ -62,6 +62,8 @@ inline unsigned __float_as_uint(float f) {
   return u;
 }
 inline int min(int a, int b) { return a < b ? a : b; }
+inline float rsqrtf(float x) { return 1.0f / std::sqrt(x); }
+inline float expf(float x) { return std::exp(x); }
 inline int max(int a, int b) { return a > b ? a : b; }
 
 inline float f16_bits_to_float(unsigned short h) {

@@ -256,6 +256,14 @@ class CausalLM(nn.Module):
                 if isinstance(module, RMSNorm | Attention):
                     module.use_kernel(kernels)
 
+    def use_cuda_kernels(self, ops: Any) -> None:
+        """Runs every RMSNorm (the residual add fused in), RoPE and SiLU-and-mul with `ops`
+        (cuda/layers.py: deja's CUDA kernels, one launch each instead of torch's composites of
+        ~8, ~7 and 2 small kernels); call once, after loading, on a CUDA device."""
+        for module in self.modules():
+            if isinstance(module, RMSNorm | Attention | GatedMLP):
+                module.use_kernel(ops)
+
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copies Hugging Face checkpoint tensors (names as in transformers) into our layout.
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from functools import partial
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
@@ -61,6 +61,8 @@ class GatedMLP(nn.Module):
             self.start, intermediate = tp.rows(intermediate)
         self.intermediate_size = intermediate
         self.act = activation(act)
+        self.kernel: Any = None
+        """Ops with `silu_and_mul` (cuda/layers.py) for a SiLU MLP, or None: torch ops."""
         self.gate_up_proj = new_linear(hidden, 2 * intermediate, bias, dtype)
         down_bias = bias and (tp is None or tp.rank == 0)
         self.down_proj = new_linear(intermediate, hidden, down_bias, dtype)
@@ -85,9 +87,19 @@ class GatedMLP(nn.Module):
             out["down_proj.bias"] = None
         return out
 
+    def use_kernel(self, ops: Any) -> None:
+        """Computes act(gate) * up with ops.silu_and_mul (one launch) where the act is SiLU."""
+        if self.act is F.silu and hasattr(ops, "silu_and_mul"):
+            self.kernel = ops
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)  # [T, I] each
-        out = self.down_proj(self.act(gate) * up)  # [T, hidden]
+        gate_up = self.gate_up_proj(x)  # [T, 2 I]
+        if self.kernel is not None:
+            h = self.kernel.silu_and_mul(gate_up)
+        else:
+            gate, up = gate_up.split(self.intermediate_size, dim=-1)  # [T, I] each
+            h = self.act(gate) * up
+        out = self.down_proj(h)  # [T, hidden]
         if self.tp is not None:
             self.tp.all_reduce(out)  # the other ranks' rows' share
         return out
