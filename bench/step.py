@@ -6,6 +6,8 @@ steps warm up, then `--steps` pure-decode steps are timed one by one, split into
   prepare   the step's inputs: KV plan copies, the flat batch, the attention plan, the sampling rows
   forward   the model (every layer) and the LM head, or on a GPU the decode CUDA graph's replay;
             on a GPU also its device time (CUDA events)
+  wait      on a GPU: the host waiting for the forward's GPU work to end (before the sampler,
+            whose blocking copy of the chosen ids would wait for it anyway); 0 on a CPU
   sample    the sampler (penalties, temperature, top-k/p, the chosen ids back on the host)
   output    the rest of the core's step: appending tokens, caching full blocks, stop checks, deltas
   text      the front end's detokenization of those deltas (engine/frontend/output_text.py): in
@@ -33,7 +35,7 @@ from typing import Any
 from bench import common, report
 from engine.core.core_process import freeze_gc_heap
 
-PHASES = ("schedule", "prepare", "forward", "sample", "output", "text")
+PHASES = ("schedule", "prepare", "forward", "wait", "sample", "output", "text")
 CORE_HOST = ("schedule", "prepare", "sample", "output")
 """The engine core's host work outside the forward (what the bounds below are on)."""
 HOST_TARGET_MS = {1: 0.25, 256: 1.5}
@@ -113,6 +115,11 @@ class _TimedCall:
         self.inner, self.clock, self.phase = inner, clock, phase
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if self.phase == "sample" and self.clock.cuda and self.clock.events:
+            # the forward's GPU work ends before the sampler's own host work is timed
+            start = time.perf_counter()
+            self.clock.events[-1][1].synchronize()
+            self.clock.totals["wait"] += time.perf_counter() - start
         start = time.perf_counter()
         try:
             return self.inner(*args, **kwargs)
