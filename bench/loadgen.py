@@ -31,7 +31,7 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from bench.report import emit_report
+from bench.report import emit_report, finish_line, machine_info, machine_line
 from bench.served import (
     VARIANTS,
     add_run_flags,
@@ -212,6 +212,7 @@ def format_comparison(c: dict[str, Any]) -> str:
 def run(args: argparse.Namespace) -> int:
     if args.sweep_concurrency:
         return run_sweep(args)
+    machine = machine_info(getattr(args, "threads", None))
     results: dict[str, dict[str, Any]] = {}
     workload: Workload | None = None
     variants = [v.strip() for v in (args.spawn_servers or "").split(",") if v.strip()]
@@ -232,7 +233,9 @@ def run(args: argparse.Namespace) -> int:
             return 1
     if args.compare_in_process:
         results["in-process"] = _run_in_process(args, workload)
+    finished = finish_line(machine)  # records the end's load average in `machine`
     report = {
+        "machine": machine,
         "dataset": dataclasses.asdict(dataset_spec(args)),
         "max_concurrency": args.max_concurrency,
         "request_rate": None if math.isinf(args.request_rate) else args.request_rate,
@@ -240,9 +243,11 @@ def run(args: argparse.Namespace) -> int:
         "comparison": compare(results),
     }
     if not emit_report(report, args.output, args.json):
+        print(machine_line(machine))
         for name, r in results.items():
             print(format_result(name, r))
         text = format_comparison(report["comparison"])
         if text:
             print("== comparison ==\n" + text)
+        print(finished)
     return 0 if all(r["failed"] == 0 for r in results.values()) else 1

@@ -16,7 +16,7 @@ from typing import Any
 
 
 # -- the machine -------------------------------------------------------------------------------
-def machine_info(threads: int) -> dict[str, Any]:
+def machine_info(threads: int | None) -> dict[str, Any]:
     """What the figures were measured on."""
     import torch
     import transformers

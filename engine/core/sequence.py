@@ -98,12 +98,12 @@ class Sequence:
     """This sample's grammar matcher (structured outputs); it has accepted every output token.
     It outlives preemption: recompute and swap keep the tokens, so the state stays valid."""
 
-    def __post_init__(self) -> None:
-        self.update_hashes()
+    num_prompt_tokens: int = field(init=False, default=0)
+    """len(request.prompt_token_ids): the first tokens of token_ids are the prompt's."""
 
-    @property
-    def num_prompt_tokens(self) -> int:
-        return len(self.request.prompt_token_ids)
+    def __post_init__(self) -> None:
+        self.num_prompt_tokens = len(self.request.prompt_token_ids)
+        self.update_hashes()
 
     @property
     def output_token_ids(self) -> list[int]:
