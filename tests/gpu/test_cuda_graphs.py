@@ -103,3 +103,25 @@ def test_padded_replays_bf16_and_sliding_window(tmp_path: Path) -> None:
     eager, _ = _run(path, prompts, "bfloat16", True, max_tokens)
     assert replays > 20
     assert_greedy_close(graph, eager, LOGPROB_TOL["bfloat16"])
+
+
+def test_replay_is_token_exact_on_the_1b_bench_model(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    """`deja bench gpu`'s random Llama-3.2-1B-shaped model (bf16, 16 layers, GQA 4): 16 prompts of
+    one length decoding together at batch 16, a captured size, give eager decode's tokens and
+    logprobs bit for bit. (Its mixed workload, where a shrinking batch replays padded sizes, parts
+    at near-ties: README, "Decode CUDA graphs on a GPU".)"""
+    import os
+
+    from bench.gpu_engine import ensure_random_llama
+
+    cache = Path(os.environ.get("DEJA_CACHE_DIR") or tmp_path_factory.mktemp("deja-cache"))
+    path = ensure_random_llama(cache, "bfloat16")
+    rng = random.Random(1)
+    prompts = [[rng.randrange(10, 128000) for _ in range(100)] for _ in range(16)]
+    graph, replays = _run(path, prompts, "bfloat16", False, [MAX_TOKENS] * 16)
+    eager, _ = _run(path, prompts, "bfloat16", True, [MAX_TOKENS] * 16)
+    assert replays >= MAX_TOKENS - 2
+    assert [g.tokens for g in graph] == [e.tokens for e in eager]
+    assert [g.logprobs for g in graph] == [e.logprobs for e in eager]
