@@ -42,6 +42,11 @@ def test_enforce_eager_and_the_cap_set_the_largest_graph() -> None:
         EngineConfig.from_kwargs("m", max_cuda_graph_batch=-1)
 
 
+def _no_backend() -> Any:
+    """The graphs' bookkeeping never calls the backend (only the capture does)."""
+    return SimpleNamespace()
+
+
 class _Recorder:
     """Stands in for a captured graph: a replay copies the graphs' input buffers."""
 
@@ -80,9 +85,7 @@ def graphs(monkeypatch: pytest.MonkeyPatch) -> tuple[DecodeGraphs, dict[int, _Re
         config=SimpleNamespace(num_attention_heads=4, num_key_value_heads=2)
     )
     kv = torch.zeros((1, 2, 16, 4, 2, 8))
-    g = DecodeGraphs(
-        model, SimpleNamespace(), kv, block_size=4, max_model_len=32, sizes=[1, 2, 4, 8]
-    )
+    g = DecodeGraphs(model, _no_backend(), kv, block_size=4, max_model_len=32, sizes=[1, 2, 4, 8])
     recorders = {}
     for size in g.sizes:
         recorders[size] = _Recorder(g)
@@ -136,7 +139,7 @@ def test_long_contexts_of_few_sequences_keep_split_k(monkeypatch: pytest.MonkeyP
         config=SimpleNamespace(num_attention_heads=32, num_key_value_heads=8)
     )
     kv = torch.zeros((1, 2, 4, 16, 8, 8))
-    g = DecodeGraphs(model, SimpleNamespace(), kv, block_size=16, max_model_len=8192, sizes=[1, 2])
+    g = DecodeGraphs(model, _no_backend(), kv, block_size=16, max_model_len=8192, sizes=[1, 2])
     short = _decode_meta([1000], [[0] * 250], width=256)
     long = _decode_meta([4000], [[0] * 1000], width=1024)
     assert g.size_for(short, 1) == 1
