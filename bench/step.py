@@ -170,7 +170,8 @@ class StepProbe:
             block_size=block_size,
         )
         self.batch = batch
-        self.engine = engine = llm.engine
+        self.engine: Any = llm.engine
+        engine = self.engine
         rng = random.Random(args.seed)
         ids, _ = common.allowed_token_ids(model_path)
         params = SamplingParams(
@@ -202,7 +203,9 @@ class StepProbe:
         while self.engine.has_unfinished_requests():
             self.engine.step()
         self.engine.close()
+        del self.engine
         gc.unfreeze()  # the next probe's engine starts from a collectable heap
+        gc.collect()  # and without this one's objects, whose cycles would outlive it otherwise
 
     def mean_ms(self) -> dict[str, float]:
         """Mean milliseconds per phase over the timed steps, plus "host" (the core's host work
