@@ -230,3 +230,13 @@ def test_unsupported_head_dim_falls_back(
     path = build_tiny_llama(tmp_path_factory.mktemp("llama-d16"))
     cupy = _generate(path, "cupy", "bfloat16")
     assert_greedy_close(cupy, _generate(path, "torch", "bfloat16"), LOGPROB_TOL["bfloat16"])
+
+
+def test_fp8_cache_cupy_matches_torch_backend(cuda_device: torch.device, model_path: Path) -> None:
+    """An fp8 (e4m3) KV cache through the cupy kernels (decode graphs included) against the torch
+    reference reading the same kind of cache, bf16: same tokens up to near-ties. fp8 rounds K and
+    V to 3 mantissa bits, so both sides sit further from float32 than a bf16 cache does; the
+    check is that the kernels read and write the quantized cache as the reference does."""
+    cupy = _generate(model_path, "cupy", "bfloat16", kv_cache_dtype="fp8_e4m3")
+    ref = _generate(model_path, "torch", "bfloat16", kv_cache_dtype="fp8_e4m3")
+    assert_greedy_close(cupy, ref, LOGPROB_TOL["bfloat16"])
