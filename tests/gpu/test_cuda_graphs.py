@@ -17,7 +17,12 @@ pytestmark = [
 
 from bench.tiny_models import build_tiny_llama, build_tiny_qwen2_sliding  # noqa: E402
 from engine import LLM, SamplingParams  # noqa: E402
-from tests.gpu.test_engine_gpu import LOGPROB_TOL, Greedy, assert_greedy_close  # noqa: E402
+from tests.gpu.test_engine_gpu import (  # noqa: E402
+    LOGPROB_TOL,
+    Greedy,
+    assert_greedy_close,
+    greedy_of,
+)
 
 MAX_TOKENS = 24
 
@@ -41,17 +46,7 @@ def _run(
     graphs = llm.engine.runner.graphs
     assert (graphs is None) == eager
     replays = 0 if graphs is None else graphs.replays
-    result = []
-    for out in outs:
-        o = out.outputs[0]
-        assert o.logprobs is not None
-        result.append(
-            Greedy(
-                list(o.token_ids),
-                [lp.logprob for lp in o.logprobs],
-                [dict(lp.top) for lp in o.logprobs],
-            )
-        )
+    result = greedy_of(outs)
     llm.engine.close()
     return result, replays
 

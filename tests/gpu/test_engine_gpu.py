@@ -29,7 +29,7 @@ from bench.tiny_models import (  # noqa: E402
     build_tiny_qwen2,
     build_tiny_qwen2_sliding,
 )
-from engine import LLM, SamplingParams  # noqa: E402
+from engine import LLM, RequestOutput, SamplingParams  # noqa: E402
 
 MAX_TOKENS = 32
 LENGTHS = [1, 7, 16, 17, 33, 64, 100, 128, 200, 255, 300, 380, 450, 512, 560, 600]
@@ -95,7 +95,11 @@ def _generate(path: Path | str, backend: str, dtype: str, **kwargs: object) -> l
     )
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=TOP)
     vocab = llm.engine.vocab_size
-    outputs = llm.generate(shared_prefix_prompts(vocab), params)
+    return greedy_of(llm.generate(shared_prefix_prompts(vocab), params))
+
+
+def greedy_of(outputs: list[RequestOutput]) -> list[Greedy]:
+    """Each request's first sample's tokens, chosen logprobs and top logprobs."""
     result = []
     for out in outputs:
         o = out.outputs[0]
