@@ -14,7 +14,7 @@ from __future__ import annotations
 import functools
 import itertools
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -57,17 +57,24 @@ WORD_TYPES: dict[int, str] = {16: "uint4", 8: "uint2", 4: "unsigned int", 2: "un
 """Machine word of each byte width, for the dtype-agnostic copy kernels."""
 
 
-def check(cond: bool, msg: str) -> None:
+def check(cond: bool, msg: str | Callable[[], str]) -> None:
+    """ValueError(msg) unless cond. A message that takes formatting is passed as a lambda, so the
+    checks cost next to nothing when they pass (they run on every layer's launch)."""
     if not cond:
-        raise ValueError(msg)
+        raise ValueError(msg if isinstance(msg, str) else msg())
 
 
 def check_tensor(name: str, t: Any, ndim: int, dtypes: Sequence[torch.dtype]) -> None:
-    check(isinstance(t, torch.Tensor), f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    check(t.dim() == ndim, f"{name} must have {ndim} dimensions, got shape {tuple(t.shape)}")
+    check(
+        isinstance(t, torch.Tensor),
+        lambda: f"{name} must be a torch.Tensor, got {type(t).__name__}",
+    )
+    check(
+        t.dim() == ndim, lambda: f"{name} must have {ndim} dimensions, got shape {tuple(t.shape)}"
+    )
     check(
         t.dtype in dtypes,
-        f"{name} must have dtype {' or '.join(str(d) for d in dtypes)}, got {t.dtype}",
+        lambda: f"{name} must have dtype {' or '.join(str(d) for d in dtypes)}, got {t.dtype}",
     )
 
 
@@ -77,22 +84,26 @@ def check_dense_rows(name: str, t: torch.Tensor) -> None:
     for dim in range(t.dim() - 1, 0, -1):
         check(
             t.shape[dim] == 1 or t.stride(dim) == expected,
-            f"{name} must be dense in all dims but the first, got strides {t.stride()} "
-            f"for shape {tuple(t.shape)}",
+            lambda: (
+                f"{name} must be dense in all dims but the first, got strides {t.stride()} "
+                f"for shape {tuple(t.shape)}"
+            ),
         )
         expected *= t.shape[dim]
 
 
 def check_contiguous(name: str, t: torch.Tensor) -> None:
-    check(t.is_contiguous(), f"{name} must be contiguous, got strides {t.stride()}")
+    check(t.is_contiguous(), lambda: f"{name} must be contiguous, got strides {t.stride()}")
 
 
 def check_aligned(name: str, t: torch.Tensor, row_stride: int, nbytes: int = 16) -> None:
     """Base address and row stride (in elements) allow `nbytes`-wide vector loads."""
     check(
         t.data_ptr() % nbytes == 0 and (row_stride * t.element_size()) % nbytes == 0,
-        f"{name} must be {nbytes}-byte aligned (data_ptr and token stride); "
-        "pass a contiguous tensor",
+        lambda: (
+            f"{name} must be {nbytes}-byte aligned (data_ptr and token stride); "
+            "pass a contiguous tensor"
+        ),
     )
 
 
@@ -156,31 +167,39 @@ def check_attention_args(args: AttentionArgs) -> AttentionDims:
     _, num_heads, head_dim = q.shape
     _, _, block_size, num_kv_heads, cache_head_dim = kv_cache.shape
     check(
-        kv_cache.shape[0] == 2, f"kv_cache must be [2, NB, BS, Hkv, D], got {tuple(kv_cache.shape)}"
+        kv_cache.shape[0] == 2,
+        lambda: f"kv_cache must be [2, NB, BS, Hkv, D], got {tuple(kv_cache.shape)}",
     )
     check(
         head_dim in ATTENTION_HEAD_SIZES,
-        f"head_dim must be one of {ATTENTION_HEAD_SIZES}, got {head_dim}",
+        lambda: f"head_dim must be one of {ATTENTION_HEAD_SIZES}, got {head_dim}",
     )
     check(
         block_size in ATTENTION_BLOCK_SIZES,
-        f"block_size must be one of {ATTENTION_BLOCK_SIZES}, got {block_size}",
+        lambda: f"block_size must be one of {ATTENTION_BLOCK_SIZES}, got {block_size}",
     )
     check(
-        cache_head_dim == head_dim, f"kv_cache head_dim {cache_head_dim} != q head_dim {head_dim}"
+        cache_head_dim == head_dim,
+        lambda: f"kv_cache head_dim {cache_head_dim} != q head_dim {head_dim}",
     )
     check(
         num_heads % num_kv_heads == 0,
-        f"query heads ({num_heads}) must be a multiple of KV heads ({num_kv_heads})",
+        lambda: f"query heads ({num_heads}) must be a multiple of KV heads ({num_kv_heads})",
     )
-    check(out.shape == q.shape, f"out shape {tuple(out.shape)} must equal q shape {tuple(q.shape)}")
+    check(
+        out.shape == q.shape,
+        lambda: f"out shape {tuple(out.shape)} must equal q shape {tuple(q.shape)}",
+    )
     check(
         q.dtype == out.dtype and kv_cache.dtype in (q.dtype, FP8),
-        f"q, out and kv_cache dtypes differ: {q.dtype}, {out.dtype}, {kv_cache.dtype} "
-        "(kv_cache may also be float8_e4m3fn)",
+        lambda: (
+            f"q, out and kv_cache dtypes differ: {q.dtype}, {out.dtype}, {kv_cache.dtype} "
+            "(kv_cache may also be float8_e4m3fn)"
+        ),
     )
     check(
-        seq_lens.shape[0] <= 65535, f"at most 65535 sequences per launch, got {seq_lens.shape[0]}"
+        seq_lens.shape[0] <= 65535,
+        lambda: f"at most 65535 sequences per launch, got {seq_lens.shape[0]}",
     )
     check_dense_rows("q", q)
     check_dense_rows("out", out)
@@ -199,11 +218,11 @@ def check_options(sliding_window: int | None, logits_soft_cap: float | None) -> 
     """The attention options both kernels take: a window >= 1, a soft cap > 0 (None: off)."""
     check(
         sliding_window is None or (isinstance(sliding_window, int) and sliding_window >= 1),
-        f"sliding_window must be an int >= 1 or None, got {sliding_window!r}",
+        lambda: f"sliding_window must be an int >= 1 or None, got {sliding_window!r}",
     )
     check(
         logits_soft_cap is None or logits_soft_cap > 0,
-        f"logits_soft_cap must be > 0 or None, got {logits_soft_cap!r}",
+        lambda: f"logits_soft_cap must be > 0 or None, got {logits_soft_cap!r}",
     )
 
 
@@ -216,9 +235,11 @@ def check_cuda(**tensors: torch.Tensor) -> torch.device:
     """All tensors on one CUDA device; returns it."""
     devices = {t.device for t in tensors.values()}
     names = ", ".join(tensors)
-    check(len(devices) == 1, f"{names} must be on one device, got {sorted(map(str, devices))}")
+    check(
+        len(devices) == 1, lambda: f"{names} must be on one device, got {sorted(map(str, devices))}"
+    )
     device = next(iter(devices))
-    check(device.type == "cuda", f"{names} must be on a CUDA device, got {device}")
+    check(device.type == "cuda", lambda: f"{names} must be on a CUDA device, got {device}")
     return device
 
 
@@ -247,7 +268,7 @@ def kernel_source(cu_file: str) -> str:
     common = (CUDA_DIR / COMMON_HEADER).read_text().replace("#pragma once\n", "")
     source = (CUDA_DIR / cu_file).read_text()
     include = f'#include "{COMMON_HEADER}"'
-    check(include in source, f"{cu_file} does not include {COMMON_HEADER}")
+    check(include in source, lambda: f"{cu_file} does not include {COMMON_HEADER}")
     return source.replace(include, common)
 
 

@@ -38,8 +38,10 @@ def _rows(name: str, x: torch.Tensor) -> int:
     """x: [N, hidden] with dense rows; returns hidden."""
     check(
         x.dim() == 2 and x.stride(1) == 1 and x.dtype in DTYPE_NAMES,
-        f"{name} must be [tokens, hidden] rows of {DTYPES} dense in the last dim, got "
-        f"{tuple(x.shape)} {x.dtype} strides {x.stride()}",
+        lambda: (
+            f"{name} must be [tokens, hidden] rows of {DTYPES} dense in the last dim, got "
+            f"{tuple(x.shape)} {x.dtype} strides {x.stride()}"
+        ),
     )
     return int(x.shape[1])
 
@@ -50,13 +52,13 @@ def _norm(
     hidden = _rows("x", x)
     check(
         weight.shape == (hidden,) and weight.dtype == x.dtype and weight.is_contiguous(),
-        f"weight must be [{hidden}] of {x.dtype}, got {tuple(weight.shape)} {weight.dtype}",
+        lambda: f"weight must be [{hidden}] of {x.dtype}, got {tuple(weight.shape)} {weight.dtype}",
     )
     residual = None
     if h is not None:
         check(
             h.shape == x.shape and h.dtype == x.dtype and h.stride(1) == 1,
-            f"h must match x {tuple(x.shape)} {x.dtype}, got {tuple(h.shape)} {h.dtype}",
+            lambda: f"h must match x {tuple(x.shape)} {x.dtype}, got {tuple(h.shape)} {h.dtype}",
         )
         residual = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     device = check_cuda(x=x, weight=weight)
@@ -102,13 +104,13 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     (engine/worker/models/layers/rotary.py's apply_rope), a new contiguous tensor."""
     check(
         x.dim() == 3 and x.dtype in DTYPE_NAMES,
-        f"x must be [tokens, heads, head_dim] of {DTYPES}, got {tuple(x.shape)} {x.dtype}",
+        lambda: f"x must be [tokens, heads, head_dim] of {DTYPES}, got {tuple(x.shape)} {x.dtype}",
     )
     num_tokens, num_heads, head_dim = x.shape
     half = int(cos.shape[-1])
     check(
         x.stride(2) == 1 and (num_heads == 1 or x.stride(1) == head_dim),
-        f"x's heads must be dense, got strides {x.stride()}",
+        lambda: f"x's heads must be dense, got strides {x.stride()}",
     )
     check(
         cos.shape == sin.shape == (num_tokens, 1, half)
@@ -116,9 +118,11 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         and cos.stride(2) == sin.stride(2) == 1
         and cos.stride(0) == sin.stride(0)
         and 2 * half <= head_dim,
-        f"cos and sin must be [{num_tokens}, 1, R/2] of {x.dtype} with R <= {head_dim}, dense "
-        f"rows of one stride; got {tuple(cos.shape)} {cos.dtype} {cos.stride()}, "
-        f"{tuple(sin.shape)} {sin.dtype} {sin.stride()}",
+        lambda: (
+            f"cos and sin must be [{num_tokens}, 1, R/2] of {x.dtype} with R <= {head_dim}, dense "
+            f"rows of one stride; got {tuple(cos.shape)} {cos.dtype} {cos.stride()}, "
+            f"{tuple(sin.shape)} {sin.dtype} {sin.stride()}"
+        ),
     )
     device = check_cuda(x=x, cos=cos, sin=sin)
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
@@ -147,7 +151,7 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """gate_up: [T, 2 I] ([gate | up] rows) -> silu(gate) * up: [T, I]."""
     width = _rows("gate_up", gate_up)
-    check(width % 2 == 0, f"gate_up's width must be even, got {width}")
+    check(width % 2 == 0, lambda: f"gate_up's width must be even, got {width}")
     inter = width // 2
     device = check_cuda(gate_up=gate_up)
     out = torch.empty((gate_up.shape[0], inter), dtype=gate_up.dtype, device=gate_up.device)

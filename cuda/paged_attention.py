@@ -180,7 +180,7 @@ def _plan(
     if split is None:
         split = use_split_k(num_seqs * ctas_per_seq, max_seq_len, num_sms(device))
     num_parts = math.ceil(max_seq_len / PARTITION_SIZE) if split else 1
-    check(num_parts <= 65535, f"context too long for split-K: {num_parts} partitions")
+    check(num_parts <= 65535, lambda: f"context too long for split-K: {num_parts} partitions")
     # The plain kernel covers the whole context with one "partition".
     block_size = dims.block_size
     partition_size = PARTITION_SIZE if split else math.ceil(max_seq_len / block_size) * block_size
@@ -224,14 +224,18 @@ def _check_decode_args(args: AttentionArgs, max_seq_len: int) -> AttentionDims:
     num_seqs = args.q.shape[0]
     check(
         block_tables.shape[0] == num_seqs and seq_lens.shape[0] == num_seqs,
-        f"block_tables {tuple(block_tables.shape)} and seq_lens {tuple(seq_lens.shape)} "
-        f"must have {num_seqs} rows",
+        lambda: (
+            f"block_tables {tuple(block_tables.shape)} and seq_lens {tuple(seq_lens.shape)} "
+            f"must have {num_seqs} rows"
+        ),
     )
-    check(max_seq_len >= 0, f"max_seq_len must be >= 0, got {max_seq_len}")
+    check(max_seq_len >= 0, lambda: f"max_seq_len must be >= 0, got {max_seq_len}")
     check(
         max_seq_len <= block_tables.shape[1] * dims.block_size,
-        f"max_seq_len {max_seq_len} exceeds the block tables' "
-        f"{block_tables.shape[1]} x {dims.block_size} slots",
+        lambda: (
+            f"max_seq_len {max_seq_len} exceeds the block tables' "
+            f"{block_tables.shape[1]} x {dims.block_size} slots"
+        ),
     )
     return dims
 

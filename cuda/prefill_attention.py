@@ -118,10 +118,12 @@ def _check_prefill_args(
     num_seqs = args.seq_lens.shape[0]
     check(
         block_tables.shape[0] == num_seqs and query_start_loc.shape[0] == num_seqs + 1,
-        f"block_tables {tuple(block_tables.shape)} and query_start_loc "
-        f"{tuple(query_start_loc.shape)} must match {num_seqs} sequences",
+        lambda: (
+            f"block_tables {tuple(block_tables.shape)} and query_start_loc "
+            f"{tuple(query_start_loc.shape)} must match {num_seqs} sequences"
+        ),
     )
-    check(max_query_len >= 0, f"max_query_len must be >= 0, got {max_query_len}")
+    check(max_query_len >= 0, lambda: f"max_query_len must be >= 0, got {max_query_len}")
     check_aligned("out", out, out.stride(0), nbytes=8 if q.dtype == torch.float32 else 4)
     check_contiguous("query_start_loc", query_start_loc)
     return dims

@@ -103,7 +103,7 @@ def _launch_fp8(
     scales: tuple[float, float],
     device: torch.device,
 ) -> None:
-    check(min(scales) > 0, f"fp8 KV scales must be positive, got {scales}")
+    check(min(scales) > 0, lambda: f"fp8 KV scales must be positive, got {scales}")
     num_tokens, num_kv_heads, head_dim = k.shape
     row_elems = num_kv_heads * head_dim
     launch(
@@ -137,20 +137,26 @@ def _check_args(
     check_tensor("kv_cache", kv_cache, 5, (*DTYPES, FP8))
     check_tensor("slot_mapping", slot_mapping, 1, (torch.int64,))
     num_tokens, num_kv_heads, head_dim = k.shape
-    check(v.shape == k.shape, f"v shape {tuple(v.shape)} must equal k shape {tuple(k.shape)}")
+    check(
+        v.shape == k.shape, lambda: f"v shape {tuple(v.shape)} must equal k shape {tuple(k.shape)}"
+    )
     check(
         kv_cache.shape[0] == 2 and tuple(kv_cache.shape[3:]) == (num_kv_heads, head_dim),
-        f"kv_cache must be [2, num_blocks, block_size, {num_kv_heads}, {head_dim}], "
-        f"got {tuple(kv_cache.shape)}",
+        lambda: (
+            f"kv_cache must be [2, num_blocks, block_size, {num_kv_heads}, {head_dim}], "
+            f"got {tuple(kv_cache.shape)}"
+        ),
     )
     check(
         k.dtype == v.dtype and kv_cache.dtype in (k.dtype, FP8),
-        f"k, v and kv_cache dtypes differ: {k.dtype}, {v.dtype}, {kv_cache.dtype} "
-        "(kv_cache may also be float8_e4m3fn)",
+        lambda: (
+            f"k, v and kv_cache dtypes differ: {k.dtype}, {v.dtype}, {kv_cache.dtype} "
+            "(kv_cache may also be float8_e4m3fn)"
+        ),
     )
     check(
         slot_mapping.shape[0] == num_tokens,
-        f"slot_mapping has {slot_mapping.shape[0]} entries for {num_tokens} tokens",
+        lambda: f"slot_mapping has {slot_mapping.shape[0]} entries for {num_tokens} tokens",
     )
     check_dense_rows("k", k)
     check_dense_rows("v", v)
