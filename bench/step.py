@@ -72,9 +72,19 @@ class _PhaseClock:
         self.cuda = cuda
         self.events: list[tuple[Any, Any]] = []
 
-    def wrap(self, obj: Any, attr: str, phase: str) -> None:
-        """Replaces obj.attr (a method or a callable object) by a timed call of it."""
-        setattr(obj, attr, _TimedCall(getattr(obj, attr), self, phase))
+    def wrap(
+        self, obj: Any, attr: str, phase: str, before: Callable[[], None] | None = None
+    ) -> None:
+        """Replaces obj.attr (a method or a callable object) by a timed call of it; `before`
+        runs first, outside the phase's time."""
+        setattr(obj, attr, _TimedCall(getattr(obj, attr), self, phase, before))
+
+    def wait_for_device(self) -> None:
+        """On a GPU: waits for the last forward's GPU work to end, timed as the "wait" phase."""
+        if self.cuda and self.events:
+            start = time.perf_counter()
+            self.events[-1][1].synchronize()
+            self.totals["wait"] += time.perf_counter() - start
 
     def wrap_forward(self, obj: Any, attr: str) -> None:
         """Times obj.attr (the forward) on the host and, on a GPU, on the device."""
@@ -111,15 +121,18 @@ class _TimedCall:
     """A method or callable object whose calls count towards one phase; other attributes are the
     wrapped object's (the sampler's vocab_size, say)."""
 
-    def __init__(self, inner: Callable[..., Any], clock: _PhaseClock, phase: str) -> None:
-        self.inner, self.clock, self.phase = inner, clock, phase
+    def __init__(
+        self,
+        inner: Callable[..., Any],
+        clock: _PhaseClock,
+        phase: str,
+        before: Callable[[], None] | None = None,
+    ) -> None:
+        self.inner, self.clock, self.phase, self.before = inner, clock, phase, before
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        if self.phase == "sample" and self.clock.cuda and self.clock.events:
-            # the forward's GPU work ends before the sampler's own host work is timed
-            start = time.perf_counter()
-            self.clock.events[-1][1].synchronize()
-            self.clock.totals["wait"] += time.perf_counter() - start
+        if self.before is not None:
+            self.before()
         start = time.perf_counter()
         try:
             return self.inner(*args, **kwargs)
@@ -144,7 +157,8 @@ def _instrument(engine: Any, clock: _PhaseClock) -> None:
     else:  # older runners
         clock.wrap(runner.model, "compute_logits", "forward")
         clock.wrap_forward(runner.model, "forward")
-    clock.wrap(runner, "sampler", "sample")
+    # the forward's GPU work ends before the sampler's own host work is timed
+    clock.wrap(runner, "sampler", "sample", before=clock.wait_for_device)
     if hasattr(engine, "text"):
         clock.wrap(engine.text, "apply", "text")
 

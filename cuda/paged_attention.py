@@ -78,6 +78,12 @@ def heads_per_cta(group_size: int) -> int:
     return next(h for h in HEADS_PER_CTA if group_size % h == 0)
 
 
+def ctas_per_seq(num_heads: int, num_kv_heads: int) -> int:
+    """CTAs the decode kernel runs per sequence: each KV head's query heads, QH at a time."""
+    group = num_heads // num_kv_heads
+    return num_kv_heads * (group // heads_per_cta(group))
+
+
 def context_span(max_seq_len: int, block_size: int, sliding_window: int | None) -> int:
     """Tokens from a sequence's first read block to its end, at most: max_seq_len, or with a
     window at most W + block_size - 1 (the window plus the part of its first block before it)."""
@@ -174,17 +180,16 @@ def _plan(
     """Heads per CTA, split-K or not (`use_split_k` when `split` is None) and the grid.
 
     max_seq_len: the longest span of tokens a CTA row reads (`context_span`)."""
-    group = dims.num_heads // dims.num_kv_heads
-    heads = heads_per_cta(group)
-    ctas_per_seq = dims.num_kv_heads * (group // heads)
+    heads = heads_per_cta(dims.num_heads // dims.num_kv_heads)
+    ctas = ctas_per_seq(dims.num_heads, dims.num_kv_heads)
     if split is None:
-        split = use_split_k(num_seqs * ctas_per_seq, max_seq_len, num_sms(device))
+        split = use_split_k(num_seqs * ctas, max_seq_len, num_sms(device))
     num_parts = math.ceil(max_seq_len / PARTITION_SIZE) if split else 1
     check(num_parts <= 65535, lambda: f"context too long for split-K: {num_parts} partitions")
     # The plain kernel covers the whole context with one "partition".
     block_size = dims.block_size
     partition_size = PARTITION_SIZE if split else math.ceil(max_seq_len / block_size) * block_size
-    return _DecodePlan(heads, num_parts, partition_size, (ctas_per_seq, num_seqs, num_parts))
+    return _DecodePlan(heads, num_parts, partition_size, (ctas, num_seqs, num_parts))
 
 
 def _reduce_partitions(

@@ -27,7 +27,10 @@ from typing import Any
 
 import torch
 
+from cuda.cupy_launch import num_sms
+from cuda.paged_attention import ctas_per_seq, use_split_k
 from engine.worker.attention.base import AttentionBackend, AttentionMetadata
+from engine.worker.models.base import num_kv_heads
 
 logger = logging.getLogger(__name__)
 
@@ -101,9 +104,7 @@ class DecodeGraphs:
         self.replays = 0
         """Steps that replayed a graph so far."""
         cfg = model.config
-        heads = int(cfg.num_attention_heads)
-        kv_heads = int(getattr(cfg, "num_key_value_heads", None) or heads)
-        self._ctas_per_seq = _decode_ctas_per_seq(heads, kv_heads)
+        self._ctas_per_seq = ctas_per_seq(int(cfg.num_attention_heads), num_kv_heads(cfg))
 
     # -- capture -------------------------------------------------------------------------------
     def _meta(self, size: int) -> AttentionMetadata:
@@ -176,9 +177,7 @@ class DecodeGraphs:
         size = bucket(self.sizes, n)
         if size is None:
             return None
-        from cuda.paged_attention import use_split_k
-
-        if use_split_k(size * self._ctas_per_seq, meta.max_seq_len, _num_sms(self.device)):
+        if use_split_k(size * self._ctas_per_seq, meta.max_seq_len, num_sms(self.device)):
             return None
         return size
 
@@ -206,17 +205,3 @@ class DecodeGraphs:
         g.graph.replay()
         self.replays += 1
         return g.logits[:n]
-
-
-def _decode_ctas_per_seq(num_heads: int, num_kv_heads: int) -> int:
-    """CTAs the decode kernel runs per sequence (as cuda/paged_attention.py's `_plan`)."""
-    from cuda.paged_attention import heads_per_cta
-
-    group = num_heads // num_kv_heads
-    return num_kv_heads * (group // heads_per_cta(group))
-
-
-def _num_sms(device: torch.device) -> int:
-    from cuda.cupy_launch import num_sms
-
-    return num_sms(device)

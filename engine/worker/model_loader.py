@@ -131,7 +131,7 @@ def load_model(
         elif backend.name == "cupy":  # deja's CUDA kernels for the small per-layer ops
             from cuda import layers
 
-            model.use_cuda_kernels(layers)
+            model.use_kernels(layers)
     if tp is not None:  # the checkpoint slices read and the unpacked weights, back to the OS
         HostMemoryTrimmer(every_s=0.0).maybe_trim()
     model.eval()

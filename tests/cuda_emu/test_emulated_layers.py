@@ -142,7 +142,7 @@ def test_engine_tokens_with_the_layer_kernels(
     emulator.install(monkeypatch)
     emulator.launches.clear()
     monkeypatch.setattr(
-        CausalLM, "use_cpu_layout", lambda self, kernels=None: self.use_cuda_kernels(layers)
+        CausalLM, "use_cpu_layout", lambda self, kernels=None: self.use_kernels(layers)
     )
     got = [o.token_ids for o in LLM(model=str(path), **kwargs).generate(prompts, params)]
     used = {name.split("<")[0] for name, _, _ in emulator.launches}

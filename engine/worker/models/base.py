@@ -252,14 +252,13 @@ class CausalLM(nn.Module):
         RoPE then runs in one call (cpu_layers.cpp); None keeps torch's ops."""
         pack_linears(self)
         if kernels is not None:
-            for module in self.modules():
-                if isinstance(module, RMSNorm | Attention):
-                    module.use_kernel(kernels)
+            self.use_kernels(kernels)
 
-    def use_cuda_kernels(self, ops: Any) -> None:
-        """Runs every RMSNorm (the residual add fused in), RoPE and SiLU-and-mul with `ops`
-        (cuda/layers.py: deja's CUDA kernels, one launch each instead of torch's composites of
-        ~8, ~7 and 2 small kernels); call once, after loading, on a CUDA device."""
+    def use_kernels(self, ops: Any) -> None:
+        """Runs every RMSNorm (the residual add fused in), RoPE and, where `ops` has it,
+        SiLU-and-mul with `ops`: one call each instead of torch's composites of ~8, ~7 and 2 small
+        ops. On the CPU torch.ops.deja_cpu_attn (cpu_layers.cpp, through `use_cpu_layout`), on
+        CUDA cuda/layers.py (deja's kernels); call once, after loading."""
         for module in self.modules():
             if isinstance(module, RMSNorm | Attention | GatedMLP):
                 module.use_kernel(ops)

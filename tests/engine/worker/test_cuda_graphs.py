@@ -80,7 +80,7 @@ def _decode_meta(seq_lens: list[int], tables: list[list[int]], width: int) -> At
 
 @pytest.fixture
 def graphs(monkeypatch: pytest.MonkeyPatch) -> tuple[DecodeGraphs, dict[int, _Recorder]]:
-    monkeypatch.setattr(cuda_graphs, "_num_sms", lambda device: 132)
+    monkeypatch.setattr(cuda_graphs, "num_sms", lambda device: 132)
     model: Any = SimpleNamespace(
         config=SimpleNamespace(num_attention_heads=4, num_key_value_heads=2)
     )
@@ -134,7 +134,7 @@ def test_steps_that_must_run_eager(graphs: tuple[DecodeGraphs, dict[int, _Record
 
 
 def test_long_contexts_of_few_sequences_keep_split_k(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(cuda_graphs, "_num_sms", lambda device: 132)
+    monkeypatch.setattr(cuda_graphs, "num_sms", lambda device: 132)
     model: Any = SimpleNamespace(
         config=SimpleNamespace(num_attention_heads=32, num_key_value_heads=8)
     )
