@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Alternates an older commit and the working tree on the tiny model, in one run: batch-1 decode
-# steps/s (`bench.step`) and offline throughput of 256 mixed requests (`bench.offline`, deja
-# alone). The issue 24 figures in the README came from `scripts/compare_trees.sh 2854be9`.
+# steps/s and the core's host work outside the forward at batch 256 (`bench.step`), and offline
+# throughput of 256 mixed requests (`bench.offline`, deja alone). SKIP_OFFLINE=1 leaves out the
+# offline run. The issue 24 figures in the README came from `scripts/compare_trees.sh 2854be9`.
 #
 #   scripts/compare_trees.sh OLD_COMMIT [REPS]
 set -euo pipefail
@@ -17,10 +18,13 @@ for rep in $(seq "$reps"); do
     cd "$tree"
     steps=$(PYTHONPATH=$tree "$py" -m bench.step --model tiny --batches 1 --steps 400 2>&1 |
       awk '$1 == "1" {print $NF}')
-    offline=$(PYTHONPATH=$tree "$py" -m bench.offline --model tiny --skip-generate \
+    host=$(PYTHONPATH=$tree "$py" -m bench.step --model tiny --batches 256 --steps 64 2>&1 |
+      awk '$1 == "256" {print $10}')
+    offline=skipped
+    [ -n "${SKIP_OFFLINE:-}" ] || offline=$(PYTHONPATH=$tree "$py" -m bench.offline --model tiny --skip-generate \
       --skip-generate-batch --parity 0 --num-requests 256 2>&1 |
       awk '/^deja \(ours\) / {print $(NF - 1)}')
     name=$([ "$tree" = "$root" ] && echo "working tree" || echo "$old")
-    echo "rep $rep $name: batch-1 steps/s $steps, offline tok/s $offline"
+    echo "rep $rep $name: batch-1 steps/s $steps, batch-256 host ms $host, offline tok/s $offline"
   done
 done

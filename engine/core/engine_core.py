@@ -26,7 +26,7 @@ from engine.config import EngineConfig
 from engine.core.beam_step import advance_beams, fail_beam_groups, new_beam_group
 from engine.core.core_stats import engine_stats
 from engine.core.output_processor import OutputProcessor
-from engine.core.scheduler import Scheduler
+from engine.core.scheduler import Scheduler, SchedulerOutput
 from engine.core.sequence import Request, SeqStatus, Sequence
 from engine.core.step_rates import StepRates
 from engine.kv.events import (
@@ -62,7 +62,7 @@ from engine.worker.model_loader import (
     model_fingerprint,
     read_hf_config,
 )
-from engine.worker.model_runner import BeamSamples, ModelRunner, StepSamples
+from engine.worker.model_runner import BeamSamples, ModelRunner, StepOutput
 from engine.worker.models.sliding_window import kv_window, layer_windows
 from engine.worker.parallel.executor import TPExecutor
 
@@ -373,11 +373,24 @@ class EngineCore:
         fail_beam_groups(sched.failed, self.scheduler)
         tables = [self.kv.block_ids(item.seq.seq_id) for item in sched.scheduled]
         try:
-            results = self.runner.execute(sched, tables)
+            out = self.runner.execute(sched, tables)
         finally:
             self.kv.end_step()
         now = time.monotonic()
+        self._advance(sched, scheduled_at, now)
+        for beams in out.beams:
+            self._process_beams(beams, now)
+        self._process_samples(out, now)
+        self._between_steps()
+        self._trimmer.maybe_trim(now)
+        return self.collect_outputs(now)
+
+    def _advance(self, sched: SchedulerOutput, scheduled_at: float, now: float) -> None:
+        """The scheduled tokens are computed: counts, newly full blocks cached, step rates."""
         decodes = prefill = 0
+        kv = self.kv
+        caching = kv.enable_caching
+        bs = kv.block_size
         for item in sched.scheduled:
             seq = item.seq
             if item.start >= seq.num_prompt_tokens:
@@ -385,20 +398,14 @@ class EngineCore:
             else:
                 prefill += item.num_new_tokens
             seq.num_computed_tokens += item.num_new_tokens
-            self.kv.cache_blocks(seq)  # returns at once unless a block filled up
+            # cache_blocks' own first test, inline: most steps fill no block
+            if caching and seq.num_computed_tokens >= bs * (seq.num_cached_blocks + 1):
+                kv.cache_blocks(seq)
             m = seq.request.metrics
             if m.first_scheduled is None:
                 m.first_scheduled = scheduled_at
         if sched.scheduled:
             self.step_rates.observe(prefill, decodes, now - scheduled_at, now)
-        for res in results:
-            if isinstance(res, BeamSamples):
-                self._process_beams(res, now)
-            else:
-                self._process_samples(res, now)
-        self._between_steps()
-        self._trimmer.maybe_trim(now)
-        return self.collect_outputs(now)
 
     def _poll_grammars(self) -> None:
         """Releases requests whose grammar finished compiling (or fails them with its error).
@@ -429,26 +436,43 @@ class EngineCore:
             for seq in req.seqs:
                 seq.grammar = self.grammars.new_matcher(req.compiled_grammar)
 
-    def _process_samples(self, res: StepSamples, now: float) -> None:
-        seq = res.item.seq
+    def _process_samples(self, out: StepOutput, now: float) -> None:
+        """Appends each sampled token to its sequence and checks whether the sample ends."""
+        touched = self._touched
+        token_ids, logprobs = out.token_ids, out.logprobs
+        k = 0
+        for item, n in out.owners:
+            seq = item.seq
+            req = seq.request
+            touched[req.request_id] = req
+            if req.forked:  # a running sample's next token: the common case
+                self._append(seq, token_ids[k], logprobs[k])
+            else:
+                self._first_tokens(seq, token_ids[k : k + n], logprobs[k : k + n], now)
+            k += n
+
+    def _first_tokens(
+        self,
+        seq: Sequence,
+        token_ids: list[int],
+        logprobs: list[TokenLogprob | None],
+        now: float,
+    ) -> None:
+        """A request's first token, or one per sample for n > 1 (they fork the prompt here)."""
         req = seq.request
-        self._touched[req.request_id] = req
-        if req.forked:  # a running sample's next token: the common case
-            self._append(seq, res.token_ids[0], res.logprobs[0])
-            return
         if req.metrics.first_token is None:
             req.metrics.first_token = now
         if req.params.pin_ttl_s > 0:
             self._pin_prompt(seq, now)
         req.forked = True
-        children = [seq]  # more than one token: the first of n samples, which fork the prompt
-        for i in range(1, len(res.token_ids)):
+        children = [seq]
+        for i in range(1, len(token_ids)):
             child = self._new_seq(req, i, list(req.prompt_token_ids))
             child.num_computed_tokens = seq.num_computed_tokens
             self.kv.fork(seq, child)
             self.scheduler.add_running(child)
             children.append(child)
-        for child, tok, lp in zip(children, res.token_ids, res.logprobs, strict=True):
+        for child, tok, lp in zip(children, token_ids, logprobs, strict=True):
             self._append(child, tok, lp)
 
     def _pin_prompt(self, seq: Sequence, now: float) -> None:
@@ -468,9 +492,9 @@ class EngineCore:
         self._pin_prompt(res.beams[0], now)
         advance_beams(res.request, res.beams, res.candidates, self.scheduler, self._seq_ids)
 
-    def _append(self, seq: Sequence, token_id: int, logprob: object) -> None:
+    def _append(self, seq: Sequence, token_id: int, logprob: TokenLogprob | None) -> None:
         seq.append_token(token_id)
-        if isinstance(logprob, TokenLogprob):
+        if logprob is not None:
             seq.cum_logprob += logprob.logprob
         end = self.outputs.process_token(seq, token_id, logprob)
         if end is not None:

@@ -111,9 +111,12 @@ class OutputProcessor:
             seqs = req.seqs
             if len(seqs) == 1 and req.beam is None and not req.params.ranks_samples:
                 # One sample, the common case: `Request.finished` and the delta, inline.
-                finished = seqs[0].status is SeqStatus.FINISHED
-                delta = self._delta(seqs[0])
+                seq = seqs[0]
+                finished = seq.status is SeqStatus.FINISHED
+                delta = self._delta(seq)
                 deltas = [] if delta is None else [delta]
+                if finished:
+                    samples.pop(seq.seq_id, None)
             else:
                 finished = req.finished
                 if req.beam is not None or req.params.ranks_samples:
@@ -122,17 +125,18 @@ class OutputProcessor:
                     deltas = self._beam_outputs(req) if req.beam is not None else self._best_of(req)
                 else:
                     deltas = [d for seq in seqs if (d := self._delta(seq)) is not None]
-            if finished:
-                for seq in req.seqs:
-                    samples.pop(seq.seq_id, None)
+                if finished:
+                    for seq in seqs:
+                        samples.pop(seq.seq_id, None)
+            cached = req.cached_tokens
             outs.append(
                 RequestOutput(
                     rid,
                     req.prompt_token_ids,
                     deltas,
                     finished,
-                    req.num_cached_tokens,
-                    req.cached_tokens,
+                    cached.device + cached.cpu + cached.disk,
+                    cached,
                     req.metrics,
                     req.error,
                     req.pinned,
@@ -178,20 +182,25 @@ class OutputProcessor:
 
     def _delta(self, seq: Sequence, index: int | None = None) -> CompletionOutput | None:
         out = self._samples.get(seq.seq_id)
-        if out is None:
+        if out is None or out.final_sent:
             return None
-        req = seq.request
-        new_tokens = seq.token_ids[seq.num_prompt_tokens + out.sent_tokens :]
         reason = seq.finish_reason
-        if (not new_tokens and reason is None) or out.final_sent:
-            return None
+        start = seq.num_prompt_tokens + out.sent_tokens
+        tokens = seq.token_ids
+        if len(tokens) == start + 1:  # one new token: a decode step's delta
+            new_tokens = [tokens[start]]
+        else:
+            new_tokens = tokens[start:]
+            if not new_tokens and reason is None:
+                return None
         lps = None
         if out.logprobs is not None:
             lps = out.logprobs[out.sent_logprobs :]
             out.sent_logprobs = len(out.logprobs)
-        ranked = reason is not None and req.params.wants_logprob
         out.sent_tokens += len(new_tokens)
-        out.final_sent = reason is not None
+        if reason is None:
+            return CompletionOutput(seq.index if index is None else index, "", new_tokens, lps)
+        out.final_sent = True
         return CompletionOutput(
             seq.index if index is None else index,
             "",  # the front end makes the text
@@ -199,5 +208,5 @@ class OutputProcessor:
             lps,
             reason,
             seq.stop_reason,
-            seq.cum_logprob if ranked else None,
+            seq.cum_logprob if seq.request.params.wants_logprob else None,
         )

@@ -172,12 +172,18 @@ class Scheduler:
         """Schedules running units, preempting the newest when blocks run out; returns the
         budget left."""
         i = 0
-        while i < len(self.running) and budget > 0:
-            seq = self.running[i]
+        running = self.running
+        fits_in_place = self.kv.fits_in_place
+        scheduled = out.scheduled
+        while i < len(running) and budget > 0:
+            seq = running[i]
+            computed = seq.num_computed_tokens
             if (
-                seq.request.beam is None and seq.num_uncomputed == 1 and self.kv.fits_in_place(seq)
+                len(seq.token_ids) - computed == 1
+                and seq.request.beam is None
+                and fits_in_place(seq)
             ):  # a decode token into a block the sequence holds: nothing to allocate or check
-                out.scheduled.append(ScheduledSeq(seq, 1, seq.num_computed_tokens))
+                scheduled.append(ScheduledSeq(seq, 1, computed))
                 budget -= 1
                 i += 1
                 continue

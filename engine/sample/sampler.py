@@ -65,9 +65,9 @@ class OutputTokens(Sequence[int]):
         return self._tokens[self._start :][i]
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, eq=False)
 class SamplingRow:
-    """One row of logits to sample (one sequence)."""
+    """One row of logits to sample (one sequence). Compared by identity (see `_BatchTraits`)."""
 
     params: SamplingParams
     prompt_token_ids: list[int]
@@ -94,6 +94,30 @@ class SamplingRow:
         self.pf_penalty = p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
 
 
+@dataclass(slots=True, frozen=True)
+class _BatchTraits:
+    """What a batch of rows asks of the sampler, read once per distinct list of rows: a decode
+    step samples the same rows as the step before, so this costs no pass over them then."""
+
+    all_greedy: bool
+    min_tokens: bool
+    """Some row has min_tokens (whether it still holds is checked per step)."""
+    rep_penalty: bool
+    pf_penalty: bool
+    logprob_rows: list[int]
+    """The rows whose chosen token's logprob is reported."""
+
+    @staticmethod
+    def of(rows: list[SamplingRow]) -> _BatchTraits:
+        return _BatchTraits(
+            all_greedy=all(r.greedy for r in rows),
+            min_tokens=any(r.min_tokens for r in rows),
+            rep_penalty=any(r.rep_penalty for r in rows),
+            pf_penalty=any(r.pf_penalty for r in rows),
+            logprob_rows=[i for i, r in enumerate(rows) if r.wants_logprob],
+        )
+
+
 @dataclass(slots=True)
 class SamplerOutput:
     token_ids: list[int]
@@ -111,6 +135,17 @@ class Sampler:
         self.generator = torch.Generator(device=self.device)
         """Shared by every row without its own seed."""
         self.generator.manual_seed(seed)
+        self._traits: tuple[list[SamplingRow], _BatchTraits] | None = None
+        """The last batch's rows and their traits."""
+
+    def _batch_traits(self, rows: list[SamplingRow]) -> _BatchTraits:
+        last = self._traits
+        # rows compare by identity: one C-level pass, no attribute reads
+        if last is not None and last[0] == rows:
+            return last[1]
+        traits = _BatchTraits.of(rows)
+        self._traits = (list(rows), traits)
+        return traits
 
     def __call__(
         self,
@@ -133,18 +168,26 @@ class Sampler:
         if mask is not None:
             apply_token_mask(logits, mask)
 
-        self._apply_min_tokens(logits, rows, eos_token_ids)
-        logits = self._apply_penalties(logits, rows)
+        traits = self._batch_traits(rows)
+        if traits.min_tokens:
+            self._apply_min_tokens(logits, rows, eos_token_ids)
+        if traits.rep_penalty or traits.pf_penalty:
+            logits = self._apply_penalties(logits, rows)
 
         # Logprobs of the rows that asked for them: [L, V]
-        lp_rows = [i for i, r in enumerate(rows) if r.wants_logprob]
+        lp_rows = traits.logprob_rows
         lp_index: torch.Tensor | None = None  # [L]
         logprobs: torch.Tensor | None = None
         if lp_rows:
             lp_index = torch.tensor(lp_rows, dtype=torch.int64, device=self.device)
             logprobs = torch.log_softmax(logits.index_select(0, lp_index), dim=-1)
 
-        token_ids = self._sample(logits, rows)  # [B] int64
+        if traits.all_greedy:
+            token_ids = logits.argmax(dim=-1)  # [B] int64
+        else:
+            token_ids = self._sample(logits, rows)
+        if not lp_rows:
+            return SamplerOutput(token_ids.tolist(), [None] * num_rows)  # the one host sync
         return self._to_host(rows, token_ids, logprobs, lp_rows, lp_index)
 
     def _to_host(
@@ -261,10 +304,8 @@ class Sampler:
         return torch.tensor(values, dtype=torch.float32, device=self.device).unsqueeze(1)
 
     def _sample(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
-        """[B] int64 token ids."""
+        """[B] int64 token ids (greedy rows: the argmax)."""
         greedy_ids = logits.argmax(dim=-1)  # [B]
-        if all(r.greedy for r in rows):
-            return greedy_ids
         vocab = logits.shape[1]
 
         # Greedy rows run through the random path with temperature 1; their result is discarded.

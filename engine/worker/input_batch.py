@@ -19,12 +19,16 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from operator import attrgetter
 from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from engine.worker.attention.base import AttentionMetadata
+
+_NUM_NEW = attrgetter("num_new_tokens")
+_START = attrgetter("start")
 
 if TYPE_CHECKING:  # the core's step type; the worker only reads it
     from engine.core.scheduler import ScheduledSeq
@@ -92,10 +96,10 @@ class InputBatch:
     def build(self, scheduled: Sequence[ScheduledSeq], tables: list[list[int]]) -> StepInputs:
         """The flat batch of `scheduled` (each item's new tokens) with its block `tables`."""
         num_seqs = len(scheduled)
-        qlens = [item.num_new_tokens for item in scheduled]
-        starts = [item.start for item in scheduled]
+        qlens = list(map(_NUM_NEW, scheduled))
+        starts = list(map(_START, scheduled))
         num_tokens = sum(qlens)
-        max_blocks = max(len(t) for t in tables)
+        max_blocks = max(map(len, tables))
         if self._copied is not None:
             # NOTE: a step without sampling rows does not sync; the last step's copies may still
             # be reading the pinned buffers that are about to be overwritten.

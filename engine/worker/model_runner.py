@@ -36,14 +36,6 @@ def _token_filter(req: Request) -> np.ndarray | None:
 
 
 @dataclass(slots=True)
-class StepSamples:
-    item: ScheduledSeq
-    token_ids: list[int]
-    """One token per sample: n for a request's first token (before it forks), else 1."""
-    logprobs: list[TokenLogprob | None]
-
-
-@dataclass(slots=True)
 class BeamSamples:
     """A beam group's ranked continuations (engine/core/beam.py decides what runs on)."""
 
@@ -52,6 +44,22 @@ class BeamSamples:
     """The group's running beams, in the order `candidates` name them."""
     candidates: list[BeamCandidate]
     """The K best continuations, best first."""
+
+
+@dataclass(slots=True)
+class StepOutput:
+    """What one step sampled (vLLM's ModelRunnerOutput): flat lists in row order, so the core
+    walks them once without a result object per sequence."""
+
+    owners: list[tuple[ScheduledSeq, int]] = field(default_factory=list)
+    """(item, number of rows) in row order: n rows for a request's first token (before its n
+    samples fork), else 1."""
+    token_ids: list[int] = field(default_factory=list)
+    """One sampled token per row."""
+    logprobs: list[TokenLogprob | None] = field(default_factory=list)
+    """Per row; None where neither logprobs nor best_of's ranking asks for them."""
+    beams: list[BeamSamples] = field(default_factory=list)
+    """The beam groups that ranked their continuations this step."""
 
 
 @dataclass(slots=True)
@@ -64,9 +72,10 @@ class _SamplingPlan:
     owners: list[tuple[ScheduledSeq, int]]
     """(item, number of rows), in row order."""
     matchers: list[Any]
-    """Each row's grammar matcher (structured outputs) or None."""
+    """Each row's grammar matcher or None; empty when no row has a grammar (structured
+    outputs)."""
     filters: list[np.ndarray | None]
-    """Each row's static token filter or None."""
+    """Each row's static token filter or None; empty as `matchers` is."""
     beam_index: list[int] = field(default_factory=list)
     """Flat token index of each beam row's logits (after the sampled rows' in the logits)."""
     beam_groups: list[tuple[Request, list[Sequence]]] = field(default_factory=list)
@@ -135,9 +144,7 @@ class ModelRunner:
             self.backend.copy_blocks(self.kv_cache, src, dst)
 
     @torch.inference_mode()
-    def execute(
-        self, sched: SchedulerOutput, tables: list[list[int]]
-    ) -> list[StepSamples | BeamSamples]:
+    def execute(self, sched: SchedulerOutput, tables: list[list[int]]) -> StepOutput:
         """One forward over every scheduled token; samples where a chunk reaches a sequence's end.
 
         `tables` holds each scheduled sequence's block ids, in `sched.scheduled` order.
@@ -146,7 +153,7 @@ class ModelRunner:
         if not sched.scheduled:
             if self.tp is not None and sched.plan:
                 self.tp.send_step(sched.plan, None, [])
-            return []
+            return StepOutput()
         step = self.inputs.build(sched.scheduled, tables)
         self.backend.prepare(step.meta)
         plan = self._sampling_plan(sched.scheduled)
@@ -154,7 +161,7 @@ class ModelRunner:
             rows = plan.row_index + plan.beam_index
             self.tp.send_step(sched.plan, StepBatch.of(self.inputs, step), rows)
         # The grammar masks fill on a worker thread while the model runs.
-        pending = self.masks.start(plan.matchers, plan.filters) if plan.rows else None
+        pending = self.masks.start(plan.matchers, plan.filters) if plan.matchers else None
         try:
             index = plan.row_index + plan.beam_index
             # One row per sampling item (no n > 1 fan-out, no beams): the rows' token indexes
@@ -162,22 +169,18 @@ class ModelRunner:
             one_each = not plan.beam_index and len(plan.rows) == len(plan.owners)
             logits = self.run_model(step, index, one_each)
             if logits is None:
-                return []
+                return StepOutput()
             mask = pending.result() if pending is not None else None
         except BaseException:
             _settle(pending)
             raise
-        results: list[StepSamples | BeamSamples] = []
+        result = StepOutput(plan.owners)
         if plan.beam_groups:
-            results += self._rank_beams(logits[len(plan.rows) :], plan.beam_groups)
-        if not plan.rows:
-            return results
-        out = self.sampler(logits[: len(plan.rows)], plan.rows, self.eos_token_ids, mask)
-        k = 0
-        for item, n in plan.owners:
-            results.append(StepSamples(item, out.token_ids[k : k + n], out.logprobs[k : k + n]))
-            k += n
-        return results
+            result.beams = self._rank_beams(logits[len(plan.rows) :], plan.beam_groups)
+        if plan.rows:
+            out = self.sampler(logits[: len(plan.rows)], plan.rows, self.eos_token_ids, mask)
+            result.token_ids, result.logprobs = out.token_ids, out.logprobs
+        return result
 
     def run_model(self, step: StepInputs, index: list[int], one_each: bool) -> torch.Tensor | None:
         """The forward over every scheduled token, then the logits [len(index), V] float32 of the
@@ -230,14 +233,22 @@ class ModelRunner:
 
     def _sampling_plan(self, scheduled: list[ScheduledSeq]) -> _SamplingPlan:
         plan = _SamplingPlan([], [], [], [], [])
+        rows, row_index, owners = plan.rows, plan.row_index, plan.owners
         end = 0
         beam_rows: dict[int, int] = {}
         """seq_id -> flat token index of a beam's logits."""
         for item in scheduled:
             end += item.num_new_tokens
-            if not item.samples:
+            seq = item.seq
+            if item.start + item.num_new_tokens != len(seq.token_ids):
+                continue  # a prefill chunk short of the prompt's end: nothing to sample
+            req = seq.request
+            row = seq.sampling_row
+            if row is not None:  # a running sample: the same row every step
+                rows.append(row)
+                row_index.append(end - 1)
+                owners.append((item, 1))
                 continue
-            seq, req = item.seq, item.seq.request
             if req.beam is not None:
                 beam_rows[seq.seq_id] = end - 1
                 if all(r is not req for r, _ in plan.beam_groups):
@@ -246,27 +257,25 @@ class ModelRunner:
             n = req.params.num_samples if not req.forked else 1
             if n > 1:  # the first token of n samples: they fork after it
                 prompt = req.prompt_token_ids
-                plan.rows.extend(
+                rows.extend(
                     SamplingRow(req.params, prompt, [], req.generators[i]) for i in range(n)
                 )
-                plan.row_index.extend([end - 1] * n)
-                plan.matchers.extend([seq.grammar] * n)
-                plan.filters.extend([_token_filter(req)] * n)
+                row_index.extend([end - 1] * n)
             else:
-                # One row a sample, the same every step (its output tokens are a live view).
-                row = seq.sampling_row
-                if row is None:
-                    row = seq.sampling_row = SamplingRow(
-                        req.params,
-                        req.prompt_token_ids,
-                        OutputTokens(seq.token_ids, seq.num_prompt_tokens),
-                        req.generators[seq.index],
-                    )
-                plan.rows.append(row)
-                plan.row_index.append(end - 1)
-                plan.matchers.append(seq.grammar)
-                plan.filters.append(_token_filter(req))
-            plan.owners.append((item, n))
+                # One row a sample, kept for its life (its output tokens are a live view).
+                row = seq.sampling_row = SamplingRow(
+                    req.params,
+                    req.prompt_token_ids,
+                    OutputTokens(seq.token_ids, seq.num_prompt_tokens),
+                    req.generators[seq.index],
+                )
+                rows.append(row)
+                row_index.append(end - 1)
+            owners.append((item, n))
+        if any(item.seq.grammar is not None for item, _ in owners):  # structured outputs
+            for item, n in owners:
+                plan.matchers += [item.seq.grammar] * n
+                plan.filters += [_token_filter(item.seq.request)] * n
         for _, beams in plan.beam_groups:
             # NOTE: the scheduler runs a group's beams in lockstep: all of them sample together.
             plan.beam_index.extend(beam_rows[s.seq_id] for s in beams)
