@@ -386,7 +386,8 @@ class EngineCore:
         return self.collect_outputs(now)
 
     def _advance(self, sched: SchedulerOutput, scheduled_at: float, now: float) -> None:
-        """The scheduled tokens are computed: counts, newly full blocks cached, step rates."""
+        """The scheduled tokens are computed: counts, newly full blocks cached, step rates (the
+        scheduler stamps a request's first scheduling when it admits it)."""
         decodes = prefill = 0
         kv = self.kv
         caching = kv.enable_caching
@@ -401,9 +402,6 @@ class EngineCore:
             # cache_blocks' own first test, inline: most steps fill no block
             if caching and seq.num_computed_tokens >= bs * (seq.num_cached_blocks + 1):
                 kv.cache_blocks(seq)
-            m = seq.request.metrics
-            if m.first_scheduled is None:
-                m.first_scheduled = scheduled_at
         if sched.scheduled:
             self.step_rates.observe(prefill, decodes, now - scheduled_at, now)
 
@@ -440,16 +438,29 @@ class EngineCore:
         """Appends each sampled token to its sequence and checks whether the sample ends."""
         touched = self._touched
         token_ids, logprobs = out.token_ids, out.logprobs
+        process_token = self.outputs.process_token
+        bs = self.kv.block_size
         k = 0
         for item, n in out.owners:
             seq = item.seq
             req = seq.request
             touched[req.request_id] = req
-            if req.forked:  # a running sample's next token: the common case
-                self._append(seq, token_ids[k], logprobs[k])
-            else:
+            if not req.forked:
                 self._first_tokens(seq, token_ids[k : k + n], logprobs[k : k + n], now)
-            k += n
+                k += n
+                continue
+            # A running sample's next token, the common case: `_append`, inline.
+            token_id, logprob = token_ids[k], logprobs[k]
+            k += 1
+            tokens = seq.token_ids
+            tokens.append(token_id)
+            if len(tokens) % bs == 0:
+                seq.update_hashes()
+            if logprob is not None:
+                seq.cum_logprob += logprob.logprob
+            end = process_token(seq, token_id, logprob)
+            if end is not None:
+                self._finish(seq, end.reason, end.stop_reason)
 
     def _first_tokens(
         self,

@@ -41,6 +41,12 @@ class SampleOutput:
     detokenizer: IncrementalDetokenizer | None
     """Only for a request with stop strings: finds them (its text is not sent)."""
     logprobs: list[TokenLogprob] | None
+    min_total: int
+    """Length (prompt + output) from which a stop token may end it (min_tokens)."""
+    max_total: int
+    """Length at which it ends for length (max_tokens, max_model_len)."""
+    stop_at_eos: bool
+    """Not ignore_eos."""
     sent_tokens: int = 0
     sent_logprobs: int = 0
     final_sent: bool = False
@@ -58,31 +64,36 @@ class OutputProcessor:
     def add_sample(self, seq: Sequence) -> None:
         req = seq.request
         params = req.params
+        prompt = seq.num_prompt_tokens
+        max_total = self.max_model_len
+        if params.max_tokens is not None:
+            max_total = min(max_total, prompt + params.max_tokens)
         self._samples[seq.seq_id] = SampleOutput(
             IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids, params)
             if params.stop
             else None,
             [] if req.params.logprobs is not None else None,
+            min_total=prompt + params.min_tokens,
+            max_total=max_total,
+            stop_at_eos=not params.ignore_eos,
         )
 
     def process_token(self, seq: Sequence, token_id: int, logprob: object) -> StopDecision | None:
         """Records a token already appended to `seq`; returns how the sample ends, if it does."""
         out = self._samples[seq.seq_id]
-        req = seq.request
-        params = req.params
         if out.logprobs is not None and logprob is not None:
             out.logprobs.append(logprob)  # type: ignore[arg-type]
-        n_out = seq.num_output_tokens
+        length = len(seq.token_ids)
         grammar = seq.grammar
         if grammar is not None and not grammar.accept_token(token_id):
             # Not expected: the mask allows only what the grammar accepts, and the sampler lifts
             # min_tokens' ban where it would leave a constrained row no token.
-            req.error = f"token {token_id} does not fit the response_format"
+            seq.request.error = f"token {token_id} does not fit the response_format"
             return StopDecision("error", None)
-        if n_out >= params.min_tokens:
-            if token_id in params.stop_token_ids:
+        if length >= out.min_total:  # the outputs, this token included, reach min_tokens
+            if token_id in seq.request.params.stop_token_ids:
                 return StopDecision("stop", token_id)
-            if not params.ignore_eos and token_id in self.eos_token_ids:
+            if out.stop_at_eos and token_id in self.eos_token_ids:
                 return StopDecision("stop", None)
         if grammar is not None and grammar.is_terminated():
             return StopDecision("stop", None)  # the grammar ended (with ignore_eos set)
@@ -91,11 +102,7 @@ class OutputProcessor:
             detok.add(token_id)
             if detok.stop_string is not None:
                 return StopDecision("stop", detok.stop_string)
-        max_len = self.max_model_len
-        max_tokens = params.max_tokens
-        if len(seq.token_ids) >= max_len or n_out >= (
-            max_len if max_tokens is None else max_tokens
-        ):
+        if length >= out.max_total:
             return StopDecision("length", None)
         return None
 
@@ -109,17 +116,29 @@ class OutputProcessor:
         samples = self._samples
         for rid, req in requests.items():
             seqs = req.seqs
-            if len(seqs) == 1 and req.beam is None and not req.params.ranks_samples:
+            if len(seqs) == 1 and req.beam is None and not req.ranks_samples:
                 # One sample, the common case: `Request.finished` and the delta, inline.
                 seq = seqs[0]
                 finished = seq.status is SeqStatus.FINISHED
-                delta = self._delta(seq)
-                deltas = [] if delta is None else [delta]
+                out = samples.get(seq.seq_id)
+                start = seq.num_prompt_tokens + (0 if out is None else out.sent_tokens)
+                tokens = seq.token_ids
+                if (
+                    not finished
+                    and out is not None
+                    and out.logprobs is None
+                    and len(tokens) == start + 1
+                ):  # a decode step's delta, `_delta` inline: one new token, nothing else
+                    out.sent_tokens += 1
+                    deltas = [CompletionOutput(seq.index, "", [tokens[start]])]
+                else:
+                    delta = self._delta(seq)
+                    deltas = [] if delta is None else [delta]
                 if finished:
                     samples.pop(seq.seq_id, None)
             else:
                 finished = req.finished
-                if req.beam is not None or req.params.ranks_samples:
+                if req.beam is not None or req.ranks_samples:
                     if not finished:
                         continue
                     deltas = self._beam_outputs(req) if req.beam is not None else self._best_of(req)

@@ -22,6 +22,7 @@ its last token. Blocks are checked for the whole unit before any beam allocates.
 from __future__ import annotations
 
 import itertools
+import time
 from collections import deque
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
@@ -269,6 +270,9 @@ class Scheduler:
                     self._record_hit(seq, match)
                 seq.status = SeqStatus.RUNNING
                 self.running.append(seq)
+                metrics = seq.request.metrics
+                if metrics.first_scheduled is None:  # its queue time ends here
+                    metrics.first_scheduled = time.monotonic()
                 if num_new:
                     out.scheduled.append(ScheduledSeq(seq, num_new, seq.num_computed_tokens))
                 budget -= num_new

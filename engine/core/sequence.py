@@ -56,6 +56,11 @@ class Request:
     """Set by the engine when the grammar is ready (engine side only; never pickled)."""
     beam: BeamGroup | None = None
     """Beam search's state (engine side); `seqs` then holds the running beams, best first."""
+    ranks_samples: bool = field(init=False, default=False)
+    """params.ranks_samples (best_of > n), read once: the core asks every step."""
+
+    def __post_init__(self) -> None:
+        self.ranks_samples = self.params.ranks_samples
 
     @property
     def num_cached_tokens(self) -> int:

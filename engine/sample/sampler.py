@@ -163,12 +163,20 @@ class Sampler:
             return SamplerOutput(token_ids=[], logprobs=[])
         if logits.shape[0] != num_rows:
             raise ValueError(f"got {logits.shape[0]} logits rows for {num_rows} sampling rows")
+        traits = self._batch_traits(rows)
+        logits = logits[:, : self.vocab_size]
+        if (
+            traits.all_greedy
+            and not traits.logprob_rows
+            and mask is None
+            and not (traits.min_tokens or traits.rep_penalty or traits.pf_penalty)
+        ):  # nothing changes the logits: their argmax is the answer
+            return SamplerOutput(logits.argmax(dim=-1).tolist(), [None] * num_rows)
         # logits: [B, V] float32, our own copy (modified in place below)
-        logits = logits[:, : self.vocab_size].to(dtype=torch.float32, copy=True)
+        logits = logits.to(dtype=torch.float32, copy=True)
         if mask is not None:
             apply_token_mask(logits, mask)
 
-        traits = self._batch_traits(rows)
         if traits.min_tokens:
             self._apply_min_tokens(logits, rows, eos_token_ids)
         if traits.rep_penalty or traits.pf_penalty:

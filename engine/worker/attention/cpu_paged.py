@@ -82,7 +82,11 @@ class CpuPagedAttentionBackend(AttentionBackend):
             self._write_tokens = valid.nonzero().squeeze(1)
             self._write_slots = slots[self._write_tokens]
         self._meta = meta
-        long = [i for i, n in enumerate(meta.query_lens_cpu) if n >= SDPA_MIN_QUERIES]
+        long = (
+            [i for i, n in enumerate(meta.query_lens_cpu) if n >= SDPA_MIN_QUERIES]
+            if meta.max_query_len >= SDPA_MIN_QUERIES
+            else []
+        )
         self._kernel_seqs = _EMPTY
         self._prefill_meta = None
         if long:
