@@ -23,12 +23,13 @@ from typing import Any
 import torch
 
 from engine.config import EngineConfig
-from engine.core.beam_step import advance_beams, fail_beam_groups, new_beam_group
+from engine.core.beam_step import fail_beam_groups, new_beam_group
 from engine.core.core_stats import engine_stats
 from engine.core.output_processor import OutputProcessor
-from engine.core.scheduler import Scheduler, SchedulerOutput
+from engine.core.scheduler import Scheduler
 from engine.core.sequence import Request, SeqStatus, Sequence
 from engine.core.step_rates import StepRates
+from engine.core.step_update import StepUpdate
 from engine.kv.events import (
     AllBlocksCleared,
     KVEvent,
@@ -41,7 +42,7 @@ from engine.kv.manager import KVCacheManager
 from engine.kv.tiers import TieredCache
 from engine.kv_io.host_memory import HostMemoryTrimmer
 from engine.kv_io.offload import KVOffload, TPShare, build_tiers, disk_manifest
-from engine.outputs import RequestOutput, TokenLogprob
+from engine.outputs import RequestOutput
 from engine.sample.sampler import Sampler
 from engine.sample.structured.compiler import GrammarCompilerPool
 from engine.stats import EngineStats, ModelInfo
@@ -62,14 +63,14 @@ from engine.worker.model_loader import (
     model_fingerprint,
     read_hf_config,
 )
-from engine.worker.model_runner import BeamSamples, ModelRunner, StepOutput
+from engine.worker.model_runner import ModelRunner
 from engine.worker.models.sliding_window import kv_window, layer_windows
 from engine.worker.parallel.executor import TPExecutor
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
-class EngineCore:
+class EngineCore(StepUpdate):
     """One engine: loads the model and its KV cache, queues requests, steps."""
 
     def __init__(self, config: EngineConfig) -> None:
@@ -377,33 +378,10 @@ class EngineCore:
         finally:
             self.kv.end_step()
         now = time.monotonic()
-        self._advance(sched, scheduled_at, now)
-        for beams in out.beams:
-            self._process_beams(beams, now)
-        self._process_samples(out, now)
+        self.update_from_output(sched, out, scheduled_at, now)
         self._between_steps()
         self._trimmer.maybe_trim(now)
         return self.collect_outputs(now)
-
-    def _advance(self, sched: SchedulerOutput, scheduled_at: float, now: float) -> None:
-        """The scheduled tokens are computed: counts, newly full blocks cached, step rates (the
-        scheduler stamps a request's first scheduling when it admits it)."""
-        decodes = prefill = 0
-        kv = self.kv
-        caching = kv.enable_caching
-        bs = kv.block_size
-        for item in sched.scheduled:
-            seq = item.seq
-            if item.start >= seq.num_prompt_tokens:
-                decodes += 1
-            else:
-                prefill += item.num_new_tokens
-            seq.num_computed_tokens += item.num_new_tokens
-            # cache_blocks' own first test, inline: most steps fill no block
-            if caching and seq.num_computed_tokens >= bs * (seq.num_cached_blocks + 1):
-                kv.cache_blocks(seq)
-        if sched.scheduled:
-            self.step_rates.observe(prefill, decodes, now - scheduled_at, now)
 
     def _poll_grammars(self) -> None:
         """Releases requests whose grammar finished compiling (or fails them with its error).
@@ -433,87 +411,6 @@ class EngineCore:
             req.waiting_for_grammar = False
             for seq in req.seqs:
                 seq.grammar = self.grammars.new_matcher(req.compiled_grammar)
-
-    def _process_samples(self, out: StepOutput, now: float) -> None:
-        """Appends each sampled token to its sequence and checks whether the sample ends."""
-        touched = self._touched
-        token_ids, logprobs = out.token_ids, out.logprobs
-        process_token = self.outputs.process_token
-        bs = self.kv.block_size
-        k = 0
-        for item, n in out.owners:
-            seq = item.seq
-            req = seq.request
-            touched[req.request_id] = req
-            if not req.forked:
-                self._first_tokens(seq, token_ids[k : k + n], logprobs[k : k + n], now)
-                k += n
-                continue
-            # A running sample's next token, the common case: `_append`, inline.
-            token_id, logprob = token_ids[k], logprobs[k]
-            k += 1
-            tokens = seq.token_ids
-            tokens.append(token_id)
-            if len(tokens) % bs == 0:
-                seq.update_hashes()
-            if logprob is not None:
-                seq.cum_logprob += logprob.logprob
-            end = process_token(seq, token_id, logprob)
-            if end is not None:
-                self._finish(seq, end.reason, end.stop_reason)
-
-    def _first_tokens(
-        self,
-        seq: Sequence,
-        token_ids: list[int],
-        logprobs: list[TokenLogprob | None],
-        now: float,
-    ) -> None:
-        """A request's first token, or one per sample for n > 1 (they fork the prompt here)."""
-        req = seq.request
-        if req.metrics.first_token is None:
-            req.metrics.first_token = now
-        if req.params.pin_ttl_s > 0:
-            self._pin_prompt(seq, now)
-        req.forked = True
-        children = [seq]
-        for i in range(1, len(token_ids)):
-            child = self._new_seq(req, i, list(req.prompt_token_ids))
-            child.num_computed_tokens = seq.num_computed_tokens
-            self.kv.fork(seq, child)
-            self.scheduler.add_running(child)
-            children.append(child)
-        for child, tok, lp in zip(children, token_ids, logprobs, strict=True):
-            self._append(child, tok, lp)
-
-    def _pin_prompt(self, seq: Sequence, now: float) -> None:
-        """pin_ttl_s: pins the prompt's blocks once, when its first token is out."""
-        req = seq.request
-        if req.params.pin_ttl_s > 0 and req.pinned is None:
-            req.pinned = self.kv.pin(seq, len(req.prompt_token_ids), now + req.params.pin_ttl_s)
-            if req.pinned and self.tiers is not None:  # best effort within the CPU tier's cap
-                n_full = len(req.prompt_token_ids) // self.kv.block_size
-                self.tiers.pin(seq.block_hashes[:n_full], now + req.params.pin_ttl_s)
-
-    def _process_beams(self, res: BeamSamples, now: float) -> None:
-        req = res.request
-        self._touched[req.request_id] = req
-        if req.metrics.first_token is None:
-            req.metrics.first_token = now
-        self._pin_prompt(res.beams[0], now)
-        advance_beams(res.request, res.beams, res.candidates, self.scheduler, self._seq_ids)
-
-    def _append(self, seq: Sequence, token_id: int, logprob: TokenLogprob | None) -> None:
-        seq.append_token(token_id)
-        if logprob is not None:
-            seq.cum_logprob += logprob.logprob
-        end = self.outputs.process_token(seq, token_id, logprob)
-        if end is not None:
-            self._finish(seq, end.reason, end.stop_reason)
-
-    def _finish(self, seq: Sequence, reason: str, stop_reason: int | str | None) -> None:
-        self.scheduler.remove(seq)
-        seq.finish(reason, stop_reason)
 
     def collect_outputs(self, now: float | None = None) -> list[RequestOutput]:
         """Deltas of every request with news since the last call (step() calls it)."""
