@@ -107,25 +107,28 @@ class InputBatch:
         if num_tokens > self._tokens or num_seqs > self._seqs or max_blocks > self._blocks:
             self._alloc(2 * num_tokens, 2 * num_seqs, 2 * max_blocks)
         ids, pos = self.input_ids.np, self.positions.np
-        starts_np = np.asarray(starts, dtype=np.int64)
-        qlens_np = np.asarray(qlens, dtype=np.int64)
+        starts_np = np.fromiter(starts, np.int64, num_seqs)
+        qsl = self.query_start_loc.np
         if num_tokens == num_seqs:  # decode only: one token per sequence
             ids[:num_seqs] = [item.seq.token_ids[item.start] for item in scheduled]
             pos[:num_seqs] = starts_np
             seq_idx = np.arange(num_seqs)
+            qsl[: num_seqs + 1] = np.arange(num_seqs + 1)
+            seq_lens = starts_np + 1
         else:
             t = 0
             for item, s, n in zip(scheduled, starts, qlens, strict=True):
                 ids[t : t + n] = item.seq.token_ids[s : s + n]
                 t += n
+            qlens_np = np.fromiter(qlens, np.int64, num_seqs)
             seq_idx = np.repeat(np.arange(num_seqs), qlens_np)
+            ends = np.cumsum(qlens_np)
             # position of token t = its sequence's start + its offset in the chunk
-            qsl_prefix = np.cumsum(qlens_np) - qlens_np  # [S] first token of each sequence
-            pos[:num_tokens] = np.arange(num_tokens) - qsl_prefix[seq_idx] + starts_np[seq_idx]
-        qsl = self.query_start_loc.np
-        qsl[0] = 0
-        np.cumsum(qlens_np, out=qsl[1 : num_seqs + 1])
-        seq_lens = starts_np + qlens_np
+            first = ends - qlens_np  # [S] flat index of each sequence's first token
+            pos[:num_tokens] = np.arange(num_tokens) - first[seq_idx] + starts_np[seq_idx]
+            qsl[0] = 0
+            qsl[1 : num_seqs + 1] = ends
+            seq_lens = starts_np + qlens_np
         self.seq_lens.np[:num_seqs] = seq_lens
         bt = self.block_tables.np
         rows = self._rows
