@@ -353,3 +353,31 @@ def test_one_host_sync_per_call(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_empty_batch() -> None:
     out = Sampler(V, CPU, 0)(torch.empty(0, V), [], [EOS])
     assert out.token_ids == [] and out.logprobs == []
+
+
+def test_batch_traits_follow_the_rows_from_step_to_step() -> None:
+    """The traits are read once per distinct list of rows: a new row (or one left out) in the
+    next batch is seen, and a min_tokens ban lifts once the row's outputs reach it."""
+    sampler = Sampler(V, CPU, 0)
+    logits = _logits(2)
+    greedy = _row(SamplingParams(temperature=0.0))
+    best = int(logits[1].argmax())
+    output: list[int] = []
+    params = SamplingParams(temperature=0.0, min_tokens=1, stop_token_ids=[best])
+    banned = SamplingRow(params, [], output, None)  # reads `output` as it grows
+    # step 1: all greedy, nothing to change: the argmax, and the caller's logits untouched
+    before = logits.clone()
+    assert sampler(logits, [greedy, greedy], [EOS]).token_ids == logits.argmax(-1).tolist()
+    assert torch.equal(logits, before)
+    # step 2: a row with min_tokens joins: its stop token is banned while it has no output
+    out = sampler(logits, [greedy, banned], [EOS])
+    assert out.token_ids[1] != best
+    # step 3: the same rows, the row's output now reaches min_tokens: the ban lifts
+    output.append(out.token_ids[1])
+    assert sampler(logits, [greedy, banned], [EOS]).token_ids[1] == best
+    # step 4: a row that asks for logprobs replaces it: they are reported
+    with_lp = _row(SamplingParams(temperature=0.0, logprobs=0))
+    out = sampler(logits, [greedy, with_lp], [EOS])
+    assert out.logprobs[0] is None and out.logprobs[1] is not None
+    # step 5: back to greedy rows only: no logprobs
+    assert sampler(logits, [greedy, greedy], [EOS]).logprobs == [None, None]
