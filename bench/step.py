@@ -211,7 +211,8 @@ class StepProbe:
             step_s = time.perf_counter() - start
             phases, device_s = self.clock.take()
             phases["output"] = step_s - sum(phases.values())
-            self.samples.append({**phases, "step": step_s, "device": device_s})
+            host_s = sum(phases[p] for p in CORE_HOST)
+            self.samples.append({**phases, "step": step_s, "device": device_s, "host": host_s})
 
     def close(self) -> None:
         while self.engine.has_unfinished_requests():
@@ -232,7 +233,8 @@ class StepProbe:
         return ms
 
     def median_ms(self, name: str) -> float:
-        """The median over the timed steps of one phase (or "step"), in milliseconds."""
+        """The median over the timed steps of one phase (or "step", or "host"), in
+        milliseconds."""
         values = sorted(s[name] for s in self.samples)
         mid = len(values) // 2
         return 500 * (values[mid] + values[~mid])
@@ -243,7 +245,12 @@ def measure_batch(model_path: str, args: argparse.Namespace, batch: int) -> dict
     probe = StepProbe(model_path, args, batch, args.steps)
     probe.time_steps(args.steps)
     probe.close()
-    return {"batch": batch, "ms": probe.mean_ms(), "cuda": probe.clock.cuda}
+    return {
+        "batch": batch,
+        "ms": probe.mean_ms(),
+        "host_p50_ms": probe.median_ms("host"),
+        "cuda": probe.clock.cuda,
+    }
 
 
 def _row(r: dict[str, Any]) -> list[Any]:
@@ -279,7 +286,8 @@ def run(args: argparse.Namespace) -> int:
             checks[r["batch"]] = ok
             print(
                 f"batch {r['batch']}: the core's host work outside the forward "
-                f"{r['ms']['host']:.3f} ms (target <= {target} ms): {'MET' if ok else 'NOT MET'}; "
+                f"{r['ms']['host']:.3f} ms, mean of the steps (median {r['host_p50_ms']:.3f}; "
+                f"target <= {target} ms): {'MET' if ok else 'NOT MET'}; "
                 f"the front end's text {r['ms']['text']:.3f} ms more (in the API server's "
                 "process when served)"
             )
