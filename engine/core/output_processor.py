@@ -112,15 +112,18 @@ class OutputProcessor:
         Beam search and best_of > n rank whole outputs, so their requests send nothing until
         they finish; then one message carries the n best outputs in full, best first.
         """
-        outs = []
+        outs: list[RequestOutput] = []
+        append = outs.append
         samples = self._samples
+        sample_of = samples.get
+        done = SeqStatus.FINISHED
         for rid, req in requests.items():
             seqs = req.seqs
             if len(seqs) == 1 and req.beam is None and not req.ranks_samples:
                 # One sample, the common case: `Request.finished` and the delta, inline.
                 seq = seqs[0]
-                finished = seq.status is SeqStatus.FINISHED
-                out = samples.get(seq.seq_id)
+                finished = seq.status is done
+                out = sample_of(seq.seq_id)
                 start = seq.num_prompt_tokens + (0 if out is None else out.sent_tokens)
                 tokens = seq.token_ids
                 if (
@@ -148,7 +151,7 @@ class OutputProcessor:
                     for seq in seqs:
                         samples.pop(seq.seq_id, None)
             cached = req.cached_tokens
-            outs.append(
+            append(
                 RequestOutput(
                     rid,
                     req.prompt_token_ids,
