@@ -109,6 +109,8 @@ class InputBatch:
         ids, pos = self.input_ids.np, self.positions.np
         starts_np = np.fromiter(starts, np.int64, num_seqs)
         qsl = self.query_start_loc.np
+        # NOTE: the scheduler never hands over an item with no new tokens, so T == S means one
+        # token per sequence
         if num_tokens == num_seqs:  # decode only: one token per sequence
             ids[:num_seqs] = [item.seq.token_ids[item.start] for item in scheduled]
             pos[:num_seqs] = starts_np
