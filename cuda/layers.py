@@ -10,6 +10,8 @@ the layers hand them only what they take (`takes`).
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import torch
 
@@ -46,6 +48,20 @@ def _rows(name: str, x: torch.Tensor) -> int:
     return int(x.shape[1])
 
 
+def _launch_rows(op: str, dtype: torch.dtype, device: torch.device, rows: int, *args: Any) -> None:
+    """Launches `op`'s kernel for `dtype` with `args`, one block of THREADS per row (nothing for
+    no rows)."""
+    if rows:
+        launch(
+            CU_FILE,
+            kernel_name(op, dtype),
+            device,
+            grid=(int(rows), 1, 1),
+            block=(THREADS, 1, 1),
+            args=args,
+        )
+
+
 def _norm(
     x: torch.Tensor, h: torch.Tensor | None, weight: torch.Tensor, eps: float
 ) -> tuple[torch.Tensor | None, torch.Tensor]:
@@ -63,25 +79,21 @@ def _norm(
         residual = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     device = check_cuda(x=x, weight=weight)
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    if x.shape[0]:
-        launch(
-            CU_FILE,
-            kernel_name("rms_norm", x.dtype),
-            device,
-            grid=(int(x.shape[0]), 1, 1),
-            block=(THREADS, 1, 1),
-            args=(
-                ptr(out),
-                np.uint64(0) if residual is None else ptr(residual),
-                ptr(x),
-                np.uint64(0) if h is None else ptr(h),
-                ptr(weight),
-                np.int32(hidden),
-                np.int64(x.stride(0)),
-                np.int64(0 if h is None else h.stride(0)),
-                np.float32(eps),
-            ),
-        )
+    _launch_rows(
+        "rms_norm",
+        x.dtype,
+        device,
+        x.shape[0],
+        ptr(out),
+        np.uint64(0) if residual is None else ptr(residual),
+        ptr(x),
+        np.uint64(0) if h is None else ptr(h),
+        ptr(weight),
+        np.int32(hidden),
+        np.int64(x.stride(0)),
+        np.int64(0 if h is None else h.stride(0)),
+        np.float32(eps),
+    )
     return residual, out
 
 
@@ -126,25 +138,21 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     )
     device = check_cuda(x=x, cos=cos, sin=sin)
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    if num_tokens:
-        launch(
-            CU_FILE,
-            kernel_name("rope", x.dtype),
-            device,
-            grid=(int(num_tokens), 1, 1),
-            block=(THREADS, 1, 1),
-            args=(
-                ptr(out),
-                ptr(x),
-                ptr(cos),
-                ptr(sin),
-                np.int32(num_heads),
-                np.int32(head_dim),
-                np.int32(half),
-                np.int64(x.stride(0)),
-                np.int64(cos.stride(0)),
-            ),
-        )
+    _launch_rows(
+        "rope",
+        x.dtype,
+        device,
+        num_tokens,
+        ptr(out),
+        ptr(x),
+        ptr(cos),
+        ptr(sin),
+        np.int32(num_heads),
+        np.int32(head_dim),
+        np.int32(half),
+        np.int64(x.stride(0)),
+        np.int64(cos.stride(0)),
+    )
     return out
 
 
@@ -155,13 +163,14 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     inter = width // 2
     device = check_cuda(gate_up=gate_up)
     out = torch.empty((gate_up.shape[0], inter), dtype=gate_up.dtype, device=gate_up.device)
-    if gate_up.shape[0]:
-        launch(
-            CU_FILE,
-            kernel_name("silu_and_mul", gate_up.dtype),
-            device,
-            grid=(int(gate_up.shape[0]), 1, 1),
-            block=(THREADS, 1, 1),
-            args=(ptr(out), ptr(gate_up), np.int32(inter), np.int64(gate_up.stride(0))),
-        )
+    _launch_rows(
+        "silu_and_mul",
+        gate_up.dtype,
+        device,
+        gate_up.shape[0],
+        ptr(out),
+        ptr(gate_up),
+        np.int32(inter),
+        np.int64(gate_up.stride(0)),
+    )
     return out
