@@ -157,7 +157,7 @@ class OutputProcessor:
                     req.prompt_token_ids,
                     deltas,
                     finished,
-                    cached.device + cached.cpu + cached.disk,
+                    cached.total,
                     cached,
                     req.metrics,
                     req.error,
@@ -207,22 +207,16 @@ class OutputProcessor:
         if out is None or out.final_sent:
             return None
         reason = seq.finish_reason
-        start = seq.num_prompt_tokens + out.sent_tokens
-        tokens = seq.token_ids
-        if len(tokens) == start + 1:  # one new token: a decode step's delta
-            new_tokens = [tokens[start]]
-        else:
-            new_tokens = tokens[start:]
-            if not new_tokens and reason is None:
-                return None
+        new_tokens = seq.token_ids[seq.num_prompt_tokens + out.sent_tokens :]
+        if not new_tokens and reason is None:
+            return None
         lps = None
         if out.logprobs is not None:
             lps = out.logprobs[out.sent_logprobs :]
             out.sent_logprobs = len(out.logprobs)
+        ranked = reason is not None and seq.request.params.wants_logprob
         out.sent_tokens += len(new_tokens)
-        if reason is None:
-            return CompletionOutput(seq.index if index is None else index, "", new_tokens, lps)
-        out.final_sent = True
+        out.final_sent = reason is not None
         return CompletionOutput(
             seq.index if index is None else index,
             "",  # the front end makes the text
@@ -230,5 +224,5 @@ class OutputProcessor:
             lps,
             reason,
             seq.stop_reason,
-            seq.cum_logprob if seq.request.params.wants_logprob else None,
+            seq.cum_logprob if ranked else None,
         )

@@ -73,7 +73,6 @@ class StepUpdate:
         touched = self._touched
         token_ids, logprobs = out.token_ids, out.logprobs
         process_token = self.outputs.process_token
-        bs = self.kv.block_size
         k = 0
         for item, n in out.owners:
             seq = item.seq
@@ -86,10 +85,7 @@ class StepUpdate:
             # A running sample's next token, the common case: `_append`, inline.
             token_id, logprob = token_ids[k], logprobs[k]
             k += 1
-            tokens = seq.token_ids
-            tokens.append(token_id)
-            if len(tokens) % bs == 0:
-                seq.update_hashes()
+            seq.append_token(token_id)
             if logprob is not None:
                 seq.cum_logprob += logprob.logprob
             end = process_token(seq, token_id, logprob)
