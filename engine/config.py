@@ -170,6 +170,11 @@ class EngineConfig:
     starts N - 1 worker processes, one per device (CUDA: NCCL; CPU: gloo)."""
     enforce_eager: bool = False
     """Run every step eagerly: no decode CUDA graphs (vLLM's flag)."""
+    async_scheduling: bool = False
+    """Schedule and launch each step before the last one's sampled ids are on the host (vLLM's
+    flag): the host's work overlaps the GPU's. Steps whose sampling reads the output so far
+    (grammars, penalties, min_tokens, n > 1 first tokens, beams) and tensor parallelism still
+    wait for their results."""
     max_cuda_graph_batch: int = 256
     """Largest decode batch captured as a CUDA graph (sizes 1, 2, 4, 8, then every 8; capped at
     max_num_seqs). Used only on CUDA with the cupy backend; 0 captures none."""

@@ -29,7 +29,7 @@ from engine.core.output_processor import OutputProcessor
 from engine.core.scheduler import Scheduler
 from engine.core.sequence import Request, SeqStatus, Sequence
 from engine.core.step_rates import StepRates
-from engine.core.step_update import StepUpdate
+from engine.core.step_update import LaunchedStep, StepUpdate
 from engine.kv.events import (
     AllBlocksCleared,
     KVEvent,
@@ -212,6 +212,10 @@ class EngineCore(StepUpdate):
         """Requests with news since the last step's outputs were built."""
         self._trimmer = HostMemoryTrimmer()
         """Gives freed host memory (disk-tier payloads) back to the OS between steps."""
+        self.async_scheduling = config.async_scheduling and self.tp is None
+        """Leave a step's results in flight while the next one is scheduled (`step`)."""
+        self._in_flight: LaunchedStep | None = None
+        """The step launched and advanced whose sampled ids are not yet processed."""
 
     # -- requests ------------------------------------------------------------------------------
     def enqueue(self, req: Request) -> None:
@@ -274,6 +278,7 @@ class EngineCore(StepUpdate):
         True when every queued write reached disk; the rest are lost, as after a crash.
         """
         try:
+            self.drain()
             if self.offload is None:
                 return True
             self._between_steps()
@@ -336,7 +341,8 @@ class EngineCore(StepUpdate):
         return None if b is None else b.block_id
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.requests)
+        """Requests not yet finished, or a step still in flight (async scheduling)."""
+        return bool(self.requests) or self._in_flight is not None
 
     def expire_pins(self, now: float | None = None) -> bool:
         """Releases the pins whose TTL has passed (device and CPU tier); True when some were.
@@ -360,7 +366,12 @@ class EngineCore(StepUpdate):
 
     # -- the step ------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """One scheduling decision and one forward pass; returns deltas of requests with news."""
+        """One scheduling decision and one forward pass; returns deltas of requests with news.
+
+        Async scheduling (`async_scheduling`, vLLM's): a step whose sampling reads nothing but
+        its logits is left in flight; the next call schedules and launches the following step
+        (its pending tokens gathered on the device) before it reads this one's ids, so the host's
+        work overlaps the GPU's. Each call then returns the news of the step before."""
         if self._grammar_waits:
             self._poll_grammars()
         self._between_steps()
@@ -373,15 +384,44 @@ class EngineCore(StepUpdate):
             self._touched[seq.request.request_id] = seq.request
         fail_beam_groups(sched.failed, self.scheduler)
         tables = [self.kv.block_ids(item.seq.seq_id) for item in sched.scheduled]
+        prev, self._in_flight = self._in_flight, None
         try:
-            out = self.runner.execute(sched, tables)
+            in_flight = None if prev is None else prev.handle.token_ids
+            handle = self.runner.launch(sched, tables, in_flight)
+        except BaseException:
+            if prev is not None:  # its tokens are real: they still reach their sequences
+                self._complete(prev, deferred=True)
+            raise
         finally:
             self.kv.end_step()
+        launched = LaunchedStep(sched, handle, scheduled_at, self._advance(sched))
+        if self.async_scheduling and handle.deferrable and handle.owners:
+            for row, (item, _) in enumerate(handle.owners):  # one row each (deferrable)
+                seq = item.seq
+                seq.num_pending += 1
+                seq.pending_row = row
+            self._in_flight = launched
+            if prev is not None:
+                self._complete(prev, deferred=True)
+        else:
+            if prev is not None:
+                self._complete(prev, deferred=True)
+            self._complete(launched, deferred=False)
         now = time.monotonic()
-        self.update_from_output(sched, out, scheduled_at, now)
         self._between_steps()
         self._trimmer.maybe_trim(now)
         return self.collect_outputs(now)
+
+    def _complete(self, launched: LaunchedStep, *, deferred: bool) -> None:
+        """Waits for a launched step's results and brings them into the engine's state."""
+        out = self.runner.collect(launched.handle)
+        self.update_from_output(launched, out, time.monotonic(), deferred=deferred)
+
+    def drain(self) -> None:
+        """Completes the step left in flight, if any (async scheduling; step thread)."""
+        if self._in_flight is not None:
+            launched, self._in_flight = self._in_flight, None
+            self._complete(launched, deferred=True)
 
     def _poll_grammars(self) -> None:
         """Releases requests whose grammar finished compiling (or fails them with its error).

@@ -68,6 +68,7 @@ class OutputProcessor:
         max_total = self.max_model_len
         if params.max_tokens is not None:
             max_total = min(max_total, prompt + params.max_tokens)
+        seq.max_len = max_total
         self._samples[seq.seq_id] = SampleOutput(
             IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids, params)
             if params.stop

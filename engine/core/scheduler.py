@@ -12,6 +12,12 @@ Each step:
 A sequence that can never fit (it needs more blocks than the whole pool) finishes with an error
 instead of blocking the queue.
 
+Async scheduling (engine/core/engine_core.py): a running sample may have a token in flight (sampled
+by a step whose ids are not on the host yet, `Sequence.num_pending`); it counts towards the
+sequence's length, so the sample's next decode is that token's. A sample whose token in flight
+reaches its max length is not scheduled (it ends when the token arrives), and a preempted one is
+not readmitted before its token is in.
+
 Beam search: a request's running beams are one *unit*, adjacent in `running` and in `waiting`.
 A unit is scheduled, preempted (always by recompute) and admitted as a whole, and its beams reach
 their last token in the same step (lockstep): the step's ranking needs every beam's logits. When
@@ -45,7 +51,8 @@ class ScheduledSeq:
     @property
     def samples(self) -> bool:
         """This chunk reaches the sequence's last token: the step samples its next token."""
-        return self.start + self.num_new_tokens == len(self.seq.token_ids)
+        seq = self.seq
+        return self.start + self.num_new_tokens == len(seq.token_ids) + seq.num_pending
 
 
 @dataclass(slots=True)
@@ -179,10 +186,13 @@ class Scheduler:
         while i < len(running) and budget > 0:
             seq = running[i]
             computed = seq.num_computed_tokens
+            pending = seq.num_pending  # tokens in flight (async scheduling)
+            length = len(seq.token_ids) + pending
+            if pending and length >= seq.max_len:
+                i += 1  # the token in flight ends it by length: nothing more to compute
+                continue
             if (
-                len(seq.token_ids) - computed == 1
-                and seq.request.beam is None
-                and fits_in_place(seq)
+                length - computed == 1 and seq.request.beam is None and fits_in_place(seq)
             ):  # a decode token into a block the sequence holds: nothing to allocate or check
                 scheduled.append(ScheduledSeq(seq, 1, computed))
                 budget -= 1
@@ -228,6 +238,8 @@ class Scheduler:
             if limit and prefilling >= limit:
                 break
             seq = self.waiting[0]
+            if seq.num_pending:
+                break  # preempted with a token in flight: it comes back once the token is in
             if seq.request.waiting_for_grammar:
                 not_ready.append(self.waiting.popleft())
                 continue

@@ -99,6 +99,15 @@ class Sequence:
     sampling_row: Any = None
     """The model runner's SamplingRow for this sample, made the first time it samples alone and
     reused every step after (engine/worker/model_runner.py: `_sampling_plan`)."""
+    num_pending: int = 0
+    """Tokens sampled by steps still in flight (async scheduling, engine/core/engine_core.py):
+    their positions count as computed, their ids are not yet in `token_ids`."""
+    pending_row: int = -1
+    """Row of the last in-flight step's sampled ids that holds this sequence's newest pending
+    token: the next step's input id is gathered from it on the device."""
+    max_len: int = 1 << 62
+    """The length at which the sample ends by length (max_tokens or max_model_len; set with its
+    stop rules): async scheduling never schedules a token past it."""
     grammar: xgr.GrammarMatcher | None = None
     """This sample's grammar matcher (structured outputs); it has accepted every output token.
     It outlives preemption: recompute and swap keep the tokens, so the state stays valid."""
@@ -120,7 +129,7 @@ class Sequence:
 
     @property
     def num_uncomputed(self) -> int:
-        return len(self.token_ids) - self.num_computed_tokens
+        return len(self.token_ids) + self.num_pending - self.num_computed_tokens
 
     def update_hashes(self) -> None:
         """Hashes blocks that became full; each block is hashed once in the sequence's life."""

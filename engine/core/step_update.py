@@ -1,26 +1,38 @@
 """What a step's results do to the engine's state (vLLM's `Scheduler.update_from_output`).
 
-After the forward pass, `EngineCore.step` hands the step's schedule and the runner's
-`StepOutput` here: the scheduled tokens count as computed (newly full blocks join the prefix
-cache), each sampled token is appended to its sequence and checked against the stop rules (a
-sample that ends frees its blocks), a request's first token forks its n samples, and beam groups
-advance. This runs over every scheduled sequence each step, so its common case (a running
+Once the runner has launched a step, `EngineCore.step` counts its scheduled tokens as computed
+(`_advance`: newly full blocks join the prefix cache); when its results are on the host (at once,
+or one step later under async scheduling) they come here as a `StepOutput`: each sampled token is
+appended to its sequence and checked against the stop rules (a sample that ends frees its blocks),
+a request's first token forks its n samples, and beam groups advance. This runs over every scheduled sequence each step, so its common case (a running
 sample's next token) is written inline.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 from engine.core.beam_step import advance_beams
 from engine.core.output_processor import OutputProcessor
 from engine.core.scheduler import Scheduler, SchedulerOutput
-from engine.core.sequence import Request, Sequence
+from engine.core.sequence import Request, SeqStatus, Sequence
 from engine.core.step_rates import StepRates
 from engine.kv.manager import KVCacheManager
 from engine.kv.tiers import TieredCache
 from engine.outputs import TokenLogprob
-from engine.worker.model_runner import BeamSamples, StepOutput
+from engine.worker.model_runner import BeamSamples, StepHandle, StepOutput
+
+
+@dataclass(slots=True, eq=False)
+class LaunchedStep:
+    """A step the runner launched and the core has advanced, until its results are processed."""
+
+    sched: SchedulerOutput
+    handle: StepHandle
+    scheduled_at: float
+    counts: tuple[int, int]
+    """(prefill tokens, decode sequences): the step rates' sample, taken when it completes."""
 
 
 class StepUpdate:
@@ -35,22 +47,32 @@ class StepUpdate:
     _touched: dict[str, Request]
     """Requests with news since the last step's outputs were built."""
     _seq_ids: Iterator[int]
+    _last_done = 0.0
+    """When the last step with scheduled tokens completed (monotonic seconds)."""
 
     def _new_seq(self, req: Request, index: int, token_ids: list[int]) -> Sequence:
         raise NotImplementedError  # EngineCore's
 
     def update_from_output(
-        self, sched: SchedulerOutput, out: StepOutput, scheduled_at: float, now: float
+        self, launched: LaunchedStep, out: StepOutput, now: float, *, deferred: bool
     ) -> None:
-        """The step `sched` ran and sampled `out`: every part of the engine's state follows."""
-        self._advance(sched, scheduled_at, now)
+        """The step `launched` (advanced at launch) sampled `out`: every part of the engine's
+        state follows. `deferred`: the step was left in flight (its tokens were pending)."""
+        prefill, decodes = launched.counts
+        if prefill or decodes:
+            # A step left in flight overlaps the one before: its time starts where that one ended.
+            start = max(launched.scheduled_at, self._last_done)
+            self.step_rates.observe(prefill, decodes, now - start, now)
+            self._last_done = now
         for beams in out.beams:
             self._process_beams(beams, now)
-        self._process_samples(out, now)
+        self._process_samples(out, now, deferred)
 
-    def _advance(self, sched: SchedulerOutput, scheduled_at: float, now: float) -> None:
-        """The scheduled tokens are computed: counts, newly full blocks cached, step rates (the
-        scheduler stamps a request's first scheduling when it admits it)."""
+    def _advance(self, sched: SchedulerOutput) -> tuple[int, int]:
+        """The scheduled tokens count as computed once the step is launched (its KV writes come
+        before any later step's reads on the device): counts, newly full blocks cached (blocks
+        whose tokens are all known; the scheduler stamps a request's first scheduling when it
+        admits it). Returns (prefill tokens, decode sequences)."""
         decodes = prefill = 0
         kv = self.kv
         caching = kv.enable_caching
@@ -65,17 +87,25 @@ class StepUpdate:
             # cache_blocks' own first test, inline: most steps fill no block
             if caching and seq.num_computed_tokens >= bs * (seq.num_cached_blocks + 1):
                 kv.cache_blocks(seq)
-        if sched.scheduled:
-            self.step_rates.observe(prefill, decodes, now - scheduled_at, now)
+        return prefill, decodes
 
-    def _process_samples(self, out: StepOutput, now: float) -> None:
-        """Appends each sampled token to its sequence and checks whether the sample ends."""
+    def _process_samples(self, out: StepOutput, now: float, deferred: bool = False) -> None:
+        """Appends each sampled token to its sequence and checks whether the sample ends.
+
+        `deferred`: the tokens were pending (async scheduling). A sample that ended (a stop, an
+        abort) since the step was launched drops its token: under async scheduling a step may
+        complete after the one before it ended the sample."""
         touched = self._touched
         token_ids, logprobs = out.token_ids, out.logprobs
         process_token = self.outputs.process_token
         k = 0
         for item, n in out.owners:
             seq = item.seq
+            if deferred:
+                seq.num_pending -= 1
+            if seq.status is SeqStatus.FINISHED:
+                k += n
+                continue
             req = seq.request
             touched[req.request_id] = req
             if not req.forked:

@@ -19,7 +19,8 @@ Order of operations on the [B, V] logits:
        the exponential race argmax(probs / q), q ~ Exponential(1). Unseeded rows draw q from the
        sampler's shared generator (one draw for the batch); a seeded row draws from its own
        generator, so its tokens do not depend on the rest of the batch.
-Every step is skipped when no row uses it. One host sync per call, after everything is gathered.
+Every step is skipped when no row uses it. `sample` ends with the results' non-blocking copy to
+the host; `SampledBatch.to_host` is the one host sync (the engine may schedule its next step first).
 """
 
 from __future__ import annotations
@@ -126,6 +127,54 @@ class SamplerOutput:
     """Per row; None where neither logprobs nor best_of's ranking asks for them."""
 
 
+@dataclass(slots=True, eq=False)
+class SampledBatch:
+    """A batch sampled on the device whose results are on their way to the host (vLLM's
+    AsyncModelRunnerOutput idea): `token_ids` stays on the device (the next step's inputs can
+    gather from it), and everything the host needs travels in one packed tensor with a
+    non-blocking copy; `to_host` waits for it (an event on CUDA) and unpacks it."""
+
+    token_ids: torch.Tensor
+    """[B] int64 on the sampler's device."""
+    rows: list[SamplingRow]
+    lp_rows: list[int]
+    """The rows whose chosen token's logprob is reported."""
+    max_top: int
+    """Top alternatives packed per logprob row."""
+    vocab_size: int
+    packed: torch.Tensor
+    """On the host (pinned on CUDA) once `ready` fires: the token ids (int64) when no row wants
+    logprobs, else float64 [ids, chosen logprobs, top ids, top values]."""
+    ready: torch.cuda.Event | None = None
+    """Recorded after the copy into `packed` (CUDA); None: already on the host."""
+
+    def to_host(self) -> SamplerOutput:
+        """Waits for the copy (the step's one host sync) and unpacks it into host lists."""
+        if self.ready is not None:
+            self.ready.synchronize()
+        host = self.packed.tolist()
+        num_rows = len(self.rows)
+        if not self.lp_rows:
+            return SamplerOutput(host, [None] * num_rows)
+        tokens = [int(t) for t in host[:num_rows]]
+        out_logprobs: list[TokenLogprob | None] = [None] * num_rows
+        lp_rows, max_top = self.lp_rows, self.max_top
+        num_lp = len(lp_rows)
+        chosen_lp = host[num_rows : num_rows + num_lp]
+        ids_start = num_rows + num_lp
+        vals_start = ids_start + num_lp * max_top
+        for j, i in enumerate(lp_rows):
+            k = min(self.rows[i].params.logprobs or 0, self.vocab_size)
+            ids = host[ids_start + j * max_top : ids_start + j * max_top + k]
+            vals = host[vals_start + j * max_top : vals_start + j * max_top + k]
+            out_logprobs[i] = TokenLogprob(
+                token_id=tokens[i],
+                logprob=chosen_lp[j],
+                top=[(int(t), v) for t, v in zip(ids, vals, strict=True) if v != _NEG_INF],
+            )
+        return SamplerOutput(token_ids=tokens, logprobs=out_logprobs)
+
+
 class Sampler:
     """Samples one token per row; see the module docstring for the order of operations."""
 
@@ -147,6 +196,12 @@ class Sampler:
         self._traits = (list(rows), traits)
         return traits
 
+    def needs_history(self, rows: list[SamplingRow]) -> bool:
+        """Whether some row's sampling reads its output so far (min_tokens, penalties): such a
+        step cannot be sampled before the previous step's tokens are on the host."""
+        traits = self._batch_traits(rows)
+        return traits.min_tokens or traits.rep_penalty or traits.pf_penalty
+
     def __call__(
         self,
         logits: torch.Tensor,
@@ -154,13 +209,24 @@ class Sampler:
         eos_token_ids: Sequence[int],
         mask: TokenMask | None = None,
     ) -> SamplerOutput:
-        """logits: [B, V'] with V' >= vocab_size (padding columns are dropped); B == len(rows).
+        """`sample`, then its results on the host."""
+        return self.sample(logits, rows, eos_token_ids, mask).to_host()
 
+    def sample(
+        self,
+        logits: torch.Tensor,
+        rows: list[SamplingRow],
+        eos_token_ids: Sequence[int],
+        mask: TokenMask | None = None,
+    ) -> SampledBatch:
+        """Samples on the device and starts the results' copy to the host; no host sync.
+
+        logits: [B, V'] with V' >= vocab_size (padding columns are dropped); B == len(rows).
         mask: the tokens the constrained rows may take (structured outputs), or None.
         """
         num_rows = len(rows)
         if num_rows == 0:
-            return SamplerOutput(token_ids=[], logprobs=[])
+            return self._packed(torch.zeros(0, dtype=torch.int64, device=self.device), rows)
         if logits.shape[0] != num_rows:
             raise ValueError(f"got {logits.shape[0]} logits rows for {num_rows} sampling rows")
         traits = self._batch_traits(rows)
@@ -171,7 +237,7 @@ class Sampler:
             and mask is None
             and not (traits.min_tokens or traits.rep_penalty or traits.pf_penalty)
         ):  # nothing changes the logits: their argmax is the answer
-            return SamplerOutput(logits.argmax(dim=-1).tolist(), [None] * num_rows)
+            return self._packed(logits.argmax(dim=-1), rows)
         # logits: [B, V] float32, our own copy (modified in place below)
         logits = logits.to(dtype=torch.float32, copy=True)
         if mask is not None:
@@ -184,61 +250,49 @@ class Sampler:
 
         # Logprobs of the rows that asked for them: [L, V]
         lp_rows = traits.logprob_rows
-        lp_index: torch.Tensor | None = None  # [L]
         logprobs: torch.Tensor | None = None
+        lp_index: torch.Tensor | None = None
         if lp_rows:
-            lp_index = torch.tensor(lp_rows, dtype=torch.int64, device=self.device)
+            lp_index = torch.tensor(lp_rows, dtype=torch.int64, device=self.device)  # [L]
             logprobs = torch.log_softmax(logits.index_select(0, lp_index), dim=-1)
 
         if traits.all_greedy:
             token_ids = logits.argmax(dim=-1)  # [B] int64
         else:
             token_ids = self._sample(logits, rows)
-        if not lp_rows:
-            return SamplerOutput(token_ids.tolist(), [None] * num_rows)  # the one host sync
-        return self._to_host(rows, token_ids, logprobs, lp_rows, lp_index)
-
-    def _to_host(
-        self,
-        rows: list[SamplingRow],
-        token_ids: torch.Tensor,
-        logprobs: torch.Tensor | None,
-        lp_rows: list[int],
-        lp_index: torch.Tensor | None,
-    ) -> SamplerOutput:
-        """token_ids: [B]; logprobs: [L, V] of the rows `lp_rows` (lp_index: the same as a
-        tensor), or None -> host lists."""
-        num_rows = len(rows)
+        if logprobs is None or lp_index is None:
+            return self._packed(token_ids, rows)
         # Everything the host needs, packed into one float64 tensor for a single transfer
         # (token ids < 2**53 are exact in float64).
         parts = [token_ids.to(torch.float64)]
-        max_top = 0
-        if logprobs is not None and lp_index is not None:
-            chosen = logprobs.gather(1, token_ids.index_select(0, lp_index).unsqueeze(1))  # [L, 1]
-            parts.append(chosen.squeeze(1).to(torch.float64))
-            max_top = min(max(rows[i].params.logprobs or 0 for i in lp_rows), self.vocab_size)
-            if max_top > 0:
-                top_vals, top_ids = logprobs.topk(max_top, dim=-1)  # [L, K], best first
-                parts.append(top_ids.flatten().to(torch.float64))
-                parts.append(top_vals.flatten().to(torch.float64))
-        host = torch.cat(parts).tolist()  # the one host sync
+        chosen = logprobs.gather(1, token_ids.index_select(0, lp_index).unsqueeze(1))  # [L, 1]
+        parts.append(chosen.squeeze(1).to(torch.float64))
+        max_top = min(max(rows[i].params.logprobs or 0 for i in lp_rows), self.vocab_size)
+        if max_top > 0:
+            top_vals, top_ids = logprobs.topk(max_top, dim=-1)  # [L, K], best first
+            parts.append(top_ids.flatten().to(torch.float64))
+            parts.append(top_vals.flatten().to(torch.float64))
+        return self._packed(token_ids, rows, torch.cat(parts), lp_rows, max_top)
 
-        tokens = [int(t) for t in host[:num_rows]]
-        out_logprobs: list[TokenLogprob | None] = [None] * num_rows
-        num_lp = len(lp_rows)
-        chosen_lp = host[num_rows : num_rows + num_lp]
-        ids_start = num_rows + num_lp
-        vals_start = ids_start + num_lp * max_top
-        for j, i in enumerate(lp_rows):
-            k = min(rows[i].params.logprobs or 0, self.vocab_size)
-            ids = host[ids_start + j * max_top : ids_start + j * max_top + k]
-            vals = host[vals_start + j * max_top : vals_start + j * max_top + k]
-            out_logprobs[i] = TokenLogprob(
-                token_id=tokens[i],
-                logprob=chosen_lp[j],
-                top=[(int(t), v) for t, v in zip(ids, vals, strict=True) if v != _NEG_INF],
-            )
-        return SamplerOutput(token_ids=tokens, logprobs=out_logprobs)
+    def _packed(
+        self,
+        token_ids: torch.Tensor,
+        rows: list[SamplingRow],
+        packed: torch.Tensor | None = None,
+        lp_rows: list[int] | None = None,
+        max_top: int = 0,
+    ) -> SampledBatch:
+        """Starts the packed results' copy to the host (pinned, non-blocking, with an event on
+        CUDA; nothing to copy on the CPU)."""
+        packed = token_ids if packed is None else packed
+        ready = None
+        if packed.is_cuda:
+            host = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True)
+            host.copy_(packed, non_blocking=True)
+            ready = torch.cuda.Event()
+            ready.record()
+            packed = host
+        return SampledBatch(token_ids, rows, lp_rows or [], max_top, self.vocab_size, packed, ready)
 
     def _apply_min_tokens(
         self, logits: torch.Tensor, rows: list[SamplingRow], eos_token_ids: Sequence[int]

@@ -77,6 +77,23 @@ class InputBatch:
         meaningful while the list lives)."""
         self._alloc(256, 16, 16)
 
+    @staticmethod
+    def _decode_ids(scheduled: Sequence[ScheduledSeq], dst: list[int], src: list[int]) -> list[int]:
+        """A decode step's input ids: each sequence's known token, or 0 where its token is in
+        flight (its index goes to `dst`, its row of the in-flight ids to `src`)."""
+        out = []
+        for i, item in enumerate(scheduled):
+            seq = item.seq
+            token_ids = seq.token_ids
+            start = item.start
+            if start < len(token_ids):
+                out.append(token_ids[start])
+            else:
+                out.append(0)
+                dst.append(i)
+                src.append(seq.pending_row)
+        return out
+
     def _alloc(self, tokens: int, seqs: int, blocks: int) -> None:
         dev = self.device
         if tokens > self._tokens:
@@ -90,19 +107,31 @@ class InputBatch:
             self.seq_lens = _Buffer((seqs,), torch.int32, dev)
             # block_tables: [seqs, blocks], right-padded with block 0
             self.block_tables = _Buffer((seqs, blocks), torch.int32, dev)
+            # async scheduling: flat token index <- row of the in-flight step's sampled ids
+            self.gather_dst = _Buffer((seqs,), torch.int64, dev)
+            self.gather_src = _Buffer((seqs,), torch.int64, dev)
             self._rows = [None] * seqs
             self._seqs, self._blocks = seqs, blocks
 
-    def build(self, scheduled: Sequence[ScheduledSeq], tables: list[list[int]]) -> StepInputs:
-        """The flat batch of `scheduled` (each item's new tokens) with its block `tables`."""
+    def build(
+        self,
+        scheduled: Sequence[ScheduledSeq],
+        tables: list[list[int]],
+        in_flight: torch.Tensor | None = None,
+    ) -> StepInputs:
+        """The flat batch of `scheduled` (each item's new tokens) with its block `tables`.
+
+        `in_flight`: the sampled ids [rows] (on the device) of the step still in flight (async
+        scheduling). A sequence whose new token is that step's pending sample (its position is
+        past its known tokens) takes its input id from row `seq.pending_row`, on the device."""
         num_seqs = len(scheduled)
         qlens = list(map(_NUM_NEW, scheduled))
         starts = list(map(_START, scheduled))
         num_tokens = sum(qlens)
         max_blocks = max(map(len, tables))
         if self._copied is not None:
-            # NOTE: a step without sampling rows does not sync; the last step's copies may still
-            # be reading the pinned buffers that are about to be overwritten.
+            # NOTE: the last step may not have synced (no sampling rows, or left in flight by
+            # async scheduling): its copies may still read the pinned buffers written below.
             self._copied.synchronize()
         if num_tokens > self._tokens or num_seqs > self._seqs or max_blocks > self._blocks:
             self._alloc(2 * num_tokens, 2 * num_seqs, 2 * max_blocks)
@@ -111,8 +140,14 @@ class InputBatch:
         qsl = self.query_start_loc.np
         # NOTE: the scheduler never hands over an item with no new tokens, so T == S means one
         # token per sequence
+        dst: list[int] = []
+        """Flat token indexes whose ids come from `in_flight`, rows `src`."""
+        src: list[int] = []
         if num_tokens == num_seqs:  # decode only: one token per sequence
-            ids[:num_seqs] = [item.seq.token_ids[item.start] for item in scheduled]
+            if in_flight is None:
+                ids[:num_seqs] = [item.seq.token_ids[item.start] for item in scheduled]
+            else:
+                ids[:num_seqs] = self._decode_ids(scheduled, dst, src)
             pos[:num_seqs] = starts_np
             seq_idx = np.arange(num_seqs)
             qsl[: num_seqs + 1] = np.arange(num_seqs + 1)
@@ -120,7 +155,13 @@ class InputBatch:
         else:
             t = 0
             for item, s, n in zip(scheduled, starts, qlens, strict=True):
-                ids[t : t + n] = item.seq.token_ids[s : s + n]
+                seq = item.seq
+                if s + n > len(seq.token_ids):  # a decode of the token in flight
+                    ids[t] = 0
+                    dst.append(t)
+                    src.append(seq.pending_row)
+                else:
+                    ids[t : t + n] = seq.token_ids[s : s + n]
                 t += n
             qlens_np = np.fromiter(qlens, np.int64, num_seqs)
             seq_idx = np.repeat(np.arange(num_seqs), qlens_np)
@@ -159,9 +200,15 @@ class InputBatch:
             max_query_len=max(qlens),
             max_seq_len=max(seq_lens_list),
         )
-        step = StepInputs(
-            self.input_ids.to_device(num_tokens), self.positions.to_device(num_tokens), meta
-        )
+        input_ids = self.input_ids.to_device(num_tokens)
+        if dst:
+            assert in_flight is not None, "a token in flight without the step that samples it"
+            k = len(dst)
+            self.gather_dst.np[:k] = dst
+            self.gather_src.np[:k] = src
+            gathered = in_flight.index_select(0, self.gather_src.to_device(k))
+            input_ids.index_copy_(0, self.gather_dst.to_device(k), gathered)
+        step = StepInputs(input_ids, self.positions.to_device(num_tokens), meta)
         if self.device.type == "cuda":
             self._copied = torch.cuda.Event()
             self._copied.record()

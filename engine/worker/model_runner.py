@@ -11,7 +11,7 @@ import torch
 from engine.kv.plan import KVPlan
 from engine.outputs import TokenLogprob
 from engine.sample.beam import BeamCandidate, BeamRows, top_candidates
-from engine.sample.sampler import OutputTokens, Sampler, SamplingRow
+from engine.sample.sampler import OutputTokens, SampledBatch, Sampler, SamplingRow
 from engine.sample.structured.mask_filler import PendingMask, TokenMaskFiller
 from engine.worker.attention.base import AttentionBackend
 from engine.worker.cuda_graphs import DecodeGraphs, graph_sizes
@@ -60,6 +60,28 @@ class StepOutput:
     """Per row; None where neither logprobs nor best_of's ranking asks for them."""
     beams: list[BeamSamples] = field(default_factory=list)
     """The beam groups that ranked their continuations this step."""
+
+
+@dataclass(slots=True, eq=False)
+class StepHandle:
+    """A launched step whose sampled ids may still be on their way to the host (vLLM's
+    AsyncModelRunnerOutput): `ModelRunner.collect` turns it into the step's `StepOutput`."""
+
+    owners: list[tuple[ScheduledSeq, int]] = field(default_factory=list)
+    """(item, number of rows) in row order, as `StepOutput.owners`."""
+    sampled: SampledBatch | None = None
+    """The sampled rows: ids on the device, their copy to the host under way."""
+    beams: list[BeamSamples] = field(default_factory=list)
+    deferrable: bool = False
+    """The engine may launch its next step before reading this one's results (async scheduling):
+    every row is one sample's own (no n > 1 fan-out, no beams) and its sampling reads only its
+    logits (no grammar, penalties or min_tokens, which read the output so far); no tensor
+    parallelism."""
+
+    @property
+    def token_ids(self) -> torch.Tensor | None:
+        """[rows] int64 sampled ids on the device (None: the step sampled nothing)."""
+        return None if self.sampled is None else self.sampled.token_ids
 
 
 @dataclass(slots=True)
@@ -143,18 +165,30 @@ class ModelRunner:
             dst = torch.tensor([d for _, d in plan.cow], dtype=torch.long, device=self.device)
             self.backend.copy_blocks(self.kv_cache, src, dst)
 
-    @torch.inference_mode()
     def execute(self, sched: SchedulerOutput, tables: list[list[int]]) -> StepOutput:
-        """One forward over every scheduled token; samples where a chunk reaches a sequence's end.
+        """One step, start to end: `launch`, then `collect`."""
+        return self.collect(self.launch(sched, tables))
+
+    @torch.inference_mode()
+    def launch(
+        self,
+        sched: SchedulerOutput,
+        tables: list[list[int]],
+        in_flight: torch.Tensor | None = None,
+    ) -> StepHandle:
+        """One forward over every scheduled token, then the sampler where a chunk reaches a
+        sequence's end; returns without waiting for the GPU (the host waits in `collect`).
 
         `tables` holds each scheduled sequence's block ids, in `sched.scheduled` order.
+        `in_flight`: the sampled ids of the step launched before this one and not yet collected
+        (async scheduling); a sequence's pending token is read from it on the device.
         """
         self.apply_plan(sched.plan)
         if not sched.scheduled:
             if self.tp is not None and sched.plan:
                 self.tp.send_step(sched.plan, None, [])
-            return StepOutput()
-        step = self.inputs.build(sched.scheduled, tables)
+            return StepHandle()
+        step = self.inputs.build(sched.scheduled, tables, in_flight)
         self.backend.prepare(step.meta)
         plan = self._sampling_plan(sched.scheduled)
         if self.tp is not None:
@@ -169,18 +203,33 @@ class ModelRunner:
             one_each = not plan.beam_index and len(plan.rows) == len(plan.owners)
             logits = self.run_model(step, index, one_each)
             if logits is None:
-                return StepOutput()
+                return StepHandle()
             mask = pending.result() if pending is not None else None
         except BaseException:
             _settle(pending)
             raise
-        result = StepOutput(plan.owners)
+        handle = StepHandle(plan.owners)
         if plan.beam_groups:
-            result.beams = self._rank_beams(logits[len(plan.rows) :], plan.beam_groups)
+            handle.beams = self._rank_beams(logits[len(plan.rows) :], plan.beam_groups)
         if plan.rows:
-            out = self.sampler(logits[: len(plan.rows)], plan.rows, self.eos_token_ids, mask)
-            result.token_ids, result.logprobs = out.token_ids, out.logprobs
-        return result
+            rows_logits = logits[: len(plan.rows)]
+            handle.sampled = self.sampler.sample(rows_logits, plan.rows, self.eos_token_ids, mask)
+        handle.deferrable = (
+            self.tp is None
+            and one_each
+            and not plan.matchers
+            and not (plan.rows and self.sampler.needs_history(plan.rows))
+        )
+        return handle
+
+    @staticmethod
+    def collect(handle: StepHandle) -> StepOutput:
+        """The launched step's results on the host (waits for its sampled ids)."""
+        out = StepOutput(handle.owners, beams=handle.beams)
+        if handle.sampled is not None:
+            host = handle.sampled.to_host()
+            out.token_ids, out.logprobs = host.token_ids, host.logprobs
+        return out
 
     def run_model(self, step: StepInputs, index: list[int], one_each: bool) -> torch.Tensor | None:
         """The forward over every scheduled token, then the logits [len(index), V] float32 of the
@@ -240,7 +289,7 @@ class ModelRunner:
         for item in scheduled:
             end += item.num_new_tokens
             seq = item.seq
-            if item.start + item.num_new_tokens != len(seq.token_ids):
+            if item.start + item.num_new_tokens != len(seq.token_ids) + seq.num_pending:
                 continue  # a prefill chunk short of the prompt's end: nothing to sample
             req = seq.request
             row = seq.sampling_row

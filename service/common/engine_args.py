@@ -151,6 +151,14 @@ def add_engine_args(parser: argparse.ArgumentParser) -> list[argparse.Action]:
             default=False,
             help="Run every step eagerly: no decode CUDA graphs (GPU with the cupy backend).",
         ),
+        add_bool_flag(
+            g,
+            "--async-scheduling",
+            default=False,
+            help="Schedule each step before the last one's sampled ids reach the host, so the "
+            "host's work overlaps the GPU's (steps with grammars, penalties, min_tokens, n > 1 "
+            "first tokens or beams still wait; not with tensor parallelism).",
+        ),
         add_flag(
             g,
             "--max-cuda-graph-batch",
@@ -196,5 +204,6 @@ def engine_config_from_args(
         num_threads=args.threads,
         tensor_parallel_size=args.tensor_parallel_size,
         enforce_eager=args.enforce_eager,
+        async_scheduling=args.async_scheduling,
         max_cuda_graph_batch=args.max_cuda_graph_batch,
     )

@@ -35,13 +35,13 @@ def count_computed(llm: LLM) -> list[int]:
     """Wraps the runner so that box[0] counts the tokens each step computes."""
     box = [0]
     runner = llm.engine.runner
-    execute = runner.execute
+    launch = runner.launch
 
-    def counted(sched: SchedulerOutput, tables: list[list[int]]) -> Any:
+    def counted(sched: SchedulerOutput, *args: Any) -> Any:
         box[0] += sched.num_tokens
-        return execute(sched, tables)
+        return launch(sched, *args)
 
-    runner.execute = counted  # type: ignore[method-assign]
+    runner.launch = counted  # type: ignore[method-assign,assignment]
     return box
 
 
