@@ -6,20 +6,24 @@ steps warm up, then `--steps` pure-decode steps are timed one by one, split into
   prepare   the step's inputs: KV plan copies, the flat batch, the attention plan, the sampling rows
   forward   the model (every layer) and the LM head, or on a GPU the decode CUDA graph's replay;
             on a GPU also its device time (CUDA events)
-  wait      on a GPU: the host waiting for the forward's GPU work to end (before the sampler,
-            whose blocking copy of the chosen ids would wait for it anyway); 0 on a CPU
-  sample    the sampler (penalties, temperature, top-k/p, the chosen ids back on the host)
+  wait      on a GPU: the host waiting for a step's sampled ids (its forward and sampling on the
+            GPU); with --async-scheduling the ids waited for are the step before's, while this
+            step's forward is already queued behind it; 0 on a CPU
+  sample    the sampler (penalties, temperature, top-k/p) and unpacking its ids on the host
   output    the rest of the core's step: appending tokens, caching full blocks, stop checks, deltas
   text      the front end's detokenization of those deltas (engine/frontend/output_text.py): in
             `deja serve` it runs in the API server's process, beside the core's next step
 The baseline in the same run is the forward pass itself: `host outside forward` (schedule +
 prepare + sample + output: the core's step) is what the engine core adds around the model, and
 `step / forward` how much slower a step is than its model call (the step here, as in the offline
-`LLM`, includes the text). On a GPU, `GPU idle` is 1 - device time / step time.
+`LLM`, includes the text). On a GPU, `GPU idle` is 1 - device time / step time, the device time
+being the forwards' (CUDA events, counted as they complete, so a step left in flight by async
+scheduling counts in the step that reads it).
 The default model is a tiny random Llama (2 layers, hidden 64), where the forward costs little and
 a step's time is mostly host work; `--model demo` or a folder measures a real one.
 
     deja bench step [--model tiny|demo|DIR] [--batches 1,16,64,256] [--steps 64] [--device cpu]
+                    [--async-scheduling]
 """
 
 from __future__ import annotations
@@ -56,6 +60,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default="auto",
         help="auto (the engine's default: the C++ kernel on a CPU, cupy on a GPU), torch (reference),"
         " cpu or cupy",
+    )
+    parser.add_argument(
+        "--async-scheduling",
+        action="store_true",
+        help="schedule each step before the last one's ids are on the host (on a CPU nothing "
+        "overlaps: this measures the mode's own cost)",
     )
     parser.add_argument(
         "--enforce-eager",
@@ -106,15 +116,43 @@ class _PhaseClock:
         setattr(obj, attr, timed)
         self.wrap(obj, attr, "forward")
 
+    def wrap_collect(self, runner: Any) -> None:
+        """Times the runner's `collect`: waiting for the step's sampled ids as "wait", the rest
+        (unpacking them) as "sample"."""
+        collect = runner.collect
+
+        def timed(handle: Any) -> Any:
+            sampled = handle.sampled
+            if self.cuda and sampled is not None and sampled.ready is not None:
+                start = time.perf_counter()
+                sampled.ready.synchronize()
+                self.totals["wait"] += time.perf_counter() - start
+            start = time.perf_counter()
+            try:
+                return collect(handle)
+            finally:
+                self.totals["sample"] += time.perf_counter() - start
+
+        runner.collect = timed
+
     def take(self) -> tuple[dict[str, float], float]:
-        """This step's seconds per phase (output still 0) and device seconds; resets."""
+        """This step's seconds per phase (output still 0) and the device seconds of the forwards
+        that have completed (without waiting for one in flight); resets."""
         out, self.totals = self.totals, dict.fromkeys(PHASES, 0.0)
         device_s = 0.0
-        if self.events:
-            self.events[-1][1].synchronize()
-            device_s = sum(b.elapsed_time(e) for b, e in self.events) / 1000
-            self.events = []
+        while self.events and self.events[0][1].query():
+            begin, end = self.events.pop(0)
+            device_s += begin.elapsed_time(end) / 1000
         return out, device_s
+
+    def flush(self) -> float:
+        """Device seconds of the forwards still in flight (waits for them)."""
+        device_s = 0.0
+        for begin, end in self.events:
+            end.synchronize()
+            device_s += begin.elapsed_time(end) / 1000
+        self.events = []
+        return device_s
 
 
 class _TimedCall:
@@ -157,10 +195,19 @@ def _instrument(engine: Any, clock: _PhaseClock) -> None:
     else:  # older runners
         clock.wrap(runner.model, "compute_logits", "forward")
         clock.wrap_forward(runner.model, "forward")
-    # the forward's GPU work ends before the sampler's own host work is timed
-    clock.wrap(runner, "sampler", "sample", before=clock.wait_for_device)
+    if hasattr(runner, "collect"):  # the sampler starts the ids' copy; `collect` waits for it
+        clock.wrap(runner.sampler, "sample", "sample")
+        clock.wrap_collect(runner)
+    else:  # older runners: the forward's GPU work ends before the sampler's host work is timed
+        clock.wrap(runner, "sampler", "sample", before=clock.wait_for_device)
     if hasattr(engine, "text"):
         clock.wrap(engine.text, "apply", "text")
+
+
+def _async_option(args: argparse.Namespace) -> dict[str, bool]:
+    """--async-scheduling as an LLM option, only when given (trees from before the flag take
+    the probe too: scripts/compare_trees.sh)."""
+    return {"async_scheduling": True} if getattr(args, "async_scheduling", False) else {}
 
 
 class StepProbe:
@@ -179,6 +226,7 @@ class StepProbe:
             device=args.device,
             attention_backend=args.attention_backend,
             enforce_eager=getattr(args, "enforce_eager", False),
+            **_async_option(args),
             max_num_seqs=batch,
             num_device_blocks=batch * per_seq_blocks + 8,
             block_size=block_size,
@@ -213,6 +261,8 @@ class StepProbe:
             phases["output"] = step_s - sum(phases.values())
             host_s = sum(phases[p] for p in CORE_HOST)
             self.samples.append({**phases, "step": step_s, "device": device_s, "host": host_s})
+        if self.samples:
+            self.samples[-1]["device"] += self.clock.flush()
 
     def close(self) -> None:
         while self.engine.has_unfinished_requests():
@@ -292,7 +342,13 @@ def run(args: argparse.Namespace) -> int:
                 "process when served)"
             )
     print(report.finish_line(info))
-    payload = {"machine": info, "model": model_path, "results": results, "targets_met": checks}
+    payload = {
+        "machine": info,
+        "model": model_path,
+        "async_scheduling": bool(getattr(args, "async_scheduling", False)),
+        "results": results,
+        "targets_met": checks,
+    }
     report.write_json(args.json, payload)
     return 0
 

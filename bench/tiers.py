@@ -349,13 +349,14 @@ def _count_computed(llm: Any) -> list[int]:
     """Wraps the runner so that box[0] counts the tokens the forward passes compute."""
     box = [0]
     runner = llm.engine.runner
-    execute = runner.execute
+    name = "launch" if hasattr(runner, "launch") else "execute"  # execute: older runners
+    run_step = getattr(runner, name)
 
-    def counted(sched: Any, tables: Any) -> Any:
+    def counted(sched: Any, *args: Any) -> Any:
         box[0] += sched.num_tokens
-        return execute(sched, tables)
+        return run_step(sched, *args)
 
-    runner.execute = counted
+    setattr(runner, name, counted)
     return box
 
 

@@ -5,7 +5,8 @@
 #             prefill launch (scripts/gpu_sanitize_case.py), checking deja's kernels only
 #   sanitize-graph  compute-sanitizer memcheck on a tiny engine replaying decode CUDA graphs
 #   graphs    pytest tests/gpu/test_cuda_graphs.py (replay vs eager, token-exact)
-#   step      deja bench step on the 1B bench model, CUDA graphs and --enforce-eager
+#   step      deja bench step on the 1B bench model: CUDA graphs with --async-scheduling, without,
+#             and --enforce-eager (STEP_MODES overrides the list; "sync" is the plain run)
 #   kernels   deja bench kernels (bench/kernels.py)
 #   gpu-quick deja bench gpu --quick (bench/gpu_engine.py)
 #   gpu       deja bench gpu (512 requests, cupy and torch backends, transformers baseline)
@@ -54,7 +55,9 @@ run_step() {
     step)
       local model
       model=$("$PY" -c 'from bench.gpu_engine import ensure_random_llama as e; from pathlib import Path; import os; print(e(Path(os.environ["DEJA_CACHE_DIR"]), "bfloat16"))')
-      for mode in "" --enforce-eager; do
+      for mode in ${STEP_MODES:---async-scheduling sync --enforce-eager}; do
+        [ "$mode" = sync ] && mode=""
+        echo "== bench step ${mode:-(graphs, no async scheduling)}"
         "$PY" -m bench.step --device cuda --model "$model" --dtype bfloat16 \
           --batches "${STEP_BATCHES:-1,16,64,256}" --steps 32 $mode
       done ;;
@@ -62,7 +65,7 @@ run_step() {
     sanitize) sanitize ;;
     kernels) "$PY" -m bench.kernels --json "$OUT/kernels.json" ;;
     gpu-quick) "$PY" -m bench.gpu_engine --quick ;;
-    gpu) "$PY" -m bench.gpu_engine --backends "${GPU_BACKENDS:-cupy,cupy-eager,torch}" \
+    gpu) "$PY" -m bench.gpu_engine --backends "${GPU_BACKENDS:-cupy,cupy-async,cupy-eager,torch}" \
       --json "$OUT/gpu_engine.json" ;;
     tiers) "$PY" -m bench.tiers_gpu --json "$OUT/tiers_gpu.json" ;;
     parity)

@@ -50,10 +50,12 @@ def test_prefix_quick(
     assert data["identical_outputs"] == 4
 
 
+@pytest.mark.parametrize("mode", [[], ["--async-scheduling"]])
 def test_step_quick(
-    tiny_llama_path: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    tiny_llama_path: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], mode: list[str]
 ) -> None:
-    text, data = _run_quick(step, tiny_llama_path, tmp_path, capsys)
+    text, data = _run_quick(step, tiny_llama_path, tmp_path, capsys, *mode)
+    assert data["async_scheduling"] is bool(mode)
     assert re.search(r"^batch 1: step / forward: \d+\.\d+x$", text, re.M), text
     assert re.search(
         r"^batch 1: the core's host work outside the forward \d+\.\d+ ms, mean of the steps "

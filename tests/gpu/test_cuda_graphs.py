@@ -1,5 +1,6 @@
 """Decode CUDA graphs on a GPU: a replay gives the eager forward's tokens and logprobs, the
-graphs are used, and --enforce-eager turns them off."""
+graphs are used, and --enforce-eager turns them off; async scheduling (steps launched before the
+last one's ids are read, their input ids gathered on the device) changes no output."""
 
 from __future__ import annotations
 
@@ -28,7 +29,12 @@ MAX_TOKENS = 24
 
 
 def _run(
-    path: Path, prompts: list[list[int]], dtype: str, eager: bool, max_tokens: list[int]
+    path: Path,
+    prompts: list[list[int]],
+    dtype: str,
+    eager: bool,
+    max_tokens: list[int],
+    async_scheduling: bool = False,
 ) -> tuple[list[Greedy], int]:
     llm = LLM(
         model=str(path),
@@ -38,6 +44,7 @@ def _run(
         num_device_blocks=512,
         max_num_seqs=64,
         enforce_eager=eager,
+        async_scheduling=async_scheduling,
     )
     params = [
         SamplingParams(temperature=0, max_tokens=m, ignore_eos=True, logprobs=5) for m in max_tokens
@@ -47,7 +54,9 @@ def _run(
     assert (graphs is None) == eager
     replays = 0 if graphs is None else graphs.replays
     result = greedy_of(outs)
-    llm.engine.close()
+    eng = llm.engine
+    assert eng.kv.num_free_blocks == eng.kv.num_blocks
+    eng.close()
     return result, replays
 
 
@@ -120,3 +129,51 @@ def test_replay_is_token_exact_on_the_1b_bench_model(
     assert replays >= MAX_TOKENS - 2
     assert [g.tokens for g in graph] == [e.tokens for e in eager]
     assert [g.logprobs for g in graph] == [e.logprobs for e in eager]
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_async_scheduling_changes_no_output(llama: Path, dtype: str) -> None:
+    """Ragged prompts and outputs (the batch shrinks through padded graph sizes), graphs and
+    eager: with async scheduling every step's input ids of a running sample come from the step
+    before's sampled ids on the device; the batches are the same (every sample ends by length,
+    known ahead), so tokens and logprobs are bit-identical to waiting for each step."""
+    prompts = _prompts(13, [3, 17, 64, 100, 250])
+    max_tokens = [4 + 3 * i for i in range(13)]
+    for eager in (False, True):
+        sync, _ = _run(llama, prompts, dtype, eager, max_tokens)
+        overlapped, replays = _run(llama, prompts, dtype, eager, max_tokens, True)
+        assert eager or replays > 20
+        assert [a.tokens for a in overlapped] == [s.tokens for s in sync]
+        assert [a.logprobs for a in overlapped] == [s.logprobs for s in sync]
+
+
+def test_async_scheduling_with_stops_and_sampling(llama: Path) -> None:
+    """Stop tokens end samples while their next token is in flight; seeded sampling with
+    top-p: the same tokens as waiting for each step (float32)."""
+    prompts = _prompts(12, [5, 40, 90])
+    params = [
+        SamplingParams(
+            temperature=0.0 if i % 2 else 0.8,
+            top_p=1.0 if i % 2 else 0.9,
+            seed=None if i % 2 else i,
+            max_tokens=30,
+            stop_token_ids=list(range(10 + i, 500, 37)),
+        )
+        for i in range(12)
+    ]
+    results = []
+    for mode in (False, True):
+        llm = LLM(
+            model=str(llama),
+            device="cuda",
+            attention_backend="cupy",
+            dtype="float32",
+            num_device_blocks=512,
+            async_scheduling=mode,
+        )
+        outs = llm.generate(prompts, params)
+        results.append([(o.token_ids, o.finish_reason) for o in outs])
+        assert llm.engine.kv.num_free_blocks == llm.engine.kv.num_blocks
+        llm.engine.close()
+    assert results[0] == results[1]
+    assert any(reason == "stop" for _, reason in results[1])
