@@ -3,6 +3,7 @@ orphan processes (issue 9, acceptance 3)."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import time
@@ -38,6 +39,41 @@ async def test_core_process_matches_offline_greedy(
                 ids.extend(choice.token_ids)
         assert ids == ref.token_ids
     await h.assert_clean()
+
+
+async def test_async_scheduling_core_matches_offline_and_cancels_clean(
+    start_server: StartServer, tiny_llama_path: Path
+) -> None:
+    """`deja serve --async-scheduling`: the core process leaves steps in flight; concurrent
+    streams get the offline engine's greedy tokens, and a stream cancelled mid-way (its next
+    token in flight) frees every block."""
+    engine = make_engine(tiny_llama_path, async_scheduling=True)
+    try:
+        h = await start_server(engine)
+        prompts = ["Once upon a time", "The quick brown fox jumps", "Hello " * 40]
+        params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+        offline = LLM(model=str(tiny_llama_path), **ENGINE_KWARGS).generate(prompts, params)
+
+        async def tokens(prompt: str) -> list[int]:
+            ids: list[int] = []
+            async for msg in h.client.generate(
+                prompt, max_tokens=24, ignore_eos=True, temperature=0.0, return_token_ids=True
+            ):
+                for choice in msg.choices:
+                    ids.extend(choice.token_ids)
+            return ids
+
+        got = await asyncio.gather(*(tokens(p) for p in prompts))
+        assert got == [ref.token_ids for ref in offline]
+        n = 0
+        async for _ in h.client.generate("Once upon a time " * 8, max_tokens=900, ignore_eos=True):
+            n += 1
+            if n == 3:
+                break
+        await h.wait_blocks_free(timeout=2.0)
+        await h.assert_clean(2.0)
+    finally:
+        engine.shutdown(0.0)
 
 
 async def test_killed_core_fails_streams_and_turns_not_serving(
