@@ -14,6 +14,7 @@ tokenization on top.
 from __future__ import annotations
 
 import itertools
+import logging
 import os
 import time
 from concurrent.futures import FIRST_COMPLETED, Future, wait
@@ -66,6 +67,8 @@ from engine.worker.model_loader import (
 from engine.worker.model_runner import ModelRunner
 from engine.worker.models.sliding_window import kv_window, layer_windows
 from engine.worker.parallel.executor import TPExecutor
+
+logger = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -278,7 +281,10 @@ class EngineCore(StepUpdate):
         True when every queued write reached disk; the rest are lost, as after a crash.
         """
         try:
-            self.drain()
+            try:
+                self.drain()
+            except Exception:  # a failed step must not cost the disk tier its queued writes
+                logger.exception("the step in flight failed while the engine closed")
             if self.offload is None:
                 return True
             self._between_steps()
@@ -404,9 +410,11 @@ class EngineCore(StepUpdate):
             if prev is not None:
                 self._complete(prev, deferred=True)
         else:
-            if prev is not None:
-                self._complete(prev, deferred=True)
-            self._complete(launched, deferred=False)
+            try:
+                if prev is not None:
+                    self._complete(prev, deferred=True)
+            finally:  # its tokens were computed: they reach their sequences whatever happens
+                self._complete(launched, deferred=False)
         now = time.monotonic()
         self._between_steps()
         self._trimmer.maybe_trim(now)
@@ -415,6 +423,9 @@ class EngineCore(StepUpdate):
     def _complete(self, launched: LaunchedStep, *, deferred: bool) -> None:
         """Waits for a launched step's results and brings them into the engine's state."""
         out = self.runner.collect(launched.handle)
+        if deferred:  # released first: an error in the update below leaves none behind
+            for item, _ in out.owners:
+                item.seq.num_pending -= 1
         self.update_from_output(launched, out, time.monotonic(), deferred=deferred)
 
     def drain(self) -> None:

@@ -57,11 +57,13 @@ class StepUpdate:
         self, launched: LaunchedStep, out: StepOutput, now: float, *, deferred: bool
     ) -> None:
         """The step `launched` (advanced at launch) sampled `out`: every part of the engine's
-        state follows. `deferred`: the step was left in flight (its tokens were pending)."""
+        state follows. `deferred`: the step was left in flight (its tokens were pending; the
+        caller has released them)."""
         prefill, decodes = launched.counts
         if prefill or decodes:
-            # A step left in flight overlaps the one before: its time starts where that one ended.
-            start = max(launched.scheduled_at, self._last_done)
+            start = launched.scheduled_at
+            if deferred:  # it overlapped the step before: its time starts where that one ended
+                start = max(start, self._last_done)
             self.step_rates.observe(prefill, decodes, now - start, now)
             self._last_done = now
         for beams in out.beams:
@@ -92,30 +94,33 @@ class StepUpdate:
     def _process_samples(self, out: StepOutput, now: float, deferred: bool = False) -> None:
         """Appends each sampled token to its sequence and checks whether the sample ends.
 
-        `deferred`: the tokens were pending (async scheduling). A sample that ended (a stop, an
-        abort) since the step was launched drops its token: under async scheduling a step may
-        complete after the one before it ended the sample."""
+        `deferred`: the tokens were pending (async scheduling): a token that completes a block
+        caches it (the step after computed its KV). A sample that ended (a stop, an abort) since
+        the step was launched drops its token: under async scheduling a step may complete after
+        the one before it ended the sample."""
         touched = self._touched
         token_ids, logprobs = out.token_ids, out.logprobs
         process_token = self.outputs.process_token
+        kv = self.kv
+        bs = kv.block_size
         k = 0
         for item, n in out.owners:
             seq = item.seq
-            if deferred:
-                seq.num_pending -= 1
             if seq.status is SeqStatus.FINISHED:
                 k += n
                 continue
             req = seq.request
             touched[req.request_id] = req
             if not req.forked:
-                self._first_tokens(seq, token_ids[k : k + n], logprobs[k : k + n], now)
+                self._first_tokens(seq, token_ids[k : k + n], logprobs[k : k + n], now, deferred)
                 k += n
                 continue
             # A running sample's next token, the common case: `_append`, inline.
             token_id, logprob = token_ids[k], logprobs[k]
             k += 1
             seq.append_token(token_id)
+            if deferred and seq.num_computed_tokens >= bs * (seq.num_cached_blocks + 1):
+                kv.cache_blocks(seq)
             if logprob is not None:
                 seq.cum_logprob += logprob.logprob
             end = process_token(seq, token_id, logprob)
@@ -128,6 +133,7 @@ class StepUpdate:
         token_ids: list[int],
         logprobs: list[TokenLogprob | None],
         now: float,
+        deferred: bool = False,
     ) -> None:
         """A request's first token, or one per sample for n > 1 (they fork the prompt here)."""
         req = seq.request
@@ -144,7 +150,7 @@ class StepUpdate:
             self.scheduler.add_running(child)
             children.append(child)
         for child, tok, lp in zip(children, token_ids, logprobs, strict=True):
-            self._append(child, tok, lp)
+            self._append(child, tok, lp, deferred)
 
     def _pin_prompt(self, seq: Sequence, now: float) -> None:
         """pin_ttl_s: pins the prompt's blocks once, when its first token is out."""
@@ -163,8 +169,12 @@ class StepUpdate:
         self._pin_prompt(res.beams[0], now)
         advance_beams(res.request, res.beams, res.candidates, self.scheduler, self._seq_ids)
 
-    def _append(self, seq: Sequence, token_id: int, logprob: TokenLogprob | None) -> None:
+    def _append(
+        self, seq: Sequence, token_id: int, logprob: TokenLogprob | None, deferred: bool = False
+    ) -> None:
         seq.append_token(token_id)
+        if deferred and seq.num_computed_tokens >= self.kv.block_size * (seq.num_cached_blocks + 1):
+            self.kv.cache_blocks(seq)  # the token completed a block the next step computed
         if logprob is not None:
             seq.cum_logprob += logprob.logprob
         end = self.outputs.process_token(seq, token_id, logprob)

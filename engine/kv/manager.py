@@ -417,14 +417,18 @@ class KVCacheManager:
     def pin(self, seq: SeqLike, num_tokens: int, until: float) -> bool:
         """Keeps the sequence's first full blocks covering `num_tokens` out of eviction until `until`.
 
-        Returns False (and pins nothing) when that would exceed the pinned-block cap.
+        Returns False (and pins nothing) when that would exceed the pinned-block cap. A sequence
+        that holds no blocks now (preempted while its first token was in flight: async
+        scheduling) pins the cached blocks of its hashes.
         """
-        table = self.tables.get(seq.seq_id, [])
-        blocks = [
-            b
-            for b in table[: num_tokens // self.block_size]
-            if b is not None and b.block_hash is not None
-        ]
+        n_full = num_tokens // self.block_size
+        table = self.tables.get(seq.seq_id)
+        found: list[Block | None]
+        if table is None:
+            found = [self.pool.lookup(h) for h in seq.block_hashes[:n_full]]
+        else:
+            found = table[:n_full]
+        blocks = [b for b in found if b is not None and b.block_hash is not None]
         new = [b for b in blocks if b.block_id not in self.pins]
         if len(self.pins) + len(new) > self.max_pinned:
             return False

@@ -28,7 +28,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import overload
+from typing import Any, overload
 
 import torch
 
@@ -37,6 +37,17 @@ from engine.sample.sampling_params import SamplingParams
 from engine.sample.structured.bitmask import TokenMask, apply_token_mask
 
 _NEG_INF = float("-inf")
+
+
+def host_to_device(values: Any, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A host list as a tensor on `device` without syncing the stream (vLLM's async_tensor_h2d).
+
+    NOTE: `torch.tensor(values, device=cuda)` copies from pageable memory and waits for the
+    stream's work to end: inside a step it would wait for the forward just launched, which async
+    scheduling must not. A pinned source with a non-blocking copy queues behind it instead."""
+    if device.type != "cuda":
+        return torch.tensor(values, dtype=dtype, device=device)
+    return torch.tensor(values, dtype=dtype, pin_memory=True).to(device, non_blocking=True)
 
 
 class OutputTokens(Sequence[int]):
@@ -253,7 +264,7 @@ class Sampler:
         logprobs: torch.Tensor | None = None
         lp_index: torch.Tensor | None = None
         if lp_rows:
-            lp_index = torch.tensor(lp_rows, dtype=torch.int64, device=self.device)  # [L]
+            lp_index = host_to_device(lp_rows, torch.int64, self.device)  # [L]
             logprobs = torch.log_softmax(logits.index_select(0, lp_index), dim=-1)
 
         if traits.all_greedy:
@@ -310,14 +321,14 @@ class Sampler:
             tok_idx.extend(banned)
         if not row_idx:
             return
-        index = torch.tensor([row_idx, tok_idx], device=self.device)  # [2, N]
+        index = host_to_device([row_idx, tok_idx], torch.int64, self.device)  # [2, N]
         constrained = sorted({i for i in row_idx if rows[i].params.response_format is not None})
         if not constrained:
             logits[index[0], index[1]] = _NEG_INF
             return
         kept = logits[index[0], index[1]]  # [N]
         logits[index[0], index[1]] = _NEG_INF
-        check = torch.tensor(constrained, device=self.device)
+        check = host_to_device(constrained, torch.int64, self.device)
         stuck = torch.zeros(len(rows), dtype=torch.bool, device=self.device)  # [B]
         stuck[check] = torch.isneginf(logits.index_select(0, check)).all(dim=-1)
         logits[index[0], index[1]] = torch.where(stuck[index[0]], kept, _NEG_INF)
@@ -356,14 +367,14 @@ class Sampler:
             if with_prompt:
                 flat.extend(base + t for t in rows[i].prompt_token_ids if 0 <= t < vocab)
             flat.extend(base + t for t in rows[i].output_token_ids if 0 <= t < vocab)
-        return torch.tensor(flat, dtype=torch.int64, device=self.device)
+        return host_to_device(flat, torch.int64, self.device)
 
     def _row_values(
         self, rows: list[SamplingRow], get: Callable[[SamplingParams], float]
     ) -> torch.Tensor:
         """[B, 1] float32 of one parameter per row."""
         values = [float(get(r.params)) for r in rows]
-        return torch.tensor(values, dtype=torch.float32, device=self.device).unsqueeze(1)
+        return host_to_device(values, torch.float32, self.device).unsqueeze(1)
 
     def _sample(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
         """[B] int64 token ids (greedy rows: the argmax)."""
@@ -399,12 +410,12 @@ class Sampler:
         q.clamp_(min=torch.finfo(torch.float32).tiny)
         random_ids = (probs / q).argmax(dim=-1)  # [B]
 
-        greedy = torch.tensor([r.params.greedy for r in rows], device=self.device)
+        greedy = host_to_device([r.params.greedy for r in rows], torch.bool, self.device)
         return torch.where(greedy, greedy_ids, random_ids)
 
     def _top_k(self, logits: torch.Tensor, top_k: list[int]) -> torch.Tensor:
         """Keeps each row's k best logits (ties with the k-th included); k = 0 keeps all."""
-        k = torch.tensor(top_k, device=self.device).unsqueeze(1)  # [B, 1]
+        k = host_to_device(top_k, torch.int64, self.device).unsqueeze(1)  # [B, 1]
         best = logits.topk(max(top_k), dim=-1).values  # [B, max_k], descending
         kth = best.gather(1, (k - 1).clamp(min=0))  # [B, 1]
         kth = kth.masked_fill(k == 0, _NEG_INF)
@@ -417,7 +428,7 @@ class Sampler:
         vocab = logits.shape[1]
         sorted_logits, order = logits.sort(dim=-1)  # [B, V] ascending
         if any(top_k):
-            keep = torch.tensor([k if k else vocab for k in top_k], device=self.device)
+            keep = host_to_device([k if k else vocab for k in top_k], torch.int64, self.device)
             kth = sorted_logits.gather(1, (vocab - keep).unsqueeze(1))  # [B, 1]
             sorted_logits = sorted_logits.masked_fill(sorted_logits < kth, _NEG_INF)
         top_p = self._row_values(rows, lambda p: p.top_p)  # [B, 1]

@@ -11,7 +11,13 @@ import torch
 from engine.kv.plan import KVPlan
 from engine.outputs import TokenLogprob
 from engine.sample.beam import BeamCandidate, BeamRows, top_candidates
-from engine.sample.sampler import OutputTokens, SampledBatch, Sampler, SamplingRow
+from engine.sample.sampler import (
+    OutputTokens,
+    SampledBatch,
+    Sampler,
+    SamplingRow,
+    host_to_device,
+)
 from engine.sample.structured.mask_filler import PendingMask, TokenMaskFiller
 from engine.worker.attention.base import AttentionBackend
 from engine.worker.cuda_graphs import DecodeGraphs, graph_sizes
@@ -161,8 +167,8 @@ class ModelRunner:
         ):
             self.offload.apply(plan, self.kv_cache)
         if plan.cow:
-            src = torch.tensor([s for s, _ in plan.cow], dtype=torch.long, device=self.device)
-            dst = torch.tensor([d for _, d in plan.cow], dtype=torch.long, device=self.device)
+            src = host_to_device([s for s, _ in plan.cow], torch.int64, self.device)
+            dst = host_to_device([d for _, d in plan.cow], torch.int64, self.device)
             self.backend.copy_blocks(self.kv_cache, src, dst)
 
     def execute(self, sched: SchedulerOutput, tables: list[list[int]]) -> StepOutput:
@@ -338,7 +344,7 @@ class ModelRunner:
 
 
 def _index_tensor(index: list[int], device: torch.device) -> torch.Tensor:
-    return torch.tensor(index, dtype=torch.int64, device=device)
+    return host_to_device(index, torch.int64, device)
 
 
 def _settle(pending: PendingMask | None) -> None:

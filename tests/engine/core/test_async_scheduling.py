@@ -250,3 +250,46 @@ def test_abort_while_a_step_is_in_flight(tiny_llama_path: Path) -> None:
     # an async engine reports each step's tokens one call later: it aborted a token earlier
     assert 0 < len(async_tokens[1]) < 30
     assert async_tokens[1] == sync_tokens[1][: len(async_tokens[1])]
+
+
+def test_full_blocks_are_cached_as_without_it(tiny_llama_path: Path) -> None:
+    """A token in flight that completes a block: the block is cached when the token arrives (the
+    step after computed its KV), even when the sample ends there and is never scheduled again."""
+    prompt = list(range(20, 50))  # 30 tokens: the 2nd output token completes block 2
+    cached = []
+    for mode in (False, True):
+        llm, overlap = _llm(tiny_llama_path, mode)
+        out = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=3))[0]
+        _settled(llm)
+        assert len(prompt + out.token_ids) == 33
+        cached.append(len(llm.engine.kv.pool.cached))
+        assert (overlap.deferred > 0) is mode
+    assert cached[0] == cached[1] == 2
+
+
+def test_a_prompt_pin_survives_preemption_with_its_first_token_in_flight(
+    tiny_llama_path: Path,
+) -> None:
+    """pin_ttl_s pins the prompt's blocks when its first token arrives; under async scheduling the
+    sequence may have been preempted (its blocks freed, still cached) by then: the pin finds the
+    blocks by their hashes."""
+    from engine.core.scheduler import SchedulerOutput
+
+    pins = []
+    for mode in (False, True):
+        llm, _ = _llm(tiny_llama_path, mode)
+        eng = llm.engine
+        params = SamplingParams(temperature=0.0, max_tokens=8, pin_ttl_s=60)
+        req = eng.add_request(list(range(20, 60)), params)  # 40 tokens: 2 full blocks
+        eng.step()  # the prefill; async: its first token is in flight
+        seq = req.seqs[0]
+        if mode:
+            assert seq.num_pending == 1
+        # what a short pool does to the newest running sequence at the next schedule
+        eng.scheduler._preempt(seq, SchedulerOutput())
+        eng.step()
+        pins.append(len(eng.kv.pins))
+        assert req.pinned
+        while eng.has_unfinished_requests():
+            eng.step()
+    assert pins == [2, 2]
