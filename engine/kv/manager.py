@@ -419,13 +419,18 @@ class KVCacheManager:
 
         Returns False (and pins nothing) when that would exceed the pinned-block cap. A sequence
         that holds no blocks now (preempted while its first token was in flight: async
-        scheduling) pins the cached blocks of its hashes.
+        scheduling) pins the cached blocks of its hashes, as far as they run without a gap (what
+        a prefix match could use).
         """
         n_full = num_tokens // self.block_size
         table = self.tables.get(seq.seq_id)
-        found: list[Block | None]
+        found: list[Block | None] = []
         if table is None:
-            found = [self.pool.lookup(h) for h in seq.block_hashes[:n_full]]
+            for h in seq.block_hashes[:n_full]:
+                block = self.pool.lookup(h)
+                if block is None:
+                    break
+                found.append(block)
         else:
             found = table[:n_full]
         blocks = [b for b in found if b is not None and b.block_hash is not None]

@@ -181,7 +181,10 @@ class KVOffload:
         if writes.from_device:
             ids = [b for b, _ in writes.from_device]
             if kv_cache.is_cuda:
-                idx = torch.tensor(ids, dtype=torch.long, device=kv_cache.device)
+                # NOTE: from pinned memory, non-blocking: torch.tensor(ids, device=cuda) would
+                # wait for the stream, i.e. for a step left in flight (async scheduling)
+                idx = torch.tensor(ids, dtype=torch.long, pin_memory=True)
+                idx = idx.to(kv_cache.device, non_blocking=True)
                 # [n, num_layers, 2, block_size, Hkv, D] on the device, then one copy to the host
                 gathered = kv_cache[:, :, idx].permute(2, 0, 1, 3, 4, 5).contiguous()
                 host = torch.empty(gathered.shape, dtype=dtype, pin_memory=True)
