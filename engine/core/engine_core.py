@@ -400,7 +400,7 @@ class EngineCore(StepUpdate):
             raise
         finally:
             self.kv.end_step()
-        launched = LaunchedStep(sched, handle, scheduled_at, self._advance(sched))
+        launched = LaunchedStep(handle, scheduled_at, self._advance(sched))
         if self.async_scheduling and handle.deferrable and handle.owners:
             for row, (item, _) in enumerate(handle.owners):  # one row each (deferrable)
                 seq = item.seq

@@ -4,8 +4,9 @@ Once the runner has launched a step, `EngineCore.step` counts its scheduled toke
 (`_advance`: newly full blocks join the prefix cache); when its results are on the host (at once,
 or one step later under async scheduling) they come here as a `StepOutput`: each sampled token is
 appended to its sequence and checked against the stop rules (a sample that ends frees its blocks),
-a request's first token forks its n samples, and beam groups advance. This runs over every scheduled sequence each step, so its common case (a running
-sample's next token) is written inline.
+a request's first token forks its n samples, and beam groups advance. This runs over every
+scheduled sequence each step, so its common case (a running sample's next token) is written
+inline.
 """
 
 from __future__ import annotations
@@ -28,7 +29,6 @@ from engine.worker.model_runner import BeamSamples, StepHandle, StepOutput
 class LaunchedStep:
     """A step the runner launched and the core has advanced, until its results are processed."""
 
-    sched: SchedulerOutput
     handle: StepHandle
     scheduled_at: float
     counts: tuple[int, int]
@@ -173,8 +173,8 @@ class StepUpdate:
         self, seq: Sequence, token_id: int, logprob: TokenLogprob | None, deferred: bool = False
     ) -> None:
         seq.append_token(token_id)
-        if deferred and seq.num_computed_tokens >= self.kv.block_size * (seq.num_cached_blocks + 1):
-            self.kv.cache_blocks(seq)  # the token completed a block the next step computed
+        if deferred:  # the token may complete a block whose KV the next step computed
+            self.kv.cache_blocks(seq)
         if logprob is not None:
             seq.cum_logprob += logprob.logprob
         end = self.outputs.process_token(seq, token_id, logprob)
