@@ -66,7 +66,7 @@ from engine.worker.model_loader import (
 )
 from engine.worker.model_runner import ModelRunner
 from engine.worker.models.sliding_window import kv_window, layer_windows
-from engine.worker.parallel.executor import TPExecutor
+from engine.worker.parallel.executor import tp_executor
 
 logger = logging.getLogger(__name__)
 
@@ -93,9 +93,7 @@ class EngineCore(StepUpdate):
             )
         self.max_model_len = mc.max_model_len or max_pos
         self.backend = get_attention_backend(config.attention_backend, self.device)
-        self.tp = (
-            TPExecutor(config, hf_config, self.device) if config.tensor_parallel_size > 1 else None
-        )
+        self.tp = tp_executor(config, hf_config, self.device)
         """Ranks 1..N-1 of tensor parallelism (this process is rank 0); None: N = 1."""
         group = None if self.tp is None else self.tp.group
         self.model, hf_config = load_model(mc, self.device, self.backend, group)

@@ -171,15 +171,18 @@ def test_cupy_matches_torch_backend_bf16(
     assert_greedy_close(cupy, ref, LOGPROB_TOL["bfloat16"])
 
 
-def hf_greedy(path: Path | str, prompts: list[list[int]]) -> list[Greedy]:
-    """transformers' forward with its KV cache, argmax of the raw logits at every step.
+def hf_greedy(path: Path | str, prompts: list[list[int]], **model_kwargs: Any) -> list[Greedy]:
+    """transformers' forward with its KV cache, argmax of the raw logits at every step
+    (`model_kwargs` go to from_pretrained, e.g. attn_implementation).
 
     NOTE: not `generate`: its min_new_tokens (the counterpart of ignore_eos) masks EOS, which the
     engine with ignore_eos may still pick greedily.
     """
     from transformers import AutoModelForCausalLM
 
-    model: Any = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
+    model: Any = AutoModelForCausalLM.from_pretrained(
+        str(path), dtype=torch.float32, **model_kwargs
+    )
     model = model.cuda().eval()
     outs = []
     with torch.inference_mode():

@@ -233,3 +233,11 @@ class TPExecutor:
             with contextlib.suppress(Exception):
                 self._send(("disk-only",))
         self._finalizer()
+
+
+def tp_executor(config: EngineConfig, hf_config: Any, device: torch.device) -> TPExecutor | None:
+    """Ranks 1..N-1 and rank 0's group under tensor parallelism; None when N = 1 (the
+    single-process path: no group, no collectives)."""
+    if config.tensor_parallel_size == 1:
+        return None
+    return TPExecutor(config, hf_config, device)
