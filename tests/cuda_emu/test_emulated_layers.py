@@ -115,17 +115,20 @@ def test_bad_inputs_are_refused_before_any_launch(emu: Emulator) -> None:
     assert not emu.launches
 
 
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
 def test_engine_tokens_with_the_layer_kernels(
-    emulator: Emulator, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+    emulator: Emulator, monkeypatch: pytest.MonkeyPatch, tmp_path: Path, family: str
 ) -> None:
     """A whole engine (float32, chunked prefill, decode) whose norms, RoPE and MLP run the
     emulated kernels, as a CUDA model with the cupy backend does: the same greedy tokens as with
-    torch's ops."""
-    from bench.tiny_models import build_tiny_llama
+    torch's ops. Qwen3's QK norm runs over [T, heads, head_dim]; the lone prompt's one-token
+    steps hand it contiguous heads, which go to the kernel as rows."""
+    from bench.tiny_models import build_tiny_llama, build_tiny_qwen3
     from engine import LLM, SamplingParams
     from engine.worker.models.base import CausalLM
 
-    path = build_tiny_llama(tmp_path, hidden_size=128, num_attention_heads=4)
+    build = build_tiny_llama if family == "llama" else build_tiny_qwen3
+    path = build(tmp_path, hidden_size=128, num_attention_heads=4)
     rng = random.Random(0)
     prompts = [[rng.randrange(10, 500) for _ in range(n)] for n in (3, 40, 75)]
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
@@ -137,14 +140,20 @@ def test_engine_tokens_with_the_layer_kernels(
         max_num_batched_tokens=32,
     )
     monkeypatch.setattr(CausalLM, "use_cpu_layout", lambda self, kernels=None: None)
-    expected = [o.token_ids for o in LLM(model=str(path), **kwargs).generate(prompts, params)]
+
+    def run() -> list[list[int]]:
+        llm = LLM(model=str(path), **kwargs)
+        together = [o.token_ids for o in llm.generate(prompts, params)]
+        return together + [o.token_ids for o in llm.generate(prompts[:1], params)]
+
+    expected = run()
 
     emulator.install(monkeypatch)
     emulator.launches.clear()
     monkeypatch.setattr(
         CausalLM, "use_cpu_layout", lambda self, kernels=None: self.use_kernels(layers)
     )
-    got = [o.token_ids for o in LLM(model=str(path), **kwargs).generate(prompts, params)]
+    got = run()
     used = {name.split("<")[0] for name, _, _ in emulator.launches}
     assert used == {"deja::rms_norm_kernel", "deja::rope_kernel", "deja::silu_and_mul_kernel"}
     assert got == expected

@@ -103,24 +103,38 @@ def test_family_cupy_matches_transformers_fp32(
     assert_greedy_close(ours, family.ref, LOGPROB_TOL["float32"])
 
 
-@pytest.mark.parametrize("name", sorted(MOE))
-def test_moe_bf16_grouped_gemm(
-    cuda_device: torch.device, name: str, tmp_path_factory: pytest.TempPathFactory
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_grouped_gemm_matches_the_expert_loop(
+    cuda_device: torch.device, dtype: torch.dtype
 ) -> None:
-    """The experts in bf16 (the grouped GEMM's native dtype on Hopper) against transformers in
-    float32: the same tokens up to bf16 near-ties."""
-    path = FAMILY_BUILDERS[name](tmp_path_factory.mktemp(name), **OVERRIDES[name])  # type: ignore[call-arg]
-    llm = LLM(
-        model=str(path),
-        device="cuda",
-        attention_backend="cupy",
-        dtype="bfloat16",
-        num_device_blocks=1024,
-    )
-    moe = [m for m in llm.engine.model.modules() if hasattr(m, "grouped")]
-    assert moe and all(m.grouped for m in moe)
-    prompts = shared_prefix_prompts(llm.engine.vocab_size)
-    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=TOP)
-    ours = greedy_of(llm.generate(prompts, params))
-    llm.engine.close()
-    assert_greedy_close(ours, hf_greedy(path, prompts), LOGPROB_TOL["bfloat16"])
+    """The experts' grouped GEMM on CUDA against one GEMM per expert (the same module with the
+    grouped path off), rows sorted by expert with some experts idle: within the dtype's rounding
+    of a float32 reference, no worse than the loop."""
+    from engine.worker.models.layers.moe import Experts, MoESpec
+
+    torch.manual_seed(0)
+    spec = MoESpec(hidden_size=256, intermediate_size=128, num_experts=8, top_k=2, renormalize=True)
+    experts = Experts(spec, dtype).to(cuda_device)
+    with torch.no_grad():
+        experts.gate_up_proj.normal_(0, 0.05)
+        experts.down_proj.normal_(0, 0.05)
+    assert experts.grouped
+    counts = torch.tensor([5, 0, 17, 1, 0, 40, 3, 9], device=cuda_device)
+    x = torch.randn(int(counts.sum()), 256, device=cuda_device, dtype=dtype)
+    with torch.inference_mode():
+        grouped = experts(x, counts).float()
+        experts.grouped = False
+        loop = experts(x, counts).float()
+        ref = Experts(spec, torch.float32).to(cuda_device)
+        ref.gate_up_proj.copy_(experts.gate_up_proj.float())
+        ref.down_proj.copy_(experts.down_proj.float())
+        ref.grouped = False
+        want = ref(x.float(), counts)
+    scale = want.abs().max().item()
+    err_grouped = (grouped - want).abs().max().item() / scale
+    err_loop = (loop - want).abs().max().item() / scale
+    print(f"{dtype}: relative max error grouped {err_grouped:.2e}, loop {err_loop:.2e}")
+    if dtype == torch.bfloat16:
+        assert err_grouped <= 2e-2 and err_grouped <= 2 * err_loop + 1e-6
+    else:
+        assert err_grouped <= 1e-5  # the loop is the reference itself here

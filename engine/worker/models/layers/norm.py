@@ -43,9 +43,13 @@ class RMSNorm(nn.Module):
         return self.kernel is not None and x.dtype == self.weight.dtype and x.is_contiguous()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x: [T, hidden], or [T, heads, head_dim] (QK norm over each head) -> x's shape."""
         if self._kernel_takes(x):
-            out: torch.Tensor = self.kernel.rms_norm(x, self.weight, self.eps)
-            return out
+            # NOTE: the kernels take 2D rows; contiguous heads are rows of head_dim (a one-token
+            # step's q / k split from qkv is contiguous, a longer step's is not: torch ops)
+            rows = x.reshape(-1, x.shape[-1])
+            out: torch.Tensor = self.kernel.rms_norm(rows, self.weight, self.eps)
+            return out.view(x.shape)
         if x.dtype == torch.float32 and self.weight.dtype == torch.float32:
             # One fused op: the same x * rsqrt(mean(x^2) + eps) * weight, bit for bit (the
             # parity tests hold it to transformers), without the eight small ops below.
