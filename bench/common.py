@@ -130,7 +130,7 @@ def begin(args: argparse.Namespace, title: str) -> tuple[str, dict[str, Any]]:
 
 
 TINY = "tiny"
-"""--model tiny: a random Llama (2 layers, hidden 64, bench/tiny_models.py), where a step's time is
+"""--model tiny: a random Llama (2 layers, hidden 64, engine/testing/tiny_models.py), where a step's time is
 mostly the engine's host work."""
 
 
@@ -141,7 +141,7 @@ def resolve_model(model: str, cache_dir: Path | None) -> str:
 
     cache = cache_dir or default_cache_dir()
     if model == TINY:
-        from bench.tiny_models import build_tiny_llama
+        from engine.testing.tiny_models import build_tiny_llama
 
         out = cache / "tiny-llama-seed0"
         if not (out / "config.json").exists():

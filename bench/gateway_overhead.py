@@ -45,11 +45,11 @@ from typing import Any
 from bench import common, report
 from bench.http_sse import SseClient, greedy_chat_body
 from bench.report import Check
-from bench.router_cluster import deja_argv, serving
 from bench.router_smg import wait_models
 from bench.served import GrpcBackend, MessagesOf, run_measured
 from bench.workload import DatasetSpec, Record, Workload, run_one, summarize
 from clients.client import AsyncDejaClient
+from clients.testing.cluster import deja_argv, serving
 from service.common.ports import free_port
 
 DEJA, SMG = "deja.v1 (gRPC)", "SMG (OpenAI HTTP)"

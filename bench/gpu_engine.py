@@ -27,6 +27,7 @@ from typing import Any
 from bench import common, report
 from bench.common import Request
 from bench.hf_baselines import hf_generate_batch, load_hf_model
+from engine.testing.tiny_models import PAD, ensure_random_llama
 
 
 def make_requests(seed: int, num: int) -> list[Request]:
@@ -37,33 +38,6 @@ def make_requests(seed: int, num: int) -> list[Request]:
         prompt_len, max_tokens = rng.randint(32, 512), rng.randint(16, 128)
         out.append(Request([rng.randrange(10, 128000) for _ in range(prompt_len)], max_tokens))
     return out
-
-
-LLAMA_32_1B: dict[str, Any] = {
-    "hidden_size": 2048,
-    "intermediate_size": 8192,
-    "num_hidden_layers": 16,
-    "num_attention_heads": 32,
-    "num_key_value_heads": 8,
-    "head_dim": 64,
-    "hidden_act": "silu",
-    "max_position_embeddings": 131072,
-    "rms_norm_eps": 1e-5,
-    "rope_parameters": {
-        "rope_type": "llama3",
-        "rope_theta": 500000.0,
-        "factor": 32.0,
-        "low_freq_factor": 1.0,
-        "high_freq_factor": 4.0,
-        "original_max_position_embeddings": 8192,
-    },
-    "tie_word_embeddings": True,
-    "vocab_size": 128256,
-    "initializer_range": 0.02,
-}
-"""Llama-3.2-1B's architecture (config.json of meta-llama/Llama-3.2-1B)."""
-PAD = 0
-"""The random checkpoint's pad token (transformers pads its static batches with it)."""
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -87,29 +61,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--skip-hf", action="store_true", help="skip the transformers baseline")
     parser.add_argument("--quick", action="store_true", help="32 requests: a smoke test")
     common.add_json_argument(parser)
-
-
-def ensure_random_llama(cache_dir: Path, dtype: str) -> Path:
-    """Llama-3.2-1B-shaped random checkpoint (+ a tiny tokenizer), built on the GPU once."""
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    from bench.tiny_models import build_tokenizer
-
-    out = cache_dir / f"random-llama-3.2-1b-{dtype}"
-    if (out / "config.json").exists():
-        return out
-    build_tokenizer(out)
-    config = LlamaConfig(
-        **LLAMA_32_1B, bos_token_id=0, eos_token_id=2, pad_token_id=PAD, dtype=dtype
-    )
-    torch.manual_seed(0)
-    with torch.device("cuda"):
-        model = LlamaForCausalLM(config).to(getattr(torch, dtype))
-    model.save_pretrained(str(out))
-    del model
-    torch.cuda.empty_cache()
-    return out
 
 
 def run_deja(

@@ -142,7 +142,7 @@ def _serve_supports(flag: str) -> bool:
 
 def serve_command(model_path: str, args: argparse.Namespace, port: int) -> list[str]:
     """`deja serve` with this benchmark's engine settings (the offline engine gets the same)."""
-    from bench.router_cluster import serve_argv
+    from clients.testing.cluster import serve_argv
 
     extra = ["--dtype", args.dtype, "--max-num-batched-tokens", str(args.max_num_batched_tokens)]
     extra += ["--cpu-swap-gib", "0"]
@@ -157,8 +157,8 @@ def serve_command(model_path: str, args: argparse.Namespace, port: int) -> list[
 def run_served(
     model_path: str, args: argparse.Namespace, prompts: list[list[int]], warmup: list[int]
 ) -> SystemResult:
-    from bench.router_cluster import serving
     from clients.client import DejaClient
+    from clients.testing.cluster import serving
     from service.common.ports import free_port
 
     port = free_port()

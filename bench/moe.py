@@ -51,7 +51,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def build_models(cache: Path) -> tuple[str, str]:
     """(MoE folder, dense folder), built once with a fixed seed."""
-    from bench.tiny_models import build_tiny_qwen3, build_tiny_qwen3_moe
+    from engine.testing.tiny_models import build_tiny_qwen3, build_tiny_qwen3_moe
 
     moe, dense = cache / "bench-qwen3-moe-8x2", cache / "bench-qwen3-dense-same-active"
     if not (moe / "config.json").exists():

@@ -32,7 +32,9 @@ from pathlib import Path
 from typing import Any
 
 from bench import report
-from bench.router_cluster import (
+from bench.router_table import compare, format_comparison
+from bench.served import add_run_flags, dataset_spec, drive, format_result
+from clients.testing.cluster import (
     ProcessGroup,
     engine_busy_seconds,
     route_argv,
@@ -41,8 +43,6 @@ from bench.router_cluster import (
     wait_healthy,
     wait_router_replicas,
 )
-from bench.router_table import compare, format_comparison
-from bench.served import add_run_flags, dataset_spec, drive, format_result
 from service.common.flags import add_bool_flag, add_flag
 from service.common.ports import free_port
 from service.router.policy import POLICIES

@@ -23,10 +23,10 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from bench.http_sse import SseClient, greedy_chat_body
-from bench.router_cluster import ProcessGroup
 from bench.served import MessagesOf, run_measured
 from bench.workload import Record, Workload
 from clients.client import AsyncDejaClient
+from clients.testing.cluster import ProcessGroup
 
 SMG = "smg"
 

@@ -17,7 +17,6 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from bench.router_cluster import deja_argv, serving
 from bench.workload import (
     DatasetSpec,
     Progress,
@@ -27,6 +26,7 @@ from bench.workload import (
     summarize_by_turn,
 )
 from clients.client import AsyncDejaClient
+from clients.testing.cluster import deja_argv, serving
 from service.common.flags import add_bool_flag, add_flag, to_argv
 from service.common.ports import free_port
 

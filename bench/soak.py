@@ -34,10 +34,10 @@ from pathlib import Path
 from typing import Any
 
 from bench.report import format_load, load_avg
-from bench.router_cluster import deja_argv, serving
 from bench.soak_report import EndState, Sample, format_row, format_table, judge
 from bench.workload import token_range
 from clients.client import AsyncDejaClient, add_connection_args, build_request
+from clients.testing.cluster import deja_argv, serving
 from service.common.flags import add_flag
 from service.common.ports import free_port
 

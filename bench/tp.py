@@ -87,7 +87,7 @@ def run(args: argparse.Namespace) -> int:
     if args.child:
         return child(args)
     common.setup_torch(1)
-    from bench.tiny_models import build_random_llama
+    from engine.testing.tiny_models import build_random_llama
 
     cache = args.cache_dir or common.default_cache_dir()
     path, tiny = cache / "bench-llama-64m-tp", cache / "bench-llama-runtime-tp"

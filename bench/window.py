@@ -35,8 +35,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _model(cache: Path, window: int | None, max_positions: int) -> str:
-    """A tiny random Mistral (bench/tiny_models.py) with this window, built once per setting."""
-    from bench.tiny_models import build_tiny_mistral
+    """A tiny random Mistral (engine/testing/tiny_models.py) with this window, built once per setting."""
+    from engine.testing.tiny_models import build_tiny_mistral
 
     out = cache / f"tiny-mistral-w{window}-p{max_positions}"
     if not (out / "config.json").exists():

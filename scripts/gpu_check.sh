@@ -50,7 +50,7 @@ sanitize_filter() {
 }
 
 bench_model() {
-  "$PY" -c 'from bench.gpu_engine import ensure_random_llama as e; from pathlib import Path; import os; print(e(Path(os.environ["DEJA_CACHE_DIR"]), "bfloat16"))'
+  "$PY" -c 'from engine.testing.tiny_models import ensure_random_llama as e; from pathlib import Path; import os; print(e(Path(os.environ["DEJA_CACHE_DIR"]), "bfloat16"))'
 }
 
 run_step() {
@@ -95,8 +95,8 @@ run_step() {
 }
 
 # Files each step reads besides the engine itself (checked by --dry-run).
-STEP_FILES=(scripts/gpu_check.sh scripts/gpu_sanitize_case.py tests/kernel_reference.py
-  bench/step.py bench/gpu_engine.py bench/kernels.py bench/tiers_gpu.py bench/tiny_models.py
+STEP_FILES=(scripts/gpu_check.sh scripts/gpu_sanitize_case.py tests/support/kernel_reference.py
+  bench/step.py bench/gpu_engine.py bench/kernels.py bench/tiers_gpu.py engine/testing/tiny_models.py
   bench/hf_baselines.py tests/conftest.py)
 
 dry_run() {
@@ -122,8 +122,8 @@ dry_run() {
   done
   if "$PY" -m py_compile scripts/gpu_sanitize_case.py; then ok "py_compile gpu_sanitize_case.py"
   else bad "py_compile scripts/gpu_sanitize_case.py"; fi
-  if "$PY" -c 'import bench.gpu_engine as g; assert callable(g.ensure_random_llama)'; then
-    ok "bench.gpu_engine.ensure_random_llama"; else bad "bench.gpu_engine.ensure_random_llama"; fi
+  if "$PY" -c 'import engine.testing.tiny_models as g; assert callable(g.ensure_random_llama)'; then
+    ok "engine.testing.tiny_models.ensure_random_llama"; else bad "engine.testing.tiny_models.ensure_random_llama"; fi
   # Without cupy or CUDA the GPU test modules skip before their own imports: resolve those here.
   if "$PY" - tests/gpu/*.py <<'PYEOF'
 import ast, importlib, importlib.util, sys

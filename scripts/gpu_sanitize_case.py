@@ -13,7 +13,7 @@ import sys
 import torch
 
 from cuda import reshape_and_cache
-from tests import kernel_reference as kref
+from tests.support import kernel_reference as kref
 
 
 def graph_replays() -> int:
@@ -21,8 +21,8 @@ def graph_replays() -> int:
     sequences replay the graphs of sizes 8, 4, 2 and 1 (padding rows included)."""
     import tempfile
 
-    from bench.tiny_models import build_tiny_llama
     from engine import LLM, SamplingParams
+    from engine.testing.tiny_models import build_tiny_llama
 
     with tempfile.TemporaryDirectory() as tmp:
         path = build_tiny_llama(tmp, hidden_size=256, num_attention_heads=4)

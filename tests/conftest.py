@@ -13,14 +13,14 @@ os.environ["TRANSFORMERS_OFFLINE"] = "1"
 # start compute in float32 on every CI machine, so their outputs do not depend on its CPU.
 os.environ.setdefault("DEJA_DTYPE", "float32")
 
-# Makes `bench.tiny_models` importable without a `pythonpath` pytest setting.
+# Makes `engine.testing.tiny_models` importable without a `pythonpath` pytest setting.
 _ROOT = str(Path(__file__).resolve().parents[1])
 if _ROOT not in sys.path:
     sys.path.insert(0, _ROOT)
 
 import pytest  # noqa: E402
 
-from bench.tiny_models import FAMILY_BUILDERS, build_tiny_llama, build_tiny_qwen2  # noqa: E402
+from engine.testing.tiny_models import FAMILY_BUILDERS, build_tiny_llama, build_tiny_qwen2  # noqa: E402
 
 
 @pytest.fixture(scope="session")
@@ -37,7 +37,7 @@ def tiny_qwen2_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="session")
 def tiny_family(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]:
-    """family name (a key of bench.tiny_models.FAMILY_BUILDERS) -> its tiny random checkpoint,
+    """family name (a key of engine.testing.tiny_models.FAMILY_BUILDERS) -> its tiny random checkpoint,
     built once per session."""
     built: dict[str, Path] = {}
 

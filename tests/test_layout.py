@@ -19,8 +19,18 @@ ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("bench", "clients", "service", "engine", "cuda")
 GENERATED = ("service/api/",)
 PACKAGE_FLOORS = {"bench": 5, "clients": 4, "service": 3, "engine": 2, "cuda": 1}
-ENGINE_FLOORS = {"frontend": 6, "core": 5, "worker": 4, "kv_io": 3, "sample": 3, "kv": 2}
-"""engine/'s rooms, top down; a module directly in engine/ is floor 1 (shared record types)."""
+ENGINE_FLOORS = {
+    "testing": 7,
+    "frontend": 6,
+    "core": 5,
+    "worker": 4,
+    "kv_io": 3,
+    "sample": 3,
+    "kv": 2,
+}
+"""engine/'s rooms, top down; a module directly in engine/ is floor 1 (shared record types).
+engine/testing (random checkpoints for tests and benchmarks) is above them all: nothing in the
+engine imports it."""
 MAX_LINES = 500
 MAX_ENGINE_TOP_FILES = 8
 
@@ -193,3 +203,19 @@ def test_engine_top_is_small_and_files_are_short() -> None:
         if (n := len(path.read_text().splitlines())) > MAX_LINES
     ]
     assert not long, "files over the limit: " + ", ".join(long)
+
+
+def test_only_the_benchmarks_tests_import_bench() -> None:
+    """Test support lives in tests/support and engine/testing, not in bench/."""
+    found = []
+    for path in sorted((ROOT / "tests").rglob("*.py")):
+        rel = path.relative_to(ROOT).as_posix()
+        if rel.startswith("tests/bench/"):
+            continue
+        tree = ast.parse(path.read_text(), rel)
+        for name, line in _imported(tree, _module_name(path), path.name == "__init__.py"):
+            if name == "bench" or name.startswith("bench."):
+                found.append(f"{rel}:{line} imports {name}")
+    assert not found, "tests outside tests/bench that import bench:\n" + "\n".join(
+        sorted(set(found))
+    )

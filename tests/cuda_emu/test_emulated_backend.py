@@ -10,12 +10,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from bench.tiny_models import build_tiny_llama, build_tiny_mistral, make_attention_metadata
+from engine.testing.tiny_models import build_tiny_llama, build_tiny_mistral
 from engine.worker.attention.cupy_backend import CupyAttentionBackend
 from engine.worker.attention.torch_ref import TorchAttentionBackend
 from tests.cuda_emu.emulator import Emulator
 from tests.cuda_emu.test_emulated_kernels import _names
-from tests.kernel_reference import make_case, tolerance
+from tests.support.attention import make_attention_metadata
+from tests.support.kernel_reference import make_case, tolerance
 
 # head_dim 64 (hidden 256, 4 heads / 2 KV heads) so the kernels apply; float32 and block 16 are
 # covered by ATTN_CONFIGS' (F32, 64, 16, 2, 2)-style instantiations plus the ones added here.

@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from cuda import block_copy, paged_attention, prefill_attention, reshape_and_cache
-from tests import kernel_reference as kref
 from tests.cuda_emu.emulator import Emulator
+from tests.support import kernel_reference as kref
 
 BF16, F16, F32 = torch.bfloat16, torch.float16, torch.float32
 

@@ -123,8 +123,8 @@ def test_engine_tokens_with_the_layer_kernels(
     emulated kernels, as a CUDA model with the cupy backend does: the same greedy tokens as with
     torch's ops. Qwen3's QK norm runs over [T, heads, head_dim]; the lone prompt's one-token
     steps hand it contiguous heads, which go to the kernel as rows."""
-    from bench.tiny_models import build_tiny_llama, build_tiny_qwen3
     from engine import LLM, SamplingParams
+    from engine.testing.tiny_models import build_tiny_llama, build_tiny_qwen3
     from engine.worker.models.base import CausalLM
 
     build = build_tiny_llama if family == "llama" else build_tiny_qwen3

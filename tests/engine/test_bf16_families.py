@@ -19,8 +19,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from bench.tiny_models import FAMILY_BUILDERS
 from engine.config import ModelConfig
+from engine.testing.tiny_models import FAMILY_BUILDERS
 from engine.worker.attention import TorchAttentionBackend
 from engine.worker.model_loader import load_model
 from tests.engine.test_parity_families import family_prompts, hf_reference

@@ -17,8 +17,8 @@ from typing import Any
 import pytest
 import torch
 
-from bench.tiny_models import FAMILY_BUILDERS
 from engine import LLM, SamplingParams
+from engine.testing.tiny_models import FAMILY_BUILDERS
 
 MAX_TOKENS = 10
 LOGPROB_TOL = 1e-3

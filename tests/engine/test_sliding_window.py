@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from bench.tiny_models import build_tiny_mistral, build_tiny_qwen2_sliding
 from engine import LLM, SamplingParams
+from engine.testing.tiny_models import build_tiny_mistral, build_tiny_qwen2_sliding
 
 WINDOW = 64
 MAX_TOKENS = 24

@@ -13,8 +13,8 @@ from typing import Any
 
 import pytest
 
-from bench.tiny_models import TOKENIZER_VOCAB_SIZE, build_tiny_llama, build_tiny_qwen2
 from engine import LLM, SamplingParams
+from engine.testing.tiny_models import TOKENIZER_VOCAB_SIZE, build_tiny_llama, build_tiny_qwen2
 from tests.engine.test_parity import hf_greedy, shared_prefix_prompts
 
 MAX_TOKENS = 10

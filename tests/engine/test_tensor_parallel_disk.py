@@ -9,9 +9,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from bench.tiny_models import build_tiny_llama
 from engine import LLM, SamplingParams
 from engine.kv.hashing import extra_keys, hash_blocks
+from engine.testing.tiny_models import build_tiny_llama
 
 BS = 16
 GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)

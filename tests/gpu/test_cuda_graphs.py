@@ -16,8 +16,8 @@ pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA is not available"),
 ]
 
-from bench.tiny_models import build_tiny_llama, build_tiny_qwen2_sliding  # noqa: E402
 from engine import LLM, SamplingParams  # noqa: E402
+from engine.testing.tiny_models import build_tiny_llama, build_tiny_qwen2_sliding  # noqa: E402
 from tests.gpu.test_engine_gpu import (  # noqa: E402
     LOGPROB_TOL,
     Greedy,
@@ -118,7 +118,7 @@ def test_replay_is_token_exact_on_the_1b_bench_model(
     at near-ties: README, "Decode CUDA graphs on a GPU".)"""
     import os
 
-    from bench.gpu_engine import ensure_random_llama
+    from engine.testing.tiny_models import ensure_random_llama
 
     cache = Path(os.environ.get("DEJA_CACHE_DIR") or tmp_path_factory.mktemp("deja-cache"))
     path = ensure_random_llama(cache, "bfloat16")

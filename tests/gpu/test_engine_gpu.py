@@ -23,13 +23,13 @@ pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA is not available"),
 ]
 
-from bench.tiny_models import (  # noqa: E402
+from engine import LLM, RequestOutput, SamplingParams  # noqa: E402
+from engine.testing.tiny_models import (  # noqa: E402
     build_tiny_llama,
     build_tiny_mistral,
     build_tiny_qwen2,
     build_tiny_qwen2_sliding,
 )
-from engine import LLM, RequestOutput, SamplingParams  # noqa: E402
 
 MAX_TOKENS = 32
 LENGTHS = [1, 7, 16, 17, 33, 64, 100, 128, 200, 255, 300, 380, 450, 512, 560, 600]

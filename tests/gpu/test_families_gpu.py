@@ -20,8 +20,8 @@ pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA is not available"),
 ]
 
-from bench.tiny_models import FAMILY_BUILDERS  # noqa: E402
 from engine import LLM, SamplingParams  # noqa: E402
+from engine.testing.tiny_models import FAMILY_BUILDERS  # noqa: E402
 from tests.gpu.test_engine_gpu import (  # noqa: E402
     LOGPROB_TOL,
     MAX_TOKENS,

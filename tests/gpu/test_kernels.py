@@ -19,12 +19,12 @@ pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA is not available"),
 ]
 
-from bench.tiny_models import make_attention_metadata  # noqa: E402
 from cuda import block_copy, paged_attention, reshape_and_cache  # noqa: E402
 from cuda.cupy_launch import DTYPES, attention_configs  # noqa: E402
 from engine.worker.attention.cupy_backend import CupyAttentionBackend  # noqa: E402
 from engine.worker.attention.torch_ref import TorchAttentionBackend  # noqa: E402
-from tests import kernel_reference as kref  # noqa: E402
+from tests.support import kernel_reference as kref  # noqa: E402
+from tests.support.attention import make_attention_metadata  # noqa: E402
 
 HEADS = [(8, 8), (16, 4), (16, 2), (12, 4)]  # GQA ratios 1, 4, 8, 3
 GRID = [(*cfg, heads) for cfg in attention_configs() for heads in HEADS]

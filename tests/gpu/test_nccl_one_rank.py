@@ -20,8 +20,8 @@ pytestmark = [
 ]
 
 import engine.core.engine_core as engine_core  # noqa: E402
-from bench.tiny_models import build_tiny_llama, build_tiny_qwen2  # noqa: E402
 from engine import LLM, SamplingParams  # noqa: E402
+from engine.testing.tiny_models import build_tiny_llama, build_tiny_qwen2  # noqa: E402
 from engine.worker.parallel.executor import TPExecutor  # noqa: E402
 from engine.worker.parallel.group import TPGroup  # noqa: E402
 from tests.gpu.test_engine_gpu import shared_prefix_prompts  # noqa: E402

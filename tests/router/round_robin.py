@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from bench.router_cluster import (
+from clients.testing.cluster import (
     ProcessGroup,
     route_argv,
     serve_argv,

@@ -20,13 +20,13 @@ from pathlib import Path
 import grpc
 import pytest
 
-from bench.router_cluster import ProcessGroup, metric_sum, metric_value, scrape
 from clients.client import build_request
+from clients.testing.cluster import ProcessGroup, metric_sum, metric_value, scrape
 from service.api.deja.v1 import inference_pb2 as pb
 from service.api.deja.v1 import inference_pb2_grpc as pb_grpc
 from tests.router.round_robin import REPLICAS, RoundRobinCluster
 from tests.service.serving import alive, core_of
-from tests.waiting import wait_until
+from tests.support.waiting import wait_until
 
 
 class Cluster(RoundRobinCluster):

@@ -24,7 +24,7 @@ from pathlib import Path
 import grpc
 import pytest
 
-from bench.router_cluster import (
+from clients.testing.cluster import (
     ProcessGroup,
     metric_value,
     route_argv,

@@ -18,7 +18,7 @@ from service.affinity.redis_store import RedisAffinityStore
 from service.replica.agent import ReplicaAgent
 from service.replica.kv_events import KvEventRing
 from service.router.cost import CostWeights, held_blocks
-from tests.waiting import wait_until
+from tests.support.waiting import wait_until
 
 from .redis_proc import RedisProcess
 

@@ -12,7 +12,7 @@ from service.affinity import AffinityConfig, ReplicaInfo
 from service.affinity.memory import MemoryAffinityStore
 from service.affinity.redis_store import RedisAffinityStore
 from service.replica.agent import ReplicaAgent
-from tests.waiting import wait_until
+from tests.support.waiting import wait_until
 
 from .redis_proc import RedisProcess
 

@@ -21,7 +21,7 @@ from service.api.deja.v1 import inference_pb2_grpc as pb_grpc
 from service.router.config import RouterConfig
 from service.router.policy import OverloadGuard
 from service.router.server import Router, serve_router
-from tests.waiting import wait_until
+from tests.support.waiting import wait_until
 
 from .fake_replica import FakeReplica
 from .redis_proc import RedisProcess

@@ -12,8 +12,8 @@ from pathlib import Path
 import grpc
 import pytest
 
-from bench.router_cluster import ProcessGroup
 from clients.client import AsyncDejaClient
+from clients.testing.cluster import ProcessGroup
 from tests.engine.sample.structured_cases import CHOICES, SCHEMAS, check_json
 from tests.router.round_robin import REPLICAS, RoundRobinCluster
 

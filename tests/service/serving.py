@@ -21,7 +21,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from service.common.ports import free_port
 from service.common.rpc import SERVICE_NAME
-from tests.waiting import wait_until_sync
+from tests.support.waiting import wait_until_sync
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING

@@ -14,7 +14,7 @@ from clients.client import DejaClient
 from service.api.deja.v1 import inference_pb2 as pb
 from tests.service.conftest import Harness, StartServer
 from tests.service.serving import NOT_SERVING, health, serving
-from tests.waiting import wait_until_sync
+from tests.support.waiting import wait_until_sync
 
 LONG = {"max_tokens": 900, "ignore_eos": True, "temperature": 0.0}
 """Several seconds of generation on the tiny model."""

@@ -19,7 +19,7 @@ from engine.frontend.core_client import EngineCoreClient
 from service.common.failover import ENGINE_DEAD_KEY, engine_dead_before_output
 from tests.service.conftest import ENGINE_KWARGS, StartServer, make_engine
 from tests.service.serving import NOT_SERVING, alive, health, serving
-from tests.waiting import wait_until_sync
+from tests.support.waiting import wait_until_sync
 
 
 async def test_core_process_matches_offline_greedy(

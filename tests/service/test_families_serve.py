@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from bench.tiny_models import FAMILY_BUILDERS
 from clients.client import DejaClient
 from clients.session import ChatSession
+from engine.testing.tiny_models import FAMILY_BUILDERS
 from tests.service.serving import serving
 
 BLOCK_SIZE = 16  # deja serve's default

@@ -36,7 +36,7 @@ from tests.service.serving import (
     stop_gracefully,
     wait_serving,
 )
-from tests.waiting import wait_until_sync
+from tests.support.waiting import wait_until_sync
 
 pytestmark = pytest.mark.slow
 

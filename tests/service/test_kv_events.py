@@ -13,7 +13,7 @@ from clients.client import AsyncDejaClient
 from engine.frontend.prompt import prompt_block_hashes
 from service.api.deja.v1 import inference_pb2 as pb
 from tests.service.conftest import Engine, StartServer, make_engine
-from tests.waiting import wait_until
+from tests.support.waiting import wait_until
 
 BS = 16
 

@@ -21,7 +21,7 @@ from service.affinity.memory import MemoryAffinityStore
 from service.replica.agent import ReplicaAgent
 from service.replica.kv_events import KvBatch, KvEventRing
 from service.replica.kv_records import KvRecordWriter
-from tests.waiting import wait_until
+from tests.support.waiting import wait_until
 
 H = [bytes([i]) * 32 for i in range(256)]
 

@@ -17,7 +17,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from service.common.tracing import extract_context, make_tracer_provider
 from tests.service.conftest import Harness, StartServer, make_engine
-from tests.waiting import wait_until
+from tests.support.waiting import wait_until
 
 
 def _provider() -> tuple[TracerProvider, InMemorySpanExporter]:

@@ -22,7 +22,7 @@ from service.common.ports import free_port
 from service.common.rpc import SERVICE_NAME
 from tests.service.conftest import StartServer, make_engine
 from tests.service.serving import NOT_SERVING, alive, core_of, wait_serving
-from tests.waiting import wait_until, wait_until_sync
+from tests.support.waiting import wait_until, wait_until_sync
 
 WORKER_MODULE = b"engine.worker.parallel.worker"
 

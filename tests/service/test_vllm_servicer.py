@@ -22,7 +22,7 @@ from smg_grpc_proto.generated import vllm_engine_pb2_grpc as vpb_grpc
 from engine.frontend.prompt import prompt_block_hashes
 from service.replica.vllm_convert import block_hash_int64, tokenizer_chunks
 from tests.service.conftest import Harness, StartServer
-from tests.waiting import wait_until
+from tests.support.waiting import wait_until
 
 PROMPT = list(range(100, 140))  # 40 tokens: 2 full blocks of 16
 

@@ -20,7 +20,7 @@ from engine.frontend.prompt import prompt_block_hashes
 from service.gateway.worker_proxy import channel_credentials, start_proxy
 from tests.service.certs import make_pki
 from tests.service.conftest import Harness, StartServer
-from tests.waiting import wait_until
+from tests.support.waiting import wait_until
 
 TOKEN, TENANT = "worker-secret", "gateway"
 TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"

@@ -13,7 +13,7 @@ from engine.config import EngineConfig
 from engine.errors import StreamOverflowError
 from engine.frontend.async_engine import AsyncEngine
 from engine.frontend.llm_engine import LLMEngine
-from tests.waiting import wait_until
+from tests.support.waiting import wait_until
 
 
 def all_free(llm_engine: LLMEngine) -> None:

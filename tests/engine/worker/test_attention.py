@@ -8,9 +8,9 @@ import random
 import pytest
 import torch
 
-from bench.tiny_models import make_attention_metadata
 from engine.worker.attention import TorchAttentionBackend, get_attention_backend
 from engine.worker.attention.base import AttentionMetadata
+from tests.support.attention import make_attention_metadata
 
 torch.set_num_threads(2)
 

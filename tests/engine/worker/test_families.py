@@ -13,8 +13,8 @@ from typing import Any
 import pytest
 import torch
 
-from bench.tiny_models import FAMILY_BUILDERS
 from engine.config import ModelConfig
+from engine.testing.tiny_models import FAMILY_BUILDERS
 from engine.worker.attention import TorchAttentionBackend
 from engine.worker.model_loader import iter_weights, load_model, read_hf_config
 from engine.worker.models import SUPPORTED_ARCHITECTURES, get_model_class, model_family

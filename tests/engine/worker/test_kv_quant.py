@@ -9,7 +9,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from bench.tiny_models import make_attention_metadata
 from engine import LLM
 from engine.config import CacheConfig
 from engine.worker.attention import TorchAttentionBackend
@@ -24,6 +23,7 @@ from engine.worker.attention.kv_quant import (
     quantize_fp8,
 )
 from engine.worker.kv_calibration import checkpoint_kv_scales
+from tests.support.attention import make_attention_metadata
 
 torch.set_num_threads(2)
 

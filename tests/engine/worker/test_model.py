@@ -13,9 +13,9 @@ from typing import Any
 import pytest
 import torch
 
-from bench.tiny_models import build_tiny_llama, make_attention_metadata
 from engine.config import ModelConfig
 from engine.frontend.prompt import apply_chat_template
+from engine.testing.tiny_models import build_tiny_llama
 from engine.worker.attention import TorchAttentionBackend
 from engine.worker.model_loader import (
     eos_token_ids,
@@ -29,6 +29,7 @@ from engine.worker.models.base import CausalLM
 from engine.worker.models.layers.rotary import rope_inv_freq
 from engine.worker.models.llama import LlamaForCausalLM
 from engine.worker.models.sliding_window import kv_window, layer_windows
+from tests.support.attention import make_attention_metadata
 
 torch.set_num_threads(2)
 

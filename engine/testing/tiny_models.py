@@ -281,46 +281,49 @@ FAMILY_BUILDERS: dict[str, Callable[[str | Path], Path]] = {
 """Family name -> builder of its tiny checkpoint (the families beyond Llama and Qwen2)."""
 
 
-def make_attention_metadata(
-    context_lens: list[int],
-    query_lens: list[int],
-    block_tables: list[list[int]],
-    block_size: int,
-    num_padding_tokens: int = 0,
-    device: str = "cpu",
-) -> tuple[Any, Any]:
-    """AttentionMetadata of one flat batch, plus the [T] int64 positions of its tokens.
+LLAMA_32_1B: dict[str, Any] = {
+    "hidden_size": 2048,
+    "intermediate_size": 8192,
+    "num_hidden_layers": 16,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "head_dim": 64,
+    "hidden_act": "silu",
+    "max_position_embeddings": 131072,
+    "rms_norm_eps": 1e-5,
+    "rope_parameters": {
+        "rope_type": "llama3",
+        "rope_theta": 500000.0,
+        "factor": 32.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+    },
+    "tie_word_embeddings": True,
+    "vocab_size": 128256,
+    "initializer_range": 0.02,
+}
+"""Llama-3.2-1B's architecture (config.json of meta-llama/Llama-3.2-1B)."""
+PAD = 0
+"""The random checkpoint's pad token (transformers pads its static batches with it)."""
 
-    Sequence i has context_lens[i] cached tokens and query_lens[i] new ones; padding tokens
-    (slot -1, position 0) are appended after the last sequence.
-    """
+
+def ensure_random_llama(cache_dir: Path, dtype: str) -> Path:
+    """Llama-3.2-1B-shaped random checkpoint (+ a tiny tokenizer), built on the GPU once."""
     import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
 
-    from engine.worker.attention.base import AttentionMetadata
-
-    slots: list[int] = []
-    positions: list[int] = []
-    for ctx, qlen, table in zip(context_lens, query_lens, block_tables, strict=True):
-        for pos in range(ctx, ctx + qlen):
-            slots.append(table[pos // block_size] * block_size + pos % block_size)
-            positions.append(pos)
-    slots += [-1] * num_padding_tokens
-    positions += [0] * num_padding_tokens
-    seq_lens = [c + q for c, q in zip(context_lens, query_lens, strict=True)]
-    width = max(len(t) for t in block_tables)
-    starts = [0]
-    for qlen in query_lens:
-        starts.append(starts[-1] + qlen)
-    meta = AttentionMetadata(
-        slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
-        query_start_loc=torch.tensor(starts, dtype=torch.int32, device=device),
-        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
-        block_tables=torch.tensor(
-            [t + [0] * (width - len(t)) for t in block_tables], dtype=torch.int32, device=device
-        ),
-        query_lens_cpu=list(query_lens),
-        seq_lens_cpu=seq_lens,
-        max_query_len=max(query_lens),
-        max_seq_len=max(seq_lens),
+    out = cache_dir / f"random-llama-3.2-1b-{dtype}"
+    if (out / "config.json").exists():
+        return out
+    build_tokenizer(out)
+    config = LlamaConfig(
+        **LLAMA_32_1B, bos_token_id=0, eos_token_id=2, pad_token_id=PAD, dtype=dtype
     )
-    return meta, torch.tensor(positions, dtype=torch.int64, device=device)
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        model = LlamaForCausalLM(config).to(getattr(torch, dtype))
+    model.save_pretrained(str(out))
+    del model
+    torch.cuda.empty_cache()
+    return out
