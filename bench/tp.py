@@ -73,11 +73,12 @@ def child(args: argparse.Namespace) -> int:
     weights += sum(int(t.numel()) * t.element_size() for t in packed if t is not None)
     kv = eng.runner.kv_cache.numel() * eng.runner.kv_cache.element_size()
     ranks: list[dict[str, int]] = [{"rank": 0, "peak_kib": _kib("self", "VmHWM")}]
-    if eng.tp is not None:
+    if eng.executor.world > 1:
         ranks += [
-            {"rank": r, "peak_kib": _kib(pid, "VmHWM")} for r, pid in enumerate(eng.tp.pids, 1)
+            {"rank": r, "peak_kib": _kib(pid, "VmHWM")}
+            for r, pid in enumerate(eng.executor.pids, 1)
         ]
-        eng.runner.close()
+        eng.executor.close()
     print(json.dumps({"weights": weights, "kv": kv, "ranks": ranks,
                       "tokens": [o.token_ids for o in outs]}))  # fmt: skip
     return 0

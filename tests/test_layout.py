@@ -20,9 +20,10 @@ PACKAGES = ("bench", "clients", "service", "engine", "cuda")
 GENERATED = ("service/api/",)
 PACKAGE_FLOORS = {"bench": 5, "clients": 4, "service": 3, "engine": 2, "cuda": 1}
 ENGINE_FLOORS = {
-    "testing": 7,
-    "frontend": 6,
-    "core": 5,
+    "testing": 8,
+    "frontend": 7,
+    "core": 6,
+    "executor": 5,
     "worker": 4,
     "kv_io": 3,
     "sample": 3,
@@ -58,21 +59,25 @@ def _is_type_checking(test: ast.expr) -> bool:
     )
 
 
-def _runtime_nodes(node: ast.AST) -> Iterator[ast.AST]:
-    """Every node below `node`, except the bodies of `if TYPE_CHECKING:` blocks."""
+def _runtime_nodes(node: ast.AST, type_only: bool = False) -> Iterator[ast.AST]:
+    """Every node below `node`, except the bodies of `if TYPE_CHECKING:` blocks (unless
+    `type_only`: then every node)."""
     for child in ast.iter_child_nodes(node):
         yield child
-        if isinstance(child, ast.If) and _is_type_checking(child.test):
+        if isinstance(child, ast.If) and _is_type_checking(child.test) and not type_only:
             for sub in child.orelse:
                 yield sub
                 yield from _runtime_nodes(sub)
         else:
-            yield from _runtime_nodes(child)
+            yield from _runtime_nodes(child, type_only)
 
 
-def _imported(tree: ast.AST, module: str, is_pkg: bool) -> Iterator[tuple[str, int]]:
-    """(imported module or module.name, line) for every runtime import, nested ones included."""
-    for node in _runtime_nodes(tree):
+def _imported(
+    tree: ast.AST, module: str, is_pkg: bool, type_only: bool = False
+) -> Iterator[tuple[str, int]]:
+    """(imported module or module.name, line) for every runtime import, nested ones included;
+    with `type_only`, the imports under `if TYPE_CHECKING:` too."""
+    for node in _runtime_nodes(tree, type_only):
         if isinstance(node, ast.Import):
             for alias in node.names:
                 yield alias.name, node.lineno
@@ -87,14 +92,15 @@ def _imported(tree: ast.AST, module: str, is_pkg: bool) -> Iterator[tuple[str, i
             yield base, node.lineno
 
 
-def _graph() -> dict[str, dict[str, int]]:
-    """module -> {imported module of this tree: first line}."""
+def _graph(type_only: bool = False) -> dict[str, dict[str, int]]:
+    """module -> {imported module of this tree: first line}; `type_only`: annotations' imports
+    (under `if TYPE_CHECKING:`) count too."""
     sources = _sources()
     graph: dict[str, dict[str, int]] = {}
     for module, path in sources.items():
         tree = ast.parse(path.read_text(), str(path))
         edges: dict[str, int] = {}
-        for name, line in _imported(tree, module, path.name == "__init__.py"):
+        for name, line in _imported(tree, module, path.name == "__init__.py", type_only):
             if name in sources and name != module:
                 edges.setdefault(name, line)
         graph[module] = edges
@@ -166,9 +172,25 @@ def _cycles(graph: dict[str, dict[str, int]]) -> list[list[str]]:
     return out
 
 
-def test_no_import_circles() -> None:
-    cycles = _cycles(_graph())
+@pytest.mark.parametrize("type_only", [False, True], ids=["runtime", "with-type-only"])
+def test_no_import_circles(type_only: bool) -> None:
+    """No module imports itself back through others, not even for annotations: a type that two
+    modules need lives below both."""
+    cycles = _cycles(_graph(type_only))
     assert not cycles, "modules that import each other: " + "; ".join(map(", ".join, cycles))
+
+
+def test_the_worker_imports_nothing_from_the_core() -> None:
+    """engine/worker/ gets each step as plain data (engine/worker/step_record.py) and keeps its
+    own state: it names nothing of engine/core/, not even for type checking."""
+    found = [
+        f"{module}:{line} imports {target}"
+        for module, edges in _graph(type_only=True).items()
+        if module.startswith("engine.worker")
+        for target, line in edges.items()
+        if target.startswith("engine.core")
+    ]
+    assert not found, "\n".join(found)
 
 
 @pytest.mark.parametrize(
@@ -219,3 +241,94 @@ def test_only_the_benchmarks_tests_import_bench() -> None:
     assert not found, "tests outside tests/bench that import bench:\n" + "\n".join(
         sorted(set(found))
     )
+
+
+def _classes_and_functions(tree: ast.AST) -> Iterator[tuple[str | None, ast.AST]]:
+    """(enclosing class name or None, function) for every function in a module."""
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ClassDef):
+            for item in node.body:
+                if isinstance(item, ast.FunctionDef | ast.AsyncFunctionDef):
+                    yield node.name, item
+        elif isinstance(node, ast.Module):
+            for item in node.body:
+                if isinstance(item, ast.FunctionDef | ast.AsyncFunctionDef):
+                    yield None, item
+
+
+def _calls(node: ast.AST, name: str) -> bool:
+    return any(
+        isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and n.func.attr == name
+        for n in ast.walk(node)
+    )
+
+
+def test_one_class_holds_the_core_loop() -> None:
+    """The engine core's busy loop (take commands, step, send what it made, until told to stop)
+    is written once, in one class, for the in-process and the separate-process engine alike.
+    The offline `LLM` steps its own requests to completion and nothing else."""
+    owners = set()
+    for path in sorted((ROOT / "engine").rglob("*.py")) + sorted((ROOT / "service").rglob("*.py")):
+        tree = ast.parse(path.read_text(), str(path))
+        for cls, func in _classes_and_functions(tree):
+            for loop in ast.walk(func):
+                if isinstance(loop, ast.While) and _calls(loop, "step"):
+                    owners.add(f"{path.relative_to(ROOT).as_posix()}:{cls}")
+    assert owners == {"engine/core/core_loop.py:CoreLoop", "engine/frontend/llm.py:LLM"}, owners
+
+
+_MESSAGE_NAMES = {"msg", "message", "cmd", "command", "reply", "item", "packed", "kind"}
+_SENDS = {"send", "_send", "send_bytes", "put", "put_nowait", "_put", "_push", "_send_outputs"}
+
+
+def _tagged_tuple(node: ast.AST) -> bool:
+    return (
+        isinstance(node, ast.Tuple)
+        and bool(node.elts)
+        and isinstance(node.elts[0], ast.Constant)
+        and isinstance(node.elts[0].value, str)
+    )
+
+
+def test_no_message_protocol_of_string_tagged_tuples() -> None:
+    """Messages between threads and processes are typed (a class per kind): nothing sends a
+    tuple whose first item is a string tag, and nothing dispatches on `msg[0] == "tag"`."""
+    found = []
+    for path in _sources().values():
+        tree = ast.parse(path.read_text(), str(path))
+        for node in ast.walk(tree):
+            if (
+                isinstance(node, ast.Call)
+                and isinstance(node.func, ast.Attribute | ast.Name)
+                and (node.func.attr if isinstance(node.func, ast.Attribute) else node.func.id)
+                in _SENDS
+                and any(_tagged_tuple(a) for a in node.args)
+            ):
+                found.append(f"{path.relative_to(ROOT)}:{node.lineno} sends a tagged tuple")
+            if (
+                isinstance(node, ast.Compare)
+                and isinstance(node.left, ast.Subscript)
+                and isinstance(node.left.value, ast.Name)
+                and node.left.value.id in _MESSAGE_NAMES
+                and isinstance(node.left.slice, ast.Constant)
+                and node.left.slice.value == 0
+                and any(isinstance(c, ast.Constant) and isinstance(c.value, str)
+                        for c in node.comparators)
+            ):  # fmt: skip
+                found.append(f"{path.relative_to(ROOT)}:{node.lineno} dispatches on a tag")
+    assert not found, "\n".join(found)
+
+
+def test_no_long_functions_in_the_engine() -> None:
+    """Functions in engine/ fit on a screen (80 lines); the core's constructor reads as a short
+    list of named steps (40)."""
+    long = []
+    for path in sorted((ROOT / "engine").rglob("*.py")):
+        tree = ast.parse(path.read_text(), str(path))
+        for cls, func in _classes_and_functions(tree):
+            assert isinstance(func, ast.FunctionDef | ast.AsyncFunctionDef)
+            n = (func.end_lineno or func.lineno) - func.lineno + 1
+            limit = 40 if (cls, func.name) == ("EngineCore", "__init__") else 80
+            if n > limit:
+                long.append(f"{path.relative_to(ROOT)}:{func.lineno} {cls}.{func.name}: {n} lines")
+    assert not long, "\n".join(long)

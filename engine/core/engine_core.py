@@ -15,208 +15,172 @@ from __future__ import annotations
 
 import itertools
 import logging
-import os
 import time
 from concurrent.futures import FIRST_COMPLETED, Future, wait
-from dataclasses import replace
 from typing import Any
 
 import torch
 
 from engine.config import EngineConfig
 from engine.core.beam_step import fail_beam_groups, new_beam_group
+from engine.core.builders import (
+    kv_cache_manager,
+    kv_event_buffer,
+    max_model_len,
+    model_info,
+    resolve_config,
+)
 from engine.core.core_stats import engine_stats
 from engine.core.output_processor import OutputProcessor
 from engine.core.scheduler import Scheduler
 from engine.core.sequence import Request, SeqStatus, Sequence
 from engine.core.step_rates import StepRates
+from engine.core.step_records import StepRecords
 from engine.core.step_update import LaunchedStep, StepUpdate
+from engine.executor import make_executor
 from engine.kv.events import (
     AllBlocksCleared,
     KVEvent,
     KVEventBatch,
-    KVEventBuffer,
     KVSnapshot,
     snapshot_events,
 )
-from engine.kv.manager import KVCacheManager
 from engine.kv.tiers import TieredCache
 from engine.kv_io.host_memory import HostMemoryTrimmer
-from engine.kv_io.offload import KVOffload, TPShare, build_tiers, disk_manifest
+from engine.kv_io.offload import KVOffload, build_tiers, disk_manifest
 from engine.outputs import RequestOutput
-from engine.sample.sampler import Sampler
 from engine.sample.structured.compiler import GrammarCompilerPool
-from engine.stats import EngineStats, ModelInfo
-from engine.worker.attention import get_attention_backend
-from engine.worker.attention.kv_quant import FP8_DTYPE, KVScales, kv_block_bytes
-from engine.worker.cpu_features import resolve_device, resolve_dtype
-from engine.worker.kv_calibration import (
-    KVCalibration,
-    KVScaleSources,
-    kv_cache_storage,
-    resolve_kv_scales,
-)
-from engine.worker.model_loader import (
-    eos_token_ids,
-    kv_dims,
-    load_model,
-    load_tokenizer,
-    model_fingerprint,
-    read_hf_config,
-)
+from engine.stats import EngineStats
+from engine.worker.attention import AttentionBackend
+from engine.worker.attention.kv_quant import FP8_DTYPE, KVScales
+from engine.worker.kv_calibration import KVCalibration, KVScaleSources, resolve_kv_scales
+from engine.worker.model_loader import eos_token_ids, load_tokenizer, model_fingerprint
 from engine.worker.model_runner import ModelRunner
-from engine.worker.models.sliding_window import kv_window, layer_windows
-from engine.worker.parallel.executor import tp_executor
 
 logger = logging.getLogger(__name__)
 
-_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-
 
 class EngineCore(StepUpdate):
-    """One engine: loads the model and its KV cache, queues requests, steps."""
+    """One engine: its executor (the workers, rank 0 in this process), the KV cache manager and
+    tiers' bookkeeping, the scheduler; queues requests and steps."""
 
     def __init__(self, config: EngineConfig) -> None:
-        if config.num_threads is not None:
-            torch.set_num_threads(config.num_threads)
-        self.device = resolve_device(config.device)
-        # 'auto' dtype decided once, here, for the device found: everything below sees it.
-        dtype = resolve_dtype(config.model.dtype, self.device.type)
-        config = replace(config, model=replace(config.model, dtype=dtype))
-        mc = config.model
-        self.dtype = _DTYPES[mc.dtype]
-        hf_config = read_hf_config(mc.path)
-        max_pos = int(getattr(hf_config, "max_position_embeddings", 2048))
-        if mc.max_model_len is not None and mc.max_model_len > max_pos:
-            raise ValueError(
-                f"max_model_len {mc.max_model_len} exceeds the model's max_position_embeddings {max_pos}"
-            )
-        self.max_model_len = mc.max_model_len or max_pos
-        self.backend = get_attention_backend(config.attention_backend, self.device)
-        self.tp = tp_executor(config, hf_config, self.device)
-        """Ranks 1..N-1 of tensor parallelism (this process is rank 0); None: N = 1."""
-        group = None if self.tp is None else self.tp.group
-        self.model, hf_config = load_model(mc, self.device, self.backend, group)
-        self.tokenizer = load_tokenizer(mc.path)
-        num_layers, num_kv_heads, head_dim = kv_dims(hf_config)
-        # each rank's cache holds its own KV heads (engine/worker/parallel/group.py)
-        rank_kv_heads = num_kv_heads if group is None else group.kv_heads(num_kv_heads)[1]
-        cc = config.cache
-        self.kv_dtype = kv_cache_storage(cc.kv_cache_dtype, self.dtype, self.backend)
-        """The KV cache's storage dtype on every tier (fp8: quantized with `kv_scales`)."""
-        # NOTE: an fp8 block is half a bf16 one: the same budgets hold twice the blocks.
-        self.block_bytes = kv_block_bytes(
-            num_layers, cc.block_size, rank_kv_heads, head_dim, self.kv_dtype
-        )
-        num_blocks = cc.num_device_blocks or max(
-            1, int(cc.device_memory_gib * 2**30) // self.block_bytes
-        )
-        self.vocab_size = int(hf_config.vocab_size)
-        eos = eos_token_ids(mc.path, hf_config, self.tokenizer)
-        self.model_info = ModelInfo(
-            model_id=mc.model_id or os.path.basename(os.path.normpath(mc.path)),
-            family="qwen2" if hf_config.model_type == "qwen2" else "llama",
-            architecture=(hf_config.architectures or ["LlamaForCausalLM"])[0],
-            max_model_len=self.max_model_len,
-            block_size=cc.block_size,
-            dtype=mc.dtype,
-            kv_cache_dtype=cc.kv_cache_dtype,
-            vocab_size=self.vocab_size,
-            num_layers=num_layers,
-            num_kv_heads=num_kv_heads,
-            head_dim=head_dim,
-            num_device_blocks=num_blocks,
-            eos_token_ids=eos,
-            has_chat_template=bool(getattr(self.tokenizer, "chat_template", None)),
-        )
-        self.config = config
-        self.tiers: TieredCache | None = None
-        self.offload: KVOffload | None = None
-        self.kv_events = (
-            KVEventBuffer(cc.kv_events_max_blocks, cc.block_size)
-            if cc.kv_events_max_blocks and cc.enable_prefix_caching
-            else None
-        )
+        self.config = config = resolve_config(config)
+        self.executor = make_executor(config)  # every rank loads its shard of the model
+        worker = self.executor.driver
+        hf_config = worker.shape.hf_config
+        self.max_model_len = max_model_len(config.model, hf_config)
+        self.tokenizer = load_tokenizer(config.model.path)
+        eos = eos_token_ids(config.model.path, hf_config, self.tokenizer)
+        self.block_bytes = worker.block_bytes
+        self.model_info = model_info(config, worker, self.tokenizer, eos, self.max_model_len)
+        self.kv_events = kv_event_buffer(config.cache)
         """Which hashes each tier started or stopped holding since `take_kv_events`."""
-        self._kv_batches = 0
-        fingerprint = model_fingerprint(mc.path) if cc.disk_dir else None
-        layer_shape = (cc.block_size, rank_kv_heads, head_dim)
-        self.kv_scales: KVScales | None = None
+        self.kv_scales = self._kv_scales()
         """Per-layer K and V scales of an fp8 cache (checkpoint, disk manifest or calibrated)."""
-        share = None if group is None else TPShare(0, group.world, *group.kv_heads(num_kv_heads))
-        if self.kv_dtype == FP8_DTYPE:
-            manifest = disk_manifest(self.model_info, fingerprint, FP8_DTYPE, None)
-            peers = None if self.tp is None else self.tp.calibrate
-            self.kv_scales = resolve_kv_scales(
-                KVScaleSources(mc.path, cc.disk_dir, manifest, share),
-                KVCalibration(self.model, self.backend, self.tokenizer, self.max_model_len, peers),
-                (num_layers, *layer_shape),
-            )
-        kv_cache = torch.zeros(
-            (num_layers, 2, num_blocks, *layer_shape), dtype=self.kv_dtype, device=self.device
+        self.tiers: TieredCache | None = None
+        self._allocate_kv_cache(eos)
+        self.kv = kv_cache_manager(
+            config.cache, self.model_info, hf_config, self.tiers, self.kv_events
         )
-        self.backend.bind_kv_cache(kv_cache, self.kv_scales)
-        built = build_tiers(
-            cc,
-            self.model_info,
-            fingerprint,
-            kv_cache,
-            self.block_bytes,
-            kv_scales=None if self.kv_scales is None else self.kv_scales.to_json(),
-            events=self.kv_events,
-            tp=share,
-        )
-        if built is not None:
-            self.tiers, self.offload = built
-        if self.tp is not None:
-            cpu_blocks = 0 if self.offload is None else self.offload.cpu_cache.shape[2]
-            self.tp.allocate(num_blocks, cpu_blocks, self.offload, self.kv_scales)
-        # NOTE: blocks leave a sequence as its window moves on only when every layer slides;
-        # swap preemption holds a sequence's whole table in the CPU tier, so it keeps them all.
-        window = kv_window(layer_windows(hf_config)) if cc.preemption_mode != "swap" else None
-        self.kv = KVCacheManager(
-            num_blocks,
-            cc.block_size,
-            enable_caching=cc.enable_prefix_caching,
-            max_pinned_fraction=cc.max_pinned_fraction,
-            tiers=self.tiers,
-            events=self.kv_events,
-            sliding_window=window,
-        )
-        swap = self.tiers if cc.preemption_mode == "swap" else None
+        swap = self.tiers if config.cache.preemption_mode == "swap" else None
         self.scheduler = Scheduler(config.scheduler, self.kv, swap=swap)
         self.step_rates = StepRates()
         """Measured prefill rate and decode cost, published for the router's cost policy."""
-        sampler = Sampler(self.vocab_size, self.device, config.seed)
-        self.runner = ModelRunner(
-            self.model,
-            self.backend,
-            kv_cache,
-            sampler,
-            cc.block_size,
-            eos,
-            self.device,
-            offload=self.offload,
-            tp=self.tp,
-            max_graph_batch=config.cuda_graph_batch(),
-            max_model_len=self.max_model_len,
-        )
-        self.grammars = GrammarCompilerPool(self.tokenizer, self.vocab_size, eos)
+        self.grammars = GrammarCompilerPool(self.tokenizer, worker.shape.vocab_size, eos)
+        self.records = StepRecords(worker.shape.vocab_size, config.device)
+        """Each step's plain record for the workers (engine/core/step_records.py)."""
         """Structured outputs: compiles response formats off the step loop, cached per spec."""
         self._grammar_waits: dict[str, tuple[Request, Future[Any]]] = {}
         """Queued requests whose grammar is compiling."""
         self.outputs = OutputProcessor(self.tokenizer, eos, self.max_model_len)
-        """Stop checks, detokenization and stream deltas (engine/core/output_processor.py)."""
+        """Stop checks and stream deltas (engine/core/output_processor.py)."""
         self.requests: dict[str, Request] = {}
         self._seq_ids = itertools.count()
         self._touched: dict[str, Request] = {}
         """Requests with news since the last step's outputs were built."""
+        self._kv_batches = 0
         self._trimmer = HostMemoryTrimmer()
         """Gives freed host memory (disk-tier payloads) back to the OS between steps."""
-        self.async_scheduling = config.async_scheduling and self.tp is None
+        self.async_scheduling = config.async_scheduling and self.executor.world == 1
         """Leave a step's results in flight while the next one is scheduled (`step`)."""
         self._in_flight: LaunchedStep | None = None
         """The step launched and advanced whose sampled ids are not yet processed."""
+
+    def _kv_scales(self) -> KVScales | None:
+        """An fp8 cache's scales: the checkpoint's, the disk tier's, or a calibration pass
+        (every rank joins it); None for a cache in the model's dtype."""
+        worker = self.executor.driver
+        if worker.kv_dtype != FP8_DTYPE:
+            return None
+        cc, info = self.config.cache, self.model_info
+        manifest = disk_manifest(info, self._fingerprint(), FP8_DTYPE, None)
+        run = KVCalibration(
+            worker.model, worker.backend, self.tokenizer, self.max_model_len,
+            self.executor.peers_calibrate,
+        )  # fmt: skip
+        shape = (info.num_layers, *worker.layer_shape)
+        sources = KVScaleSources(self.config.model.path, cc.disk_dir, manifest, worker.tp_share)
+        return resolve_kv_scales(sources, run, shape)
+
+    def _fingerprint(self) -> str | None:
+        return model_fingerprint(self.config.model.path) if self.config.cache.disk_dir else None
+
+    def _allocate_kv_cache(self, eos: tuple[int, ...]) -> None:
+        """Every rank's device cache, rank 0's CPU and disk tiers (and their bookkeeping,
+        `tiers`), the other ranks' tiers as rank 0's, then rank 0's runner."""
+        worker = self.executor.driver
+        num_blocks = self.model_info.num_device_blocks
+        kv_cache = worker.allocate_kv_cache(num_blocks, self.kv_scales)
+        built = build_tiers(
+            self.config.cache,
+            self.model_info,
+            self._fingerprint(),
+            kv_cache,
+            self.block_bytes,
+            kv_scales=None if self.kv_scales is None else self.kv_scales.to_json(),
+            events=self.kv_events,
+            tp=worker.tp_share,
+        )
+        if built is not None:
+            self.tiers, worker.offload = built
+        cpu_blocks = 0 if worker.offload is None else worker.offload.cpu_cache.shape[2]
+        self.executor.allocate_followers(num_blocks, cpu_blocks, worker.offload, self.kv_scales)
+        worker.init_runner(eos, self.max_model_len)
+
+    # -- what the workers hold (rank 0's) ------------------------------------------------------
+    @property
+    def runner(self) -> ModelRunner:
+        runner = self.executor.driver.runner
+        assert runner is not None
+        return runner
+
+    @property
+    def offload(self) -> KVOffload | None:
+        """Rank 0's CPU tier tensor and disk files (None: no lower tiers)."""
+        return self.executor.driver.offload
+
+    @property
+    def model(self) -> Any:
+        return self.executor.driver.model
+
+    @property
+    def backend(self) -> AttentionBackend:
+        return self.executor.driver.backend
+
+    @property
+    def device(self) -> torch.device:
+        return self.executor.driver.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The model's dtype ('auto' resolved)."""
+        dtype: torch.dtype = getattr(torch, self.config.model.dtype)
+        return dtype
+
+    @property
+    def vocab_size(self) -> int:
+        return self.executor.driver.shape.vocab_size
 
     # -- requests ------------------------------------------------------------------------------
     def enqueue(self, req: Request) -> None:
@@ -237,12 +201,6 @@ class EngineCore(StepUpdate):
                 self._grammar_waits[req.request_id] = (req, fut)
         if req.params.use_beam_search:
             req.beam = new_beam_group(req, self.max_model_len, self.model_info.eos_token_ids)
-        n, seed = req.params.num_samples, req.params.seed
-        req.generators = [None] * n
-        if seed is not None:
-            req.generators = [
-                torch.Generator(device=self.device).manual_seed(seed + i) for i in range(n)
-            ]
         seq = self._new_seq(req, 0, list(req.prompt_token_ids))
         self.requests[req.request_id] = req
         self.scheduler.add(seq)
@@ -288,7 +246,8 @@ class EngineCore(StepUpdate):
             self._between_steps()
             return self.offload.close(timeout_s)
         finally:
-            self.runner.close()
+            self.executor.close()
+            self.records.close()
             self.grammars.close()
 
     def cached_block_hashes(self, limit: int) -> list[bytes]:
@@ -388,22 +347,20 @@ class EngineCore(StepUpdate):
             self._touched[seq.request.request_id] = seq.request
         fail_beam_groups(sched.failed, self.scheduler)
         tables = [self.kv.block_ids(item.seq.seq_id) for item in sched.scheduled]
+        recorded = self.records.build(sched, tables)
         prev, self._in_flight = self._in_flight, None
         try:
-            in_flight = None if prev is None else prev.handle.token_ids
-            handle = self.runner.launch(sched, tables, in_flight)
+            handle = self.executor.launch(recorded.record, None if prev is None else prev.handle)
         except BaseException:
             if prev is not None:  # its tokens are real: they still reach their sequences
                 self._complete(prev, deferred=True)
             raise
         finally:
             self.kv.end_step()
-        launched = LaunchedStep(handle, scheduled_at, self._advance(sched))
-        if self.async_scheduling and handle.deferrable and handle.owners:
-            for row, (item, _) in enumerate(handle.owners):  # one row each (deferrable)
-                seq = item.seq
-                seq.num_pending += 1
-                seq.pending_row = row
+        launched = LaunchedStep(handle, recorded, scheduled_at, self._advance(sched))
+        if self.async_scheduling and handle.deferrable and recorded.owners:
+            for item, _ in recorded.owners:  # one row each (deferrable)
+                item.seq.num_pending += 1
             self._in_flight = launched
             if prev is not None:
                 self._complete(prev, deferred=True)
@@ -420,9 +377,9 @@ class EngineCore(StepUpdate):
 
     def _complete(self, launched: LaunchedStep, *, deferred: bool) -> None:
         """Waits for a launched step's results and brings them into the engine's state."""
-        out = self.runner.collect(launched.handle)
+        out = self.executor.collect(launched.handle)
         if deferred:  # released first: an error in the update below leaves none behind
-            for item, _ in out.owners:
+            for item, _ in launched.step.owners:
                 item.seq.num_pending -= 1
         self.update_from_output(launched, out, time.monotonic(), deferred=deferred)
 
@@ -467,7 +424,9 @@ class EngineCore(StepUpdate):
         outs = self.outputs.make_outputs(self._touched)
         for out in outs:
             if out.finished:
-                self.requests.pop(out.request_id).metrics.finished = now
+                req = self.requests.pop(out.request_id)
+                req.metrics.finished = now
+                self.records.forget(req)
         self._touched = {}
         return outs
 

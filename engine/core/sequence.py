@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from engine.core.beam import BeamGroup
 from engine.kv.hashing import BlockHash, hash_block
@@ -23,7 +23,6 @@ from engine.outputs import CachedTokens, RequestMetrics
 from engine.sample.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
-    import torch
     import xgrammar as xgr
 
     from engine.sample.structured.compiler import Grammar
@@ -43,8 +42,6 @@ class Request:
     hash_extra: bytes
     """Extra keys of this request's block hashes (model identity, cache salt)."""
     metrics: RequestMetrics
-    generators: list[torch.Generator | None]
-    """One per sample; None for requests without their own seed."""
     seqs: list[Sequence] = field(default_factory=list)
     forked: bool = False
     cached_tokens: CachedTokens = field(default_factory=CachedTokens)
@@ -56,6 +53,8 @@ class Request:
     """Set by the engine when the grammar is ready (engine side only; never pickled)."""
     beam: BeamGroup | None = None
     """Beam search's state (engine side); `seqs` then holds the running beams, best first."""
+    worker_seq_ids: list[int] = field(default_factory=list)
+    """Its sequences the workers were told of (they forget them when the request ends)."""
     ranks_samples: bool = field(init=False, default=False)
     """params.ranks_samples (best_of > n), read once: the core asks every step."""
 
@@ -96,15 +95,11 @@ class Sequence:
     num_preemptions: int = 0
     cum_logprob: float = 0.0
     """Sum of the logprobs of its generated tokens (beam search, best_of)."""
-    sampling_row: Any = None
-    """The model runner's SamplingRow for this sample, made the first time it samples alone and
-    reused every step after (engine/worker/model_runner.py: `_sampling_plan`)."""
+    on_worker: bool = False
+    """The workers know this sequence (engine/worker/step_record.py's NewSequence was sent)."""
     num_pending: int = 0
     """Tokens sampled by steps still in flight (async scheduling, engine/core/engine_core.py):
     their positions count as computed, their ids are not yet in `token_ids`."""
-    pending_row: int = -1
-    """Row of the last in-flight step's sampled ids that holds this sequence's newest pending
-    token: the next step's input id is gathered from it on the device."""
     max_len: int = 1 << 62
     """The length at which the sample ends by length (max_tokens or max_model_len; set with its
     stop rules): async scheduling never schedules a token past it."""

@@ -19,10 +19,12 @@ from engine.core.output_processor import OutputProcessor
 from engine.core.scheduler import Scheduler, SchedulerOutput
 from engine.core.sequence import Request, SeqStatus, Sequence
 from engine.core.step_rates import StepRates
+from engine.core.step_records import RecordedStep, StepRecords
 from engine.kv.manager import KVCacheManager
 from engine.kv.tiers import TieredCache
 from engine.outputs import TokenLogprob
-from engine.worker.model_runner import BeamSamples, StepHandle, StepOutput
+from engine.sample.beam import BeamCandidate
+from engine.worker.model_runner import StepHandle, StepOutput
 
 
 @dataclass(slots=True, eq=False)
@@ -30,6 +32,8 @@ class LaunchedStep:
     """A step the runner launched and the core has advanced, until its results are processed."""
 
     handle: StepHandle
+    step: RecordedStep
+    """Its record, and who owns its rows."""
     scheduled_at: float
     counts: tuple[int, int]
     """(prefill tokens, decode sequences): the step rates' sample, taken when it completes."""
@@ -44,6 +48,7 @@ class StepUpdate:
     outputs: OutputProcessor
     tiers: TieredCache | None
     step_rates: StepRates
+    records: StepRecords
     _touched: dict[str, Request]
     """Requests with news since the last step's outputs were built."""
     _seq_ids: Iterator[int]
@@ -66,9 +71,9 @@ class StepUpdate:
                 start = max(start, self._last_done)
             self.step_rates.observe(prefill, decodes, now - start, now)
             self._last_done = now
-        for beams in out.beams:
-            self._process_beams(beams, now)
-        self._process_samples(out, now, deferred)
+        for (req, beams), ranked in zip(launched.step.beam_groups, out.beams, strict=True):
+            self._process_beams(req, beams, ranked, now)
+        self._process_samples(launched.step, out, now, deferred)
 
     def _advance(self, sched: SchedulerOutput) -> tuple[int, int]:
         """The scheduled tokens count as computed once the step is launched (its KV writes come
@@ -91,7 +96,9 @@ class StepUpdate:
                 kv.cache_blocks(seq)
         return prefill, decodes
 
-    def _process_samples(self, out: StepOutput, now: float, deferred: bool = False) -> None:
+    def _process_samples(
+        self, step: RecordedStep, out: StepOutput, now: float, deferred: bool = False
+    ) -> None:
         """Appends each sampled token to its sequence and checks whether the sample ends.
 
         `deferred`: the tokens were pending (async scheduling): a token that completes a block
@@ -104,7 +111,7 @@ class StepUpdate:
         kv = self.kv
         bs = kv.block_size
         k = 0
-        for item, n in out.owners:
+        for item, n in step.owners:
             seq = item.seq
             if seq.status is SeqStatus.FINISHED:
                 k += n
@@ -161,13 +168,16 @@ class StepUpdate:
                 n_full = len(req.prompt_token_ids) // self.kv.block_size
                 self.tiers.pin(seq.block_hashes[:n_full], now + req.params.pin_ttl_s)
 
-    def _process_beams(self, res: BeamSamples, now: float) -> None:
-        req = res.request
+    def _process_beams(
+        self, req: Request, beams: list[Sequence], ranked: list[BeamCandidate], now: float
+    ) -> None:
         self._touched[req.request_id] = req
         if req.metrics.first_token is None:
             req.metrics.first_token = now
-        self._pin_prompt(res.beams[0], now)
-        advance_beams(res.request, res.beams, res.candidates, self.scheduler, self._seq_ids)
+        self._pin_prompt(beams[0], now)
+        advance_beams(req, beams, ranked, self.scheduler, self._seq_ids)
+        for seq in req.seqs:  # the tokens the search chose, for the workers' own copies
+            self.records.appended(seq)
 
     def _append(
         self, seq: Sequence, token_id: int, logprob: TokenLogprob | None, deferred: bool = False

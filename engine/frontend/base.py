@@ -1,82 +1,12 @@
-"""What the two engine front ends share: `EngineFrontend` and `read_outputs`.
-
-`engine/frontend/async_engine.py` (step loop in a thread) and `engine/frontend/core_client.py` (engine core in a
-process) both serve the replica's `Engine` protocol: the model's facts, the latest stats snapshot,
-tokenization with the engine's own rule (`engine/frontend/input_processor.py`), and one asyncio queue per
-request onto which they put its deltas, or an exception that ends it; the request's `generate()`
-reads the queue with `read_outputs` until the finished delta.
-"""
+"""`read_outputs`: one request's stream of deltas, read off its queue (engine/frontend/
+engine_client.py puts the core's deltas, or an exception that ends the stream, on it)."""
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 from collections.abc import AsyncGenerator, Callable
-from typing import Any
 
-from engine.frontend.input_processor import InputProcessor
-from engine.frontend.prompt import Prompt
 from engine.outputs import RequestOutput
-from engine.sample.sampling_params import SamplingParams
-from engine.stats import EngineStats, ModelInfo
-
-
-class EngineFrontend:
-    """The facts, stats and tokenization both front ends answer from the API server's side."""
-
-    _model_info: ModelInfo
-    _stats: EngineStats
-    """The engine's latest snapshot (refreshed by the step loop or the core's messages)."""
-    _inputs: InputProcessor
-
-    @property
-    def model_info(self) -> ModelInfo:
-        return self._model_info
-
-    def get_stats(self) -> EngineStats:
-        """The latest snapshot the engine sent (never blocks)."""
-        return self._stats
-
-    def tokenize(
-        self, text: Prompt | None = None, messages: list[dict[str, str]] | None = None
-    ) -> list[int]:
-        return self._inputs.tokenize(text, messages)
-
-    def check_health(self) -> None:
-        """Raises EngineDeadError when the engine has failed."""
-        raise NotImplementedError
-
-    async def generate(
-        self,
-        prompt: Prompt | None,
-        params: SamplingParams | None = None,
-        *,
-        request_id: str | None = None,
-        messages: list[dict[str, str]] | None = None,
-        cache_salt: str | None = None,
-    ) -> AsyncGenerator[RequestOutput, None]:
-        """Streams deltas of one request; leaving early aborts it and frees its blocks.
-
-        Raises ValueError (bad input, a request id in use) at the first iteration.
-        """
-        self.check_health()
-        inputs = {
-            "prompt": prompt,
-            "params": params,
-            "messages": messages,
-            "cache_salt": cache_salt,
-        }
-        outputs = self._open(request_id, inputs)
-        async with contextlib.aclosing(outputs):
-            async for out in outputs:
-                yield out
-
-    def _open(
-        self, request_id: str | None, inputs: dict[str, Any]
-    ) -> AsyncGenerator[RequestOutput, None]:
-        """Prepares (`inputs`: prompt, params, messages, cache_salt) and registers the request;
-        returns its deltas, read with `read_outputs`."""
-        raise NotImplementedError
 
 
 async def read_outputs(

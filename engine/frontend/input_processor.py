@@ -4,7 +4,7 @@ Pure with respect to engine state: it needs only the tokenizer, the model's fact
 scheduler limits, so it runs wherever the caller is — in `LLMEngine` for the offline API, and in
 the API-server process when the engine core runs in a process of its own
 (`engine/frontend/core_client.py`). A prepared request is picklable: it carries token ids, parameters and
-timestamps, never tensors (per-sample torch generators are made by `LLMEngine.enqueue`).
+timestamps, never tensors (per-sample torch generators are made by the worker).
 """
 
 from __future__ import annotations
@@ -104,5 +104,4 @@ class InputProcessor:
             # NOTE: time.monotonic() is CLOCK_MONOTONIC, shared by every process on the host, so
             # an arrival stamped in the API server is comparable with the engine core's clock.
             metrics=RequestMetrics(arrival=arrival if arrival is not None else time.monotonic()),
-            generators=[],
         )

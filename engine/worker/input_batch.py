@@ -19,19 +19,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from operator import attrgetter
-from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from engine.worker.attention.base import AttentionMetadata
-
-_NUM_NEW = attrgetter("num_new_tokens")
-_START = attrgetter("start")
-
-if TYPE_CHECKING:  # the core's step type; the worker only reads it
-    from engine.core.scheduler import ScheduledSeq
+from engine.worker.seq_state import SeqState
 
 
 class _Buffer:
@@ -78,20 +71,20 @@ class InputBatch:
         self._alloc(256, 16, 16)
 
     @staticmethod
-    def _decode_ids(scheduled: Sequence[ScheduledSeq], dst: list[int], src: list[int]) -> list[int]:
+    def _decode_ids(
+        states: Sequence[SeqState], starts: list[int], dst: list[int], src: list[int]
+    ) -> list[int]:
         """A decode step's input ids: each sequence's known token, or 0 where its token is in
         flight (its index goes to `dst`, its row of the in-flight ids to `src`)."""
         out = []
-        for i, item in enumerate(scheduled):
-            seq = item.seq
-            token_ids = seq.token_ids
-            start = item.start
+        for i, (state, start) in enumerate(zip(states, starts, strict=True)):
+            token_ids = state.token_ids
             if start < len(token_ids):
                 out.append(token_ids[start])
             else:
                 out.append(0)
                 dst.append(i)
-                src.append(seq.pending_row)
+                src.append(state.pending_row)
         return out
 
     def _alloc(self, tokens: int, seqs: int, blocks: int) -> None:
@@ -115,18 +108,19 @@ class InputBatch:
 
     def build(
         self,
-        scheduled: Sequence[ScheduledSeq],
+        states: Sequence[SeqState],
+        starts: list[int],
+        qlens: list[int],
         tables: list[list[int]],
         in_flight: torch.Tensor | None = None,
     ) -> StepInputs:
-        """The flat batch of `scheduled` (each item's new tokens) with its block `tables`.
+        """The flat batch of the sequences `states`, each computing qlens[i] tokens from
+        position starts[i], with its block `tables`.
 
         `in_flight`: the sampled ids [rows] (on the device) of the step still in flight (async
         scheduling). A sequence whose new token is that step's pending sample (its position is
-        past its known tokens) takes its input id from row `seq.pending_row`, on the device."""
-        num_seqs = len(scheduled)
-        qlens = list(map(_NUM_NEW, scheduled))
-        starts = list(map(_START, scheduled))
+        past its known tokens) takes its input id from row `state.pending_row`, on the device."""
+        num_seqs = len(states)
         num_tokens = sum(qlens)
         max_blocks = max(map(len, tables))
         if self._copied is not None:
@@ -145,23 +139,23 @@ class InputBatch:
         src: list[int] = []
         if num_tokens == num_seqs:  # decode only: one token per sequence
             if in_flight is None:
-                ids[:num_seqs] = [item.seq.token_ids[item.start] for item in scheduled]
+                ids[:num_seqs] = [st.token_ids[s] for st, s in zip(states, starts, strict=True)]
             else:
-                ids[:num_seqs] = self._decode_ids(scheduled, dst, src)
+                ids[:num_seqs] = self._decode_ids(states, starts, dst, src)
             pos[:num_seqs] = starts_np
             seq_idx = np.arange(num_seqs)
             qsl[: num_seqs + 1] = np.arange(num_seqs + 1)
             seq_lens = starts_np + 1
         else:
             t = 0
-            for item, s, n in zip(scheduled, starts, qlens, strict=True):
-                seq = item.seq
-                if s + n > len(seq.token_ids):  # a decode of the token in flight
+            for state, s, n in zip(states, starts, qlens, strict=True):
+                token_ids = state.token_ids
+                if s + n > len(token_ids):  # a decode of the token in flight
                     ids[t] = 0
                     dst.append(t)
-                    src.append(seq.pending_row)
+                    src.append(state.pending_row)
                 else:
-                    ids[t : t + n] = seq.token_ids[s : s + n]
+                    ids[t : t + n] = token_ids[s : s + n]
                 t += n
             qlens_np = np.fromiter(qlens, np.int64, num_seqs)
             seq_idx = np.repeat(np.arange(num_seqs), qlens_np)

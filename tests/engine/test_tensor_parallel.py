@@ -73,7 +73,7 @@ def check_tp(path: Path, vocab: int, n_prompts: int = 10, max_len: int = 300) ->
         if name == "preempt-swap":
             cpu = next(t for t in stats.tiers if t.name == "cpu")
             assert cpu.swap_ins > 0
-        llm.engine.runner.close()
+        llm.engine.executor.close()
 
 
 @pytest.mark.timeout(900)
@@ -165,7 +165,7 @@ def test_two_ranks_fp8_kv_cache(tmp_path: Path) -> None:
     assert greedy(swap, prompts) == expected
     assert swap.engine.kv_scales == one.engine.kv_scales
     assert swap.engine.get_stats().num_preemptions > 0
-    swap.engine.runner.close()
+    swap.engine.executor.close()
     disk = str(tmp_path / "disk")
     for run in ("write", "restart"):
         llm = LLM(str(path), tensor_parallel_size=2, num_cpu_blocks=64, disk_dir=disk, **fp8)

@@ -1,9 +1,9 @@
 """Tensor parallelism's NCCL path on one GPU: a one-rank ProcessGroupNCCL runs the parallel
 layers (vocab-parallel embedding, column/row-parallel attention and MLP, the vocab all-gather),
 every collective going through NCCL. The engine normally takes the single-process path at N = 1;
-here the executor is built anyway. Its greedy tokens and logprobs must equal the single-process
-engine's (float32, eager on both sides: one rank's all-reduce is the identity, so any difference
-is the parallel path's own). Several GPUs are needed for N > 1, which this does not cover."""
+here the multiprocess executor is built anyway. Its greedy tokens and logprobs must equal the
+single-process engine's (float32, eager on both sides: one rank's all-reduce is the identity, so
+any difference is the parallel path's own). Several GPUs are needed for N > 1, which this does not cover."""
 
 from __future__ import annotations
 
@@ -21,8 +21,9 @@ pytestmark = [
 
 import engine.core.engine_core as engine_core  # noqa: E402
 from engine import LLM, SamplingParams  # noqa: E402
+from engine.executor import UniProcExecutor  # noqa: E402
+from engine.executor.multiproc import MultiprocExecutor  # noqa: E402
 from engine.testing.tiny_models import build_tiny_llama, build_tiny_qwen2  # noqa: E402
-from engine.worker.parallel.executor import TPExecutor  # noqa: E402
 from engine.worker.parallel.group import TPGroup  # noqa: E402
 from tests.gpu.test_engine_gpu import shared_prefix_prompts  # noqa: E402
 
@@ -58,7 +59,7 @@ def test_one_rank_nccl_matches_single_process(
     path = Path(builder(tmp_path, hidden_size=256, num_attention_heads=4))  # type: ignore[operator]
     prompts = shared_prefix_prompts(500)[:10]
     want_tokens, want_logprobs, plain = _run(path, prompts)
-    assert plain.engine.tp is None
+    assert isinstance(plain.engine.executor, UniProcExecutor)
     plain.engine.close()
 
     calls = {"all_reduce": 0, "gather_vocab": 0}
@@ -74,10 +75,10 @@ def test_one_rank_nccl_matches_single_process(
 
     monkeypatch.setattr(TPGroup, "all_reduce", all_reduce)
     monkeypatch.setattr(TPGroup, "gather_vocab", gather_vocab)
-    monkeypatch.setattr(engine_core, "tp_executor", TPExecutor)
+    monkeypatch.setattr(engine_core, "make_executor", MultiprocExecutor)
     tokens, logprobs, llm = _run(path, prompts)
-    tp = llm.engine.tp
-    assert tp is not None and tp.world == 1 and not tp.procs
+    tp = llm.engine.executor
+    assert isinstance(tp, MultiprocExecutor) and tp.world == 1 and not tp.procs
     assert isinstance(tp.group.pg, dist.ProcessGroupNCCL)
     assert calls["all_reduce"] > 0 and calls["gather_vocab"] > 0, calls
     llm.engine.close()

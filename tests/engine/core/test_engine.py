@@ -10,13 +10,13 @@ import pytest
 
 from engine import LLM, SamplingParams
 from engine.config import EngineConfig
+from engine.core.engine_core import EngineCore
 from engine.errors import StreamOverflowError
 from engine.frontend.async_engine import AsyncEngine
-from engine.frontend.llm_engine import LLMEngine
 from tests.support.waiting import wait_until
 
 
-def all_free(llm_engine: LLMEngine) -> None:
+def all_free(llm_engine: EngineCore) -> None:
     kv = llm_engine.kv
     kv.check_integrity()
     assert kv.num_free_blocks == kv.num_blocks, "blocks leaked"

@@ -12,10 +12,10 @@ from typing import Any
 import pytest
 
 from engine import LLM, SamplingParams
-from engine.core.scheduler import SchedulerOutput
 from engine.frontend.llm_engine import LLMEngine
 from engine.kv.hashing import hash_blocks
 from engine.outputs import RequestOutput
+from engine.worker.step_record import StepRecord
 
 BS = 16
 MAX_TOKENS = 6
@@ -37,7 +37,7 @@ def count_computed(llm: LLM) -> list[int]:
     runner = llm.engine.runner
     launch = runner.launch
 
-    def counted(sched: SchedulerOutput, *args: Any) -> Any:
+    def counted(sched: StepRecord, *args: Any) -> Any:
         box[0] += sched.num_tokens
         return launch(sched, *args)
 

@@ -389,7 +389,7 @@ def test_engine_close_stops_the_grammar_and_mask_workers(tiny_llama_path: Path) 
     llm = LLM(str(tiny_llama_path), num_device_blocks=64)
     fmt = ResponseFormat.choice(["yes", "no"])
     llm.generate("x", SamplingParams(temperature=0.0, max_tokens=4, response_format=fmt))
-    executors = [llm.engine.grammars._executor, llm.engine.runner.masks._executor]
+    executors = [llm.engine.grammars._executor, llm.engine.records.masks._executor]
     assert all(e is not None for e in executors)
     workers = [t for e in executors for t in e._threads]  # type: ignore[union-attr]
     assert len(workers) == 2 and all(t.is_alive() for t in workers)
@@ -397,4 +397,4 @@ def test_engine_close_stops_the_grammar_and_mask_workers(tiny_llama_path: Path) 
     for t in workers:
         t.join(timeout=10)
         assert not t.is_alive()
-    assert llm.engine.grammars._executor is None and llm.engine.runner.masks._executor is None
+    assert llm.engine.grammars._executor is None and llm.engine.records.masks._executor is None

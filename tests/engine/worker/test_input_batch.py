@@ -54,7 +54,10 @@ def test_matches_reference_across_steps_and_growth() -> None:
     batch = InputBatch(BS, torch.device("cpu"))
     for step in range(60):
         items, tables = _random_step(rng, decode_only=step % 3 == 0)
-        got = batch.build(items, tables)  # type: ignore[arg-type]
+        seqs = [i.seq for i in items]
+        starts = [i.start for i in items]
+        qlens = [i.num_new_tokens for i in items]
+        got = batch.build(seqs, starts, qlens, tables)  # type: ignore[arg-type]
         ref = _reference(items, tables)
         meta = got.meta
         assert got.input_ids.tolist() == ref["ids"]

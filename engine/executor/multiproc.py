@@ -1,9 +1,9 @@
-"""Rank 0's side of tensor parallelism (vLLM V1's multiprocess executor, reduced): starts ranks
-1..N-1 as worker processes, joins their group, sends each step, and watches them.
+"""Tensor parallelism's executor (vLLM V1's multiprocess executor, reduced): starts ranks 1..N-1
+as worker processes, joins their group with rank 0's own worker, sends each step, and watches them.
 
-The scheduler and the KV manager stay single, in the engine core; rank 0's model runner runs in
-the core's thread as with N=1 and calls `send_step` before each forward, so every rank runs the
-same forward over its own heads and block ids are the same on every rank. A worker that dies
+The scheduler and the KV manager stay single, in the engine core; rank 0's worker runs in the
+core's thread as with N=1 and its runner calls `send_step` before each forward, so every rank runs
+the same forward over its own heads and block ids are the same on every rank. A worker that dies
 marks the executor failed (the next step raises instead of waiting) and calls `on_death` within
 WATCH_INTERVAL_S; the engine-core process sets it to exit, which the API server already treats
 as a dead engine (health NOT_SERVING, open streams fail, `deja serve` exits 1).
@@ -31,13 +31,28 @@ from typing import Any
 import torch
 
 from engine.config import EngineConfig
+from engine.executor.base import Executor
 from engine.kv.hashing import BlockHash
 from engine.kv.plan import KVPlan
 from engine.kv_io.offload import DiskOp, KVOffload
 from engine.worker.attention.kv_quant import KVScales
+from engine.worker.model_loader import read_hf_config
+from engine.worker.model_runner import StepHandle
 from engine.worker.parallel.group import TPGroup, check_shapes, init_group
-from engine.worker.parallel.step import StepBatch, StepMessage
-from engine.worker.parallel.worker import WorkerSpec
+from engine.worker.parallel.messages import (
+    Allocate,
+    Calibrate,
+    DiskOps,
+    Failed,
+    Probe,
+    Probed,
+    Step,
+    StepBatch,
+    Stop,
+    WorkerSpec,
+)
+from engine.worker.step_record import StepRecord
+from engine.worker.worker import Worker, rank_device
 
 log = logging.getLogger("deja.tp")
 
@@ -52,7 +67,7 @@ def _spawn(spec: WorkerSpec) -> tuple[subprocess.Popen[bytes], Connection]:
     NOTE: a subprocess, not multiprocessing: the engine core is itself a daemonic
     multiprocessing child, and those may not start children of their own."""
     mine, theirs = socket.socketpair()
-    root = str(Path(__file__).resolve().parents[3])
+    root = str(Path(__file__).resolve().parents[2])
     env = {
         **os.environ,
         "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])),
@@ -73,7 +88,7 @@ killed."""
 def _stop(procs: list[subprocess.Popen[bytes]], conns: list[Connection], store_dir: str) -> None:
     for conn in conns:
         with contextlib.suppress(Exception):
-            conn.send_bytes(pickle.dumps(("stop",)))
+            conn.send_bytes(pickle.dumps(Stop()))
         with contextlib.suppress(Exception):
             conn.close()
     deadline = time.monotonic() + STOP_WAIT_S
@@ -86,13 +101,15 @@ def _stop(procs: list[subprocess.Popen[bytes]], conns: list[Connection], store_d
     shutil.rmtree(store_dir, ignore_errors=True)
 
 
-class TPExecutor:
-    """Ranks 1..N-1 of one engine, and rank 0's group."""
+class MultiprocExecutor(Executor):
+    """Ranks 1..N-1 in worker processes, rank 0's worker (`driver`) here; one group."""
 
-    def __init__(self, config: EngineConfig, hf_config: Any, device: torch.device) -> None:
+    def __init__(self, config: EngineConfig) -> None:
         from engine.worker.models import get_model_class
 
         world = config.tensor_parallel_size
+        hf_config = read_hf_config(config.model.path)
+        device = rank_device(config.device, 0)
         cls = get_model_class(hf_config)
         check_shapes(hf_config, world, cls.supports_tensor_parallel, cls.__name__)
         if device.type == "cuda" and torch.cuda.device_count() < world:
@@ -104,8 +121,6 @@ class TPExecutor:
         torch.set_num_threads(threads)
         self.world = world
         self.failed: str | None = None
-        self.on_death: Callable[[str], None] | None = None
-        """Called once, from the watch thread, with the message of a worker's death."""
         self._closing = False
         self._store_dir = tempfile.mkdtemp(prefix="deja-tp-")
         store = os.path.join(self._store_dir, "store")
@@ -113,30 +128,39 @@ class TPExecutor:
         self.conns: list[Connection] = []
         self._finalizer = weakref.finalize(self, _stop, self.procs, self.conns, self._store_dir)
         for rank in range(1, world):
-            spec = WorkerSpec(config, rank, world, store, device.type, threads, os.getpid())
+            spec = WorkerSpec(config, rank, world, store, threads, os.getpid())
             proc, conn = _spawn(spec)
             self.procs.append(proc)
             self.conns.append(conn)
         self.group: TPGroup = init_group(0, world, store, device)
         self._disk_ops: list[DiskOp] | None = None
         """Rank 0's offload's record of disk writes and deletes (the same list)."""
+        self.driver = Worker(config, self.group)
 
     @property
     def pids(self) -> list[int]:
         """The worker processes' ids (ranks 1..N-1)."""
         return [p.pid for p in self.procs]
 
-    def calibrate(self, prompts: list[list[int]]) -> None:
+    def launch(self, record: StepRecord, in_flight: StepHandle | None = None) -> StepHandle:
+        """Rank 0's runner sends the step to the workers before its own forward."""
+        return self.runner.launch(record, in_flight, self.send_step)
+
+    @property
+    def peers_calibrate(self) -> Callable[[list[list[int]]], None]:
+        return self._calibrate
+
+    def _calibrate(self, prompts: list[list[int]]) -> None:
         """Starts the fp8 KV-scale calibration pass on the workers (engine/worker/
         kv_calibration.py); rank 0 then runs its own, and the passes meet in their collectives."""
-        self._send(("calibrate", prompts))
+        self._send(Calibrate(prompts))
 
-    def allocate(
+    def allocate_followers(
         self,
         num_device_blocks: int,
         num_cpu_blocks: int,
-        offload: KVOffload | None = None,
-        kv_scales: KVScales | None = None,
+        offload: KVOffload | None,
+        kv_scales: KVScales | None,
     ) -> None:
         """Tells the workers the pool sizes, the fp8 cache's scales (None: the model's dtype)
         and rank 0's disk manifest (each worker opens its own folder), waits until every one has
@@ -147,7 +171,7 @@ class TPExecutor:
             offload.disk.peers_probe = self.probe
             self._disk_ops = offload.disk_ops
         scales = None if kv_scales is None else kv_scales.to_json()
-        msg = pickle.dumps(("alloc", num_device_blocks, num_cpu_blocks, manifest, scales))
+        msg = pickle.dumps(Allocate(num_device_blocks, num_cpu_blocks, manifest, scales))
         for conn in self.conns:
             conn.send_bytes(msg)
         deadline = time.monotonic() + READY_TIMEOUT_S
@@ -158,22 +182,22 @@ class TPExecutor:
                         f"tensor-parallel rank {rank} did not start (exit {proc.poll()})"
                     )
             reply = pickle.loads(conn.recv_bytes())
-            if reply[0] != "ready":
-                raise RuntimeError(f"tensor-parallel worker failed to start: {reply[1]}")
+            if isinstance(reply, Failed):
+                raise RuntimeError(f"tensor-parallel worker failed to start: {reply.message}")
         threading.Thread(target=self._watch, name="deja-tp-watch", daemon=True).start()
 
     def send_step(self, plan: KVPlan, batch: StepBatch | None, logit_rows: list[int]) -> None:
         """Sends one step to every worker (before rank 0's own forward)."""
-        self._send(("step", StepMessage(plan, batch, logit_rows)))
+        self._send(Step(plan, batch, logit_rows))
 
-    def _send(self, msg: tuple[Any, ...]) -> None:
+    def _send(self, msg: Any) -> None:
         """To every worker, after the disk writes and deletes recorded since the last message
         (so a worker repeats them between the same two steps as rank 0)."""
         if self.failed is not None:
             raise RuntimeError(self.failed)
-        data = [pickle.dumps(msg, pickle.HIGHEST_PROTOCOL)]
+        data = [] if msg is None else [pickle.dumps(msg, pickle.HIGHEST_PROTOCOL)]
         if self._disk_ops:
-            data.insert(0, pickle.dumps(("disk", list(self._disk_ops))))
+            data.insert(0, pickle.dumps(DiskOps(list(self._disk_ops))))
             self._disk_ops.clear()
         try:
             for conn in self.conns:
@@ -185,13 +209,14 @@ class TPExecutor:
     def probe(self, block_hash: BlockHash) -> bool:
         """Whether every worker holds its share of the block on disk (verified into its read
         buffer for this step's load); rank 0's disk files ask before counting a hit."""
-        self._send(("probe", block_hash))
+        self._send(Probe(block_hash))
         found = True
         for rank, (proc, conn) in enumerate(zip(self.procs, self.conns, strict=True), 1):
             while not conn.poll(WATCH_INTERVAL_S):
                 if proc.poll() is not None or self.failed is not None:
                     raise RuntimeError(self.failed or f"tensor-parallel rank {rank} exited")
-            found = pickle.loads(conn.recv_bytes())[1] and found
+            reply: Probed = pickle.loads(conn.recv_bytes())
+            found = reply.found and found
         return found
 
     def _dead(self) -> str | None:
@@ -227,17 +252,11 @@ class TPExecutor:
             time.sleep(WATCH_INTERVAL_S / 4)
 
     def close(self) -> None:
-        """Stops the workers (they flush their disk writes; killed after STOP_WAIT_S)."""
+        """Stops rank 0's helpers, then the workers (they flush their disk writes; killed after
+        STOP_WAIT_S)."""
+        self.driver.close()
         self._closing = True
         if self._disk_ops and self.failed is None:
             with contextlib.suppress(Exception):
-                self._send(("disk-only",))
+                self._send(None)  # the last disk ops alone
         self._finalizer()
-
-
-def tp_executor(config: EngineConfig, hf_config: Any, device: torch.device) -> TPExecutor | None:
-    """Ranks 1..N-1 and rank 0's group under tensor parallelism; None when N = 1 (the
-    single-process path: no group, no collectives)."""
-    if config.tensor_parallel_size == 1:
-        return None
-    return TPExecutor(config, hf_config, device)
