@@ -34,7 +34,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def peak_blocks(llm: Any, prompt: list[int], params: Any) -> tuple[int, float, Any]:
     """(peak blocks in use after any scheduling decision, seconds, output) of one request."""
-    eng = llm.engine
+    eng = llm.engine.core
     schedule = eng.scheduler.schedule
     peak = 0
 

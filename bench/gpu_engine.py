@@ -96,7 +96,7 @@ def run_deja(
     torch.cuda.synchronize()
     seconds = time.perf_counter() - start
     tokens = [list(o.token_ids) for o in outs]
-    graphs = llm.engine.runner.graphs
+    graphs = llm.engine.core.runner.graphs
     capture = (
         {"capture_s": graphs.capture_seconds, "capture_mib": graphs.capture_bytes / 2**20}
         if graphs is not None

@@ -104,7 +104,7 @@ def teacher_forced(llm: Any, seqs: list[list[int]], starts: list[int]) -> Any:
 
     from engine.worker.kv_calibration import prefill_meta
 
-    eng = llm.engine
+    eng = llm.engine.core
     kv = eng.runner.kv_cache  # [L, 2, NB, BS, Hkv, D]
     bs = kv.shape[3]
     lengths = [len(s) for s in seqs]
@@ -202,7 +202,7 @@ def run(args: argparse.Namespace) -> int:
             seqs = [p + o.token_ids for p, o in zip(prompts, outputs[kv], strict=True)]
             starts = [len(p) for p in prompts]
         forced[kv] = teacher_forced(llm, seqs, starts)
-        eng = llm.engine
+        eng = llm.engine.core
         engines[kv] = {
             "kv_dtype": str(eng.runner.kv_cache.dtype),
             "block_bytes": eng.block_bytes,

@@ -140,8 +140,8 @@ def run_ours(
     cached = sum(o.num_cached_tokens for o in outs)
     name = "deja (ours)"
     if disk_dir is not None:
-        assert llm.engine.tiers is not None
-        counts = llm.engine.tiers.counters
+        assert llm.engine.core.tiers is not None
+        counts = llm.engine.core.tiers.counters
         name = (
             f"deja (ours) + disk write-through ({counts.disk_writes} blocks queued, "
             f"{counts.dropped_writes} dropped)"

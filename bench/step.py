@@ -182,8 +182,11 @@ class _TimedCall:
 
 
 def _instrument(engine: Any, clock: _PhaseClock) -> None:
-    runner = engine.runner
-    clock.wrap(engine.scheduler, "schedule", "schedule")
+    core = getattr(engine, "core", engine)  # older trees: the engine is the core
+    runner = core.runner
+    clock.wrap(core.scheduler, "schedule", "schedule")
+    if hasattr(core, "records"):  # the step's record for the workers
+        clock.wrap(core.records, "build", "prepare")
     if hasattr(runner, "inputs"):
         clock.wrap(runner.inputs, "build", "prepare")
     for attr in ("apply_plan", "_build_batch", "_sampling_plan"):  # _build_batch: older runners
@@ -241,12 +244,13 @@ class StepProbe:
         )
         for _ in range(batch):
             engine.add_request(common.random_prompt(rng, ids, args.prompt_len), params)
-        while any(not r.seqs or not r.seqs[0].output_token_ids for r in engine.requests.values()):
+        core = getattr(engine, "core", engine)
+        while any(not r.seqs or not r.seqs[0].output_token_ids for r in core.requests.values()):
             engine.step()  # prefill
         for _ in range(args.warmup):
             engine.step()
         freeze_gc_heap()  # as the engine-core process does once its engine is up
-        self.clock = _PhaseClock(cuda=engine.device.type == "cuda")
+        self.clock = _PhaseClock(cuda=core.device.type == "cuda")
         _instrument(engine, self.clock)
         self.samples: list[dict[str, float]] = []
         """Seconds per phase (plus "step" and "device") of every timed step so far."""

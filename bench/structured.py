@@ -72,7 +72,7 @@ def run(args: argparse.Namespace) -> int:
 
     # Compile time on a fresh compiler (the engine's stays untouched until the measured run).
     pool = GrammarCompilerPool(
-        llm.tokenizer, llm.engine.vocab_size, llm.engine.model_info.eos_token_ids
+        llm.tokenizer, llm.engine.core.vocab_size, llm.engine.model_info.eos_token_ids
     )
     t0 = time.perf_counter()
     pool.submit(fmt).result()
@@ -98,7 +98,7 @@ def run(args: argparse.Namespace) -> int:
     # Warm-up: every prompt prefilled once, so both measured runs find the same cached prefixes;
     # the engine's grammar compiled and its mask worker started (steady state is measured).
     llm.generate(ids, SamplingParams(temperature=0.0, max_tokens=2))
-    llm.engine.grammars.submit(fmt).result()
+    llm.engine.core.grammars.submit(fmt).result()
     llm.generate(ids[:2], SamplingParams(temperature=0.0, max_tokens=4, response_format=fmt))
 
     def timed(params: Any) -> tuple[dict[str, float], list[int]]:

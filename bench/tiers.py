@@ -131,7 +131,7 @@ def run_ttft(
     warm = common.random_prompt(rng, ids, 64)
     tiered.generate([warm], params)
     recompute.generate([warm], params)
-    store = tiered.engine.offload
+    store = tiered.engine.core.offload
 
     def measure(llm: Any, prompt: list[int], tier: str) -> TierSample:
         out = llm.generate([prompt], params)[0]
@@ -348,7 +348,7 @@ def run_multiturn(
 def _count_computed(llm: Any) -> list[int]:
     """Wraps the runner so that box[0] counts the tokens the forward passes compute."""
     box = [0]
-    runner = llm.engine.runner
+    runner = llm.engine.core.runner
     name = "launch" if hasattr(runner, "launch") else "execute"  # execute: older runners
     run_step = getattr(runner, name)
 

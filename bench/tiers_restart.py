@@ -44,7 +44,7 @@ def tier_llm(model_path: str, args: argparse.Namespace, **cfg: Any) -> Any:
 def _fetch_clock(llm: Any) -> list[float]:
     """Wraps the engine's disk probes and plan application; box[0] sums their seconds."""
     box = [0.0]
-    runner = llm.engine.runner
+    runner = llm.engine.core.runner
     apply = runner.apply_plan
 
     def timed_apply(plan: Any) -> None:
@@ -53,7 +53,7 @@ def _fetch_clock(llm: Any) -> list[float]:
         box[0] += time.perf_counter() - t0
 
     runner.apply_plan = timed_apply
-    store = llm.engine.offload
+    store = llm.engine.core.offload
     if store is not None and store.disk is not None:
         probe = store.disk.probe
 
@@ -155,7 +155,7 @@ def run_restart(
                 _ttft(e, common.random_prompt(rng, ids, 16))
                 disk.append(_ttft(e, request(), clock))
                 if r == 0:
-                    store = e.engine.offload
+                    store = e.engine.core.offload
                     hashes = list(store.disk_index.entries)[-(plen // BS) :]
                     speed = load_speed(store.disk, hashes)
                 _drop(e)
@@ -163,7 +163,7 @@ def run_restart(
                     model_path, args, num_cpu_blocks=blocks, warm_start_blocks=blocks, **shared
                 )
                 t0 = time.perf_counter()
-                e.engine.load_warm_start(timeout_s=300)
+                e.engine.core.load_warm_start(timeout_s=300)
                 warm_s.append(time.perf_counter() - t0)
                 clock = _fetch_clock(e)
                 _ttft(e, common.random_prompt(rng, ids, 16))

@@ -68,17 +68,17 @@ def child(args: argparse.Namespace) -> int:
     prompts = [[(7 * i + j) % 500 + 10 for j in range(64 + 16 * i)] for i in range(4)]
     outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True))
     eng = llm.engine
-    weights = sum(t.numel() * t.element_size() for t in eng.model.state_dict().values())
-    packed = [getattr(m, "weight_packed", None) for m in eng.model.modules()]
+    weights = sum(t.numel() * t.element_size() for t in eng.core.model.state_dict().values())
+    packed = [getattr(m, "weight_packed", None) for m in eng.core.model.modules()]
     weights += sum(int(t.numel()) * t.element_size() for t in packed if t is not None)
-    kv = eng.runner.kv_cache.numel() * eng.runner.kv_cache.element_size()
+    kv = eng.core.runner.kv_cache.numel() * eng.core.runner.kv_cache.element_size()
     ranks: list[dict[str, int]] = [{"rank": 0, "peak_kib": _kib("self", "VmHWM")}]
-    if eng.executor.world > 1:
+    if eng.core.executor.world > 1:
         ranks += [
             {"rank": r, "peak_kib": _kib(pid, "VmHWM")}
-            for r, pid in enumerate(eng.executor.pids, 1)
+            for r, pid in enumerate(eng.core.executor.pids, 1)
         ]
-        eng.executor.close()
+        eng.core.executor.close()
     print(json.dumps({"weights": weights, "kv": kv, "ranks": ranks,
                       "tokens": [o.token_ids for o in outs]}))  # fmt: skip
     return 0

@@ -62,7 +62,7 @@ def measure(path: str, args: argparse.Namespace) -> dict[str, Any]:
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
     engine = llm.engine
     engine.add_request(prompt, params)
-    pool = engine.kv.pool
+    pool = engine.core.kv.pool
     peaks = {"prefill": 0, "decode": 0}
     tokens: list[int] = []
     while engine.has_unfinished_requests():
@@ -75,7 +75,7 @@ def measure(path: str, args: argparse.Namespace) -> dict[str, Any]:
     return {
         "peak_blocks_prefill": peaks["prefill"],
         "peak_blocks_decode": peaks["decode"],
-        "kv_window": engine.kv.sliding_window,
+        "kv_window": engine.core.kv.sliding_window,
         "output_tokens": len(tokens),
     }
 

@@ -61,9 +61,9 @@ def measure(model_path: str, *, num_threads: int = 1) -> dict[str, Any]:
     for b, ctx in ((1, 64), (8, 64), (32, 64), (8, 1024)):
         for _ in range(b):
             eng.add_request(_prompt(rng, ctx), SamplingParams(max_tokens=8, ignore_eos=True))
-        while any(s.num_computed_tokens < s.num_prompt_tokens for s in eng.scheduler.running) or (
-            eng.scheduler.waiting
-        ):
+        while any(
+            s.num_computed_tokens < s.num_prompt_tokens for s in eng.core.scheduler.running
+        ) or (eng.core.scheduler.waiting):
             eng.step()
         for _ in range(4):
             rows.append((0, b, b * ctx, timed_step()))

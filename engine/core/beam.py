@@ -24,12 +24,9 @@ Scores are float32, divided as transformers divides them (a float32 by a float32
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Generic, Protocol, TypeVar
 
 import numpy as np
-
-if TYPE_CHECKING:
-    from engine.core.sequence import Sequence
 
 
 @dataclass(slots=True)
@@ -47,11 +44,21 @@ class Hypothesis:
     """The stop token id that ended it, when it is not an EOS."""
 
 
+class Beam(Protocol):
+    """A running beam, as the search reads it (engine/core/sequence.py's Sequence)."""
+
+    @property
+    def output_token_ids(self) -> list[int]: ...
+
+
+B = TypeVar("B", bound=Beam)
+
+
 @dataclass(slots=True)
-class Candidate:
+class Candidate(Generic[B]):
     """One continuation of a running beam, as the worker ranked it."""
 
-    parent: Sequence
+    parent: B
     token_id: int
     cumulative_logprob: float
     """The parent's cumulative logprob plus this token's (float32)."""
@@ -90,7 +97,7 @@ class BeamGroup:
         denom = np.float32(float(length) ** self.length_penalty)
         return float(np.float32(cumulative_logprob) / denom)
 
-    def select(self, candidates: list[Candidate], num_generated: int) -> list[Candidate]:
+    def select(self, candidates: list[Candidate[B]], num_generated: int) -> list[Candidate[B]]:
         """One step: `candidates` are the K best continuations, best first, of running beams
         that have generated `num_generated` tokens. Returns the next running beams (best first);
         sets `done` when the search ends."""

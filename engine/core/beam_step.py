@@ -13,8 +13,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 from engine.core.beam import BeamGroup, Candidate
-from engine.core.scheduler import Scheduler
-from engine.core.sequence import Request, SeqStatus, Sequence
+from engine.core.sequence import Request, SeqStatus, Sequence, SequenceQueues
 from engine.sample.beam import BeamCandidate
 
 
@@ -35,7 +34,7 @@ def advance_beams(
     req: Request,
     beams: list[Sequence],
     ranked: list[BeamCandidate],
-    scheduler: Scheduler,
+    scheduler: SequenceQueues,
     seq_ids: Iterator[int],
 ) -> None:
     """One step of the request's search, given its running `beams` and their ranked candidates."""
@@ -75,7 +74,7 @@ def advance_beams(
     req.forked = True
 
 
-def end_beams(req: Request, scheduler: Scheduler, reason: str | None) -> None:
+def end_beams(req: Request, scheduler: SequenceQueues, reason: str | None) -> None:
     """The search is over (reason None) or failed: every running beam frees its blocks."""
     assert req.beam is not None
     for seq in req.seqs:
@@ -85,7 +84,7 @@ def end_beams(req: Request, scheduler: Scheduler, reason: str | None) -> None:
     req.beam.done = True
 
 
-def fail_beam_groups(failed: list[tuple[Sequence, str]], scheduler: Scheduler) -> None:
+def fail_beam_groups(failed: list[tuple[Sequence, str]], scheduler: SequenceQueues) -> None:
     """A beam that failed (already finished with "error") fails its whole group."""
     for seq, _ in failed:
         if seq.request.beam is not None and not seq.request.beam.done:

@@ -9,14 +9,30 @@ lower tiers are not consulted, since a lookup there holds a reference until the 
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
+from engine.config import EngineConfig
+from engine.core.scheduler import Scheduler
+from engine.core.sequence import Sequence
+from engine.core.step_rates import StepRates
+from engine.kv.manager import KVCacheManager
+from engine.kv.tiers import TieredCache
 from engine.stats import EngineStats, TierStats
 
-if TYPE_CHECKING:
-    from engine.core.engine_core import EngineCore
-    from engine.core.sequence import Sequence
-    from engine.kv.manager import KVCacheManager
+
+class StatsSource(Protocol):
+    """What the figures are read from (the EngineCore)."""
+
+    config: EngineConfig
+    kv: KVCacheManager
+    tiers: TieredCache | None
+    block_bytes: int
+    scheduler: Scheduler
+    step_rates: StepRates
+    grammars: Any
+
+    @property
+    def offload(self) -> Any: ...
 
 
 def uncached_waiting_tokens(kv: KVCacheManager, seq: Sequence) -> int:
@@ -33,7 +49,7 @@ def uncached_waiting_tokens(kv: KVCacheManager, seq: Sequence) -> int:
     return todo - hit
 
 
-def engine_stats(core: EngineCore) -> EngineStats:
+def engine_stats(core: StatsSource) -> EngineStats:
     kv = core.kv
     in_use = kv.pool.num_used
     c = kv.counters

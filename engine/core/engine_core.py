@@ -13,10 +13,10 @@ tokenization on top.
 
 from __future__ import annotations
 
-import itertools
 import logging
 import time
 from concurrent.futures import FIRST_COMPLETED, Future, wait
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -33,10 +33,9 @@ from engine.core.builders import (
 from engine.core.core_stats import engine_stats
 from engine.core.output_processor import OutputProcessor
 from engine.core.scheduler import Scheduler
-from engine.core.sequence import Request, SeqStatus, Sequence
+from engine.core.sequence import Request, SeqStatus
 from engine.core.step_rates import StepRates
-from engine.core.step_records import StepRecords
-from engine.core.step_update import LaunchedStep, StepUpdate
+from engine.core.step_records import RecordedStep, StepRecords
 from engine.executor import make_executor
 from engine.kv.events import (
     AllBlocksCleared,
@@ -55,57 +54,67 @@ from engine.worker.attention import AttentionBackend
 from engine.worker.attention.kv_quant import FP8_DTYPE, KVScales
 from engine.worker.kv_calibration import KVCalibration, KVScaleSources, resolve_kv_scales
 from engine.worker.model_loader import eos_token_ids, load_tokenizer, model_fingerprint
-from engine.worker.model_runner import ModelRunner
+from engine.worker.model_runner import ModelRunner, StepHandle
 
 logger = logging.getLogger(__name__)
 
 
-class EngineCore(StepUpdate):
-    """One engine: its executor (the workers, rank 0 in this process), the KV cache manager and
-    tiers' bookkeeping, the scheduler; queues requests and steps."""
+@dataclass(slots=True, eq=False)
+class LaunchedStep:
+    """A step the executor launched and the scheduler advanced, until its output is applied."""
+
+    handle: StepHandle
+    step: RecordedStep
+    """Its record, and who owns its rows."""
+    scheduled_at: float
+    counts: tuple[int, int]
+    """(prefill tokens, decode sequences): the step rates' sample, taken when it completes."""
+
+
+class EngineCore:
+    """One engine, composed of
+
+    - `executor`: the workers (engine/executor/), rank 0's in this process;
+    - `kv`, the KV cache manager, and `tiers`, the CPU and disk tiers' bookkeeping (their
+      tensors and files are rank 0's worker's);
+    - `scheduler`: decides each step and applies its output (engine/core/scheduler.py);
+    - `outputs`: every sample's output state, stop checks and stream deltas;
+    - `grammars`: structured outputs' compiles, off the step loop, cached per spec;
+    - `records`: each step's plain record for the workers (engine/core/step_records.py);
+    - `step_rates`: the measured prefill rate and decode cost, for the router's cost policy.
+
+    It queues prepared requests (`enqueue`) and steps (`step`), in one thread."""
 
     def __init__(self, config: EngineConfig) -> None:
         self.config = config = resolve_config(config)
         self.executor = make_executor(config)  # every rank loads its shard of the model
         worker = self.executor.driver
-        hf_config = worker.shape.hf_config
+        hf_config, vocab = worker.shape.hf_config, worker.shape.vocab_size
         self.max_model_len = max_model_len(config.model, hf_config)
         self.tokenizer = load_tokenizer(config.model.path)
         eos = eos_token_ids(config.model.path, hf_config, self.tokenizer)
         self.block_bytes = worker.block_bytes
         self.model_info = model_info(config, worker, self.tokenizer, eos, self.max_model_len)
-        self.kv_events = kv_event_buffer(config.cache)
-        """Which hashes each tier started or stopped holding since `take_kv_events`."""
-        self.kv_scales = self._kv_scales()
-        """Per-layer K and V scales of an fp8 cache (checkpoint, disk manifest or calibrated)."""
-        self.tiers: TieredCache | None = None
-        self._allocate_kv_cache(eos)
-        self.kv = kv_cache_manager(
-            config.cache, self.model_info, hf_config, self.tiers, self.kv_events
+        self.kv_events = kv_event_buffer(config.cache)  # what each tier began or ceased to hold
+        self.kv_scales = self._kv_scales()  # an fp8 cache's: checkpoint, disk or calibrated
+        self.tiers = self._allocate_kv_cache(eos)
+        cc = config.cache
+        self.kv = kv_cache_manager(cc, self.model_info, hf_config, self.tiers, self.kv_events)
+        self.grammars = GrammarCompilerPool(self.tokenizer, vocab, eos)
+        matcher = self.grammars.new_matcher
+        self.outputs = OutputProcessor(
+            self.tokenizer, eos, self.max_model_len, cc.block_size, matcher
         )
-        swap = self.tiers if config.cache.preemption_mode == "swap" else None
-        self.scheduler = Scheduler(config.scheduler, self.kv, swap=swap)
+        swap = cc.preemption_mode == "swap"
+        self.scheduler = Scheduler(config.scheduler, self.kv, self.outputs, self.tiers, swap)
+        self.records = StepRecords(vocab, config.device)
         self.step_rates = StepRates()
-        """Measured prefill rate and decode cost, published for the router's cost policy."""
-        self.grammars = GrammarCompilerPool(self.tokenizer, worker.shape.vocab_size, eos)
-        self.records = StepRecords(worker.shape.vocab_size, config.device)
-        """Each step's plain record for the workers (engine/core/step_records.py)."""
-        """Structured outputs: compiles response formats off the step loop, cached per spec."""
-        self._grammar_waits: dict[str, tuple[Request, Future[Any]]] = {}
-        """Queued requests whose grammar is compiling."""
-        self.outputs = OutputProcessor(self.tokenizer, eos, self.max_model_len)
-        """Stop checks and stream deltas (engine/core/output_processor.py)."""
         self.requests: dict[str, Request] = {}
-        self._seq_ids = itertools.count()
-        self._touched: dict[str, Request] = {}
-        """Requests with news since the last step's outputs were built."""
+        self._grammar_waits: dict[str, tuple[Request, Future[Any]]] = {}  # still compiling
         self._kv_batches = 0
-        self._trimmer = HostMemoryTrimmer()
-        """Gives freed host memory (disk-tier payloads) back to the OS between steps."""
+        self._trimmer = HostMemoryTrimmer()  # frees host memory (disk payloads) between steps
         self.async_scheduling = config.async_scheduling and self.executor.world == 1
-        """Leave a step's results in flight while the next one is scheduled (`step`)."""
-        self._in_flight: LaunchedStep | None = None
-        """The step launched and advanced whose sampled ids are not yet processed."""
+        self._in_flight: LaunchedStep | None = None  # launched; its sampled ids not yet read
 
     def _kv_scales(self) -> KVScales | None:
         """An fp8 cache's scales: the checkpoint's, the disk tier's, or a calibration pass
@@ -126,7 +135,7 @@ class EngineCore(StepUpdate):
     def _fingerprint(self) -> str | None:
         return model_fingerprint(self.config.model.path) if self.config.cache.disk_dir else None
 
-    def _allocate_kv_cache(self, eos: tuple[int, ...]) -> None:
+    def _allocate_kv_cache(self, eos: tuple[int, ...]) -> TieredCache | None:
         """Every rank's device cache, rank 0's CPU and disk tiers (and their bookkeeping,
         `tiers`), the other ranks' tiers as rank 0's, then rank 0's runner."""
         worker = self.executor.driver
@@ -142,11 +151,13 @@ class EngineCore(StepUpdate):
             events=self.kv_events,
             tp=worker.tp_share,
         )
+        tiers = None
         if built is not None:
-            self.tiers, worker.offload = built
+            tiers, worker.offload = built
         cpu_blocks = 0 if worker.offload is None else worker.offload.cpu_cache.shape[2]
         self.executor.allocate_followers(num_blocks, cpu_blocks, worker.offload, self.kv_scales)
         worker.init_runner(eos, self.max_model_len)
+        return tiers
 
     # -- what the workers hold (rank 0's) ------------------------------------------------------
     @property
@@ -201,18 +212,9 @@ class EngineCore(StepUpdate):
                 self._grammar_waits[req.request_id] = (req, fut)
         if req.params.use_beam_search:
             req.beam = new_beam_group(req, self.max_model_len, self.model_info.eos_token_ids)
-        seq = self._new_seq(req, 0, list(req.prompt_token_ids))
+        seq = self.outputs.new_sample(req, 0, list(req.prompt_token_ids))
         self.requests[req.request_id] = req
         self.scheduler.add(seq)
-
-    def _new_seq(self, req: Request, index: int, token_ids: list[int]) -> Sequence:
-        seq = Sequence(next(self._seq_ids), req, index, token_ids, self.kv.block_size)
-        if req.compiled_grammar is not None:
-            seq.grammar = self.grammars.new_matcher(req.compiled_grammar)
-        if req.beam is None:
-            self.outputs.add_sample(seq)
-        req.seqs.append(seq)
-        return seq
 
     def abort(self, request_id: str) -> bool:
         """Finishes the request with reason "abort" and frees its blocks now."""
@@ -226,7 +228,7 @@ class EngineCore(StepUpdate):
                 seq.finish("abort")
         if req.beam is not None:
             req.beam.done = True
-        self._touched[request_id] = req
+        self.outputs.touch(req)
         return True
 
     def close(self, timeout_s: float | None = None) -> bool:
@@ -344,7 +346,7 @@ class EngineCore(StepUpdate):
         for seq, message in sched.failed:
             seq.finish("error")
             seq.request.error = message
-            self._touched[seq.request.request_id] = seq.request
+            self.outputs.touch(seq.request)
         fail_beam_groups(sched.failed, self.scheduler)
         tables = [self.kv.block_ids(item.seq.seq_id) for item in sched.scheduled]
         recorded = self.records.build(sched, tables)
@@ -357,7 +359,7 @@ class EngineCore(StepUpdate):
             raise
         finally:
             self.kv.end_step()
-        launched = LaunchedStep(handle, recorded, scheduled_at, self._advance(sched))
+        launched = LaunchedStep(handle, recorded, scheduled_at, self.scheduler.advance(sched))
         if self.async_scheduling and handle.deferrable and recorded.owners:
             for item, _ in recorded.owners:  # one row each (deferrable)
                 item.seq.num_pending += 1
@@ -381,7 +383,12 @@ class EngineCore(StepUpdate):
         if deferred:  # released first: an error in the update below leaves none behind
             for item, _ in launched.step.owners:
                 item.seq.num_pending -= 1
-        self.update_from_output(launched, out, time.monotonic(), deferred=deferred)
+        now = time.monotonic()
+        self.step_rates.observe_step(launched.counts, launched.scheduled_at, now, deferred)
+        self.scheduler.update_from_output(launched.step, out, now, deferred=deferred)
+        for req, _ in launched.step.beam_groups:  # the tokens the search chose, for the workers
+            for seq in req.seqs:
+                self.records.appended(seq)
 
     def drain(self) -> None:
         """Completes the step left in flight, if any (async scheduling; step thread)."""
@@ -410,8 +417,8 @@ class EngineCore(StepUpdate):
             if error is not None:
                 req.error = str(error)
                 for seq in req.seqs:
-                    self._finish(seq, "error", None)
-                self._touched[rid] = req
+                    self.scheduler.finish(seq, "error")
+                self.outputs.touch(req)
                 continue
             req.compiled_grammar = fut.result()
             req.waiting_for_grammar = False
@@ -421,13 +428,12 @@ class EngineCore(StepUpdate):
     def collect_outputs(self, now: float | None = None) -> list[RequestOutput]:
         """Deltas of every request with news since the last call (step() calls it)."""
         now = time.monotonic() if now is None else now
-        outs = self.outputs.make_outputs(self._touched)
+        outs = self.outputs.make_outputs()
         for out in outs:
             if out.finished:
                 req = self.requests.pop(out.request_id)
                 req.metrics.finished = now
                 self.records.forget(req)
-        self._touched = {}
         return outs
 
     # -- stats ---------------------------------------------------------------------------------

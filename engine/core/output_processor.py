@@ -20,12 +20,17 @@ The token that ends a sample by one of the first four rules is not part of its t
 
 from __future__ import annotations
 
+import itertools
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from engine.core.detokenizer import IncrementalDetokenizer
 from engine.core.sequence import Request, SeqStatus, Sequence
 from engine.outputs import CompletionOutput, RequestOutput, TokenLogprob
+
+if TYPE_CHECKING:
+    from engine.sample.structured.compiler import Grammar
 
 
 class StopDecision(NamedTuple):
@@ -54,12 +59,42 @@ class SampleOutput:
 
 
 class OutputProcessor:
-    def __init__(self, tokenizer: Any, eos_token_ids: tuple[int, ...], max_model_len: int) -> None:
+    """Every sample's output state: made with the sample (`new_sample`), fed each token
+    (`process_token`), turned into the deltas of the requests with news (`make_outputs`)."""
+
+    def __init__(
+        self,
+        tokenizer: Any,
+        eos_token_ids: tuple[int, ...],
+        max_model_len: int,
+        block_size: int,
+        new_matcher: Callable[[Grammar], Any],
+    ) -> None:
         self.tokenizer = tokenizer
         self.eos_token_ids = eos_token_ids
         self.max_model_len = max_model_len
+        self.block_size = block_size
+        self._new_matcher = new_matcher
+        """A fresh grammar matcher for a compiled response format (structured outputs)."""
+        self.seq_ids = itertools.count()
         self._samples: dict[int, SampleOutput] = {}
         """seq_id -> its output state, from `add_sample` until its request's last delta."""
+        self.touched: dict[str, Request] = {}
+        """Requests with news since the last `make_outputs`."""
+
+    def touch(self, req: Request) -> None:
+        self.touched[req.request_id] = req
+
+    def new_sample(self, req: Request, index: int, token_ids: list[int]) -> Sequence:
+        """Sample `index` of `req` (its first, or one forked after the first token), with its
+        grammar matcher and its output state."""
+        seq = Sequence(next(self.seq_ids), req, index, token_ids, self.block_size)
+        if req.compiled_grammar is not None:
+            seq.grammar = self._new_matcher(req.compiled_grammar)
+        if req.beam is None:
+            self.add_sample(seq)
+        req.seqs.append(seq)
+        return seq
 
     def add_sample(self, seq: Sequence) -> None:
         req = seq.request
@@ -107,12 +142,13 @@ class OutputProcessor:
             return StopDecision("length", None)
         return None
 
-    def make_outputs(self, requests: dict[str, Request]) -> list[RequestOutput]:
-        """One delta per request: each sample's new tokens, text and logprobs since the last.
+    def make_outputs(self) -> list[RequestOutput]:
+        """One delta per request with news: each sample's new tokens and logprobs since the last.
 
         Beam search and best_of > n rank whole outputs, so their requests send nothing until
         they finish; then one message carries the n best outputs in full, best first.
         """
+        requests, self.touched = self.touched, {}
         outs: list[RequestOutput] = []
         append = outs.append
         samples = self._samples

@@ -31,55 +31,71 @@ import itertools
 import time
 from collections import deque
 from collections.abc import Sequence as Seq
-from dataclasses import dataclass, field
 
 from engine.config import SchedulerConfig
+from engine.core.output_processor import OutputProcessor
+from engine.core.scheduler_output import ScheduledSeq, SchedulerOutput
 from engine.core.sequence import SeqStatus, Sequence
+from engine.core.step_records import RecordedStep
+from engine.core.step_update import StepUpdate
 from engine.kv.manager import KVCacheManager, PrefixMatch
-from engine.kv.plan import KVPlan
 from engine.kv.tiers import TieredCache
-
-
-@dataclass(slots=True)
-class ScheduledSeq:
-    seq: Sequence
-    num_new_tokens: int
-    """Tokens computed for this sequence in this step (1 for a decode)."""
-    start: int
-    """Position of the first of them (tokens before it are already in the cache)."""
-
-    @property
-    def samples(self) -> bool:
-        """This chunk reaches the sequence's last token: the step samples its next token."""
-        seq = self.seq
-        return self.start + self.num_new_tokens == len(seq.token_ids) + seq.num_pending
-
-
-@dataclass(slots=True)
-class SchedulerOutput:
-    scheduled: list[ScheduledSeq] = field(default_factory=list)
-    plan: KVPlan = field(default_factory=KVPlan)
-    """Copies to carry out before the forward pass."""
-    preempted: list[Sequence] = field(default_factory=list)
-    failed: list[tuple[Sequence, str]] = field(default_factory=list)
-    """Sequences that can never be served, with the reason."""
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(s.num_new_tokens for s in self.scheduled)
+from engine.worker.model_runner import StepOutput
 
 
 class Scheduler:
+    """Decides each step (`schedule`) and applies each step's output (`update_from_output`)."""
+
     def __init__(
-        self, config: SchedulerConfig, kv: KVCacheManager, *, swap: TieredCache | None = None
+        self,
+        config: SchedulerConfig,
+        kv: KVCacheManager,
+        outputs: OutputProcessor,
+        tiers: TieredCache | None = None,
+        swap: bool = False,
     ) -> None:
+        """`tiers`: the CPU and disk tiers (prompt pins reach them); `swap`: preemption spills
+        a sequence's KV to the CPU tier instead of recomputing it."""
         self.config = config
         self.kv = kv
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
-        self.swap = swap
-        """Given in swap preemption mode: preempted sequences' KV goes to this CPU tier."""
+        self.swap = tiers if swap else None
+        """In swap preemption mode: preempted sequences' KV goes to this CPU tier."""
+        self._update = StepUpdate(self, kv, outputs, tiers)
+
+    def update_from_output(
+        self, step: RecordedStep, out: StepOutput, now: float, *, deferred: bool
+    ) -> None:
+        """A launched step's sampled tokens reach their sequences (engine/core/step_update.py)."""
+        self._update.apply(step, out, now, deferred)
+
+    def advance(self, sched: SchedulerOutput) -> tuple[int, int]:
+        """The scheduled tokens count as computed once the step is launched (its KV writes come
+        before any later step's reads on the device): counts, newly full blocks cached (blocks
+        whose tokens are all known; the scheduler stamps a request's first scheduling when it
+        admits it). Returns (prefill tokens, decode sequences)."""
+        decodes = prefill = 0
+        kv = self.kv
+        caching = kv.enable_caching
+        bs = kv.block_size
+        for item in sched.scheduled:
+            seq = item.seq
+            if item.start >= seq.num_prompt_tokens:
+                decodes += 1
+            else:
+                prefill += item.num_new_tokens
+            seq.num_computed_tokens += item.num_new_tokens
+            # cache_blocks' own first test, inline: most steps fill no block
+            if caching and seq.num_computed_tokens >= bs * (seq.num_cached_blocks + 1):
+                kv.cache_blocks(seq)
+        return prefill, decodes
+
+    def finish(self, seq: Sequence, reason: str, stop_reason: int | str | None = None) -> None:
+        """The sample ends: out of the queues, its blocks freed."""
+        self.remove(seq)
+        seq.finish(reason, stop_reason)
 
     def add(self, seq: Sequence) -> None:
         seq.status = SeqStatus.WAITING

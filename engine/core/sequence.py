@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from engine.core.beam import BeamGroup
 from engine.kv.hashing import BlockHash, hash_block
@@ -25,6 +25,7 @@ from engine.sample.sampling_params import SamplingParams
 if TYPE_CHECKING:
     import xgrammar as xgr
 
+    from engine.kv.manager import KVCacheManager
     from engine.sample.structured.compiler import Grammar
 
 
@@ -144,3 +145,18 @@ class Sequence:
         self.status = SeqStatus.FINISHED
         self.finish_reason = reason
         self.stop_reason = stop_reason
+
+
+class SequenceQueues(Protocol):
+    """What a step's update does to the scheduler's queues (engine/core/scheduler.py's
+    `Scheduler`; named here so the update and beam search need not import it)."""
+
+    kv: KVCacheManager
+
+    def add_running(self, seq: Sequence) -> None: ...
+
+    def remove(self, seq: Sequence) -> None: ...
+
+    def regroup(self, old: list[Sequence], new: list[Sequence]) -> None: ...
+
+    def finish(self, seq: Sequence, reason: str, stop_reason: int | str | None) -> None: ...

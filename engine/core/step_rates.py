@@ -55,6 +55,8 @@ class StepRates:
     _busy_s: float = 0.0
     """Step seconds, decayed with time constant `window_s`, as of `_busy_at`."""
     _busy_at: float = 0.0
+    _last_done: float = 0.0
+    """When the last step with scheduled tokens completed (monotonic seconds)."""
     total_busy_s: float = 0.0
     """Wall seconds of whole steps since start, as the step loop times them (`count_busy`:
     scheduling and output processing included, unlike `observe`'s), not decayed."""
@@ -64,6 +66,19 @@ class StepRates:
     def utilisation(self, now: float) -> float:
         decay = math.exp(-max(0.0, now - self._busy_at) / self.window_s)
         return min(1.0, self._busy_s * decay / self.window_s)
+
+    def observe_step(
+        self, counts: tuple[int, int], scheduled_at: float, now: float, deferred: bool
+    ) -> None:
+        """A completed step's sample: (prefill tokens, decode sequences) over the time since it
+        was scheduled; a step left in flight (`deferred`) overlapped the step before, so its time
+        starts where that one ended."""
+        prefill, decodes = counts
+        if not (prefill or decodes):
+            return
+        start = max(scheduled_at, self._last_done) if deferred else scheduled_at
+        self.observe(prefill, decodes, now - start, now)
+        self._last_done = now
 
     def count_busy(self, seconds: float) -> None:
         """One whole step of the step loop took `seconds` (wall)."""

@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from engine.core.scheduler import ScheduledSeq, SchedulerOutput
+from engine.core.scheduler_output import ScheduledSeq, SchedulerOutput
 from engine.core.sequence import Request, Sequence
 from engine.sample.structured.mask_filler import TokenMaskFiller
 from engine.worker.step_record import BeamRanking, NewSequence, StepRecord

@@ -1,103 +1,52 @@
-"""What a step's results do to the engine's state (vLLM's `Scheduler.update_from_output`).
+"""What a step's output does to requests and sequences (vLLM's `Scheduler.update_from_output`),
+held by the scheduler (`Scheduler.update_from_output`).
 
-Once the runner has launched a step, `EngineCore.step` counts its scheduled tokens as computed
-(`_advance`: newly full blocks join the prefix cache); when its results are on the host (at once,
-or one step later under async scheduling) they come here as a `StepOutput`: each sampled token is
-appended to its sequence and checked against the stop rules (a sample that ends frees its blocks),
-a request's first token forks its n samples, and beam groups advance. This runs over every
-scheduled sequence each step, so its common case (a running sample's next token) is written
-inline.
+When a step's results are on the host (at once, or one step later under async scheduling) they
+come here with the step's record: each sampled token is appended to its sequence and checked
+against the stop rules (a sample that ends frees its blocks), a request's first token forks its n
+samples, and beam groups advance. This runs over every scheduled sequence each step, so its
+common case (a running sample's next token) is written inline.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from dataclasses import dataclass
-
 from engine.core.beam_step import advance_beams
 from engine.core.output_processor import OutputProcessor
-from engine.core.scheduler import Scheduler, SchedulerOutput
-from engine.core.sequence import Request, SeqStatus, Sequence
-from engine.core.step_rates import StepRates
-from engine.core.step_records import RecordedStep, StepRecords
+from engine.core.sequence import Request, SeqStatus, Sequence, SequenceQueues
+from engine.core.step_records import RecordedStep
 from engine.kv.manager import KVCacheManager
 from engine.kv.tiers import TieredCache
 from engine.outputs import TokenLogprob
 from engine.sample.beam import BeamCandidate
-from engine.worker.model_runner import StepHandle, StepOutput
-
-
-@dataclass(slots=True, eq=False)
-class LaunchedStep:
-    """A step the runner launched and the core has advanced, until its results are processed."""
-
-    handle: StepHandle
-    step: RecordedStep
-    """Its record, and who owns its rows."""
-    scheduled_at: float
-    counts: tuple[int, int]
-    """(prefill tokens, decode sequences): the step rates' sample, taken when it completes."""
+from engine.worker.model_runner import StepOutput
 
 
 class StepUpdate:
-    """The engine core's update from a step's output (a mixin of `EngineCore`, whose state it
-    reads and changes)."""
+    """The scheduler's update from a step's output."""
 
-    kv: KVCacheManager
-    scheduler: Scheduler
-    outputs: OutputProcessor
-    tiers: TieredCache | None
-    step_rates: StepRates
-    records: StepRecords
-    _touched: dict[str, Request]
-    """Requests with news since the last step's outputs were built."""
-    _seq_ids: Iterator[int]
-    _last_done = 0.0
-    """When the last step with scheduled tokens completed (monotonic seconds)."""
-
-    def _new_seq(self, req: Request, index: int, token_ids: list[int]) -> Sequence:
-        raise NotImplementedError  # EngineCore's
-
-    def update_from_output(
-        self, launched: LaunchedStep, out: StepOutput, now: float, *, deferred: bool
+    def __init__(
+        self,
+        scheduler: SequenceQueues,
+        kv: KVCacheManager,
+        outputs: OutputProcessor,
+        tiers: TieredCache | None,
     ) -> None:
-        """The step `launched` (advanced at launch) sampled `out`: every part of the engine's
-        state follows. `deferred`: the step was left in flight (its tokens were pending; the
-        caller has released them)."""
-        prefill, decodes = launched.counts
-        if prefill or decodes:
-            start = launched.scheduled_at
-            if deferred:  # it overlapped the step before: its time starts where that one ended
-                start = max(start, self._last_done)
-            self.step_rates.observe(prefill, decodes, now - start, now)
-            self._last_done = now
-        for (req, beams), ranked in zip(launched.step.beam_groups, out.beams, strict=True):
-            self._process_beams(req, beams, ranked, now)
-        self._process_samples(launched.step, out, now, deferred)
+        self.scheduler = scheduler
+        self.kv = kv
+        self.outputs = outputs
+        self.tiers = tiers
+        """Prompt pins reach the CPU tier too (best effort within its cap)."""
 
-    def _advance(self, sched: SchedulerOutput) -> tuple[int, int]:
-        """The scheduled tokens count as computed once the step is launched (its KV writes come
-        before any later step's reads on the device): counts, newly full blocks cached (blocks
-        whose tokens are all known; the scheduler stamps a request's first scheduling when it
-        admits it). Returns (prefill tokens, decode sequences)."""
-        decodes = prefill = 0
-        kv = self.kv
-        caching = kv.enable_caching
-        bs = kv.block_size
-        for item in sched.scheduled:
-            seq = item.seq
-            if item.start >= seq.num_prompt_tokens:
-                decodes += 1
-            else:
-                prefill += item.num_new_tokens
-            seq.num_computed_tokens += item.num_new_tokens
-            # cache_blocks' own first test, inline: most steps fill no block
-            if caching and seq.num_computed_tokens >= bs * (seq.num_cached_blocks + 1):
-                kv.cache_blocks(seq)
-        return prefill, decodes
+    def apply(self, step: RecordedStep, out: StepOutput, now: float, deferred: bool) -> None:
+        """The step `step` (advanced at launch) sampled `out`: every sequence follows.
+        `deferred`: the step was left in flight (its tokens were pending; the caller has
+        released them)."""
+        for (req, beams), ranked in zip(step.beam_groups, out.beams, strict=True):
+            self._process_beams(req, beams, ranked, now)
+        self._process_samples(step, out, now, deferred)
 
     def _process_samples(
-        self, step: RecordedStep, out: StepOutput, now: float, deferred: bool = False
+        self, step: RecordedStep, out: StepOutput, now: float, deferred: bool
     ) -> None:
         """Appends each sampled token to its sequence and checks whether the sample ends.
 
@@ -105,7 +54,7 @@ class StepUpdate:
         caches it (the step after computed its KV). A sample that ended (a stop, an abort) since
         the step was launched drops its token: under async scheduling a step may complete after
         the one before it ended the sample."""
-        touched = self._touched
+        touched = self.outputs.touched
         token_ids, logprobs = out.token_ids, out.logprobs
         process_token = self.outputs.process_token
         kv = self.kv
@@ -132,7 +81,7 @@ class StepUpdate:
                 seq.cum_logprob += logprob.logprob
             end = process_token(seq, token_id, logprob)
             if end is not None:
-                self._finish(seq, end.reason, end.stop_reason)
+                self.scheduler.finish(seq, end.reason, end.stop_reason)
 
     def _first_tokens(
         self,
@@ -140,7 +89,7 @@ class StepUpdate:
         token_ids: list[int],
         logprobs: list[TokenLogprob | None],
         now: float,
-        deferred: bool = False,
+        deferred: bool,
     ) -> None:
         """A request's first token, or one per sample for n > 1 (they fork the prompt here)."""
         req = seq.request
@@ -151,7 +100,7 @@ class StepUpdate:
         req.forked = True
         children = [seq]
         for i in range(1, len(token_ids)):
-            child = self._new_seq(req, i, list(req.prompt_token_ids))
+            child = self.outputs.new_sample(req, i, list(req.prompt_token_ids))
             child.num_computed_tokens = seq.num_computed_tokens
             self.kv.fork(seq, child)
             self.scheduler.add_running(child)
@@ -171,16 +120,14 @@ class StepUpdate:
     def _process_beams(
         self, req: Request, beams: list[Sequence], ranked: list[BeamCandidate], now: float
     ) -> None:
-        self._touched[req.request_id] = req
+        self.outputs.touch(req)
         if req.metrics.first_token is None:
             req.metrics.first_token = now
         self._pin_prompt(beams[0], now)
-        advance_beams(req, beams, ranked, self.scheduler, self._seq_ids)
-        for seq in req.seqs:  # the tokens the search chose, for the workers' own copies
-            self.records.appended(seq)
+        advance_beams(req, beams, ranked, self.scheduler, self.outputs.seq_ids)
 
     def _append(
-        self, seq: Sequence, token_id: int, logprob: TokenLogprob | None, deferred: bool = False
+        self, seq: Sequence, token_id: int, logprob: TokenLogprob | None, deferred: bool
     ) -> None:
         seq.append_token(token_id)
         if deferred:  # the token may complete a block whose KV the next step computed
@@ -189,8 +136,4 @@ class StepUpdate:
             seq.cum_logprob += logprob.logprob
         end = self.outputs.process_token(seq, token_id, logprob)
         if end is not None:
-            self._finish(seq, end.reason, end.stop_reason)
-
-    def _finish(self, seq: Sequence, reason: str, stop_reason: int | str | None) -> None:
-        self.scheduler.remove(seq)
-        seq.finish(reason, stop_reason)
+            self.scheduler.finish(seq, end.reason, end.stop_reason)

@@ -1,10 +1,12 @@
 """The engine's front end: what runs in the caller's process (vLLM V1's `v1/engine`).
 
 llm.py              the offline API, `LLM(model=...).generate(...)`
-llm_engine.py       `LLMEngine`: the engine core plus tokenization, stepped by the caller
-async_engine.py     `AsyncEngine`: an LLMEngine stepped by a background thread; callers stream
-core_client.py      `EngineCoreClient`: the same interface over an engine core in its own process
-base.py             what the two asyncio front ends share (`EngineFrontend`, `read_outputs`)
+llm_engine.py       `LLMEngine`: an EngineCore stepped by the caller, with tokenization and text
+engine_client.py    `EngineClient`: streams requests through a core that runs its own loop
+async_engine.py     `AsyncEngine`: that loop in a thread of this process
+core_client.py      `EngineCoreClient`: that loop in a process of its own
+base.py             `read_outputs`: one request's stream of deltas
 input_processor.py  prompt + sampling parameters -> a validated, tokenized `Request`
+output_text.py      the text of the core's token deltas
 prompt.py           a prompt's token ids and block-hash chain (the rule the router shares)
 """

@@ -1,15 +1,15 @@
-"""The synchronous engine as a caller uses it: the engine core plus tokenization and validation.
+"""The synchronous engine as a caller uses it: the engine core in the caller's thread, with the
+front end's tokenization and validation before it and the text of its deltas after it.
 
-`LLMEngine` is an `EngineCore` (engine/core/engine_core.py) with the front end's
-`InputProcessor` and `OutputText` on top: `add_request` tokenizes and validates a prompt, then
-queues it; `step` returns streamed deltas, their text made from the core's tokens after the step.
-The offline `LLM` and the AsyncEngine's step thread drive one.
+`LLMEngine` holds an `EngineCore` (engine/core/engine_core.py, `core`), an `InputProcessor` and an
+`OutputText`: `add_request` tokenizes and validates a prompt, then queues it in the core; `step`
+runs one core step and fills in its deltas' text. The offline `LLM` drives one.
 """
 
 from __future__ import annotations
 
 import itertools
-from typing import Unpack
+from typing import Any, Unpack
 
 from engine.config import EngineConfig
 from engine.core.engine_core import EngineCore
@@ -19,26 +19,30 @@ from engine.frontend.output_text import OutputText
 from engine.frontend.prompt import Prompt
 from engine.outputs import RequestOutput
 from engine.sample.sampling_params import SamplingParams
+from engine.stats import EngineStats, ModelInfo
 
 __all__ = ["LLMEngine", "Prompt"]
 
 
-class LLMEngine(EngineCore):
+class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
-        super().__init__(config)
-        self.inputs = InputProcessor(self.tokenizer, self.model_info, config.scheduler)
+        self.core = EngineCore(config)
+        self.inputs = InputProcessor(self.core.tokenizer, self.core.model_info, config.scheduler)
         """Tokenizes and validates prompts and sampling parameters (engine/frontend)."""
-        self._request_ids = itertools.count()
-        self.text = OutputText(self.tokenizer)
+        self.text = OutputText(self.core.tokenizer)
         """The text of each queued request's deltas (engine/frontend/output_text.py)."""
+        self._request_ids = itertools.count()
 
-    def enqueue(self, req: Request) -> None:
-        super().enqueue(req)
-        self.text.add(req.request_id, req.prompt_token_ids, req.params)
+    @property
+    def tokenizer(self) -> Any:
+        return self.core.tokenizer
 
-    def collect_outputs(self, now: float | None = None) -> list[RequestOutput]:
-        """The core's deltas (`step` returns these too), with their text."""
-        return self.text.apply(super().collect_outputs(now))
+    @property
+    def model_info(self) -> ModelInfo:
+        return self.core.model_info
+
+    def get_stats(self) -> EngineStats:
+        return self.core.get_stats()
 
     def tokenize(
         self, prompt: Prompt | None = None, messages: list[dict[str, str]] | None = None
@@ -69,8 +73,28 @@ class LLMEngine(EngineCore):
     ) -> Request:
         """Validates and queues a request. Raises ValueError (saying what to fix) on bad input."""
         request_id = options.get("request_id")
-        if request_id is not None and request_id in self.requests:
+        if request_id is not None and request_id in self.core.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         req = self.prepare_request(prompt, params, **options)
-        self.enqueue(req)
+        self.core.enqueue(req)
+        self.text.add(req.request_id, req.prompt_token_ids, req.params)
         return req
+
+    def abort(self, request_id: str) -> bool:
+        """Finishes the request with reason "abort" and frees its blocks now."""
+        return self.core.abort(request_id)
+
+    def step(self) -> list[RequestOutput]:
+        """One core step; its deltas with their text."""
+        return self.text.apply(self.core.step())
+
+    def collect_outputs(self) -> list[RequestOutput]:
+        """The deltas of requests with news since the last step (an abort's), with their text."""
+        return self.text.apply(self.core.collect_outputs())
+
+    def has_unfinished_requests(self) -> bool:
+        return self.core.has_unfinished_requests()
+
+    def close(self, timeout_s: float | None = None) -> bool:
+        """EngineCore.close: flushes the disk tier (at most `timeout_s`) and stops helpers."""
+        return self.core.close(timeout_s)

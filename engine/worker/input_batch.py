@@ -120,8 +120,7 @@ class InputBatch:
         `in_flight`: the sampled ids [rows] (on the device) of the step still in flight (async
         scheduling). A sequence whose new token is that step's pending sample (its position is
         past its known tokens) takes its input id from row `state.pending_row`, on the device."""
-        num_seqs = len(states)
-        num_tokens = sum(qlens)
+        num_seqs, num_tokens = len(states), sum(qlens)
         max_blocks = max(map(len, tables))
         if self._copied is not None:
             # NOTE: the last step may not have synced (no sampling rows, or left in flight by
@@ -129,58 +128,21 @@ class InputBatch:
             self._copied.synchronize()
         if num_tokens > self._tokens or num_seqs > self._seqs or max_blocks > self._blocks:
             self._alloc(2 * num_tokens, 2 * num_seqs, 2 * max_blocks)
-        ids, pos = self.input_ids.np, self.positions.np
-        starts_np = np.fromiter(starts, np.int64, num_seqs)
-        qsl = self.query_start_loc.np
-        # NOTE: the scheduler never hands over an item with no new tokens, so T == S means one
-        # token per sequence
         dst: list[int] = []
         """Flat token indexes whose ids come from `in_flight`, rows `src`."""
         src: list[int] = []
-        if num_tokens == num_seqs:  # decode only: one token per sequence
-            if in_flight is None:
-                ids[:num_seqs] = [st.token_ids[s] for st, s in zip(states, starts, strict=True)]
-            else:
-                ids[:num_seqs] = self._decode_ids(states, starts, dst, src)
-            pos[:num_seqs] = starts_np
-            seq_idx = np.arange(num_seqs)
-            qsl[: num_seqs + 1] = np.arange(num_seqs + 1)
-            seq_lens = starts_np + 1
+        # NOTE: the scheduler never hands over an item with no new tokens, so T == S means one
+        # token per sequence
+        if num_tokens == num_seqs:
+            seq_idx, seq_lens = self._decode(states, starts, in_flight, dst, src)
         else:
-            t = 0
-            for state, s, n in zip(states, starts, qlens, strict=True):
-                token_ids = state.token_ids
-                if s + n > len(token_ids):  # a decode of the token in flight
-                    ids[t] = 0
-                    dst.append(t)
-                    src.append(state.pending_row)
-                else:
-                    ids[t : t + n] = token_ids[s : s + n]
-                t += n
-            qlens_np = np.fromiter(qlens, np.int64, num_seqs)
-            seq_idx = np.repeat(np.arange(num_seqs), qlens_np)
-            ends = np.cumsum(qlens_np)
-            # position of token t = its sequence's start + its offset in the chunk
-            first = ends - qlens_np  # [S] flat index of each sequence's first token
-            pos[:num_tokens] = np.arange(num_tokens) - first[seq_idx] + starts_np[seq_idx]
-            qsl[0] = 0
-            qsl[1 : num_seqs + 1] = ends
-            seq_lens = starts_np + qlens_np
+            seq_idx, seq_lens = self._mixed(states, starts, qlens, dst, src)
         self.seq_lens.np[:num_seqs] = seq_lens
-        bt = self.block_tables.np
-        rows = self._rows
-        for i, table in enumerate(tables):
-            old = rows[i]
-            if table is old:
-                continue
-            n = len(table)
-            bt[i, :n] = table
-            if old is not None and len(old) > n:
-                bt[i, n : len(old)] = 0
-            rows[i] = table
+        self._write_tables(tables)
         # slot = block_id * block_size + offset within the block
-        p = pos[:num_tokens]
+        p = self.positions.np[:num_tokens]
         bs = self.block_size
+        bt = self.block_tables.np
         self.slot_mapping.np[:num_tokens] = bt[seq_idx, p // bs].astype(np.int64) * bs + p % bs
         seq_lens_list = seq_lens.tolist()
         meta = AttentionMetadata(
@@ -197,13 +159,86 @@ class InputBatch:
         input_ids = self.input_ids.to_device(num_tokens)
         if dst:
             assert in_flight is not None, "a token in flight without the step that samples it"
-            k = len(dst)
-            self.gather_dst.np[:k] = dst
-            self.gather_src.np[:k] = src
-            gathered = in_flight.index_select(0, self.gather_src.to_device(k))
-            input_ids.index_copy_(0, self.gather_dst.to_device(k), gathered)
+            self._gather_in_flight(input_ids, in_flight, dst, src)
         step = StepInputs(input_ids, self.positions.to_device(num_tokens), meta)
         if self.device.type == "cuda":
             self._copied = torch.cuda.Event()
             self._copied.record()
         return step
+
+    def _decode(
+        self,
+        states: Sequence[SeqState],
+        starts: list[int],
+        in_flight: torch.Tensor | None,
+        dst: list[int],
+        src: list[int],
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """A decode-only step's ids, positions and query starts; (token -> sequence, lengths)."""
+        num_seqs = len(states)
+        ids = self.input_ids.np
+        if in_flight is None:
+            ids[:num_seqs] = [st.token_ids[s] for st, s in zip(states, starts, strict=True)]
+        else:
+            ids[:num_seqs] = self._decode_ids(states, starts, dst, src)
+        starts_np = np.fromiter(starts, np.int64, num_seqs)
+        self.positions.np[:num_seqs] = starts_np
+        self.query_start_loc.np[: num_seqs + 1] = np.arange(num_seqs + 1)
+        return np.arange(num_seqs), starts_np + 1
+
+    def _mixed(
+        self,
+        states: Sequence[SeqState],
+        starts: list[int],
+        qlens: list[int],
+        dst: list[int],
+        src: list[int],
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """A step with prefill chunks: ids, positions and query starts; (token -> sequence,
+        lengths)."""
+        ids, num_seqs = self.input_ids.np, len(states)
+        t = 0
+        for state, s, n in zip(states, starts, qlens, strict=True):
+            token_ids = state.token_ids
+            if s + n > len(token_ids):  # a decode of the token in flight
+                ids[t] = 0
+                dst.append(t)
+                src.append(state.pending_row)
+            else:
+                ids[t : t + n] = token_ids[s : s + n]
+            t += n
+        starts_np = np.fromiter(starts, np.int64, num_seqs)
+        qlens_np = np.fromiter(qlens, np.int64, num_seqs)
+        seq_idx = np.repeat(np.arange(num_seqs), qlens_np)
+        ends = np.cumsum(qlens_np)
+        # position of token t = its sequence's start + its offset in the chunk
+        first = ends - qlens_np  # [S] flat index of each sequence's first token
+        self.positions.np[:t] = np.arange(t) - first[seq_idx] + starts_np[seq_idx]
+        qsl = self.query_start_loc.np
+        qsl[0] = 0
+        qsl[1 : num_seqs + 1] = ends
+        return seq_idx, starts_np + qlens_np
+
+    def _write_tables(self, tables: list[list[int]]) -> None:
+        """Rewrites the block-table rows whose list is not the one they were written from."""
+        bt = self.block_tables.np
+        rows = self._rows
+        for i, table in enumerate(tables):
+            old = rows[i]
+            if table is old:
+                continue
+            n = len(table)
+            bt[i, :n] = table
+            if old is not None and len(old) > n:
+                bt[i, n : len(old)] = 0
+            rows[i] = table
+
+    def _gather_in_flight(
+        self, input_ids: torch.Tensor, in_flight: torch.Tensor, dst: list[int], src: list[int]
+    ) -> None:
+        """input_ids[dst] = in_flight[src], on the device (the tokens still in flight)."""
+        k = len(dst)
+        self.gather_dst.np[:k] = dst
+        self.gather_src.np[:k] = src
+        gathered = in_flight.index_select(0, self.gather_src.to_device(k))
+        input_ids.index_copy_(0, self.gather_dst.to_device(k), gathered)

@@ -1,6 +1,7 @@
 """The replica's Generate RPC, in named steps: `_admit` (entry checks, engine health, admission
-control), `_open` (engine request, stream, span), `_relay` (engine deltas to response messages),
-`_close` (outcome, usage, span, metrics) and `_fail` (the error status).
+control), `_open` (engine request, stream, span), the record's `responses` (engine deltas to
+response messages, service/replica/streams.py), `_close` (outcome, usage, span, metrics) and
+`_fail` (the error status).
 
 A cancelled call or a passed deadline aborts the engine request (and frees its blocks) within one
 engine step: leaving the engine's output generator aborts it, and a done-callback on the call
@@ -11,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator
 
@@ -48,8 +48,9 @@ class GenerateRpc(ServicerBase):
         tenant = await self._admit(request, context)
         assert isinstance(request, pb.GenerateRequest)
         rec = await self._open(request, context, tenant, params)
+        relay = rec.responses(self._metrics.itl, self.replica_id, self.on_finished)
         try:
-            async with contextlib.aclosing(self._relay(rec)) as relay:
+            async with contextlib.aclosing(relay):
                 async for resp in relay:
                     yield resp
                     rec.sent += 1
@@ -139,42 +140,6 @@ class GenerateRpc(ServicerBase):
         )
         return StreamRecord(request, stream, salt, span, outputs)
 
-    async def _relay(self, rec: StreamRecord) -> AsyncGenerator[pb.GenerateResponse, None]:
-        """The engine's deltas as response messages, up to the final one (or an engine error)."""
-        async with contextlib.aclosing(rec.outputs):  # type: ignore[type-var]
-            async for out in rec.outputs:
-                rec.stream.queued = False
-                self._observe_itl(rec, rec.tally.add(out), out)
-                resp = self._delta(rec.request, rec.stream.client_id, out, first=rec.last is None)
-                rec.last = out
-                if out.finished:
-                    rec.stream.done = True
-                    if out.error or "error" in rec.tally.finish_reasons():
-                        rec.outcome, rec.error = "error", out.error or "engine error"
-                        return
-                    resp.final.CopyFrom(
-                        convert.final_message(out, rec.tally, replica_id=self.replica_id)
-                    )
-                    rec.outcome = rec.tally.finish_reasons()[0] if rec.tally.ends else "stop"
-                    if self.on_finished is not None:
-                        self.on_finished(rec.request.session_id, out.prompt_token_ids, rec.salt)
-                yield resp
-
-    def _observe_itl(self, rec: StreamRecord, new_tokens: int, out: RequestOutput) -> None:
-        """Inter-token latency: the gap since the last delta, spread over its new tokens. The
-        tokens that came with each sample's first (a reader behind gets merged deltas) had none."""
-        if not new_tokens:
-            return
-        now = time.monotonic()
-        if rec.last_token_t is not None:
-            gap = (now - rec.last_token_t) / new_tokens
-            for _ in range(new_tokens):
-                self._metrics.itl.observe(gap)
-        else:
-            for _ in range(new_tokens - sum(1 for c in out.outputs if c.token_ids)):
-                self._metrics.itl.observe(0.0)
-        rec.last_token_t = now
-
     def _close(self, rec: StreamRecord) -> None:
         """Unregisters the stream and records its outcome, usage and span."""
         rec.stream.done = True
@@ -188,21 +153,10 @@ class GenerateRpc(ServicerBase):
             rec.span,
             last if last is not None and last.finished else None,
             completion_tokens=rec.tally.completion_tokens,
-            finish_reasons=rec.tally.finish_reasons(),
+            finish_reasons=rec.finish_reasons,
             error=rec.error
             or (rec.outcome if rec.outcome in ("cancelled", "deadline_exceeded") else None),
         )
-
-    @staticmethod
-    def _delta(
-        request: pb.GenerateRequest, client_id: str, out: RequestOutput, *, first: bool
-    ) -> pb.GenerateResponse:
-        resp = pb.GenerateResponse(request_id=client_id)
-        if request.return_token_ids and first:
-            resp.prompt_token_ids.extend(out.prompt_token_ids)
-        for c in out.outputs:
-            resp.choices.append(convert.choice_delta(c, return_token_ids=request.return_token_ids))
-        return resp
 
     async def _fail(
         self,

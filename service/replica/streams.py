@@ -3,9 +3,12 @@ and `StreamRecord` (one call as it runs, and how it ended)."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
-from collections.abc import AsyncIterator
+import time
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from opentelemetry.trace import Span
 
@@ -52,6 +55,8 @@ class StreamRecord:
     """Response messages yielded so far."""
     trailer: tuple[tuple[str, str], ...] = ()
     """Trailing metadata of the error status (the engine-dead marker for the router)."""
+    finish_reasons: list[str] = field(default_factory=list)
+    """The finish reason of each sample that has ended (the tally's, as of its last end)."""
 
     def failed(self, e: Exception) -> None:
         """Maps an exception from the engine's stream to the call's outcome and error."""
@@ -69,3 +74,57 @@ class StreamRecord:
         else:
             log.exception("request %s failed", self.stream.client_id)
             self.outcome, self.error = "internal", f"engine failed: {type(e).__name__}: {e}"
+
+    async def responses(
+        self,
+        itl: Any,
+        replica_id: str,
+        on_finished: Callable[[str, list[int], str | None], None] | None,
+    ) -> AsyncGenerator[pb.GenerateResponse, None]:
+        """The engine's deltas as response messages, up to the final one (or an engine error);
+        `itl` is the inter-token latency histogram, `on_finished(session_id, prompt ids, salt)`
+        runs when the request ends well."""
+        async with contextlib.aclosing(self.outputs):  # type: ignore[type-var]
+            async for out in self.outputs:
+                self.stream.queued = False
+                self._observe_itl(itl, self.tally.add(out), out)
+                if any(c.finish_reason is not None for c in out.outputs):
+                    self.finish_reasons = self.tally.finish_reasons()
+                resp = self._response(out, first=self.last is None)
+                self.last = out
+                if out.finished:
+                    self.stream.done = True
+                    if out.error or "error" in self.tally.finish_reasons():
+                        self.outcome, self.error = "error", out.error or "engine error"
+                        return
+                    resp.final.CopyFrom(
+                        convert.final_message(out, self.tally, replica_id=replica_id)
+                    )
+                    self.outcome = self.tally.finish_reasons()[0] if self.tally.ends else "stop"
+                    if on_finished is not None:
+                        on_finished(self.request.session_id, out.prompt_token_ids, self.salt)
+                yield resp
+
+    def _observe_itl(self, itl: Any, new_tokens: int, out: RequestOutput) -> None:
+        """Inter-token latency: the gap since the last delta, spread over its new tokens. The
+        tokens that came with each sample's first (a reader behind gets merged deltas) had none."""
+        if not new_tokens:
+            return
+        now = time.monotonic()
+        if self.last_token_t is not None:
+            gap = (now - self.last_token_t) / new_tokens
+            for _ in range(new_tokens):
+                itl.observe(gap)
+        else:
+            for _ in range(new_tokens - sum(1 for c in out.outputs if c.token_ids)):
+                itl.observe(0.0)
+        self.last_token_t = now
+
+    def _response(self, out: RequestOutput, *, first: bool) -> pb.GenerateResponse:
+        request = self.request
+        resp = pb.GenerateResponse(request_id=self.stream.client_id)
+        if request.return_token_ids and first:
+            resp.prompt_token_ids.extend(out.prompt_token_ids)
+        for c in out.outputs:
+            resp.choices.append(convert.choice_delta(c, return_token_ids=request.return_token_ids))
+        return resp

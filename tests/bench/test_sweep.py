@@ -19,12 +19,12 @@ ENGINE_FLAGS = ["--num-device-blocks", "256", "--cpu-swap-gib", "0", "--max-mode
 def test_offline_closed_loop_keeps_c_in_flight_and_matches_generate(tiny_llama_path: Path) -> None:
     llm = LLM(str(tiny_llama_path), num_device_blocks=256, cpu_swap_gib=0.0, max_model_len=512)
     spec = DatasetSpec("random", num_prompts=7, input_len=24, output_len=5, range_ratio=0.5)
-    w = Workload.build(spec, llm.engine.vocab_size, llm.engine.model_info.eos_token_ids)
+    w = Workload.build(spec, llm.engine.core.vocab_size, llm.engine.model_info.eos_token_ids)
     running: list[int] = []
     step = llm.engine.step
 
     def counting_step() -> list:  # type: ignore[type-arg]
-        running.append(len(llm.engine.requests))
+        running.append(len(llm.engine.core.requests))
         return step()
 
     llm.engine.step = counting_step  # type: ignore[method-assign]

@@ -253,14 +253,14 @@ def test_engine_greedy_tokens_match_torch_backend(
     expected = [o.token_ids for o in torch_llm.generate(prompts, params)]
 
     emulator.install(monkeypatch)
-    import engine.core.engine_core
+    import engine.worker.worker
 
     def emulated_backend(name: str, device: torch.device) -> CupyAttentionBackend:
         b = object.__new__(CupyAttentionBackend)
         b._setup(device, fallback=False)
         return b
 
-    monkeypatch.setattr(engine.core.engine_core, "get_attention_backend", emulated_backend)
+    monkeypatch.setattr(engine.worker.worker, "get_attention_backend", emulated_backend)
     emulator.launches.clear()
     cupy_llm = LLM(model=str(llama64), attention_backend="torch", **kwargs)  # patched factory
     got = [o.token_ids for o in cupy_llm.generate(prompts, params)]
@@ -295,17 +295,17 @@ def test_engine_sliding_window_tokens_match_torch_backend(
     expected = [o.token_ids for o in torch_llm.generate(prompts, params)]
 
     emulator.install(monkeypatch)
-    import engine.core.engine_core
+    import engine.worker.worker
 
     def emulated_backend(name: str, device: torch.device) -> CupyAttentionBackend:
         b = object.__new__(CupyAttentionBackend)
         b._setup(device, fallback=False)
         return b
 
-    monkeypatch.setattr(engine.core.engine_core, "get_attention_backend", emulated_backend)
+    monkeypatch.setattr(engine.worker.worker, "get_attention_backend", emulated_backend)
     emulator.launches.clear()
     cupy_llm = LLM(model=str(mistral64), attention_backend="torch", **kwargs)  # patched factory
-    assert cupy_llm.engine.kv.sliding_window == 32
+    assert cupy_llm.engine.core.kv.sliding_window == 32
     got = [o.token_ids for o in cupy_llm.generate(prompts, params)]
     used = {name.split("<")[0] for name, _, _ in emulator.launches}
     assert {"deja::paged_decode_kernel", "deja::paged_prefill_kernel"} <= used

@@ -101,8 +101,8 @@ def engine_beams(
         stop_token_ids=stop,
     )
     outs = llm.generate(prompts, params)
-    llm.engine.kv.check_integrity()
-    assert llm.engine.kv.num_free_blocks == llm.engine.kv.num_blocks
+    llm.engine.core.kv.check_integrity()
+    assert llm.engine.core.kv.num_free_blocks == llm.engine.core.kv.num_blocks
     for o in outs:
         assert o.finished and len(o.outputs) == WIDTH
         for c in o.outputs:
@@ -222,8 +222,8 @@ def test_beams_mixed_with_sampling_under_swap_preemption(tiny_llama_path: Path) 
     def run(**cfg: Any) -> tuple[list[list[list[int]]], LLM]:
         llm = LLM(str(tiny_llama_path), dtype="float32", block_size=16, **cfg)
         outs = llm.generate(prompts, params)
-        llm.engine.kv.check_integrity()
-        assert llm.engine.kv.num_free_blocks == llm.engine.kv.num_blocks
+        llm.engine.core.kv.check_integrity()
+        assert llm.engine.core.kv.num_free_blocks == llm.engine.core.kv.num_blocks
         return [[c.token_ids for c in o.outputs] for o in outs], llm
 
     expected, _ = run(num_device_blocks=512)
@@ -232,5 +232,5 @@ def test_beams_mixed_with_sampling_under_swap_preemption(tiny_llama_path: Path) 
     )
     assert got == expected
     eng = llm.engine
-    assert eng.scheduler.num_preemptions > 0 and eng.tiers is not None
-    assert eng.tiers.counters.swap_outs > 0
+    assert eng.core.scheduler.num_preemptions > 0 and eng.core.tiers is not None
+    assert eng.core.tiers.counters.swap_outs > 0

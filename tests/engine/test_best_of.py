@@ -28,7 +28,7 @@ def test_best_of_keeps_the_most_likely_samples(llm: LLM) -> None:
     assert [c.index for c in best.outputs] == [0, 1]
     assert best.outputs[0].logprobs is None  # ranking does not turn logprobs on
     assert len({tuple(c.token_ids) for c in all4.outputs}) > 1, "the samples should differ"
-    assert llm.engine.kv.num_free_blocks == llm.engine.kv.num_blocks
+    assert llm.engine.core.kv.num_free_blocks == llm.engine.core.kv.num_blocks
 
 
 def test_beam_search_abort_frees_every_block(llm: LLM) -> None:
@@ -37,13 +37,13 @@ def test_beam_search_abort_frees_every_block(llm: LLM) -> None:
     req = eng.add_request(list(range(20, 60)), params)
     for _ in range(5):
         assert not [o for o in eng.step() if o.request_id == req.request_id]  # nothing streamed
-    assert eng.kv.num_free_blocks < eng.kv.num_blocks
+    assert eng.core.kv.num_free_blocks < eng.core.kv.num_blocks
     eng.abort(req.request_id)
     outs = [o for o in eng.step() if o.request_id == req.request_id]
     assert outs and outs[-1].finished
     assert {c.finish_reason for c in outs[-1].outputs} == {"abort"}
-    eng.kv.check_integrity()
-    assert eng.kv.num_free_blocks == eng.kv.num_blocks
+    eng.core.kv.check_integrity()
+    assert eng.core.kv.num_free_blocks == eng.core.kv.num_blocks
 
 
 @pytest.mark.parametrize(
@@ -79,7 +79,9 @@ def test_beam_search_refuses_structured_outputs_and_wide_beams(llm: LLM) -> None
     )
     with pytest.raises(ValueError, match="structured outputs"):
         llm.generate("hi", p)
-    wide = LLM(llm.engine.config.model.path, dtype="float32", num_device_blocks=64, max_num_seqs=4)
+    wide = LLM(
+        llm.engine.core.config.model.path, dtype="float32", num_device_blocks=64, max_num_seqs=4
+    )
     with pytest.raises(ValueError, match="beam width 8 exceeds"):
         wide.generate("hi", SamplingParams(n=8, temperature=0.0, use_beam_search=True))
 
@@ -93,6 +95,6 @@ def test_a_beam_group_that_outgrows_the_pool_fails_as_one(tiny_llama_path: Path)
     (out,) = small.generate(list(range(30, 130)), params)
     assert out.finished and out.error is not None and "KV cache" in out.error
     assert {c.finish_reason for c in out.outputs} == {"error"}
-    small.engine.kv.check_integrity()
-    assert small.engine.kv.num_free_blocks == small.engine.kv.num_blocks
+    small.engine.core.kv.check_integrity()
+    assert small.engine.core.kv.num_free_blocks == small.engine.core.kv.num_blocks
     assert not small.engine.has_unfinished_requests()

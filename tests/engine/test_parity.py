@@ -67,8 +67,8 @@ def run_engine(path: Path, prompts: list[list[int]], **cfg: object) -> tuple[lis
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
     outs = llm.generate(prompts, params)
     assert all(o.finish_reason == "length" for o in outs)
-    llm.engine.kv.check_integrity()
-    assert llm.engine.kv.num_free_blocks == llm.engine.kv.num_blocks
+    llm.engine.core.kv.check_integrity()
+    assert llm.engine.core.kv.num_free_blocks == llm.engine.core.kv.num_blocks
     return [o.token_ids for o in outs], llm
 
 
@@ -77,7 +77,7 @@ def check_parity(path: Path, vocab: int, backend: str = "auto") -> None:
     expected = hf_greedy(path, prompts, MAX_TOKENS)
     for name, cfg in CONFIGS.items():
         got, llm = run_engine(path, prompts, attention_backend=backend, **cfg)
-        assert backend == "auto" or llm.engine.backend.name == backend
+        assert backend == "auto" or llm.engine.core.backend.name == backend
         for i, (g, e) in enumerate(zip(got, expected, strict=True)):
             assert g == e, f"{name}: prompt {i} ({len(prompts[i])} tokens) differs: {g} != {e}"
         stats = llm.engine.get_stats()

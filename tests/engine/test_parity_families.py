@@ -84,8 +84,8 @@ def engine_run(
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, logprobs=0)
     outs = llm.generate(prompts, params)
     assert all(o.finish_reason == "length" for o in outs)
-    llm.engine.kv.check_integrity()
-    assert llm.engine.kv.num_free_blocks == llm.engine.kv.num_blocks
+    llm.engine.core.kv.check_integrity()
+    assert llm.engine.core.kv.num_free_blocks == llm.engine.core.kv.num_blocks
     logprobs = [[lp.logprob for lp in o.outputs[0].logprobs or []] for o in outs]
     return [o.token_ids for o in outs], logprobs
 

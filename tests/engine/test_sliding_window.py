@@ -100,13 +100,13 @@ def check_parity(path: Path) -> dict[str, LLM]:
                 assert g == e, (
                     f"{name} run {run}: prompt {i} ({len(prompts[i])} tokens): {g} != {e}"
                 )
-            llm.engine.kv.check_integrity()
-            assert llm.engine.kv.num_free_blocks == llm.engine.kv.num_blocks
+            llm.engine.core.kv.check_integrity()
+            assert llm.engine.core.kv.num_free_blocks == llm.engine.core.kv.num_blocks
         stats = llm.engine.get_stats()
         if name in ("preempt", "swap"):
             assert stats.num_preemptions > 0, "the small pool should have forced preemption"
         if name == "swap":
-            assert llm.engine.kv.sliding_window is None
+            assert llm.engine.core.kv.sliding_window is None
         if name == "cache-off":
             assert stats.prefix_hits == 0
         if name in ("cache-on", "chunked"):
@@ -117,9 +117,11 @@ def check_parity(path: Path) -> dict[str, LLM]:
 
 def test_parity_mistral_sliding_window(mistral_path: Path) -> None:
     engines = check_parity(mistral_path)
-    assert engines["cache-on"].engine.kv.sliding_window == WINDOW
+    assert engines["cache-on"].engine.core.kv.sliding_window == WINDOW
 
 
 def test_parity_qwen2_sliding_layers(qwen2_sliding_path: Path) -> None:
     engines = check_parity(qwen2_sliding_path)
-    assert engines["cache-on"].engine.kv.sliding_window is None  # a full layer keeps all blocks
+    assert (
+        engines["cache-on"].engine.core.kv.sliding_window is None
+    )  # a full layer keeps all blocks

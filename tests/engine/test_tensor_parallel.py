@@ -47,8 +47,8 @@ def greedy(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
     outs = llm.generate(prompts, params)
     assert all(o.finish_reason == "length" for o in outs)
-    llm.engine.kv.check_integrity()
-    assert llm.engine.kv.num_free_blocks == llm.engine.kv.num_blocks
+    llm.engine.core.kv.check_integrity()
+    assert llm.engine.core.kv.num_free_blocks == llm.engine.core.kv.num_blocks
     return [o.token_ids for o in outs]
 
 
@@ -73,7 +73,7 @@ def check_tp(path: Path, vocab: int, n_prompts: int = 10, max_len: int = 300) ->
         if name == "preempt-swap":
             cpu = next(t for t in stats.tiers if t.name == "cpu")
             assert cpu.swap_ins > 0
-        llm.engine.executor.close()
+        llm.engine.core.executor.close()
 
 
 @pytest.mark.timeout(900)
@@ -160,17 +160,19 @@ def test_two_ranks_fp8_kv_cache(tmp_path: Path) -> None:
     fp8: dict[str, Any] = dict(dtype="float32", kv_cache_dtype="fp8_e4m3")
     one = LLM(str(path), **fp8, **CONFIGS["cache-on"])
     expected = greedy(one, prompts)
-    assert one.engine.kv_scales is not None and one.engine.kv_scales.source == "calibrated"
+    assert (
+        one.engine.core.kv_scales is not None and one.engine.core.kv_scales.source == "calibrated"
+    )
     swap = LLM(str(path), tensor_parallel_size=2, **fp8, **CONFIGS["preempt-swap"])
     assert greedy(swap, prompts) == expected
-    assert swap.engine.kv_scales == one.engine.kv_scales
+    assert swap.engine.core.kv_scales == one.engine.core.kv_scales
     assert swap.engine.get_stats().num_preemptions > 0
-    swap.engine.executor.close()
+    swap.engine.core.executor.close()
     disk = str(tmp_path / "disk")
     for run in ("write", "restart"):
         llm = LLM(str(path), tensor_parallel_size=2, num_cpu_blocks=64, disk_dir=disk, **fp8)
-        assert llm.engine.kv_scales is not None
-        assert llm.engine.kv_scales.source == ("calibrated" if run == "write" else "disk")
+        assert llm.engine.core.kv_scales is not None
+        assert llm.engine.core.kv_scales.source == ("calibrated" if run == "write" else "disk")
         assert greedy(llm, prompts) == expected
         if run == "restart":
             disk_tier = next(t for t in llm.engine.get_stats().tiers if t.name == "disk")

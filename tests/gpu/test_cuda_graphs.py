@@ -50,12 +50,12 @@ def _run(
         SamplingParams(temperature=0, max_tokens=m, ignore_eos=True, logprobs=5) for m in max_tokens
     ]
     outs = llm.generate(prompts, params)
-    graphs = llm.engine.runner.graphs
+    graphs = llm.engine.core.runner.graphs
     assert (graphs is None) == eager
     replays = 0 if graphs is None else graphs.replays
     result = greedy_of(outs)
     eng = llm.engine
-    assert eng.kv.num_free_blocks == eng.kv.num_blocks
+    assert eng.core.kv.num_free_blocks == eng.core.kv.num_blocks
     eng.close()
     return result, replays
 
@@ -173,7 +173,7 @@ def test_async_scheduling_with_stops_and_sampling(llama: Path) -> None:
         )
         outs = llm.generate(prompts, params)
         results.append([(o.token_ids, o.finish_reason) for o in outs])
-        assert llm.engine.kv.num_free_blocks == llm.engine.kv.num_blocks
+        assert llm.engine.core.kv.num_free_blocks == llm.engine.core.kv.num_blocks
         llm.engine.close()
     assert results[0] == results[1]
     assert any(reason == "stop" for _, reason in results[1])

@@ -94,7 +94,7 @@ def _generate(path: Path | str, backend: str, dtype: str, **kwargs: object) -> l
         **kwargs,
     )
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=TOP)
-    vocab = llm.engine.vocab_size
+    vocab = llm.engine.core.vocab_size
     return greedy_of(llm.generate(shared_prefix_prompts(vocab), params))
 
 
@@ -227,7 +227,7 @@ def test_demo_model_cupy_matches_torch_backend_bf16(
 
 def test_auto_picks_cupy_on_cuda(cuda_device: torch.device, model_path: Path) -> None:
     llm = LLM(model=str(model_path), device="cuda", dtype="bfloat16", num_device_blocks=64)
-    assert llm.engine.backend.name == "cupy"
+    assert llm.engine.core.backend.name == "cupy"
 
 
 def test_unsupported_head_dim_falls_back(

@@ -90,15 +90,15 @@ def test_family_cupy_matches_transformers_fp32(
         num_device_blocks=1024,
         max_num_batched_tokens=128 if chunked else 2048,
     )
-    assert llm.engine.backend.name == "cupy"
-    moe = [m for m in llm.engine.model.modules() if hasattr(m, "grouped")]
+    assert llm.engine.core.backend.name == "cupy"
+    moe = [m for m in llm.engine.core.model.modules() if hasattr(m, "grouped")]
     if family.name in MOE:
         assert moe and all(m.grouped for m in moe), "the experts should take torch._grouped_mm"
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=TOP)
     ours = greedy_of(llm.generate(family.prompts, params))
     eng = llm.engine
-    eng.kv.check_integrity()
-    assert eng.kv.num_free_blocks == eng.kv.num_blocks
+    eng.core.kv.check_integrity()
+    assert eng.core.kv.num_free_blocks == eng.core.kv.num_blocks
     eng.close()
     assert_greedy_close(ours, family.ref, LOGPROB_TOL["float32"])
 

@@ -43,8 +43,8 @@ def _run(path: Path, prompts: list[list[int]]) -> tuple[list[list[int]], list[li
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=0)
     outs = llm.generate(prompts, params)
     eng = llm.engine
-    eng.kv.check_integrity()
-    assert eng.kv.num_free_blocks == eng.kv.num_blocks
+    eng.core.kv.check_integrity()
+    assert eng.core.kv.num_free_blocks == eng.core.kv.num_blocks
     logprobs = [[lp.logprob for lp in o.outputs[0].logprobs or []] for o in outs]
     return [o.token_ids for o in outs], logprobs, llm
 
@@ -59,7 +59,7 @@ def test_one_rank_nccl_matches_single_process(
     path = Path(builder(tmp_path, hidden_size=256, num_attention_heads=4))  # type: ignore[operator]
     prompts = shared_prefix_prompts(500)[:10]
     want_tokens, want_logprobs, plain = _run(path, prompts)
-    assert isinstance(plain.engine.executor, UniProcExecutor)
+    assert isinstance(plain.engine.core.executor, UniProcExecutor)
     plain.engine.close()
 
     calls = {"all_reduce": 0, "gather_vocab": 0}
@@ -77,7 +77,7 @@ def test_one_rank_nccl_matches_single_process(
     monkeypatch.setattr(TPGroup, "gather_vocab", gather_vocab)
     monkeypatch.setattr(engine_core, "make_executor", MultiprocExecutor)
     tokens, logprobs, llm = _run(path, prompts)
-    tp = llm.engine.executor
+    tp = llm.engine.core.executor
     assert isinstance(tp, MultiprocExecutor) and tp.world == 1 and not tp.procs
     assert isinstance(tp.group.pg, dist.ProcessGroupNCCL)
     assert calls["all_reduce"] > 0 and calls["gather_vocab"] > 0, calls

@@ -25,7 +25,7 @@ class _Overlap:
     """Counts the steps whose results were read after a later step was launched."""
 
     def __init__(self, llm: LLM) -> None:
-        runner = llm.engine.runner
+        runner = llm.engine.core.runner
         self.launches = 0
         self.deferred = 0
         launch, collect = runner.launch, runner.collect
@@ -47,7 +47,7 @@ class _Overlap:
 
         self.tokens = 0
         """Tokens scheduled in all (computed, whether or not their sample was still on)."""
-        scheduler = llm.engine.scheduler
+        scheduler = llm.engine.core.scheduler
         schedule = scheduler.schedule
 
         def counted_schedule() -> Any:
@@ -61,16 +61,16 @@ class _Overlap:
 def _llm(path: Path, async_scheduling: bool, **cfg: Any) -> tuple[LLM, _Overlap]:
     cfg = {"dtype": "float32", "block_size": 16, **cfg}
     llm = LLM(str(path), async_scheduling=async_scheduling, **cfg)
-    assert llm.engine.async_scheduling is async_scheduling
+    assert llm.engine.core.async_scheduling is async_scheduling
     return llm, _Overlap(llm)
 
 
 def _settled(llm: LLM) -> None:
     eng = llm.engine
     assert not eng.has_unfinished_requests()
-    eng.kv.check_integrity()
-    assert eng.kv.num_free_blocks == eng.kv.num_blocks
-    for seqs in (eng.scheduler.running, list(eng.scheduler.waiting)):
+    eng.core.kv.check_integrity()
+    assert eng.core.kv.num_free_blocks == eng.core.kv.num_blocks
+    for seqs in (eng.core.scheduler.running, list(eng.core.scheduler.waiting)):
         assert not seqs
 
 
@@ -237,7 +237,7 @@ def test_abort_while_a_step_is_in_flight(tiny_llama_path: Path) -> None:
             steps += 1
             if steps == 6:
                 if mode:
-                    assert eng._in_flight is not None  # a token of every request is in flight
+                    assert eng.core._in_flight is not None  # a token of every request is in flight
                 assert eng.abort(ids[1])
         _settled(llm)
         assert reasons[ids[1]] == "abort"
@@ -262,7 +262,7 @@ def test_full_blocks_are_cached_as_without_it(tiny_llama_path: Path) -> None:
         out = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=3))[0]
         _settled(llm)
         assert len(prompt + out.token_ids) == 33
-        cached.append(len(llm.engine.kv.pool.cached))
+        cached.append(len(llm.engine.core.kv.pool.cached))
         assert (overlap.deferred > 0) is mode
     assert cached[0] == cached[1] == 2
 
@@ -286,9 +286,9 @@ def test_a_prompt_pin_survives_preemption_with_its_first_token_in_flight(
         if mode:
             assert seq.num_pending == 1
         # what a short pool does to the newest running sequence at the next schedule
-        eng.scheduler._preempt(seq, SchedulerOutput())
+        eng.core.scheduler._preempt(seq, SchedulerOutput())
         eng.step()
-        pins.append(len(eng.kv.pins))
+        pins.append(len(eng.core.kv.pins))
         assert req.pinned
         while eng.has_unfinished_requests():
             eng.step()

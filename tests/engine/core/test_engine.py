@@ -32,7 +32,7 @@ def llm(tiny_llama_path: Path) -> LLM:
 def _blocks_free_after(request: pytest.FixtureRequest) -> object:
     yield
     if "llm" in request.fixturenames:
-        eng = request.getfixturevalue("llm").engine
+        eng = request.getfixturevalue("llm").engine.core
         all_free(eng)
 
 
@@ -92,7 +92,7 @@ def test_bad_input_is_rejected_before_allocation(
 ) -> None:
     with pytest.raises(ValueError, match=message):
         llm.generate([prompt], params)  # type: ignore[list-item]
-    assert llm.engine.kv.num_free_blocks == llm.engine.kv.num_blocks
+    assert llm.engine.core.kv.num_free_blocks == llm.engine.core.kv.num_blocks
 
 
 def test_mismatched_params_list(llm: LLM) -> None:
@@ -178,7 +178,7 @@ def test_prompt_too_big_for_pool_fails_cleanly(tiny_llama_path: Path) -> None:
     out = small.generate([rand_tokens(100, 18), rand_tokens(10, 19)], GREEDY)
     assert out[0].finish_reason == "error" and "KV cache" in (out[0].error or "")
     assert out[1].finish_reason == "length"
-    all_free(small.engine)
+    all_free(small.engine.core)
 
 
 def test_abort_frees_blocks(llm: LLM) -> None:
@@ -191,13 +191,13 @@ def test_abort_frees_blocks(llm: LLM) -> None:
     )
     eng.step()
     eng.step()
-    assert eng.kv.num_free_blocks < eng.kv.num_blocks
+    assert eng.core.kv.num_free_blocks < eng.core.kv.num_blocks
     assert eng.abort("a")
     outs = {o.request_id: o for o in eng.step()}
     assert outs["a"].finished and outs["a"].finish_reason == "abort"
     eng.abort("b")
     eng.collect_outputs()
-    all_free(eng)
+    all_free(eng.core)
 
 
 def test_chat_messages(llm: LLM) -> None:
@@ -326,7 +326,7 @@ def test_partial_prefill_limit_admits_prompts_one_after_another(tiny_llama_path:
     running = []
     for _ in range(3):
         one.engine.step()
-        running.append(len(one.engine.scheduler.running))
+        running.append(len(one.engine.core.scheduler.running))
     assert running == [1, 2, 3]  # one admitted a step; the earlier ones decode meanwhile
     while one.engine.has_unfinished_requests():
         one.engine.step()

@@ -66,7 +66,7 @@ def test_engine_publishes_load_in_tokens(tiny_llama_path: object) -> None:
     eng.add_request(list(range(10, 74)), SamplingParams(max_tokens=4, ignore_eos=True))
     s = eng.get_stats()
     assert (s.queued_prefill_tokens, s.num_decoding, s.active_tokens) == (64, 0, 0)
-    assert s.step_tokens == eng.config.scheduler.max_num_batched_tokens
+    assert s.step_tokens == eng.core.config.scheduler.max_num_batched_tokens
     eng.step()
     s = eng.get_stats()
     assert (s.queued_prefill_tokens, s.num_decoding) == (0, 1)
@@ -75,7 +75,7 @@ def test_engine_publishes_load_in_tokens(tiny_llama_path: object) -> None:
         eng.step()
     # NOTE: how the tiny model's step time splits between overhead and decodes is noise;
     # the fit's accuracy is checked on known costs above.
-    assert (eng.step_rates.prefill_steps, eng.step_rates.decode_steps) == (1, 3)
+    assert (eng.core.step_rates.prefill_steps, eng.core.step_rates.decode_steps) == (1, 3)
     assert eng.get_stats().decode_seq_s >= 0
     # A waiting request counts only what the device tier does not hold for it: the first
     # prompt's 4 full blocks are cached.

@@ -92,7 +92,7 @@ def test_restart_after_graceful_close_serves_the_hot_prefix(
         llm.generate([first], GREEDY)[0].token_ids
         == reference.generate([first], GREEDY)[0].token_ids
     )
-    assert llm.engine.tiers is not None and llm.engine.tiers.counters.disk_stores == 0
+    assert llm.engine.core.tiers is not None and llm.engine.core.tiers.counters.disk_stores == 0
     assert llm.engine.close(timeout_s=30.0)
     assert len(block_files(tmp_path)) == (1024 + 20) // BS
 
@@ -114,12 +114,12 @@ def test_restart_after_graceful_close_serves_the_hot_prefix(
         disk_dir=str(tmp_path),
         warm_start_blocks=80,
     )
-    llm3.engine.load_warm_start(timeout_s=30.0)
-    assert llm3.engine.tiers is not None and llm3.engine.tiers.counters.warm_blocks >= 64
+    llm3.engine.core.load_warm_start(timeout_s=30.0)
+    assert llm3.engine.core.tiers is not None and llm3.engine.core.tiers.counters.warm_blocks >= 64
     out = llm3.generate([second], GREEDY)[0]
     assert out.token_ids == expected
     assert out.cached_tokens.cpu >= 0.98 * 1024 and out.cached_tokens.disk == 0
-    scales = llm3.engine.kv_scales
+    scales = llm3.engine.core.kv_scales
     assert (scales is None) == (kv == "auto") and (scales is None or scales.source == "disk")
     llm3.engine.close()
 
@@ -178,7 +178,7 @@ def test_two_engines_sharing_a_directory_keep_one_budget(
     tiny_llama_path: Path, reference: LLM, tmp_path: Path
 ) -> None:
     probe = make_llm(tiny_llama_path, num_device_blocks=8, num_cpu_blocks=0)
-    file_bytes = HEADER_BYTES + probe.engine.block_bytes
+    file_bytes = HEADER_BYTES + probe.engine.core.block_bytes
     budget_blocks = 48
     gib = budget_blocks * file_bytes / 2**30
     llms = [
@@ -222,11 +222,13 @@ def test_two_engines_sharing_a_directory_keep_one_budget(
     files = block_files(tmp_path)
     assert len(files) <= budget_blocks
     assert all(f.stat().st_size == file_bytes for f in files)
-    store = llms[0].engine.offload
+    store = llms[0].engine.core.offload
     assert store is not None and store.disk is not None
     # between scans each engine may run ahead of the budget by scan_every blocks
     assert peak[0] <= budget_blocks + 2 * store.disk.scan_every + 2 * 8
-    assert sum(s.disk.num_budget_deletes for s in (m.engine.offload for m in llms) if s and s.disk)
+    assert sum(
+        s.disk.num_budget_deletes for s in (m.engine.core.offload for m in llms) if s and s.disk
+    )
 
 
 def _unshare_works() -> bool:

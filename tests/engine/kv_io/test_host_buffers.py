@@ -72,10 +72,10 @@ def test_engine_reports_its_buffers_and_zeroes_the_cpu_tier(
         disk_read_cache_mib=1.0,
     )
     eng = llm.engine
-    assert eng.offload is not None and eng.offload.disk is not None
-    cpu = eng.offload.cpu_cache
+    assert eng.core.offload is not None and eng.core.offload.disk is not None
+    cpu = eng.core.offload.cpu_cache
     assert cpu.count_nonzero().item() == 0  # allocated and touched at start
-    block = eng.block_bytes
+    block = eng.core.block_bytes
     llm.generate([list(range(10, 200))], SamplingParams(max_tokens=4, ignore_eos=True))
     stats = eng.get_stats()
     by_name = {b.name: b for b in stats.buffers}

@@ -34,7 +34,7 @@ def make_llm(path: Path, **cfg: Any) -> LLM:
 def count_computed(llm: LLM) -> list[int]:
     """Wraps the runner so that box[0] counts the tokens each step computes."""
     box = [0]
-    runner = llm.engine.runner
+    runner = llm.engine.core.runner
     launch = runner.launch
 
     def counted(sched: StepRecord, *args: Any) -> Any:
@@ -46,19 +46,19 @@ def count_computed(llm: LLM) -> list[int]:
 
 
 def all_free(eng: LLMEngine) -> None:
-    eng.kv.check_integrity()
-    assert eng.kv.num_free_blocks == eng.kv.num_blocks, "device blocks leaked"
-    assert not eng.requests
-    if eng.tiers is not None:
-        eng.tiers.check_integrity()
-        assert not eng.tiers.swapped
-        assert all(b.ref_cnt == 0 for b in eng.tiers.cpu.blocks) or eng.tiers.pins
+    eng.core.kv.check_integrity()
+    assert eng.core.kv.num_free_blocks == eng.core.kv.num_blocks, "device blocks leaked"
+    assert not eng.core.requests
+    if eng.core.tiers is not None:
+        eng.core.tiers.check_integrity()
+        assert not eng.core.tiers.swapped
+        assert all(b.ref_cnt == 0 for b in eng.core.tiers.cpu.blocks) or eng.core.tiers.pins
 
 
 def close(llm: LLM) -> None:
     all_free(llm.engine)
-    if llm.engine.offload is not None:
-        llm.engine.offload.close()
+    if llm.engine.core.offload is not None:
+        llm.engine.core.offload.close()
 
 
 def tier(eng: LLMEngine, name: str) -> Any:
@@ -119,8 +119,8 @@ def test_outputs_identical_with_a_quarter_pool_through_cpu_and_disk(
         assert tokens(gen(llm, prompts, GREEDY)) == expected, f"turn {turn}"
         all_free(llm.engine)
     eng = llm.engine
-    assert eng.tiers is not None
-    c = eng.tiers.counters
+    assert eng.core.tiers is not None
+    c = eng.core.tiers.counters
     assert c.device_spills > 0 and c.cpu_swap_ins > 0
     if policy == "write-through":  # every block went to disk once, when computed
         assert c.disk_writes > 0 and c.disk_stores == 0 and c.disk_loads > 0
@@ -133,7 +133,9 @@ def test_outputs_identical_with_a_quarter_pool_through_cpu_and_disk(
     cpu, disk = tier(eng, "cpu"), tier(eng, "disk")
     assert cpu.hits > 0 and (disk.hits > 0 or policy == "selective")
     assert cpu.swap_ins == c.cpu_swap_ins and disk.swap_ins == c.disk_loads
-    assert cpu.bytes_moved == (c.device_spills + c.cpu_swap_ins + c.disk_stores) * eng.block_bytes
+    assert (
+        cpu.bytes_moved == (c.device_spills + c.cpu_swap_ins + c.disk_stores) * eng.core.block_bytes
+    )
     assert disk.dropped_writes == 0 and disk.disabled == 0
     close(llm)
 
@@ -150,7 +152,7 @@ def test_cpu_tier_serves_a_prefix_larger_than_the_pool_allows(
     assert tokens(gen(llm, [first], GREEDY)) == tokens(reference.generate([first], GREEDY))
     for i in range(2):  # traffic that needs the whole pool
         gen(llm, [rand_tokens(1000, 20 + i)], GREEDY)
-    assert llm.engine.kv.match_prefix(_seq_like(llm, [*prefix, 1])).num_tokens == 1024
+    assert llm.engine.core.kv.match_prefix(_seq_like(llm, [*prefix, 1])).num_tokens == 1024
     second = prefix + rand_tokens(30, 9)
     before = computed[0]
     out = gen(llm, [second], GREEDY)[0]
@@ -194,8 +196,8 @@ def _fill_disk(tiny_llama_path: Path, disk_dir: Path, seed: int, reference: LLM)
     assert tokens(gen(llm, [first], GREEDY)) == tokens(reference.generate([first], GREEDY))
     for i in range(3):
         gen(llm, [rand_tokens(700, 50 + i)], GREEDY)
-    assert llm.engine.offload is not None
-    llm.engine.offload.flush()
+    assert llm.engine.core.offload is not None
+    llm.engine.core.offload.flush()
     close(llm)
     return prefix
 
@@ -230,7 +232,7 @@ def test_corrupt_disk_block_is_a_clean_miss(
     out = gen(llm, [prompt], GREEDY)[0]
     assert out.token_ids == reference.generate([prompt], GREEDY)[0].token_ids
     assert out.cached_tokens.disk == 10 * BS  # the hits stop at the bad block
-    store = llm.engine.offload
+    store = llm.engine.core.offload
     assert store is not None and store.disk is not None
     assert store.disk.num_bad == 1
     store.flush()  # write-through wrote the recomputed block again, whole
@@ -242,12 +244,12 @@ def test_mismatched_disk_dir_is_ignored(
     tiny_llama_path: Path, tiny_qwen2_path: Path, tmp_path: Path
 ) -> None:
     llm = make_llm(tiny_llama_path, num_device_blocks=64, num_cpu_blocks=8, disk_dir=str(tmp_path))
-    assert llm.engine.tiers is not None and llm.engine.tiers.disk is not None
+    assert llm.engine.core.tiers is not None and llm.engine.core.tiers.disk is not None
     close(llm)
     other = make_llm(
         tiny_qwen2_path, num_device_blocks=64, num_cpu_blocks=8, disk_dir=str(tmp_path)
     )
-    assert other.engine.tiers is not None and other.engine.tiers.disk is None
+    assert other.engine.core.tiers is not None and other.engine.core.tiers.disk is None
     prompt = rand_tokens(100, 15)
     assert len(gen(other, [prompt], GREEDY)[0].token_ids) == GREEDY.max_tokens
     close(other)
@@ -268,9 +270,9 @@ def test_pinned_prefix_survives_pressure_until_ttl(tiny_llama_path: Path, refere
     assert hit.cached_tokens.device == 256, "pinned blocks stayed on the device"
     # The TTL passes (what step() does with a later clock).
     later = time.monotonic() + 61
-    eng.kv.expire_pins(later)
-    assert eng.tiers is not None
-    eng.tiers.expire_pins(later)
+    eng.core.kv.expire_pins(later)
+    assert eng.core.tiers is not None
+    eng.core.tiers.expire_pins(later)
     assert eng.get_stats().tiers[0].pinned_blocks == 0
     gen(llm, [rand_tokens(700, 19)], GREEDY)  # now the prefix may go (to the CPU tier)
     prompt = prefix + rand_tokens(8, 20)
@@ -302,17 +304,17 @@ def test_cpu_pins_keep_a_prefix_served_from_cpu(tiny_llama_path: Path) -> None:
     out = gen(llm, [[*prefix, 4]], params)[0]
     assert out.pinned is True and out.cached_tokens.cpu > 0
     eng = llm.engine
-    assert eng.tiers is not None
+    assert eng.core.tiers is not None
     assert tier(eng, "cpu").pinned_blocks == out.cached_tokens.cpu // BS
     # The blocks served from the CPU tier are pinned there (the others only on the device).
-    in_cpu = [h for h in eng.tiers.pins if eng.tiers.cpu.lookup(h) is not None]
+    in_cpu = [h for h in eng.core.tiers.pins if eng.core.tiers.cpu.lookup(h) is not None]
     assert len(in_cpu) == out.cached_tokens.cpu // BS
     for i in range(3):  # traffic through the CPU tier (fits beside the pinned blocks)
         gen(llm, [rand_tokens(500, 24 + i)], GREEDY)
-    assert eng.tiers.cpu.num_evictions > 0
-    assert all(eng.tiers.cpu.lookup(h) is not None for h in in_cpu)
-    eng.kv.expire_pins(float("inf"))
-    eng.tiers.expire_pins(float("inf"))
+    assert eng.core.tiers.cpu.num_evictions > 0
+    assert all(eng.core.tiers.cpu.lookup(h) is not None for h in in_cpu)
+    eng.core.kv.expire_pins(float("inf"))
+    eng.core.tiers.expire_pins(float("inf"))
     close(llm)
 
 
@@ -327,22 +329,27 @@ def test_swap_preemption_matches_recompute(
     cfg = dict(num_device_blocks=40, num_cpu_blocks=cpu_blocks, max_num_batched_tokens=128)
     recompute = make_llm(tiny_llama_path, **cfg)
     assert tokens(recompute.generate(prompts, params)) == expected
-    assert recompute.engine.scheduler.num_preemptions > 0
+    assert recompute.engine.core.scheduler.num_preemptions > 0
     close(recompute)
     swap = make_llm(tiny_llama_path, preemption_mode="swap", **cfg)
     assert tokens(swap.generate(prompts, params)) == expected
     eng = swap.engine
-    assert eng.scheduler.num_preemptions > 0 and eng.tiers is not None
+    assert eng.core.scheduler.num_preemptions > 0 and eng.core.tiers is not None
     if cpu_blocks == 512:
-        assert eng.tiers.counters.swap_outs > 0 and eng.tiers.counters.swapped_tail_tokens > 0
+        assert (
+            eng.core.tiers.counters.swap_outs > 0
+            and eng.core.tiers.counters.swapped_tail_tokens > 0
+        )
     else:  # too small to take most sequences: falls back to recompute
-        assert eng.tiers.counters.swap_outs < eng.scheduler.num_preemptions
+        assert eng.core.tiers.counters.swap_outs < eng.core.scheduler.num_preemptions
     close(swap)
 
 
 def test_tiers_off(tiny_llama_path: Path, tmp_path: Path) -> None:
     off = make_llm(tiny_llama_path, num_device_blocks=64, cpu_swap_gib=0)
-    assert off.engine.tiers is None and [t.name for t in off.engine.get_stats().tiers] == ["device"]
+    assert off.engine.core.tiers is None and [t.name for t in off.engine.get_stats().tiers] == [
+        "device"
+    ]
     close(off)
     with pytest.raises(ValueError, match="disk tier"):
         make_llm(tiny_llama_path, num_device_blocks=64, num_cpu_blocks=0, disk_dir=str(tmp_path))

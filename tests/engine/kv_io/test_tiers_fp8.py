@@ -57,22 +57,22 @@ def test_fp8_blocks_through_cpu_and_disk_give_the_fp8_outputs(
         max_num_seqs=2,
     )
     eng = llm.engine
-    assert eng.offload is not None and eng.offload.cpu_cache.dtype == FP8_DTYPE
+    assert eng.core.offload is not None and eng.core.offload.cpu_cache.dtype == FP8_DTYPE
     info = eng.model_info
-    assert eng.block_bytes == info.num_layers * 2 * BS * info.num_kv_heads * info.head_dim
+    assert eng.core.block_bytes == info.num_layers * 2 * BS * info.num_kv_heads * info.head_dim
     for turn in range(3):
         prompts = [s[turn] for s in work]
         expected = tokens(fp8_reference.generate(prompts, GREEDY))
         assert tokens(gen(llm, prompts, GREEDY)) == expected, f"turn {turn}"
-    assert eng.tiers is not None
-    c = eng.tiers.counters
+    assert eng.core.tiers is not None
+    c = eng.core.tiers.counters
     assert c.device_spills > 0 and c.cpu_swap_ins > 0 and c.disk_stores > 0 and c.disk_loads > 0
     assert tier(eng, "cpu").bytes_moved == (
-        (c.device_spills + c.cpu_swap_ins + c.disk_stores) * eng.block_bytes
+        (c.device_spills + c.cpu_swap_ins + c.disk_stores) * eng.core.block_bytes
     )
-    eng.offload.flush()
+    eng.core.offload.flush()
     files = list(tmp_path.glob("??/*.kv"))
-    assert files and {f.stat().st_size for f in files} == {HEADER_BYTES + eng.block_bytes}
+    assert files and {f.stat().st_size for f in files} == {HEADER_BYTES + eng.core.block_bytes}
     close(llm)
 
 
@@ -83,17 +83,17 @@ def test_restart_adopts_the_disk_scales_and_serves_fp8_blocks(
     first = fp8_llm(
         tiny_llama_path, num_device_blocks=48, num_cpu_blocks=40, disk_dir=str(tmp_path)
     )
-    scales = first.engine.kv_scales
+    scales = first.engine.core.kv_scales
     assert scales is not None and scales.source == "calibrated"
     gen(first, [prefix + rand_tokens(10, 1)], GREEDY)
     for i in range(3):  # push the prefix out of the device and CPU tiers
         gen(first, [rand_tokens(700, 50 + i)], GREEDY)
-    assert first.engine.offload is not None
-    first.engine.offload.flush()
+    assert first.engine.core.offload is not None
+    first.engine.core.offload.flush()
     close(first)
 
     llm = fp8_llm(tiny_llama_path, num_device_blocks=48, num_cpu_blocks=40, disk_dir=str(tmp_path))
-    restored = llm.engine.kv_scales
+    restored = llm.engine.core.kv_scales
     assert restored is not None and restored.source == "disk"
     assert (restored.k, restored.v) == (scales.k, scales.v)
     computed = count_computed(llm)
@@ -107,7 +107,7 @@ def test_restart_adopts_the_disk_scales_and_serves_fp8_blocks(
     # A float32 KV engine on the same folder: another KV encoding, the tier stays off.
     f32 = LLM(str(tiny_llama_path), dtype="float32", block_size=BS, num_device_blocks=48,
               num_cpu_blocks=40, disk_dir=str(tmp_path))  # fmt: skip
-    assert f32.engine.tiers is not None and f32.engine.tiers.disk is None
+    assert f32.engine.core.tiers is not None and f32.engine.core.tiers.disk is None
     assert len(gen(f32, [prompt], GREEDY)[0].token_ids) == MAX_TOKENS
     close(f32)
     hashes = hash_blocks(prefix, BS, _extra(llm))

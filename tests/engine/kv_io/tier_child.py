@@ -59,8 +59,8 @@ def fault(model: str, disk_dir: str, kind: str) -> None:
     outs: list[list[int]] = []
     for i, p in enumerate(prompts):
         if i == 4:
-            assert llm.engine.offload is not None
-            llm.engine.offload.flush()
+            assert llm.engine.core.offload is not None
+            llm.engine.core.offload.flush()
             if kind == "full":
                 signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # EFBIG instead of the signal
                 resource.setrlimit(resource.RLIMIT_FSIZE, (4096, resource.RLIM_INFINITY))

@@ -303,7 +303,7 @@ def _compiling_request(
     """A request (max_tokens=8) constrained to `pattern` whose grammar compile is held on the
     worker thread until the returned event is set."""
     gate = threading.Event()
-    pool = llm.engine.grammars
+    pool = llm.engine.core.grammars
     real = pool._compile
 
     def gated(fmt: ResponseFormat) -> object:
@@ -344,7 +344,9 @@ def test_abort_while_compiling(llm: LLM, monkeypatch: pytest.MonkeyPatch) -> Non
     while engine.has_unfinished_requests():
         engine.step()
     assert req.seqs[0].finish_reason == "abort"
-    assert not engine._grammar_waits or all(rid != req.request_id for rid in engine._grammar_waits)
+    assert not engine.core._grammar_waits or all(
+        rid != req.request_id for rid in engine.core._grammar_waits
+    )
 
 
 def test_preempted_request_gives_the_same_output(tiny_llama_path: Path) -> None:
@@ -389,7 +391,7 @@ def test_engine_close_stops_the_grammar_and_mask_workers(tiny_llama_path: Path) 
     llm = LLM(str(tiny_llama_path), num_device_blocks=64)
     fmt = ResponseFormat.choice(["yes", "no"])
     llm.generate("x", SamplingParams(temperature=0.0, max_tokens=4, response_format=fmt))
-    executors = [llm.engine.grammars._executor, llm.engine.records.masks._executor]
+    executors = [llm.engine.core.grammars._executor, llm.engine.core.records.masks._executor]
     assert all(e is not None for e in executors)
     workers = [t for e in executors for t in e._threads]  # type: ignore[union-attr]
     assert len(workers) == 2 and all(t.is_alive() for t in workers)
@@ -397,4 +399,7 @@ def test_engine_close_stops_the_grammar_and_mask_workers(tiny_llama_path: Path) 
     for t in workers:
         t.join(timeout=10)
         assert not t.is_alive()
-    assert llm.engine.grammars._executor is None and llm.engine.records.masks._executor is None
+    assert (
+        llm.engine.core.grammars._executor is None
+        and llm.engine.core.records.masks._executor is None
+    )

@@ -33,7 +33,7 @@ def test_engine_resolves_auto_once(tiny_llama_path: Path) -> None:
 
     llm = LLM(str(tiny_llama_path), dtype="auto", device="cpu", num_device_blocks=8)
     want = "bfloat16" if has_bf16_units() else "float32"
-    core = llm.engine
+    core = llm.engine.core
     assert core.config.model.dtype == want
     assert core.model_info.dtype == want
     assert core.dtype == getattr(torch, want)

@@ -162,17 +162,17 @@ def test_engine_sizes_fp8_blocks_by_their_bytes_and_calibrates(tiny_llama_path: 
     budget = {"device_memory_gib": 0.01, "num_cpu_blocks": 0}
     f32 = LLM(str(tiny_llama_path), dtype="float32", **budget).engine
     f8 = LLM(str(tiny_llama_path), dtype="float32", kv_cache_dtype="fp8_e4m3", **budget).engine
-    assert f8.block_bytes * 4 == f32.block_bytes
+    assert f8.core.block_bytes * 4 == f32.core.block_bytes
     n8, n32 = f8.model_info.num_device_blocks, f32.model_info.num_device_blocks
     assert 4 * n32 <= n8 < 4 * (n32 + 1)  # the same budget, floor-divided by a quarter the bytes
-    assert f8.runner.kv_cache.dtype == FP8_DTYPE and f8.model_info.kv_cache_dtype == "fp8_e4m3"
-    scales = f8.kv_scales
+    assert f8.core.runner.kv_cache.dtype == FP8_DTYPE and f8.model_info.kv_cache_dtype == "fp8_e4m3"
+    scales = f8.core.kv_scales
     assert scales is not None and scales.source == "calibrated"
     assert scales.num_layers == f8.model_info.num_layers
     for s in (*scales.k, *scales.v):
         assert math.log2(s) == round(math.log2(s))
     again = LLM(str(tiny_llama_path), dtype="float32", kv_cache_dtype="fp8_e4m3", **budget)
-    assert again.engine.kv_scales == scales  # deterministic: same model, same scales
+    assert again.engine.core.kv_scales == scales  # deterministic: same model, same scales
 
 
 def test_fp8_with_a_backend_that_cannot_is_refused(tiny_llama_path: Path) -> None:
