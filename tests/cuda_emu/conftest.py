@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.cuda_emu.emulator import find_compiler
+from tests.cuda_emu.emulator import Emulator, find_compiler
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -20,3 +20,12 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if item.path.is_relative_to(here):
             item.add_marker(skip)
+
+
+@pytest.fixture
+def emu(emulator: Emulator, monkeypatch: pytest.MonkeyPatch) -> Emulator:
+    """The module's `emulator` (its kernels compiled once) installed for one test: the CuPy
+    launches of that test run on the CPU."""
+    emulator.install(monkeypatch)
+    emulator.launches.clear()
+    return emulator

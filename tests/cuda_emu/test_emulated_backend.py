@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 import random
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -229,27 +230,20 @@ def test_copy_blocks(backend: CupyAttentionBackend) -> None:
     assert torch.equal(cache, expected)
 
 
-@pytest.fixture(scope="module")
-def llama64(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return build_tiny_llama(tmp_path_factory.mktemp("llama-d64"), hidden_size=256)
+def _torch_and_emulated(
+    path: Path,
+    prompts: list[list[int]],
+    params: Any,
+    kwargs: dict[str, object],
+    emulator: Emulator,
+    monkeypatch: pytest.MonkeyPatch,
+) -> tuple[list[list[int]], list[list[int]], set[str], Any]:
+    """(the torch backend's tokens, the emulated kernels' tokens, the kernels launched, the
+    emulated engine's LLM): the same engine twice, the second with the cupy backend's kernels
+    emulated on the CPU (its factory patched in)."""
+    from engine import LLM
 
-
-def test_engine_greedy_tokens_match_torch_backend(
-    llama64: Path, emulator: Emulator, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """Chunked prefill (budget 48), prefix caching and decode, 2 layers, float32."""
-    from engine import LLM, SamplingParams
-
-    rng = random.Random(0)
-    stem = [rng.randrange(10, 500) for _ in range(90)]
-    shapes = [(0, 5), (90, 3), (40, 30), (0, 70), (17, 1)]  # (shared stem tokens, own tokens)
-    prompts = [stem[:n] + [rng.randrange(10, 500) for _ in range(k)] for n, k in shapes]
-    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
-    kwargs: dict[str, object] = dict(
-        device="cpu", dtype="float32", num_device_blocks=128, max_num_batched_tokens=48
-    )
-
-    torch_llm = LLM(model=str(llama64), attention_backend="torch", **kwargs)
+    torch_llm = LLM(model=str(path), attention_backend="torch", **kwargs)
     expected = [o.token_ids for o in torch_llm.generate(prompts, params)]
 
     emulator.install(monkeypatch)
@@ -262,9 +256,35 @@ def test_engine_greedy_tokens_match_torch_backend(
 
     monkeypatch.setattr(engine.worker.worker, "get_attention_backend", emulated_backend)
     emulator.launches.clear()
-    cupy_llm = LLM(model=str(llama64), attention_backend="torch", **kwargs)  # patched factory
+    cupy_llm = LLM(model=str(path), attention_backend="torch", **kwargs)  # patched factory
     got = [o.token_ids for o in cupy_llm.generate(prompts, params)]
     used = {name.split("<")[0] for name, _, _ in emulator.launches}
+    return expected, got, used, cupy_llm
+
+
+@pytest.fixture(scope="module")
+def llama64(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_tiny_llama(tmp_path_factory.mktemp("llama-d64"), hidden_size=256)
+
+
+def test_engine_greedy_tokens_match_torch_backend(
+    llama64: Path, emulator: Emulator, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Chunked prefill (budget 48), prefix caching and decode, 2 layers, float32."""
+    from engine import SamplingParams
+
+    rng = random.Random(0)
+    stem = [rng.randrange(10, 500) for _ in range(90)]
+    shapes = [(0, 5), (90, 3), (40, 30), (0, 70), (17, 1)]  # (shared stem tokens, own tokens)
+    prompts = [stem[:n] + [rng.randrange(10, 500) for _ in range(k)] for n, k in shapes]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    kwargs: dict[str, object] = dict(
+        device="cpu", dtype="float32", num_device_blocks=128, max_num_batched_tokens=48
+    )
+
+    expected, got, used, _ = _torch_and_emulated(
+        llama64, prompts, params, kwargs, emulator, monkeypatch
+    )
     assert {"deja::paged_decode_kernel", "deja::paged_prefill_kernel"} <= used
     assert got == expected
 
@@ -281,7 +301,7 @@ def test_engine_sliding_window_tokens_match_torch_backend(
 ) -> None:
     """A Mistral with window 32 (every layer: the KV manager releases blocks): chunked prefill
     (budget 40), prefix caching and decode past the window, kernels against the torch backend."""
-    from engine import LLM, SamplingParams
+    from engine import SamplingParams
 
     rng = random.Random(1)
     stem = [rng.randrange(10, 500) for _ in range(100)]
@@ -291,22 +311,9 @@ def test_engine_sliding_window_tokens_match_torch_backend(
     kwargs: dict[str, object] = dict(
         device="cpu", dtype="float32", num_device_blocks=128, max_num_batched_tokens=40
     )
-    torch_llm = LLM(model=str(mistral64), attention_backend="torch", **kwargs)
-    expected = [o.token_ids for o in torch_llm.generate(prompts, params)]
-
-    emulator.install(monkeypatch)
-    import engine.worker.worker
-
-    def emulated_backend(name: str, device: torch.device) -> CupyAttentionBackend:
-        b = object.__new__(CupyAttentionBackend)
-        b._setup(device, fallback=False)
-        return b
-
-    monkeypatch.setattr(engine.worker.worker, "get_attention_backend", emulated_backend)
-    emulator.launches.clear()
-    cupy_llm = LLM(model=str(mistral64), attention_backend="torch", **kwargs)  # patched factory
+    expected, got, used, cupy_llm = _torch_and_emulated(
+        mistral64, prompts, params, kwargs, emulator, monkeypatch
+    )
     assert cupy_llm.engine.core.kv.sliding_window == 32
-    got = [o.token_ids for o in cupy_llm.generate(prompts, params)]
-    used = {name.split("<")[0] for name, _, _ in emulator.launches}
     assert {"deja::paged_decode_kernel", "deja::paged_prefill_kernel"} <= used
     assert got == expected

@@ -45,13 +45,6 @@ def emulator() -> Emulator:
     return Emulator(_names())
 
 
-@pytest.fixture
-def emu(emulator: Emulator, monkeypatch: pytest.MonkeyPatch) -> Emulator:
-    emulator.install(monkeypatch)
-    emulator.launches.clear()
-    return emulator
-
-
 def _fp8_cache(case: kref.PagedCase) -> torch.Tensor:
     """The case's cache after the new tokens' writes, quantized as the torch backend does."""
     full = kref.write_reference(case)

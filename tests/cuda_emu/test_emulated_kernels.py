@@ -45,13 +45,6 @@ def emulator() -> Emulator:
     return Emulator(_names())
 
 
-@pytest.fixture
-def emu(emulator: Emulator, monkeypatch: pytest.MonkeyPatch) -> Emulator:
-    emulator.install(monkeypatch)
-    emulator.launches.clear()
-    return emulator
-
-
 def _config_id(cfg: tuple[torch.dtype, int, int, int, int]) -> str:
     dtype, d, bs, hq, hkv = cfg
     return f"{str(dtype).removeprefix('torch.')}-d{d}-bs{bs}-h{hq}/{hkv}"

@@ -25,13 +25,6 @@ def emulator() -> Emulator:
     return Emulator(layers.instantiations())
 
 
-@pytest.fixture
-def emu(emulator: Emulator, monkeypatch: pytest.MonkeyPatch) -> Emulator:
-    emulator.install(monkeypatch)
-    emulator.launches.clear()
-    return emulator
-
-
 def _close(ours: torch.Tensor, ref: torch.Tensor, min_exact: float = 0.97) -> None:
     """Within one rounding step of the dtype everywhere; in 16-bit dtypes identical in most
     elements (in float32 a row's scale that differs in its last bit moves most of the row)."""

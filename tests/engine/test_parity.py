@@ -10,9 +10,9 @@ import random
 from pathlib import Path
 
 import pytest
-import torch
 
 from engine import LLM, SamplingParams
+from tests.support.reference import hf_greedy
 
 MAX_TOKENS = 12
 
@@ -30,27 +30,6 @@ def shared_prefix_prompts(vocab: int, n: int, max_len: int, seed: int) -> list[l
         keep = max(0, length - rng.randrange(0, 24))
         prompts.append(stem[:keep] + [rng.randrange(lo, vocab) for _ in range(length - keep)])
     return prompts
-
-
-def hf_greedy(path: Path, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-    model.eval()
-    outs = []
-    with torch.inference_mode():
-        for p in prompts:
-            ids = torch.tensor([p])
-            gen = model.generate(  # type: ignore[misc]
-                ids,
-                attention_mask=torch.ones_like(ids),
-                max_new_tokens=max_tokens,
-                min_new_tokens=max_tokens,
-                do_sample=False,
-                pad_token_id=0,
-            )
-            outs.append(gen[0, len(p) :].tolist())
-    return outs
 
 
 CONFIGS = {

@@ -12,13 +12,12 @@ from __future__ import annotations
 import random
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import pytest
-import torch
 
 from engine import LLM, SamplingParams
 from engine.testing.tiny_models import FAMILY_BUILDERS
+from tests.support.reference import hf_reference
 
 MAX_TOKENS = 10
 LOGPROB_TOL = 1e-3
@@ -46,36 +45,6 @@ def family_prompts(
         own = [rng.randrange(lo, vocab) for _ in range(length - keep)]
         prompts.append(stems[i % 2][:keep] + own)
     return prompts
-
-
-def hf_reference(
-    path: Path, prompts: list[list[int]], max_tokens: int, dtype: torch.dtype = torch.float32
-) -> tuple[list[list[int]], list[list[float]]]:
-    """transformers' greedy tokens and each chosen token's logprob (eager attention)."""
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="eager")
-    model.eval()
-    tokens, logprobs = [], []
-    out: Any
-    with torch.inference_mode():
-        for p in prompts:
-            ids = torch.tensor([p])
-            out = model.generate(  # type: ignore[misc]
-                ids,
-                attention_mask=torch.ones_like(ids),
-                max_new_tokens=max_tokens,
-                min_new_tokens=max_tokens,
-                do_sample=False,
-                pad_token_id=0,
-                output_logits=True,
-                return_dict_in_generate=True,
-            )
-            new = out.sequences[0, len(p) :].tolist()
-            steps = [torch.log_softmax(s[0].float(), dim=-1) for s in out.logits]
-            tokens.append(new)
-            logprobs.append([float(lp[t]) for lp, t in zip(steps, new, strict=True)])
-    return tokens, logprobs
 
 
 def engine_run(

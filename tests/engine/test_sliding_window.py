@@ -14,10 +14,10 @@ import random
 from pathlib import Path
 
 import pytest
-import torch
 
 from engine import LLM, SamplingParams
 from engine.testing.tiny_models import build_tiny_mistral, build_tiny_qwen2_sliding
+from tests.support.reference import hf_greedy
 
 WINDOW = 64
 MAX_TOKENS = 24
@@ -46,26 +46,7 @@ def window_prompts(vocab: int, seed: int) -> list[list[int]]:
 
 
 def hf_greedy_eager(path: Path, prompts: list[list[int]]) -> list[list[int]]:
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(
-        path, dtype=torch.float32, attn_implementation="eager"
-    )
-    model.eval()
-    outs = []
-    with torch.inference_mode():
-        for p in prompts:
-            ids = torch.tensor([p])
-            gen = model.generate(  # type: ignore[misc]
-                ids,
-                attention_mask=torch.ones_like(ids),
-                max_new_tokens=MAX_TOKENS,
-                min_new_tokens=MAX_TOKENS,
-                do_sample=False,
-                pad_token_id=0,
-            )
-            outs.append(gen[0, len(p) :].tolist())
-    return outs
+    return hf_greedy(path, prompts, MAX_TOKENS, attn_implementation="eager")
 
 
 CONFIGS: dict[str, dict[str, object]] = {
