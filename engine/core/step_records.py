@@ -52,33 +52,42 @@ class StepRecords:
             self._appended.append((seq.seq_id, seq.token_ids[-1]))
 
     def build(self, sched: SchedulerOutput, tables: list[list[int]]) -> RecordedStep:
-        record = StepRecord(sched.plan, block_tables=tables)
+        scheduled = sched.scheduled
+        seqs = [item.seq for item in scheduled]
+        record = StepRecord(
+            sched.plan,
+            [seq.seq_id for seq in seqs],
+            [item.num_new_tokens for item in scheduled],
+            [item.start for item in scheduled],
+            tables,
+        )
         record.finished, self._finished = self._finished, []
         record.appended, self._appended = self._appended, []
+        if not all([seq.on_worker for seq in seqs]):
+            for seq in seqs:
+                if not seq.on_worker:
+                    self._introduce(seq, record)
         step = RecordedStep(record)
         owners, samples, fan_out = step.owners, record.samples, record.fan_out
-        seq_ids, starts, num_new = record.seq_ids, record.starts, record.num_new_tokens
-        for i, item in enumerate(sched.scheduled):
+        for i, item in enumerate(scheduled):
             seq = item.seq
-            start, n = item.start, item.num_new_tokens
-            seq_ids.append(seq.seq_id)
-            starts.append(start)
-            num_new.append(n)
-            if not seq.on_worker:
-                self._introduce(seq, record)
-            if start + n != len(seq.token_ids) + seq.num_pending:
+            if item.start + item.num_new_tokens != len(seq.token_ids) + seq.num_pending:
                 continue  # a prefill chunk short of the prompt's end: nothing to sample
             req = seq.request
-            if req.beam is not None:
+            if req.forked and req.beam is None:  # a running sample: one row, the common case
+                samples.append(i)
+                owners.append((item, 1))
+            elif req.beam is not None:
                 if all(r is not req for r, _ in step.beam_groups):
                     step.beam_groups.append((req, list(req.seqs)))
-                continue
-            rows = 1 if req.forked else req.params.num_samples
-            if rows > 1:
-                fan_out[i] = rows
-            samples.append(i)
-            owners.append((item, rows))
-        record.beams = [_ranking(req, beams) for req, beams in step.beam_groups]
+            else:  # a request's first token: n rows, its samples fork after it
+                rows = req.params.num_samples
+                if rows > 1:
+                    fan_out[i] = rows
+                samples.append(i)
+                owners.append((item, rows))
+        if step.beam_groups:
+            record.beams = [_ranking(req, beams) for req, beams in step.beam_groups]
         if any(item.seq.grammar is not None for item, _ in owners):
             record.token_mask = self._start_mask(owners)
         return step

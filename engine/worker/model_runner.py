@@ -104,6 +104,8 @@ class ModelRunner:
     """The step's flat batch, in buffers that persist across steps."""
     seqs: SeqStates = field(init=False)
     """Every sequence the core has told this worker of (engine/worker/seq_state.py)."""
+    _plan_key: tuple[list[int], list[int], list[int]] | None = field(init=False, default=None)
+    _plan: _SamplingPlan | None = field(init=False, default=None)
 
     def __post_init__(self) -> None:
         self.inputs = InputBatch(self.block_size, self.device)
@@ -243,6 +245,18 @@ class ModelRunner:
         return top_candidates(logits, self.sampler.vocab_size, rows)
 
     def _sampling_plan(self, record: StepRecord, states: list[SeqState]) -> _SamplingPlan:
+        """The step's sampling rows. A step that samples the same sequences as the one before,
+        one row each (a steady decode), reuses that step's plan: its rows live as long as their
+        sequences."""
+        key = (record.seq_ids, record.num_new_tokens, record.samples)
+        steady = not record.fan_out and not record.beams
+        if steady and self._plan is not None and self._plan_key == key:
+            return self._plan
+        plan = self._new_sampling_plan(record, states)
+        self._plan_key, self._plan = (key, plan) if steady else (None, plan)
+        return plan
+
+    def _new_sampling_plan(self, record: StepRecord, states: list[SeqState]) -> _SamplingPlan:
         plan = _SamplingPlan([], [], [])
         rows, row_index, takers = plan.rows, plan.row_index, plan.takers
         num_new = record.num_new_tokens

@@ -67,6 +67,8 @@ class SeqStates:
     device: torch.device
     seqs: dict[int, SeqState] = field(default_factory=dict)
     requests: dict[str, RequestState] = field(default_factory=dict)
+    _last_ids: list[int] = field(default_factory=list)
+    _last_states: list[SeqState] = field(default_factory=list)
 
     def update(self, record: StepRecord) -> list[SeqState]:
         """Takes in the record's news (the core's tokens, finished and new sequences); returns
@@ -78,7 +80,10 @@ class SeqStates:
             self._forget(seq_id)
         for new in record.new_seqs:
             self._learn(new)
-        return [seqs[i] for i in record.seq_ids]
+        ids = record.seq_ids
+        if ids != self._last_ids:  # a steady decode schedules the same sequences every step
+            self._last_ids, self._last_states = ids, [seqs[i] for i in ids]
+        return self._last_states
 
     def _learn(self, new: NewSequence) -> None:
         req = self.requests.get(new.request_id)
