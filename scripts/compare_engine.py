@@ -8,7 +8,8 @@ better):
 - `deja bench latency --model demo --skip-transformers`: one user over gRPC, the served decode
   tok/s and TTFT.
 
-Each tree runs its own benchmarks' code (a git worktree for the old one).
+Each tree runs its own benchmarks' code (a git worktree for the old one); the order of the two
+trees flips every repetition (ABBA), since this kind of VM drifts by 10-20% over half an hour.
 
     .venv/bin/python scripts/compare_engine.py OLD_COMMIT [--reps 3] [--only step,peer,latency]
 """
@@ -28,31 +29,35 @@ ROOT = Path(__file__).resolve().parents[1]
 
 BENCHES = {
     "step": [
-        ("batch-1 steps/s", ["bench.step", "--model", "tiny", "--batches", "1,256", "--steps", "200"],
+        ("batch-1 steps/s", ["bench", "step", "--model", "tiny", "--batches", "1,256", "--steps", "200"],
          lambda j: 1000.0 / j["results"][0]["ms"]["step"], True),
         ("batch-1 host ms", None, lambda j: j["results"][0]["ms"]["host"], False),
         ("batch-256 host ms", None, lambda j: j["results"][1]["ms"]["host"], False),
     ],
     "peer": [
-        ("offline tok/s", ["bench.peer", "--model", "demo"],
+        ("offline tok/s", ["bench", "peer", "--model", "demo"],
          lambda j: j["deja"]["offline_tok_s"], True),
         ("batch-1 decode tok/s", None, lambda j: j["deja"]["decode_tok_s"], True),
     ],
     "latency": [
-        ("served decode tok/s", ["bench.latency", "--model", "demo", "--skip-transformers",
+        ("served decode tok/s", ["bench", "latency", "--model", "demo", "--skip-transformers",
                                  "--repeats", "5"],
-         lambda j: j["results"]["served"]["decode_tok_s"], True),
-        ("served TTFT ms", None, lambda j: j["results"]["served"]["ttft_ms"], False),
+         lambda j: _served(j)["decode_tok_s_p50"], True),
+        ("served TTFT ms", None, lambda j: _served(j)["ttft_ms_p50"], False),
     ],
 }  # fmt: skip
 """bench -> [(figure, command (first figure of a bench only), reader of its JSON, higher is
 better)]."""
 
 
+def _served(result: dict) -> dict:
+    return next(v for k, v in result["results"].items() if k.startswith("served"))
+
+
 def run_bench(tree: Path, argv: list[str]) -> dict:
     with tempfile.NamedTemporaryFile(suffix=".json") as out:
         env = {**os.environ, "PYTHONPATH": str(tree), "HF_HUB_OFFLINE": "1"}
-        cmd = [sys.executable, "-m", *argv, "--json", out.name]
+        cmd = [sys.executable, "-m", "service.cli", *argv, "--json", out.name]
         subprocess.run(cmd, cwd=tree, env=env, check=True, stdout=subprocess.DEVNULL)
         return json.loads(Path(out.name).read_text())
 
@@ -70,8 +75,10 @@ def main() -> int:
                        check=True, capture_output=True)  # fmt: skip
         try:
             figures: dict[tuple[str, str], list[float]] = {}
+            trees = [(args.old, old), ("working tree", ROOT)]
             for rep in range(args.reps):
-                for name, tree in ((args.old, old), ("working tree", ROOT)):
+                # ABBA: the order flips every rep, so a machine that drifts favours neither tree
+                for name, tree in trees if rep % 2 == 0 else trees[::-1]:
                     for bench in benches:
                         spec = BENCHES[bench]
                         result = run_bench(tree, spec[0][1])

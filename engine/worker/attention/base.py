@@ -53,6 +53,15 @@ class AttentionMetadata:
         return self.max_query_len == 1
 
 
+@dataclass(frozen=True, slots=True)
+class AttendOptions:
+    """One layer's attention settings (None: off; semantics in `AttentionBackend.forward`)."""
+
+    scale: float
+    sliding_window: int | None = None
+    logits_soft_cap: float | None = None
+
+
 class AttentionBackend(ABC):
     """Writes new K/V into the paged cache and attends each sequence over its block table.
 
@@ -163,7 +172,6 @@ class AttentionBackend(ABC):
         """Writes the new K/V (k/v: [T, Hkv, D]) into their slots of kv_cache: [2, NB, BS, Hkv, D];
         padding tokens (negative slots) are skipped."""
 
-    @abstractmethod
     def attend(
         self,
         q: torch.Tensor,
@@ -176,6 +184,16 @@ class AttentionBackend(ABC):
     ) -> torch.Tensor:
         """q: [T, Hq, D] over kv_cache (new K/V already written) -> out [T, Hq, D]; padding
         tokens after the last sequence get zeros. Options as in `forward`."""
+        self.check_options(sliding_window, logits_soft_cap)
+        return self._attend(
+            q, kv_cache, meta, AttendOptions(scale, sliding_window, logits_soft_cap)
+        )
+
+    @abstractmethod
+    def _attend(
+        self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, opts: AttendOptions
+    ) -> torch.Tensor:
+        """`attend`, its options checked."""
 
     @staticmethod
     def check_options(sliding_window: int | None, logits_soft_cap: float | None) -> None:

@@ -27,7 +27,7 @@ import logging
 
 import torch
 
-from engine.worker.attention.base import AttentionBackend, AttentionMetadata
+from engine.worker.attention.base import AttendOptions, AttentionBackend, AttentionMetadata
 from engine.worker.attention.kv_quant import KVScales, is_fp8, quantize_fp8
 from engine.worker.attention.torch_ref import TorchAttentionBackend
 
@@ -141,17 +141,14 @@ class CpuPagedAttentionBackend(AttentionBackend):
             return "a non-contiguous cache view"
         return None
 
-    def attend(
-        self,
-        q: torch.Tensor,
-        kv_cache: torch.Tensor,
-        meta: AttentionMetadata,
-        scale: float,
-        *,
-        sliding_window: int | None = None,
-        logits_soft_cap: float | None = None,
+    def _attend(
+        self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, opts: AttendOptions
     ) -> torch.Tensor:
-        self.check_options(sliding_window, logits_soft_cap)
+        scale, sliding_window, logits_soft_cap = (
+            opts.scale,
+            opts.sliding_window,
+            opts.logits_soft_cap,
+        )
         reason = self.unsupported(q, kv_cache)
         if reason is not None:
             if reason not in self.fallback_reasons:
@@ -160,14 +157,7 @@ class CpuPagedAttentionBackend(AttentionBackend):
             if not self._fallback_in_use:
                 self._fallback_in_use = True
                 self._fallback.prepare(meta)
-            return self._fallback.attend(
-                q,
-                kv_cache,
-                meta,
-                scale,
-                sliding_window=sliding_window,
-                logits_soft_cap=logits_soft_cap,
-            )
+            return self._fallback._attend(q, kv_cache, meta, opts)
         self._writes(meta)  # the step's split (prepare) for this metadata
         scales = self.layer_scales(kv_cache) if is_fp8(kv_cache) else None
         num_queries = sum(meta.query_lens_cpu)

@@ -28,7 +28,7 @@ from cuda.cupy_launch import (
     attention_supports,
     import_cupy,
 )
-from engine.worker.attention.base import AttentionBackend, AttentionMetadata
+from engine.worker.attention.base import AttendOptions, AttentionBackend, AttentionMetadata
 from engine.worker.attention.kv_quant import KVScales, is_fp8
 from engine.worker.attention.torch_ref import TorchAttentionBackend
 
@@ -98,27 +98,17 @@ class CupyAttentionBackend(AttentionBackend):
             _kernel_rows(k), _kernel_rows(v), kv_cache, meta.slot_mapping, *self._scales(kv_cache)
         )
 
-    def attend(
-        self,
-        q: torch.Tensor,
-        kv_cache: torch.Tensor,
-        meta: AttentionMetadata,
-        scale: float,
-        *,
-        sliding_window: int | None = None,
-        logits_soft_cap: float | None = None,
+    def _attend(
+        self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, opts: AttendOptions
     ) -> torch.Tensor:
-        self.check_options(sliding_window, logits_soft_cap)
+        scale, sliding_window, logits_soft_cap = (
+            opts.scale,
+            opts.sliding_window,
+            opts.logits_soft_cap,
+        )
         fallback = self._fallback_for(q, kv_cache)
         if fallback is not None:
-            return fallback.attend(
-                q,
-                kv_cache,
-                meta,
-                scale,
-                sliding_window=sliding_window,
-                logits_soft_cap=logits_soft_cap,
-            )
+            return fallback._attend(q, kv_cache, meta, opts)
         num_tokens, num_heads, head_dim = q.shape
         q = _kernel_rows(q)
         out = torch.empty((num_tokens, num_heads, head_dim), dtype=q.dtype, device=q.device)

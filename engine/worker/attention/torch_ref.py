@@ -34,7 +34,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from engine.worker.attention.base import AttentionBackend, AttentionMetadata
+from engine.worker.attention.base import AttendOptions, AttentionBackend, AttentionMetadata
 from engine.worker.attention.kv_quant import dequantize_fp8, is_fp8, quantize_fp8
 
 
@@ -188,17 +188,14 @@ class TorchAttentionBackend(AttentionBackend):
                 codes = quantize_fp8(new, scales[i]).view(torch.uint8)
                 cache[i].view(torch.uint8).index_copy_(0, plan.write_slots, codes)
 
-    def attend(
-        self,
-        q: torch.Tensor,
-        kv_cache: torch.Tensor,
-        meta: AttentionMetadata,
-        scale: float,
-        *,
-        sliding_window: int | None = None,
-        logits_soft_cap: float | None = None,
+    def _attend(
+        self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, opts: AttendOptions
     ) -> torch.Tensor:
-        self.check_options(sliding_window, logits_soft_cap)
+        scale, sliding_window, logits_soft_cap = (
+            opts.scale,
+            opts.sliding_window,
+            opts.logits_soft_cap,
+        )
         plan = self._plan_for(meta)
         kv_scales = self.layer_scales(kv_cache) if is_fp8(kv_cache) else None
         rows = [
