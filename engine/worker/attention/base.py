@@ -20,6 +20,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -53,8 +54,7 @@ class AttentionMetadata:
         return self.max_query_len == 1
 
 
-@dataclass(frozen=True, slots=True)
-class AttendOptions:
+class AttendOptions(NamedTuple):
     """One layer's attention settings (None: off; semantics in `AttentionBackend.forward`)."""
 
     scale: float
@@ -155,15 +155,9 @@ class AttentionBackend(ABC):
         """
         if self.kv_observer is not None:
             self.kv_observer(self.layer_of(kv_cache), k, v)
+        self.check_options(sliding_window, logits_soft_cap)
         self.write_kv(k, v, kv_cache, meta)
-        return self.attend(
-            q,
-            kv_cache,
-            meta,
-            scale,
-            sliding_window=sliding_window,
-            logits_soft_cap=logits_soft_cap,
-        )
+        return self.attend(q, kv_cache, meta, AttendOptions(scale, sliding_window, logits_soft_cap))
 
     @abstractmethod
     def write_kv(
@@ -172,28 +166,12 @@ class AttentionBackend(ABC):
         """Writes the new K/V (k/v: [T, Hkv, D]) into their slots of kv_cache: [2, NB, BS, Hkv, D];
         padding tokens (negative slots) are skipped."""
 
-    def attend(
-        self,
-        q: torch.Tensor,
-        kv_cache: torch.Tensor,
-        meta: AttentionMetadata,
-        scale: float,
-        *,
-        sliding_window: int | None = None,
-        logits_soft_cap: float | None = None,
-    ) -> torch.Tensor:
-        """q: [T, Hq, D] over kv_cache (new K/V already written) -> out [T, Hq, D]; padding
-        tokens after the last sequence get zeros. Options as in `forward`."""
-        self.check_options(sliding_window, logits_soft_cap)
-        return self._attend(
-            q, kv_cache, meta, AttendOptions(scale, sliding_window, logits_soft_cap)
-        )
-
     @abstractmethod
-    def _attend(
+    def attend(
         self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, opts: AttendOptions
     ) -> torch.Tensor:
-        """`attend`, its options checked."""
+        """q: [T, Hq, D] over kv_cache (new K/V already written) -> out [T, Hq, D]; padding
+        tokens after the last sequence get zeros. `opts` (checked) as in `forward`."""
 
     @staticmethod
     def check_options(sliding_window: int | None, logits_soft_cap: float | None) -> None:

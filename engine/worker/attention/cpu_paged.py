@@ -141,14 +141,10 @@ class CpuPagedAttentionBackend(AttentionBackend):
             return "a non-contiguous cache view"
         return None
 
-    def _attend(
+    def attend(
         self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, opts: AttendOptions
     ) -> torch.Tensor:
-        scale, sliding_window, logits_soft_cap = (
-            opts.scale,
-            opts.sliding_window,
-            opts.logits_soft_cap,
-        )
+        scale, sliding_window, logits_soft_cap = opts
         reason = self.unsupported(q, kv_cache)
         if reason is not None:
             if reason not in self.fallback_reasons:
@@ -157,7 +153,7 @@ class CpuPagedAttentionBackend(AttentionBackend):
             if not self._fallback_in_use:
                 self._fallback_in_use = True
                 self._fallback.prepare(meta)
-            return self._fallback._attend(q, kv_cache, meta, opts)
+            return self._fallback.attend(q, kv_cache, meta, opts)
         self._writes(meta)  # the step's split (prepare) for this metadata
         scales = self.layer_scales(kv_cache) if is_fp8(kv_cache) else None
         num_queries = sum(meta.query_lens_cpu)
@@ -184,7 +180,7 @@ class CpuPagedAttentionBackend(AttentionBackend):
             )
         if plain and self._prefill_meta is not None:
             rows = self._prefill.attend(
-                q[self._prefill_tokens], kv_cache, self._prefill_meta, scale
+                q[self._prefill_tokens], kv_cache, self._prefill_meta, AttendOptions(scale)
             )
             out[self._prefill_tokens] = rows
         return out

@@ -98,17 +98,13 @@ class CupyAttentionBackend(AttentionBackend):
             _kernel_rows(k), _kernel_rows(v), kv_cache, meta.slot_mapping, *self._scales(kv_cache)
         )
 
-    def _attend(
+    def attend(
         self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, opts: AttendOptions
     ) -> torch.Tensor:
-        scale, sliding_window, logits_soft_cap = (
-            opts.scale,
-            opts.sliding_window,
-            opts.logits_soft_cap,
-        )
+        scale, sliding_window, logits_soft_cap = opts
         fallback = self._fallback_for(q, kv_cache)
         if fallback is not None:
-            return fallback._attend(q, kv_cache, meta, opts)
+            return fallback.attend(q, kv_cache, meta, opts)
         num_tokens, num_heads, head_dim = q.shape
         q = _kernel_rows(q)
         out = torch.empty((num_tokens, num_heads, head_dim), dtype=q.dtype, device=q.device)

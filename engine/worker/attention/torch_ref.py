@@ -188,14 +188,10 @@ class TorchAttentionBackend(AttentionBackend):
                 codes = quantize_fp8(new, scales[i]).view(torch.uint8)
                 cache[i].view(torch.uint8).index_copy_(0, plan.write_slots, codes)
 
-    def _attend(
+    def attend(
         self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, opts: AttendOptions
     ) -> torch.Tensor:
-        scale, sliding_window, logits_soft_cap = (
-            opts.scale,
-            opts.sliding_window,
-            opts.logits_soft_cap,
-        )
+        scale, sliding_window, logits_soft_cap = opts
         plan = self._plan_for(meta)
         kv_scales = self.layer_scales(kv_cache) if is_fp8(kv_cache) else None
         rows = [
