@@ -30,6 +30,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from clients.health import wait_serving
+from service.common.processes import stop_gracefully
 
 
 def deja_argv(*args: str) -> list[str]:
@@ -139,14 +140,8 @@ class ProcessGroup:
     def stop(self, name: str, timeout_s: float = 30.0) -> None:
         """SIGTERM (drain), then SIGKILL after `timeout_s`."""
         proc = self.procs.get(name)
-        if proc is None or proc.poll() is not None:
-            return
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout=30)
+        if proc is not None:
+            stop_gracefully(proc, timeout_s)
 
     def stop_all(self, timeout_s: float = 10.0) -> None:
         for proc in self.procs.values():

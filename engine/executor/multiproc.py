@@ -38,19 +38,8 @@ from engine.kv_io.offload import DiskOp, KVOffload
 from engine.worker.attention.kv_quant import KVScales
 from engine.worker.model_loader import read_hf_config
 from engine.worker.model_runner import StepHandle
+from engine.worker.parallel import messages
 from engine.worker.parallel.group import TPGroup, check_shapes, init_group
-from engine.worker.parallel.messages import (
-    Allocate,
-    Calibrate,
-    DiskOps,
-    Failed,
-    Probe,
-    Probed,
-    Step,
-    StepBatch,
-    Stop,
-    WorkerSpec,
-)
 from engine.worker.step_record import StepRecord
 from engine.worker.worker import Worker, rank_device
 
@@ -61,7 +50,7 @@ READY_TIMEOUT_S = 1800.0
 """Longest a worker may take to load its shard."""
 
 
-def _spawn(spec: WorkerSpec) -> tuple[subprocess.Popen[bytes], Connection]:
+def _spawn(spec: messages.WorkerSpec) -> tuple[subprocess.Popen[bytes], Connection]:
     """`python -m engine.worker.parallel.worker FD` with one end of a socket pair as FD.
 
     NOTE: a subprocess, not multiprocessing: the engine core is itself a daemonic
@@ -88,7 +77,7 @@ killed."""
 def _stop(procs: list[subprocess.Popen[bytes]], conns: list[Connection], store_dir: str) -> None:
     for conn in conns:
         with contextlib.suppress(Exception):
-            conn.send_bytes(pickle.dumps(Stop()))
+            conn.send_bytes(pickle.dumps(messages.Stop()))
         with contextlib.suppress(Exception):
             conn.close()
     deadline = time.monotonic() + STOP_WAIT_S
@@ -128,7 +117,7 @@ class MultiprocExecutor(Executor):
         self.conns: list[Connection] = []
         self._finalizer = weakref.finalize(self, _stop, self.procs, self.conns, self._store_dir)
         for rank in range(1, world):
-            spec = WorkerSpec(config, rank, world, store, threads, os.getpid())
+            spec = messages.WorkerSpec(config, rank, world, store, threads, os.getpid())
             proc, conn = _spawn(spec)
             self.procs.append(proc)
             self.conns.append(conn)
@@ -153,7 +142,7 @@ class MultiprocExecutor(Executor):
     def _calibrate(self, prompts: list[list[int]]) -> None:
         """Starts the fp8 KV-scale calibration pass on the workers (engine/worker/
         kv_calibration.py); rank 0 then runs its own, and the passes meet in their collectives."""
-        self._send(Calibrate(prompts))
+        self._send(messages.Calibrate(prompts))
 
     def allocate_followers(
         self,
@@ -171,7 +160,7 @@ class MultiprocExecutor(Executor):
             offload.disk.peers_probe = self.probe
             self._disk_ops = offload.disk_ops
         scales = None if kv_scales is None else kv_scales.to_json()
-        msg = pickle.dumps(Allocate(num_device_blocks, num_cpu_blocks, manifest, scales))
+        msg = pickle.dumps(messages.Allocate(num_device_blocks, num_cpu_blocks, manifest, scales))
         for conn in self.conns:
             conn.send_bytes(msg)
         deadline = time.monotonic() + READY_TIMEOUT_S
@@ -182,13 +171,15 @@ class MultiprocExecutor(Executor):
                         f"tensor-parallel rank {rank} did not start (exit {proc.poll()})"
                     )
             reply = pickle.loads(conn.recv_bytes())
-            if isinstance(reply, Failed):
+            if isinstance(reply, messages.Failed):
                 raise RuntimeError(f"tensor-parallel worker failed to start: {reply.message}")
         threading.Thread(target=self._watch, name="deja-tp-watch", daemon=True).start()
 
-    def send_step(self, plan: KVPlan, batch: StepBatch | None, logit_rows: list[int]) -> None:
+    def send_step(
+        self, plan: KVPlan, batch: messages.StepBatch | None, logit_rows: list[int]
+    ) -> None:
         """Sends one step to every worker (before rank 0's own forward)."""
-        self._send(Step(plan, batch, logit_rows))
+        self._send(messages.Step(plan, batch, logit_rows))
 
     def _send(self, msg: Any) -> None:
         """To every worker, after the disk writes and deletes recorded since the last message
@@ -197,7 +188,7 @@ class MultiprocExecutor(Executor):
             raise RuntimeError(self.failed)
         data = [] if msg is None else [pickle.dumps(msg, pickle.HIGHEST_PROTOCOL)]
         if self._disk_ops:
-            data.insert(0, pickle.dumps(DiskOps(list(self._disk_ops))))
+            data.insert(0, pickle.dumps(messages.DiskOps(list(self._disk_ops))))
             self._disk_ops.clear()
         try:
             for conn in self.conns:
@@ -209,13 +200,13 @@ class MultiprocExecutor(Executor):
     def probe(self, block_hash: BlockHash) -> bool:
         """Whether every worker holds its share of the block on disk (verified into its read
         buffer for this step's load); rank 0's disk files ask before counting a hit."""
-        self._send(Probe(block_hash))
+        self._send(messages.Probe(block_hash))
         found = True
         for rank, (proc, conn) in enumerate(zip(self.procs, self.conns, strict=True), 1):
             while not conn.poll(WATCH_INTERVAL_S):
                 if proc.poll() is not None or self.failed is not None:
                     raise RuntimeError(self.failed or f"tensor-parallel rank {rank} exited")
-            reply: Probed = pickle.loads(conn.recv_bytes())
+            reply: messages.Probed = pickle.loads(conn.recv_bytes())
             found = reply.found and found
         return found
 

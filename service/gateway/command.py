@@ -42,6 +42,7 @@ from pathlib import Path
 from service.common.engine_args import DEFAULT_CACHE_DIR, DEFAULT_MODEL
 from service.common.flags import add_flag, add_list_flag
 from service.common.ports import free_port
+from service.common.processes import stop_gracefully
 
 log = logging.getLogger("deja.gateway")
 POLICIES = ("cache_aware", "round_robin", "random", "power_of_two", "least_load", "prefix_hash")
@@ -167,13 +168,7 @@ class Children:
 
     def stop(self, timeout_s: float = 30.0) -> None:
         for _name, proc in reversed(self.procs):
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
-                try:
-                    proc.wait(timeout_s)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
-                    proc.wait()
+            stop_gracefully(proc, timeout_s)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -109,18 +109,6 @@ def serving(model: Path, tmp_path: Path, grace: float) -> Iterator[Served]:
             os.kill(core, signal.SIGKILL)
 
 
-def stop_gracefully(proc: subprocess.Popen[bytes], timeout_s: float) -> None:
-    """SIGTERM, then SIGKILL if it has not exited within `timeout_s`; waits for it either way."""
-    if proc.poll() is not None:
-        return
-    proc.send_signal(signal.SIGTERM)
-    try:
-        proc.wait(timeout_s)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
-
-
 def one_token_completion(port: int, model: str, api_key: str) -> int:
     """The HTTP status of a one-token completion through an SMG gateway on `port`.
 

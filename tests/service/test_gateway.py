@@ -28,12 +28,12 @@ from openai import APIStatusError, AuthenticationError, OpenAI
 
 from clients.client import DejaClient
 from service.common.ports import free_port
+from service.common.processes import stop_gracefully
 from service.gateway.command import serve_command
 from tests.service.serving import (
     alive,
     core_of,
     one_token_completion,
-    stop_gracefully,
     wait_serving,
 )
 from tests.support.waiting import wait_until_sync

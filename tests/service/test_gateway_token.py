@@ -25,7 +25,8 @@ from smg_grpc_proto.generated import vllm_engine_pb2_grpc as vpb_grpc
 
 from clients.client import DejaClient
 from service.common.ports import free_port
-from tests.service.serving import one_token_completion, stop_gracefully
+from service.common.processes import stop_gracefully
+from tests.service.serving import one_token_completion
 from tests.support.waiting import wait_until_sync
 
 pytestmark = pytest.mark.slow

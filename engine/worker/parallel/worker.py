@@ -20,19 +20,8 @@ from typing import Any
 
 import torch
 
+from engine.worker.parallel import messages
 from engine.worker.parallel.group import init_group
-from engine.worker.parallel.messages import (
-    Allocate,
-    Calibrate,
-    DiskOps,
-    Failed,
-    Probe,
-    Probed,
-    Ready,
-    Step,
-    Stop,
-    WorkerSpec,
-)
 from engine.worker.worker import Worker, rank_device
 
 log = logging.getLogger("deja.tp_worker")
@@ -52,24 +41,24 @@ def _send(conn: Connection, msg: Any) -> None:
     conn.send_bytes(pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL))
 
 
-def _start(conn: Connection, spec: WorkerSpec) -> Worker | None:
+def _start(conn: Connection, spec: messages.WorkerSpec) -> Worker | None:
     """Joins the group, loads the shard, joins a calibration pass if asked, allocates; None when
     rank 0 stopped before the allocation."""
     device = rank_device(spec.config.device, spec.rank)
     group = init_group(spec.rank, spec.world, spec.store_path, device)
     worker = Worker(spec.config, group)
     msg = _recv(conn)
-    if isinstance(msg, Calibrate):  # fp8: join rank 0's pass (its maximum over the ranks)
+    if isinstance(msg, messages.Calibrate):  # fp8: join rank 0's pass (its maximum over the ranks)
         worker.calibrate(msg.prompts)
         msg = _recv(conn)
-    if not isinstance(msg, Allocate):
+    if not isinstance(msg, messages.Allocate):
         return None
     worker.allocate(msg)
     return worker
 
 
 def run_worker(conn: Connection) -> int:
-    spec: WorkerSpec = _recv(conn)
+    spec: messages.WorkerSpec = _recv(conn)
     logging.basicConfig(
         level=logging.INFO,
         format=f"%(asctime)s %(levelname)s %(name)s[rank {spec.rank}]: %(message)s",
@@ -81,11 +70,11 @@ def run_worker(conn: Connection) -> int:
         worker = _start(conn, spec)
     except BaseException as e:
         log.exception("tensor-parallel worker failed to start")
-        _send(conn, Failed(f"rank {spec.rank}: {type(e).__name__}: {e}"))
+        _send(conn, messages.Failed(f"rank {spec.rank}: {type(e).__name__}: {e}"))
         return 1
     if worker is None:
         return 0
-    _send(conn, Ready())
+    _send(conn, messages.Ready())
     try:
         _serve(conn, worker)
     finally:
@@ -100,15 +89,17 @@ def _serve(conn: Connection, worker: Worker) -> None:
         except (EOFError, OSError):
             log.warning("the engine core is gone; tensor-parallel worker exiting")
             return
-        if isinstance(msg, Step):
+        if isinstance(msg, messages.Step):
             worker.run_step(msg)
-        elif isinstance(msg, DiskOps):  # rank 0's writes and deletes since the last message
+        elif isinstance(
+            msg, messages.DiskOps
+        ):  # rank 0's writes and deletes since the last message
             if worker.offload is not None and worker.kv_cache is not None:
                 worker.offload.repeat_disk_ops(msg.ops, worker.kv_cache)
-        elif isinstance(msg, Probe):
+        elif isinstance(msg, messages.Probe):
             disk = None if worker.offload is None else worker.offload.disk
-            _send(conn, Probed(disk is not None and disk.probe(msg.block_hash)))
-        elif isinstance(msg, Stop):
+            _send(conn, messages.Probed(disk is not None and disk.probe(msg.block_hash)))
+        elif isinstance(msg, messages.Stop):
             return
 
 
