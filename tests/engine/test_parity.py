@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from engine import LLM, SamplingParams
-from tests.support.reference import hf_greedy
+from tests.support.reference import assert_config_took_effect, hf_greedy
 
 MAX_TOKENS = 12
 
@@ -59,13 +59,7 @@ def check_parity(path: Path, vocab: int, backend: str = "auto") -> None:
         assert backend == "auto" or llm.engine.core.backend.name == backend
         for i, (g, e) in enumerate(zip(got, expected, strict=True)):
             assert g == e, f"{name}: prompt {i} ({len(prompts[i])} tokens) differs: {g} != {e}"
-        stats = llm.engine.get_stats()
-        if name == "preempt":
-            assert stats.num_preemptions > 0, "the small pool should have forced preemption"
-        if name == "cache-off":
-            assert stats.prefix_hits == 0
-        if name == "cache-on":
-            assert stats.prefix_hits > 0
+        assert_config_took_effect(name, llm.engine.get_stats())
 
 
 def _backend(name: str) -> str:

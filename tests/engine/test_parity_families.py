@@ -17,7 +17,7 @@ import pytest
 
 from engine import LLM, SamplingParams
 from engine.testing.tiny_models import FAMILY_BUILDERS
-from tests.support.reference import hf_reference
+from tests.support.reference import assert_config_took_effect, hf_reference
 
 MAX_TOKENS = 10
 LOGPROB_TOL = 1e-3
@@ -73,13 +73,7 @@ def check_family_parity(
                 assert got == want, f"{where} differs: {got} != {want}"
                 diff = max(abs(a - b) for a, b in zip(logprobs[i], want_logprobs[i], strict=True))
                 assert diff <= LOGPROB_TOL, f"{where}: logprob off by {diff:.2e}"
-        stats = llm.engine.get_stats()
-        if name == "preempt":
-            assert stats.num_preemptions > 0, "the small pool should have forced preemption"
-        if name == "cache-off":
-            assert stats.prefix_hits == 0
-        if name == "cache-on":
-            assert stats.prefix_hits > 0
+        assert_config_took_effect(name, llm.engine.get_stats())
 
 
 @pytest.mark.parametrize("family", sorted(FAMILY_BUILDERS))

@@ -6,7 +6,9 @@ The reference loops over sequences in float64: slow, obviously correct.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -180,20 +182,16 @@ def run_decode(
     soft_cap: float | None = None,
 ) -> torch.Tensor:
     """The paged decode kernel over `case` (one query token per sequence), into a NaN-filled out."""
-    out = torch.full_like(case.q, float("nan"))
-    paged_attention.paged_decode_attention(
-        out,
-        case.q,
+    return _run_kernel(
+        paged_attention.paged_decode_attention,
+        case,
         kv_cache,
-        case.block_tables,
-        case.seq_lens,
         scale,
         case.max_seq_len,
         split=split,
         sliding_window=window,
         logits_soft_cap=soft_cap,
     )
-    return out
 
 
 def run_prefill(
@@ -204,20 +202,41 @@ def run_prefill(
     soft_cap: float | None = None,
 ) -> torch.Tensor:
     """The varlen prefill kernel over `case`, into a NaN-filled out (padding rows stay NaN)."""
-    out = torch.full_like(case.q, float("nan"))
-    prefill_attention.paged_prefill_attention(
-        out,
-        case.q,
+    return _run_kernel(
+        prefill_attention.paged_prefill_attention,
+        case,
         kv_cache,
-        case.block_tables,
-        case.seq_lens,
         case.query_start_loc,
         scale,
         case.max_query_len,
         sliding_window=window,
         logits_soft_cap=soft_cap,
     )
+
+
+def _run_kernel(
+    kernel: Callable[..., None], case: PagedCase, kv_cache: torch.Tensor, *args: Any, **kwargs: Any
+) -> torch.Tensor:
+    """`kernel(out, q, kv_cache, block_tables, seq_lens, *args, **kwargs)` into a NaN-filled out."""
+    out = torch.full_like(case.q, float("nan"))
+    kernel(out, case.q, kv_cache, case.block_tables, case.seq_lens, *args, **kwargs)
     return out
+
+
+def assert_matches_reference(
+    out: torch.Tensor,
+    case: PagedCase,
+    kv_cache: torch.Tensor,
+    scale: float,
+    window: int | None = None,
+    soft_cap: float | None = None,
+    context: object = None,
+) -> None:
+    """`out`'s query rows agree with `attention_reference` within `tolerance(out.dtype)`
+    (`kv_cache` in the activations' dtype: dequantize an fp8 cache first)."""
+    ref = attention_reference(case, kv_cache, scale, window=window, soft_cap=soft_cap)
+    err = (out[: case.num_queries].double() - ref).abs().max().item()
+    assert err < tolerance(out.dtype), (context, err)
 
 
 def tolerance(dtype: torch.dtype) -> float:

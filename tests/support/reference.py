@@ -14,12 +14,18 @@ def hf_reference(
     max_tokens: int,
     dtype: torch.dtype = torch.float32,
     attn_implementation: str | None = "eager",
+    gguf_file: str | None = None,
 ) -> tuple[list[list[int]], list[list[float]]]:
     """transformers' greedy tokens (`generate`, exactly `max_tokens` new ones) and each chosen
-    token's logprob, prompt by prompt."""
+    token's logprob, prompt by prompt. `gguf_file`: a GGUF file in the folder `path`, loaded by
+    transformers' own GGUF reader (dequantized)."""
     from transformers import AutoModelForCausalLM
 
-    kwargs = {} if attn_implementation is None else {"attn_implementation": attn_implementation}
+    kwargs: dict[str, Any] = (
+        {} if attn_implementation is None else {"attn_implementation": attn_implementation}
+    )
+    if gguf_file is not None:
+        kwargs["gguf_file"] = gguf_file
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **kwargs)
     model.eval()
     tokens, logprobs = [], []
@@ -49,3 +55,15 @@ def hf_greedy(
 ) -> list[list[int]]:
     """transformers' greedy tokens alone (its default attention unless named)."""
     return hf_reference(path, prompts, max_tokens, attn_implementation=attn_implementation)[0]
+
+
+def assert_config_took_effect(name: str, stats: Any) -> None:
+    """The parity configurations named "preempt", "cache-off" and "cache-on" did what they are
+    for (`stats`: the engine's EngineStats after the run): a test that passes without preemption
+    or without a prefix hit has not tested them."""
+    if name == "preempt":
+        assert stats.num_preemptions > 0, "the small pool should have forced preemption"
+    if name == "cache-off":
+        assert stats.prefix_hits == 0
+    if name == "cache-on":
+        assert stats.prefix_hits > 0

@@ -33,6 +33,14 @@ def _as_shard(value: Shard | tuple[str, int, int]) -> Shard:
     return value if isinstance(value, Shard) else Shard(*value)
 
 
+def renamed(name: str, rename: dict[str, str]) -> str:
+    """A checkpoint name as ours (the first rename whose source occurs, applied)."""
+    for old, new in rename.items():
+        if old in name:
+            return name.replace(old, new)
+    return name
+
+
 def _checkpoint_name(name: str, rename: dict[str, str]) -> str:
     """Our name as the checkpoint spells it (the first rename whose target occurs, undone)."""
     for old, new in rename.items():
@@ -98,11 +106,7 @@ def load_checkpoint(
         if name in seen:
             raise ValueError(f"checkpoint weight {name!r} appears twice")
         seen.add(name)
-        target = name
-        for old, new in (rename or {}).items():
-            if old in target:
-                target = target.replace(old, new)
-                break
+        target = renamed(name, rename or {})
         seen_targets.add(target)
         shard = shards.get(target) if target not in params else None
         param_name = shard.param if shard is not None else target

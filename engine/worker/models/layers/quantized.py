@@ -1,0 +1,193 @@
+"""Quantized linear layers: GGUF weights kept in 4-bit groups, multiplied without a 16-bit copy.
+
+`Int4Linear` holds a weight in torch's packed int4 layout and applies it with
+`torch.ops.aten._weight_int4pack_mm_for_cpu` (groups of 32 along the input, an int4 value q per
+weight dequantized as (q - 8) * scale + zero). GGUF blocks map onto it exactly:
+
+- Q4_1 (fp16 d, fp16 m, 32 nibbles q): w = d * q + m, so scale = d, zero = m + 8d;
+- Q4_0 (fp16 d, 32 nibbles q): w = d * (q - 8), so scale = d, zero = 0.
+
+The int4 kernel is vectorized for bfloat16 activations only: that is the fast path (scales
+rounded to bf16: at most d/64 a weight). In float32 it runs torch's scalar loop, exact to the
+summation order against the dequantized weight (the parity tests' mode), but slow.
+Resident bytes a weight (bf16): 0.625 (file: 0.5625 for Q4_0, 0.625 for Q4_1).
+
+NOTE: measured on a 2-core AMD EPYC (avx512_bf16), torch 2.13, bf16: the int4 kernel's time
+grows with the rows like a compute-bound loop. Against oneDNN's packed bf16 linear it is ~2x
+faster at one row (2304 x 576: 0.033 vs 0.067 ms), even at 8 rows, and ~3.4x slower from 32 rows
+on (512 rows: 6.3 vs 1.9 ms). So a kept model decodes one stream faster and prefills slower.
+Q8_0 is not made a linear: as two int4 halves ([HI | LO] over [x | x], exact) the 49152 x 576
+LM head ran as fast as bf16 at one row (1.30 vs 1.28 ms) and 4x slower at 32 rows; a Q8_0
+weight is expanded to dtype. A Q8_0 (or any other type's) embedding stays in its blocks
+(QuantizedEmbedding): a lookup reads a few rows.
+
+`quantize_linears` swaps every nn.Linear whose checkpoint tensors were all kept quantized (fused
+projections included: their shards' rows are concatenated before packing) for an Int4Linear,
+after the model has loaded (CPU only).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import numpy as np
+import torch
+from torch import nn
+
+from engine.worker.gguf_checkpoint import QuantizedRows
+from engine.worker.models.layers.weights import renamed, shard_map
+
+GROUP = 32
+"""Weights a GGUF Q4 block (and a scale / zero pair) covers, along the input dimension."""
+
+
+def _fp16(blocks: np.ndarray, at: int) -> np.ndarray:
+    """The fp16 field at byte `at` of every block, as float32."""
+    return blocks[..., at : at + 2].copy().view(np.float16)[..., 0].astype(np.float32)
+
+
+def unpack(rows: QuantizedRows) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(q int32 [N, K] in 0..15, scale float32 [N, K/32], zero float32 [N, K/32]) of a Q4_0 or
+    Q4_1 weight in the int4 op's convention (w = (q - 8) * scale + zero)."""
+    from gguf import GGMLQuantizationType as T
+
+    n, k = rows.shape
+    if rows.kind == T.Q4_1:
+        blocks = rows.blocks.reshape(n, k // GROUP, 20)
+        d, m = _fp16(blocks, 0), _fp16(blocks, 2)
+        nibbles = blocks[..., 4:]
+        zero = m + 8 * d
+    elif rows.kind == T.Q4_0:
+        blocks = rows.blocks.reshape(n, k // GROUP, 18)
+        d = _fp16(blocks, 0)
+        nibbles = blocks[..., 2:]
+        zero = np.zeros_like(d)
+    else:
+        raise ValueError(f"{rows.kind.name} is not a type Int4Linear holds (Q4_0, Q4_1)")
+    # a block's 16 bytes hold weights j (low nibble) and j + 16 (high nibble)
+    q = np.concatenate([nibbles & 15, nibbles >> 4], axis=-1).reshape(n, k).astype(np.int32)
+    return q, d, zero
+
+
+class Int4Linear(nn.Module):
+    """y = x W^T (+ b) with W [out, in] in packed int4 groups of 32; see the module docstring."""
+
+    weight_packed: torch.Tensor
+    scales_and_zeros: torch.Tensor
+
+    def __init__(
+        self,
+        q: np.ndarray,
+        scale: np.ndarray,
+        zero: np.ndarray,
+        bias: torch.Tensor | None,
+        dtype: torch.dtype,
+    ) -> None:
+        super().__init__()
+        self.out_features, self.in_features = q.shape
+        if not fits(self.out_features, self.in_features):
+            raise ValueError(
+                f"an int4 weight needs out_features % 16 == 0 and in_features % {GROUP} == 0, "
+                f"got {tuple(q.shape)}"
+            )
+        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(torch.from_numpy(q), 1)
+        self.register_buffer("weight_packed", packed, persistent=False)  # uint8 [out, in / 2]
+        scales_and_zeros = np.stack([scale.T, zero.T], axis=-1)  # [in / 32, out, 2]
+        sz = torch.from_numpy(np.ascontiguousarray(scales_and_zeros)).to(dtype)
+        self.register_buffer("scales_and_zeros", sz, persistent=False)
+        self.bias = None if bias is None else bias.detach()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, self.in_features).contiguous()  # [M, in]
+        out: torch.Tensor = torch.ops.aten._weight_int4pack_mm_for_cpu(
+            flat, self.weight_packed, GROUP, self.scales_and_zeros
+        )  # [M, out]
+        if self.bias is not None:
+            out = out + self.bias
+        return out.view(*x.shape[:-1], self.out_features)
+
+
+def fits(out_features: int, in_features: int) -> bool:
+    """Whether the int4 op takes a weight of this shape."""
+    return out_features % 16 == 0 and in_features % GROUP == 0
+
+
+class QuantizedEmbedding(nn.Module):
+    """nn.Embedding over a GGUF weight kept in its blocks (any type gguf dequantizes): a lookup
+    dequantizes only the rows it reads, with gguf.quants.dequantize."""
+
+    blocks: torch.Tensor
+
+    def __init__(self, rows: QuantizedRows, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.kind = rows.kind
+        self.num_embeddings, self.embedding_dim = rows.shape
+        self.register_buffer("blocks", torch.from_numpy(rows.blocks.copy()), persistent=False)
+        self.dtype = dtype
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        from gguf import quants
+
+        picked = self.blocks[ids.reshape(-1)].numpy()  # [T, bytes a row]
+        rows = quants.dequantize(picked, self.kind)  # [T, dim] float32
+        out = torch.from_numpy(np.ascontiguousarray(rows, dtype=np.float32))
+        return out.to(self.dtype).view(*ids.shape, self.embedding_dim)
+
+
+def quantize_embedding(model: nn.Module, rows: QuantizedRows | None) -> bool:
+    """Replaces `model.model.embed_tokens` by a QuantizedEmbedding over `rows` (its checkpoint
+    tensor, kept quantized); False, leaving it, where there is none or it is not an nn.Embedding."""
+    inner = getattr(model, "model", None)
+    embedding = getattr(inner, "embed_tokens", None)
+    if rows is None or not isinstance(embedding, nn.Embedding):
+        return False
+    inner.embed_tokens = QuantizedEmbedding(rows, embedding.weight.dtype)  # type: ignore[union-attr]
+    return True
+
+
+def quantize_linears(
+    model: nn.Module, quantized: Mapping[str, QuantizedRows], rename: Mapping[str, str]
+) -> int:
+    """Replaces each nn.Linear of `model` whose weight rows all came from 4-bit tensors in
+    `quantized` (transformers names; `rename` as the model's load_checkpoint used) by an
+    Int4Linear; returns how many it replaced. Call after loading, before packing for the CPU."""
+    sources = _weight_sources(model, quantized, rename)
+    replaced = 0
+    for module_name, parts in sources.items():
+        parent_name, _, attr = module_name.rpartition(".")
+        parent = model.get_submodule(parent_name)
+        linear = getattr(parent, attr)
+        rows = sum(r.shape[0] for _, r in parts)
+        if rows != linear.out_features or any(r.shape[1] != linear.in_features for _, r in parts):
+            continue  # not every row is quantized (or an expert's slice): stays dense
+        if not fits(linear.out_features, linear.in_features):
+            continue
+        unpacked = [unpack(r) for _, r in sorted(parts, key=lambda p: p[0])]
+        q, scale, zero = (np.concatenate([u[i] for u in unpacked]) for i in range(3))
+        setattr(parent, attr, Int4Linear(q, scale, zero, linear.bias, linear.weight.dtype))
+        replaced += 1
+    return replaced
+
+
+def _weight_sources(
+    model: nn.Module, quantized: Mapping[str, QuantizedRows], rename: Mapping[str, str]
+) -> dict[str, list[tuple[int, QuantizedRows]]]:
+    """nn.Linear module name -> [(first row, its 4-bit rows)] for every Q4_0 / Q4_1 tensor that
+    fills (part of) that module's weight."""
+    from gguf import GGMLQuantizationType as T
+
+    linears = {name for name, m in model.named_modules() if isinstance(m, nn.Linear)}
+    shards = shard_map(model)
+    out: dict[str, list[tuple[int, QuantizedRows]]] = {}
+    for name, rows in quantized.items():
+        if rows.kind not in (T.Q4_0, T.Q4_1):
+            continue
+        target = renamed(name, dict(rename))
+        shard = shards.get(target)
+        if shard is not None and shard.expert is not None:
+            continue
+        param, start = (shard.param, shard.start) if shard is not None else (target, 0)
+        module = param.removesuffix(".weight")
+        if param.endswith(".weight") and module in linears:
+            out.setdefault(module, []).append((start, rows))
+    return out

@@ -1,0 +1,174 @@
+"""GGUF files served as they are: the quantized layers against the dequantized weights, the
+reader's refusals, and greedy parity with transformers' own GGUF loader (float32, the quantized
+layers in play) under caching, chunked prefill and preemption."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from engine import LLM, SamplingParams
+from engine.testing.tiny_gguf import write_gguf
+from engine.worker.gguf_checkpoint import QuantizedRows, find_gguf
+from engine.worker.models.layers.quantized import Int4Linear, QuantizedEmbedding, unpack
+from tests.engine.test_parity import CONFIGS, shared_prefix_prompts
+from tests.support.reference import assert_config_took_effect, hf_reference
+
+LINEAR_TYPES = ("Q4_0", "Q4_1")
+EMBEDDING_TYPES = ("Q4_0", "Q4_1", "Q8_0", "Q5_0")
+MAX_TOKENS = 12
+
+LLAMA_TYPES = {
+    # q / k / v in one 4-bit type: the fused qkv weight is kept; Q8_0 and Q5_0 linears are
+    # expanded at load; the Q8_0 embedding stays in its blocks
+    "q_proj": "Q4_0",
+    "k_proj": "Q4_0",
+    "v_proj": "Q4_0",
+    "o_proj": "Q4_1",
+    "gate_proj": "Q8_0",
+    "up_proj": "Q8_0",
+    "layers.0.mlp.down_proj": "Q5_0",
+    "down_proj": "Q4_1",
+    "embed_tokens": "Q8_0",
+    "lm_head": "Q4_0",
+}
+QWEN2_TYPES = {"proj": "Q4_1", "embed_tokens": "Q4_1"}
+"""Tied embeddings: one Q4_1 tensor is the embedding and the LM head (an Int4Linear)."""
+
+
+def _rows(kind: str, n: int, k: int, seed: int = 0) -> tuple[QuantizedRows, torch.Tensor]:
+    from gguf import GGMLQuantizationType, quants
+
+    qtype = GGMLQuantizationType[kind]
+    w = np.random.default_rng(seed).standard_normal((n, k)).astype(np.float32)
+    raw = quants.quantize(w, qtype)
+    return QuantizedRows(qtype, raw, (n, k)), torch.from_numpy(quants.dequantize(raw, qtype).copy())
+
+
+@pytest.mark.parametrize("kind", LINEAR_TYPES)
+def test_int4_linear_matches_dequantized_weight(kind: str) -> None:
+    rows, dense = _rows(kind, 48, 96)
+    q, scale, zero = unpack(rows)
+    bias = torch.randn(48)
+    layer = Int4Linear(q, scale, zero, bias, torch.float32)
+    x = torch.randn(2, 5, 96)
+    err = (layer(x) - (x @ dense.T + bias)).abs().max().item()
+    assert err < 1e-4, err
+    bf16 = Int4Linear(q, scale, zero, None, torch.bfloat16)
+    y = bf16(x.bfloat16()).float()
+    rel = ((y - x @ dense.T).norm() / (x @ dense.T).norm()).item()
+    assert rel < 0.02, rel
+
+
+@pytest.mark.parametrize("kind", EMBEDDING_TYPES)
+def test_quantized_embedding_rows_are_exact(kind: str) -> None:
+    rows, dense = _rows(kind, 40, 64, seed=1)
+    ids = torch.tensor([[3, 0, 39], [7, 7, 1]])
+    assert torch.equal(QuantizedEmbedding(rows, torch.float32)(ids), dense[ids])
+
+
+def test_int4_linear_refuses_shapes_the_op_cannot_take() -> None:
+    rows, _ = _rows("Q4_0", 24, 64)  # 24 rows: not a multiple of 16
+    with pytest.raises(ValueError, match="out_features % 16"):
+        Int4Linear(*unpack(rows), None, torch.float32)
+
+
+@pytest.fixture(scope="module")
+def llama_gguf(tiny_llama_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_gguf(tiny_llama_path, tmp_path_factory.mktemp("gguf") / "llama.gguf", LLAMA_TYPES)
+
+
+@pytest.fixture(scope="module")
+def qwen2_gguf(tiny_qwen2_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_gguf(tiny_qwen2_path, tmp_path_factory.mktemp("gguf") / "qwen2.gguf", QWEN2_TYPES)
+
+
+def _quantized_layers(llm: LLM) -> list[str]:
+    model = llm.engine.core.executor.driver.model
+    kinds = (Int4Linear, QuantizedEmbedding)
+    return [name for name, m in model.named_modules() if isinstance(m, kinds)]
+
+
+@pytest.mark.parametrize("which", ["llama", "qwen2"])
+def test_gguf_matches_transformers_dequantized(
+    which: str, llama_gguf: Path, qwen2_gguf: Path
+) -> None:
+    """Greedy tokens equal transformers' on the file's dequantized weights, with every kept
+    layer computing on its blocks, under each parity configuration."""
+    file = llama_gguf if which == "llama" else qwen2_gguf
+    prompts = shared_prefix_prompts(512, 16, 600, seed=4)
+    want, _ = hf_reference(file.parent, prompts, MAX_TOKENS, gguf_file=file.name)
+    for name, cfg in CONFIGS.items():
+        llm = LLM(str(file), dtype="float32", quantization="gguf", block_size=16, **cfg)  # type: ignore[arg-type]
+        layers = _quantized_layers(llm)
+        if which == "llama":  # 2 x (qkv, o), layer 1's down, the head, the embedding
+            assert len(layers) == 7, layers
+            assert "model.layers.0.mlp.down_proj" not in layers  # Q5_0: expanded
+        else:  # 2 layers x (qkv, o, gate_up, down) + the tied head + the embedding
+            assert len(layers) == 10, layers
+        outs = llm.generate(
+            prompts, SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+        )
+        got = [o.outputs[0].token_ids for o in outs]
+        for i, (g, w) in enumerate(zip(got, want, strict=True)):
+            assert g == w, f"{which} {name}: prompt {i} differs: {g} != {w}"
+        assert_config_took_effect(name, llm.engine.get_stats())
+        kv = llm.engine.core.kv
+        assert kv.num_free_blocks == kv.num_blocks
+
+
+def test_gguf_quantization_none_and_auto_expand_in_float32(llama_gguf: Path) -> None:
+    for mode in ("none", "auto"):
+        llm = LLM(str(llama_gguf), dtype="float32", quantization=mode, num_device_blocks=64)
+        assert _quantized_layers(llm) == []
+
+
+def test_gguf_folder_is_found_and_tokenizer_read(llama_gguf: Path, tmp_path: Path) -> None:
+    folder = tmp_path / "model"
+    folder.mkdir()
+    shutil.copy(llama_gguf, folder / "llama.gguf")
+    assert find_gguf(folder) == folder / "llama.gguf"
+    llm = LLM(str(folder), dtype="bfloat16", num_device_blocks=64)  # auto: kept in bfloat16
+    assert len(_quantized_layers(llm)) == 7
+    tok = llm.engine.core.tokenizer
+    assert tok.eos_token_id == 2 and tok.chat_template
+    out = llm.generate(
+        ["Hello there"], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    )
+    assert len(out[0].outputs[0].token_ids) == 4
+    shutil.copy(llama_gguf, folder / "other.gguf")
+    with pytest.raises(ValueError, match="2 GGUF files"):
+        find_gguf(folder)
+
+
+def test_bad_gguf_files_are_refused_at_start(llama_gguf: Path, tmp_path: Path) -> None:
+    wrong_magic = tmp_path / "magic.gguf"
+    wrong_magic.write_bytes(b"GGML" + llama_gguf.read_bytes()[4:])
+    truncated = tmp_path / "truncated.gguf"
+    truncated.write_bytes(llama_gguf.read_bytes()[: llama_gguf.stat().st_size // 2])
+    for bad in (wrong_magic, truncated):
+        with pytest.raises(ValueError, match="not a readable GGUF file"):
+            LLM(str(bad), dtype="float32", num_device_blocks=64)
+
+
+def test_unsupported_architecture_and_misplaced_options(
+    tmp_path: Path, tiny_llama_path: Path
+) -> None:
+    import gguf
+
+    other = tmp_path / "gpt2.gguf"
+    writer = gguf.GGUFWriter(str(other), "gpt2")
+    writer.add_block_count(1)
+    writer.add_tensor("token_embd.weight", np.zeros((8, 32), np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(ValueError, match=r"architecture 'gpt2'.*deja serves llama, qwen2, qwen3"):
+        LLM(str(other), dtype="float32", num_device_blocks=64)
+    with pytest.raises(ValueError, match="quantization gguf needs a GGUF model"):
+        LLM(str(tiny_llama_path), dtype="float32", quantization="gguf", num_device_blocks=64)
