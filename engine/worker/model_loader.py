@@ -209,8 +209,13 @@ def _load_gguf(model: CausalLM, checkpoint: GGUFCheckpoint, keep_quantized: bool
 
 
 def resident_weight_bytes(model: torch.nn.Module) -> int:
-    """Bytes of every parameter and buffer of `model` (quantized weights included)."""
+    """Bytes of every parameter, buffer and tensor attribute of `model`'s modules (quantized
+    and oneDNN-packed weights included), each tensor once."""
     tensors = {id(t): t for t in [*model.parameters(), *model.buffers()]}
+    for module in model.modules():
+        for value in vars(module).values():
+            if isinstance(value, torch.Tensor):
+                tensors[id(value)] = value
     return sum(t.numel() * t.element_size() for t in tensors.values())
 
 

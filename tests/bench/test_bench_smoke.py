@@ -11,7 +11,8 @@ from typing import Any
 
 import pytest
 
-from bench import common, kv_dtype, moe, offline, peer, prefix, step
+from bench import common, kv_dtype, moe, offline, peer, prefix, quant, step
+from engine.testing.tiny_gguf import write_gguf
 
 
 def _run_quick(
@@ -133,6 +134,25 @@ def test_kv_dtype_quick_judges_the_teacher_forced_agreement(
     want = tf >= kv_dtype.AGREEMENT_TARGET and capacity >= kv_dtype.CAPACITY_TARGET
     assert data["verdict"] == ("PASS" if want else "FAIL")
     assert re.search(r"(PASS|FAIL): teacher-forced agreement \d+\.\d% .*free-running \d", text)
+
+
+def test_quant_quick_compares_kept_and_expanded_weights(
+    tiny_llama_path: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`deja bench quant`: the same GGUF file kept 4-bit and expanded, in one run; the kept
+    engine holds fewer weight bytes and the ratios are printed."""
+    file = write_gguf(tiny_llama_path, tmp_path / "tiny.gguf", {"proj": "Q4_1", "embed": "Q8_0"})
+    text, data = _run_quick(quant, file, tmp_path, capsys)
+    assert data["runs"]["gguf"]["resident_mb"] < data["runs"]["none"]["resident_mb"]
+    assert 0 < data["teacher_forced"]["top1_agreement"] <= 1
+    assert re.search(r"^ratio quantized / expanded: decode \d+\.\d+x", text, re.M), text
+    assert re.search(r"^resident weights / file tensors: \d+\.\d+x", text, re.M), text
+
+
+def test_quant_refuses_a_folder(tiny_llama_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    args = common.parse_args(quant.add_arguments, ["--model", str(tiny_llama_path), "--quick"])
+    assert quant.run(args) == 2
+    assert "is not a GGUF model" in capsys.readouterr().out
 
 
 def test_peer_without_vllm_says_so(tiny_llama_path: Path, tmp_path: Path) -> None:

@@ -1,0 +1,162 @@
+"""A GGUF file's weights kept quantized against the same file expanded to the compute dtype.
+
+    deja bench quant [--model demo-gguf | FILE.gguf] [--dtype bfloat16] [--requests 48]
+                     [--decode-tokens 128] [--threads 2]
+
+Loads the file twice in one process (`--quantization gguf`: Q4_0 / Q4_1 linears as torch's
+packed int4, the embedding in its blocks; `--quantization none`: every weight expanded to
+--dtype, as a 16-bit checkpoint would be served) and, for each, measures offline:
+- batch-1 decode: one 64-token prompt, --decode-tokens greedy tokens, best of 3 (tok/s);
+- throughput: --requests prompts of 128 tokens, 64 output tokens each, one generate (output tok/s);
+- TTFT: one 512-token prompt, the time to its first token (best of 3);
+- resident weight bytes (parameters, buffers and packed weights) against the file's tensors.
+Then the teacher-forced agreement of the quantized engine with the expanded one (both score the
+expanded engine's greedy outputs: the share of positions where the quantized engine's top-1 is
+that token), the machine's memory read rate (a large tensor summed with --threads) and each
+decode's fraction of the weight-read limit (read rate / resident weight bytes a token).
+llama.cpp on the same file is not run here (no build in the environment).
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from typing import Any
+
+from bench import common, report
+from bench.kv_dtype import compare_forced, teacher_forced
+
+DECODE_TARGET = 2.0
+THROUGHPUT_TARGET = 1.3
+RESIDENT_TARGET = 1.25
+AGREEMENT_TARGET = 0.97
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    common.add_common_arguments(parser)
+    parser.set_defaults(model="demo-gguf", dtype="bfloat16")
+    parser.add_argument("--requests", type=int, default=48, help="throughput requests (48)")
+    parser.add_argument("--decode-tokens", type=int, default=128, help="batch-1 tokens (128)")
+
+
+def read_rate_gb_s() -> float:
+    """The machine's memory read rate: a 512 MiB float32 tensor summed (best of 3), GB/s."""
+    import torch
+
+    big = torch.ones(2**27)
+    big.sum()
+    best = float("inf")
+    for _ in range(3):
+        start = time.perf_counter()
+        big.sum()
+        best = min(best, time.perf_counter() - start)
+    return big.numel() * 4 / best / 1e9
+
+
+def _measure(llm: Any, decode_tokens: int, requests: int, quick: bool) -> dict[str, float]:
+    from engine import SamplingParams
+
+    def greedy(n: int) -> SamplingParams:
+        return SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+
+    vocab = int(llm.engine.core.model_info.vocab_size)
+    prompt = [(7 * i) % (vocab - 10) + 10 for i in range(64)]
+    decode = ttft = 0.0
+    for rep in range(1 if quick else 3):
+        out = llm.generate([[t + rep for t in prompt]], greedy(decode_tokens))[0]
+        m = out.metrics
+        decode = max(decode, (decode_tokens - 1) / max(m.finished - m.first_token, 1e-9))
+        long = [(11 * i + rep) % (vocab - 10) + 10 for i in range(64 if quick else 512)]
+        first = llm.generate([long], greedy(1))[0].metrics
+        ttft = min(ttft or float("inf"), first.first_token - first.arrival)
+    prompts = [[(13 * i + j) % (vocab - 10) + 10 for j in range(128)] for i in range(requests)]
+    start = time.perf_counter()
+    llm.generate(prompts, greedy(8 if quick else 64))
+    throughput = requests * (8 if quick else 64) / (time.perf_counter() - start)
+    return {"decode_tok_s": decode, "throughput_tok_s": throughput, "ttft_ms": 1000 * ttft}
+
+
+def run(args: argparse.Namespace) -> int:
+    model_path, info = common.begin(
+        args, f"GGUF weights kept quantized vs expanded to {args.dtype}"
+    )
+    from engine import SamplingParams
+    from engine.worker.gguf_checkpoint import GGUFCheckpoint, find_gguf, read_config
+    from engine.worker.model_loader import resident_weight_bytes
+
+    file = find_gguf(model_path)
+    if file is None:
+        print(f"{model_path} is not a GGUF model: pass --model demo-gguf or a .gguf file")
+        return 2
+    file_bytes = GGUFCheckpoint(file, read_config(file)).tensor_bytes()
+    rate = read_rate_gb_s()
+    print(f"file tensors {file_bytes / 1e6:.1f} MB; memory read rate {rate:.1f} GB/s")
+    requests = 4 if args.quick else args.requests
+    decode_tokens = 8 if args.quick else args.decode_tokens
+    runs: dict[str, dict[str, float]] = {}
+    forced: dict[str, Any] = {}
+    seqs: list[list[int]] = []
+    starts: list[int] = []
+    for mode in ("none", "gguf"):
+        llm = common.our_llm(model_path, args, quantization=mode)
+        model = llm.engine.core.executor.driver.model
+        res = {**_measure(llm, decode_tokens, requests, args.quick)}
+        res["resident_mb"] = resident_weight_bytes(model) / 1e6
+        res["read_limit_fraction"] = res["decode_tok_s"] * res["resident_mb"] / 1e3 / rate
+        if mode == "none":  # the reference outputs both engines score
+            vocab = int(llm.engine.core.model_info.vocab_size)
+            prompts = [[(17 * i + j) % (vocab - 10) + 10 for j in range(32)] for i in range(4)]
+            params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+            outs = llm.generate(prompts, params)
+            seqs = [p + o.outputs[0].token_ids for p, o in zip(prompts, outs, strict=True)]
+            starts = [len(p) for p in prompts]
+        forced[mode] = teacher_forced(llm, seqs, starts)
+        runs[mode] = res
+        print(
+            f"quantization={mode}: decode {res['decode_tok_s']:.1f} tok/s "
+            f"({100 * res['read_limit_fraction']:.0f}% of the read limit), throughput "
+            f"{res['throughput_tok_s']:.1f} tok/s ({requests} requests), TTFT "
+            f"{res['ttft_ms']:.1f} ms, weights {res['resident_mb']:.1f} MB"
+        )
+        del llm, model
+    kept, dense = runs["gguf"], runs["none"]
+    targets = [t for s, start in zip(seqs, starts, strict=True) for t in s[start:]]
+    tf = compare_forced(forced["none"], forced["gguf"], targets)
+    ratios = {
+        "decode": kept["decode_tok_s"] / dense["decode_tok_s"],
+        "throughput": kept["throughput_tok_s"] / dense["throughput_tok_s"],
+        "ttft": dense["ttft_ms"] / kept["ttft_ms"],
+        "resident_vs_file": kept["resident_mb"] * 1e6 / file_bytes,
+    }
+    print(
+        f"ratio quantized / expanded: decode {ratios['decode']:.2f}x (target >= "
+        f"{DECODE_TARGET}x), throughput {ratios['throughput']:.2f}x (target >= "
+        f"{THROUGHPUT_TARGET}x), TTFT {ratios['ttft']:.2f}x (above 1 is faster)"
+    )
+    print(
+        f"resident weights / file tensors: {ratios['resident_vs_file']:.2f}x (target <= "
+        f"{RESIDENT_TARGET}x); teacher-forced agreement with the expanded model "
+        f"{100 * tf['top1_agreement']:.1f}% over {tf['positions']} positions (target >= "
+        f"{100 * AGREEMENT_TARGET:.0f}%)"
+    )
+    print(report.finish_line(info))
+    report.write_json(
+        args.json,
+        {
+            "runs": runs,
+            "ratios": ratios,
+            "teacher_forced": tf,
+            "file_tensor_bytes": file_bytes,
+            "read_rate_gb_s": rate,
+            "machine": info,
+        },
+    )
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    return common.main("deja bench quant", __doc__, add_arguments, run, argv)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
