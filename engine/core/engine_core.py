@@ -53,7 +53,12 @@ from engine.stats import EngineStats
 from engine.worker.attention import AttentionBackend
 from engine.worker.attention.kv_quant import FP8_DTYPE, KVScales
 from engine.worker.kv_calibration import KVCalibration, KVScaleSources, resolve_kv_scales
-from engine.worker.model_loader import eos_token_ids, load_tokenizer, model_fingerprint
+from engine.worker.model_loader import (
+    eos_token_ids,
+    load_tokenizer,
+    model_fingerprint,
+    sampling_defaults,
+)
 from engine.worker.model_runner import ModelRunner, StepHandle
 
 logger = logging.getLogger(__name__)
@@ -94,7 +99,12 @@ class EngineCore:
         self.tokenizer = load_tokenizer(config.model.path)
         eos = eos_token_ids(config.model.path, hf_config, self.tokenizer)
         self.block_bytes = worker.block_bytes
-        self.model_info = model_info(config, worker, self.tokenizer, eos, self.max_model_len)
+        defaults = (
+            sampling_defaults(config.model.path) if config.model.generation_config == "auto" else {}
+        )
+        self.model_info = model_info(
+            config, worker, self.tokenizer, eos, self.max_model_len, defaults
+        )
         self.kv_events = kv_event_buffer(config.cache)  # what each tier began or ceased to hold
         self.kv_scales = self._kv_scales()  # an fp8 cache's: checkpoint, disk or calibrated
         self.tiers = self._allocate_kv_cache(eos)

@@ -8,7 +8,7 @@ from typing import Any
 from engine.config import EngineConfig
 from engine.frontend.llm_engine import LLMEngine, Prompt
 from engine.outputs import RequestOutput
-from engine.sample.sampling_params import SamplingParams
+from engine.sample.sampling_params import SamplingParams, apply_defaults
 
 
 class LLM:
@@ -24,6 +24,13 @@ class LLM:
     @property
     def tokenizer(self) -> Any:
         return self.engine.tokenizer
+
+    def default_sampling_params(self) -> SamplingParams:
+        """What `generate` samples with when given no SamplingParams: the model's
+        generation_config.json settings (ModelInfo.sampling_defaults) over the neutral ones, as
+        vLLM's LLM.get_default_sampling_params."""
+        defaults = dict(self.engine.core.model_info.sampling_defaults)
+        return apply_defaults(SamplingParams(), defaults, defaults)
 
     def generate(
         self,
@@ -43,7 +50,7 @@ class LLM:
         else:
             prompt_list = list(prompts)  # type: ignore[arg-type]
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
-            params_list = [sampling_params or SamplingParams()] * len(prompt_list)
+            params_list = [sampling_params or self.default_sampling_params()] * len(prompt_list)
         else:
             params_list = list(sampling_params)
             if len(params_list) != len(prompt_list):

@@ -3,9 +3,22 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
 from engine.sample.structured.spec import ResponseFormat
+
+
+def apply_defaults(
+    params: SamplingParams, unset: Iterable[str], defaults: Mapping[str, float]
+) -> SamplingParams:
+    """Sets each field named in `unset` (what the request left unset) that `defaults` holds (the
+    model's generation_config.json settings, ModelInfo.sampling_defaults); returns `params`."""
+    for name in unset:
+        if name in defaults:
+            value = defaults[name]
+            setattr(params, name, int(value) if name == "top_k" else float(value))
+    return params
 
 
 @dataclass(slots=True)

@@ -247,6 +247,20 @@ def eos_token_ids(path: str | Path, hf_config: HFConfig, tokenizer: Any) -> tupl
     return tuple(dict.fromkeys(ids))
 
 
+SAMPLING_DEFAULT_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+"""generation_config.json's settings that become a request's sampling defaults (vLLM's set)."""
+
+
+def sampling_defaults(path: str | Path) -> dict[str, float]:
+    """The sampling settings the checkpoint's generation_config.json sets (none for a GGUF file
+    or a folder without one)."""
+    gen_file = Path(path).expanduser() / "generation_config.json"
+    if not gen_file.is_file():
+        return {}
+    values = json.loads(gen_file.read_text())
+    return {k: float(values[k]) for k in SAMPLING_DEFAULT_KEYS if values.get(k) is not None}
+
+
 def load_tokenizer(path: str | Path) -> Any:
     """The folder's tokenizer (AutoTokenizer, local files only), or the one in a GGUF file."""
     from transformers import AutoTokenizer

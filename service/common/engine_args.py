@@ -15,6 +15,7 @@ from engine.config import (
     DEVICES,
     DISK_WRITE_POLICIES,
     DTYPES,
+    GENERATION_CONFIGS,
     KV_CACHE_DTYPES,
     PREEMPTION_MODES,
     QUANTIZATIONS,
@@ -142,6 +143,14 @@ def add_engine_args(parser: argparse.ArgumentParser) -> list[argparse.Action]:
             help="A GGUF file's Q4_0/Q4_1 linears and embedding: gguf keeps them quantized "
             "(CPU), none expands them; auto keeps them when --dtype is bfloat16 on the CPU.",
         ),
+        add_flag(
+            g,
+            "--generation-config",
+            default="auto",
+            choices=GENERATION_CONFIGS,
+            help="auto: the model's generation_config.json sampling settings are the defaults "
+            "of requests that leave them unset (as vLLM); vllm: temperature 1, top_p 1, ...",
+        ),
         add_flag(g, "--device", default="auto", choices=DEVICES, help="auto: cuda when present."),
         add_flag(g, "--attention-backend", default="auto", choices=ATTENTION_BACKENDS),
         add_flag(
@@ -206,6 +215,7 @@ def engine_config_from_args(
             max_model_len=args.max_model_len,
             model_id=args.model_id,
             quantization=args.quantization,
+            generation_config=args.generation_config,
         ),
         cache=CacheConfig(**config_values(args, _CACHE_FLAGS)),
         scheduler=SchedulerConfig(**config_values(args, _SCHED_FLAGS)),

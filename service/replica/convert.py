@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -10,7 +11,7 @@ from google.protobuf.message import Message
 
 from engine.kv.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 from engine.outputs import CompletionOutput, RequestOutput
-from engine.sample.sampling_params import SamplingParams
+from engine.sample.sampling_params import SamplingParams, apply_defaults
 from engine.sample.structured.spec import ResponseFormat
 from engine.stats import EngineStats, ModelInfo
 from service.api.deja.v1 import inference_pb2 as pb
@@ -72,8 +73,12 @@ _EARLY_STOPPING: dict[int, bool | str] = {
 }
 
 
-def sampling_params(request: pb.GenerateRequest) -> SamplingParams:
-    """SamplingParams of a Generate request; range checks are the engine's (it says what to fix)."""
+def sampling_params(
+    request: pb.GenerateRequest, defaults: Mapping[str, float] | None = None
+) -> SamplingParams:
+    """SamplingParams of a Generate request; range checks are the engine's (it says what to fix).
+    `defaults` (ModelInfo.sampling_defaults) fill temperature, top_p, top_k, min_p and
+    repetition_penalty where the request leaves them unset (top_k and min_p at 0)."""
     s = request.sampling
     p = SamplingParams(
         top_k=s.top_k,
@@ -113,7 +118,9 @@ def sampling_params(request: pb.GenerateRequest) -> SamplingParams:
     p.early_stopping = _EARLY_STOPPING[s.early_stopping]
     if p.top_k == -1:
         p.top_k = 0
-    return p
+    unset = [f for f in ("temperature", "top_p", "repetition_penalty") if not s.HasField(f)]
+    unset += [f for f in ("top_k", "min_p") if getattr(s, f) == 0]
+    return apply_defaults(p, unset, defaults or {})
 
 
 def response_format(s: pb.SamplingParams) -> ResponseFormat | None:

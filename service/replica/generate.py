@@ -108,7 +108,8 @@ class GenerateRpc(ServicerBase):
         try:
             inp = convert.engine_input(request)
             if params is None:
-                params = convert.sampling_params(request)
+                defaults = dict(self._engine.model_info.sampling_defaults)
+                params = convert.sampling_params(request, defaults)
         except ValueError as e:
             await self._abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(e), "invalid_argument")
         client_id = request.request_id or uuid.uuid4().hex

@@ -11,7 +11,7 @@ import hashlib
 import io
 import math
 import zipfile
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -19,7 +19,7 @@ from smg_grpc_proto.generated import common_pb2
 from smg_grpc_proto.generated import vllm_engine_pb2 as vpb
 
 from engine.kv.events import AllBlocksCleared, BlockStored, KVEvent
-from engine.sample.sampling_params import SamplingParams
+from engine.sample.sampling_params import SamplingParams, apply_defaults
 from engine.sample.structured.spec import ResponseFormat
 from engine.stats import EngineStats
 from service.api.deja.v1 import inference_pb2 as pb
@@ -65,10 +65,14 @@ def _finite(name: str, value: float) -> float:
     return value
 
 
-def sampling_params(s: vpb.SamplingParams) -> SamplingParams:
+def sampling_params(
+    s: vpb.SamplingParams, defaults: Mapping[str, float] | None = None
+) -> SamplingParams:
     """The engine's SamplingParams, with vLLM's servicer's reading of proto3 zeros (top_p,
     repetition_penalty and n at 0 mean unset) and no max_tokens meaning up to max_model_len.
-    Range checks are the engine's (its message says what to fix).
+    Range checks are the engine's (its message says what to fix). `defaults`
+    (ModelInfo.sampling_defaults) fill the unset temperature, top_p, top_k, min_p and
+    repetition_penalty, as vLLM's generation-config defaults do.
 
     NOTE: SMG's SamplingParams has no beam-search or best_of fields, so a gateway request never
     asks for them (deja.v1's SamplingParams carries use_beam_search, best_of, length_penalty
@@ -100,7 +104,9 @@ def sampling_params(s: vpb.SamplingParams) -> SamplingParams:
         logprobs=s.logprobs if s.HasField("logprobs") else None,
     )
     p.response_format = _constraint(s)
-    return p
+    unset = ["temperature"] if not s.HasField("temperature") else []
+    unset += [f for f in ("top_p", "top_k", "min_p", "repetition_penalty") if getattr(s, f) == 0]
+    return apply_defaults(p, unset, defaults or {})
 
 
 def _constraint(s: vpb.SamplingParams) -> ResponseFormat | None:

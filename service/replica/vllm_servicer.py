@@ -163,7 +163,8 @@ class VllmEngineServicer(vpb_grpc.VllmEngineServicer):
         self._last_receive = time.time()
         try:
             dreq = vc.deja_request(request)
-            params = vc.sampling_params(request.sampling_params)
+            defaults = dict(self._rpc._engine.model_info.sampling_defaults)
+            params = vc.sampling_params(request.sampling_params, defaults)
         except ValueError as e:
             await self._rpc._check_request(request, context)  # auth first, as deja.v1 does
             await self._rpc._abort(
