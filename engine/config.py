@@ -51,7 +51,7 @@ class ModelConfig:
     """A GGUF file's quantized weights: gguf keeps its Q4_0 / Q4_1 linears and its embedding
     quantized (CPU only; every other weight is expanded to dtype), none expands them all at load,
     auto keeps them where the compute dtype is bfloat16 on the CPU (the int4 kernel's fast path;
-    in float32 it is exact but slow). Other checkpoints: auto only."""
+    in float32 they are exact but slower than expanded). Other checkpoints: auto only."""
     generation_config: str = "auto"
     """auto: the sampling settings of the model's generation_config.json (temperature, top_p,
     top_k, min_p, repetition_penalty) are the defaults of a request that leaves them unset, as

@@ -14,7 +14,12 @@ import torch
 from engine import LLM, SamplingParams
 from engine.testing.tiny_gguf import write_gguf
 from engine.worker.gguf_checkpoint import QuantizedRows, find_gguf
-from engine.worker.models.layers.quantized import Int4Linear, QuantizedEmbedding, unpack
+from engine.worker.models.layers.quantized import (
+    DENSE_ROWS,
+    Int4Linear,
+    QuantizedEmbedding,
+    unpack,
+)
 from tests.engine.test_parity import CONFIGS, shared_prefix_prompts
 from tests.support.reference import assert_config_took_effect, hf_reference
 
@@ -69,6 +74,32 @@ def test_quantized_embedding_rows_are_exact(kind: str) -> None:
     rows, dense = _rows(kind, 40, 64, seed=1)
     ids = torch.tensor([[3, 0, 39], [7, 7, 1]])
     assert torch.equal(QuantizedEmbedding(rows, torch.float32)(ids), dense[ids])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_int4_linear_many_row_path_matches_dequantized_weight(dtype: torch.dtype) -> None:
+    """With the C++ expansion (its layout check passed), many rows (and every float32 call) go
+    through the expanded weight; the results agree with the dequantized weight either way."""
+    from engine.worker.attention.cpu_kernel import load_kernel
+
+    ops = load_kernel().ops
+    if ops is None:
+        pytest.skip("the C++ CPU kernels cannot be built here")
+    rows, dense = _rows("Q4_1", 128, 96, seed=2)
+    bias = torch.randn(128)
+    layer = Int4Linear(*unpack(rows), bias, dtype)
+    layer.use_kernel(ops)
+    assert layer._dequant is not None, "the expansion's layout check failed on this torch build"
+    tol = 1e-4 if dtype == torch.float32 else 0.02
+    for m in (1, DENSE_ROWS - 1, DENSE_ROWS, 40):
+        x = torch.randn(m, 96)
+        want = x @ dense.T + bias
+        got = layer(x.to(dtype)).float()
+        rel = ((got - want).norm() / want.norm()).item()
+        assert rel < tol, (m, rel)
+    small = Int4Linear(*unpack(_rows("Q4_0", 48, 64)[0]), None, dtype)
+    small.use_kernel(ops)
+    assert small._dequant is None  # 48 rows: not whole 64-row blocks, torch's kernel only
 
 
 def test_int4_linear_refuses_shapes_the_op_cannot_take() -> None:

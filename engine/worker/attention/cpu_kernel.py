@@ -36,8 +36,13 @@ from engine.worker.cpu_features import cpu_flags
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("cpu_paged_attention.cpp")
-SOURCES = (SOURCE, Path(__file__).parents[1] / "models" / "layers" / "cpu_layers.cpp")
-"""Compiled into one library: the paged attention and the decoder layers' small ops."""
+SOURCES = (
+    SOURCE,
+    Path(__file__).parents[1] / "models" / "layers" / "cpu_layers.cpp",
+    Path(__file__).parents[1] / "models" / "layers" / "cpu_quant.cpp",
+)
+"""Compiled into one library: the paged attention, the decoder layers' small ops and the packed
+int4 weight's expansion."""
 CXX_FLAGS = ("-O3", "-march=native", "-fopenmp", "-std=c++17", "-shared", "-fPIC")
 LIBRARY = "deja_cpu_attn.so"
 

@@ -7,15 +7,20 @@ weight dequantized as (q - 8) * scale + zero). GGUF blocks map onto it exactly:
 - Q4_1 (fp16 d, fp16 m, 32 nibbles q): w = d * q + m, so scale = d, zero = m + 8d;
 - Q4_0 (fp16 d, 32 nibbles q): w = d * (q - 8), so scale = d, zero = 0.
 
-The int4 kernel is vectorized for bfloat16 activations only: that is the fast path (scales
-rounded to bf16: at most d/64 a weight). In float32 it runs torch's scalar loop, exact to the
-summation order against the dequantized weight (the parity tests' mode), but slow.
-Resident bytes a weight (bf16): 0.625 (file: 0.5625 for Q4_0, 0.625 for Q4_1).
+The int4 kernel is vectorized for bfloat16 activations only (scales rounded to bf16: at most d/64
+a weight), and its time grows with the rows like a compute-bound loop. So an Int4Linear has two
+paths (`use_kernel` enables the second where the C++ kernels load and their layout check passes):
+- bf16 below DENSE_ROWS rows: torch's int4 kernel;
+- from DENSE_ROWS rows, and always in float32 (where torch's kernel is a scalar loop): the weight
+  expanded once per call by cpu_quant.cpp into a dense transposed weight, then a dense product.
+Either is exact to the summation order against the dequantized weight in float32 (the parity
+tests' mode). Resident bytes a weight (bf16): 0.625 (file: 0.5625 for Q4_0, 0.625 for Q4_1).
 
-NOTE: measured on a 2-core AMD EPYC (avx512_bf16), torch 2.13, bf16: the int4 kernel's time
-grows with the rows like a compute-bound loop. Against oneDNN's packed bf16 linear it is ~2x
-faster at one row (2304 x 576: 0.033 vs 0.067 ms), even at 8 rows, and ~3.4x slower from 32 rows
-on (512 rows: 6.3 vs 1.9 ms). So a kept model decodes one stream faster and prefills slower.
+NOTE: measured on a 2-core AMD EPYC (avx512_bf16), torch 2.13, bf16, a 960 x 576 weight, ms a
+call (int4 kernel / expanded path / oneDNN's packed dense bf16): 1 row 0.014 / 0.016 / 0.029;
+32 rows 0.115 / 0.137 / 0.071; 128 rows 0.434 / 0.258 / 0.168; 512 rows 1.705 / 0.696 / 0.599
+(the expansion alone 0.056). Hence DENSE_ROWS = 64: one stream decodes ~2x faster per layer than
+dense bf16, a long prefill costs ~1.2x, a batch of 16-48 rows ~1.6x.
 Q8_0 is not made a linear: as two int4 halves ([HI | LO] over [x | x], exact) the 49152 x 576
 LM head ran as fast as bf16 at one row (1.30 vs 1.28 ms) and 4x slower at 32 rows; a Q8_0
 weight is expanded to dtype. A Q8_0 (or any other type's) embedding stays in its blocks
@@ -29,6 +34,7 @@ after the model has loaded (CPU only).
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import Any
 
 import numpy as np
 import torch
@@ -97,14 +103,58 @@ class Int4Linear(nn.Module):
         self.register_buffer("scales_and_zeros", sz, persistent=False)
         self.bias = None if bias is None else bias.detach()
 
+        self._dequant: Any = None
+        """torch.ops.deja_cpu_attn.int4_dequant_t once `use_kernel` has checked it (None: torch's
+        int4 kernel at every row count)."""
+
+    def use_kernel(self, ops: Any) -> None:
+        """Takes the many-row path (the weight expanded by `ops.int4_dequant_t`, then a dense
+        product) where its layout check passes and the shape allows (out_features % 64)."""
+        if self.out_features % 64 == 0 and _dequant_layout_ok(ops):
+            self._dequant = ops.int4_dequant_t
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features).contiguous()  # [M, in]
-        out: torch.Tensor = torch.ops.aten._weight_int4pack_mm_for_cpu(
-            flat, self.weight_packed, GROUP, self.scales_and_zeros
-        )  # [M, out]
-        if self.bias is not None:
-            out = out + self.bias
+        dense = self._dequant is not None and (
+            flat.shape[0] >= DENSE_ROWS or flat.dtype != torch.bfloat16
+        )
+        if dense:
+            w_t = self._dequant(self.weight_packed, self.scales_and_zeros, GROUP)  # [in, out]
+            out = torch.matmul(flat, w_t)
+            if self.bias is not None:
+                out = out + self.bias
+        else:
+            out = torch.ops.aten._weight_int4pack_mm_for_cpu(
+                flat, self.weight_packed, GROUP, self.scales_and_zeros
+            )  # [M, out]
+            if self.bias is not None:
+                out = out + self.bias
         return out.view(*x.shape[:-1], self.out_features)
+
+
+DENSE_ROWS = 64
+"""Rows from which a bf16 Int4Linear expands its weight and takes a dense product (see the
+module docstring's NOTE); float32 always does (torch's int4 kernel is scalar there)."""
+
+_LAYOUT_OK: dict[int, bool] = {}
+
+
+def _dequant_layout_ok(ops: Any) -> bool:
+    """Whether `ops.int4_dequant_t` reads this torch build's packed layout (once per process):
+    a probe weight packed by torch, expanded, against its values."""
+    key = id(ops)
+    if key not in _LAYOUT_OK:
+        gen = torch.Generator().manual_seed(0)
+        q = torch.randint(0, 16, (128, 64), dtype=torch.int32, generator=gen)
+        sz = torch.randn(64 // GROUP, 128, 2, generator=gen)
+        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
+        want = (q.view(128, 2, GROUP) - 8) * sz[..., 0].T[..., None] + sz[..., 1].T[..., None]
+        try:
+            got = ops.int4_dequant_t(packed, sz, GROUP).T
+            _LAYOUT_OK[key] = bool(torch.allclose(got, want.view(128, 64), rtol=1e-6, atol=1e-5))
+        except (RuntimeError, AttributeError):
+            _LAYOUT_OK[key] = False
+    return _LAYOUT_OK[key]
 
 
 def fits(out_features: int, in_features: int) -> bool:
