@@ -143,7 +143,9 @@ class EngineCore:
         return resolve_kv_scales(sources, run, shape)
 
     def _fingerprint(self) -> str | None:
-        return model_fingerprint(self.config.model.path) if self.config.cache.disk_dir else None
+        if not self.config.cache.disk_dir:
+            return None
+        return model_fingerprint(self.config.model.path, self.config.model.quantization)
 
     def _allocate_kv_cache(self, eos: tuple[int, ...]) -> TieredCache | None:
         """Every rank's device cache, rank 0's CPU and disk tiers (and their bookkeeping,

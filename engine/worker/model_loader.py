@@ -88,16 +88,17 @@ def safetensors_files(path: str | Path) -> list[Path]:
     return files
 
 
-def model_fingerprint(model_path: str | Path) -> str:
+def model_fingerprint(model_path: str | Path, quantization: str = "auto") -> str:
     """blake2b over config.json and each weight file's name, size and first MiB (cheap, stable);
-    over a GGUF file's name, size and first MiB (its metadata)."""
+    over a GGUF file's name, size, first MiB (its metadata) and `quantization`
+    (ModelConfig.quantization: kept and expanded weights write KV that differs in the last bits,
+    so they do not share disk blocks)."""
     gguf = find_gguf(model_path)
     if gguf is not None:
         with open(gguf, "rb") as fh:
             head = fh.read(2**20)
-        return hashlib.blake2b(
-            f"{gguf.name}:{gguf.stat().st_size}".encode() + head, digest_size=16
-        ).hexdigest()
+        key = f"{gguf.name}:{gguf.stat().st_size}:{quantization}".encode()
+        return hashlib.blake2b(key + head, digest_size=16).hexdigest()
     folder = _check_folder(model_path)
     h = hashlib.blake2b(digest_size=16)
     h.update((folder / "config.json").read_bytes())

@@ -176,6 +176,14 @@ def test_gguf_folder_is_found_and_tokenizer_read(llama_gguf: Path, tmp_path: Pat
         find_gguf(folder)
 
 
+def test_fingerprint_tells_kept_from_expanded(llama_gguf: Path, tiny_llama_path: Path) -> None:
+    from engine.worker.model_loader import model_fingerprint
+
+    kept, expanded = model_fingerprint(llama_gguf, "gguf"), model_fingerprint(llama_gguf, "none")
+    assert kept != expanded
+    assert model_fingerprint(tiny_llama_path, "gguf") == model_fingerprint(tiny_llama_path)
+
+
 def test_bad_gguf_files_are_refused_at_start(llama_gguf: Path, tmp_path: Path) -> None:
     wrong_magic = tmp_path / "magic.gguf"
     wrong_magic.write_bytes(b"GGML" + llama_gguf.read_bytes()[4:])
