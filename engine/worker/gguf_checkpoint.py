@@ -82,7 +82,7 @@ def read_config(file: Path) -> Any:
     """The file's metadata as a transformers config (transformers' GGUF reader, offline)."""
     from transformers import AutoConfig
 
-    arch = _check_architecture(file)
+    arch = _architecture(open_reader(file), file)
     config = AutoConfig.from_pretrained(
         str(file.parent), gguf_file=file.name, local_files_only=True
     )
@@ -110,8 +110,8 @@ def open_reader(file: Path) -> Any:
         raise ValueError(f"{str(file)!r} is not a readable GGUF file: {e}") from e
 
 
-def _check_architecture(file: Path) -> str:
-    reader = open_reader(file)
+def _architecture(reader: Any, file: Path) -> str:
+    """The file's `general.architecture`; ValueError where deja does not serve it."""
     field = reader.fields.get("general.architecture")
     arch = bytes(field.parts[field.data[0]]).decode() if field is not None else "(none)"
     if arch not in ARCHITECTURES:
@@ -151,8 +151,8 @@ class GGUFCheckpoint:
 
     def __init__(self, file: Path, hf_config: Any) -> None:
         self.file = file
-        self.arch = _check_architecture(file)
         self.reader = open_reader(file)
+        self.arch = _architecture(self.reader, file)
         self.config = hf_config
         self.quantized: dict[str, QuantizedRows] = {}
         """transformers name -> its blocks, for the tensors kept quantized (filled by weights())."""
@@ -181,11 +181,10 @@ class GGUFCheckpoint:
         `keep_quantized`, the 2D tensors of a quantized type are also kept in their blocks in
         `self.quantized` (the float32 copy is still yielded: the loader checks names and shapes
         through it). Raises ValueError on a tensor that is not one of the model's."""
+        from gguf import GGMLQuantizationType as T
         from gguf import quants
 
         names = hf_names(self.arch, int(self.config.num_hidden_layers))
-        from gguf import GGMLQuantizationType as T
-
         floats = (T.F32, T.F16, T.BF16)
         for t in self.reader.tensors:
             name = names.get(t.name)
