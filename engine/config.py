@@ -6,6 +6,7 @@ Nothing inside `engine/` reads the environment.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field, fields
 from typing import Any
 
@@ -17,6 +18,7 @@ DISK_WRITE_POLICIES = ("write-through", "selective", "write-back")
 KV_CACHE_DTYPES = ("auto", "fp8_e4m3")
 QUANTIZATIONS = ("auto", "gguf", "none")
 GENERATION_CONFIGS = ("auto", "vllm")
+SPECULATIVE_METHODS = ("ngram", "suffix")
 
 
 def check(cond: bool, msg: str) -> None:
@@ -164,6 +166,86 @@ class SchedulerConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class SpeculativeConfig:
+    """Speculative decoding (vLLM's --speculative-config, JSON): each decode step of a sample
+    verifies up to `num_speculative_tokens` proposed tokens in the same forward pass as the rest
+    of the batch (engine/spec/)."""
+
+    method: str = "ngram"
+    """ngram: prompt lookup over the request's own prompt and output; suffix: the same plus a
+    bounded cache of earlier requests' outputs, per tenant (cache salt)."""
+    num_speculative_tokens: int = 4
+    """Most tokens proposed per sample and step."""
+    prompt_lookup_min: int = 2
+    """Shortest suffix of the sample's tokens that must match earlier text to propose."""
+    prompt_lookup_max: int = 8
+    """Longest suffix compared (the longest match wins)."""
+    disable_by_batch_size: int = 8
+    """No proposals while more samples than this are running: a batch that large is no longer
+    bound by weight reads, so verifying extra tokens would cost time (0: never propose)."""
+    suffix_decoding_max_cached_requests: int = 10000
+    """suffix: earlier outputs kept per tenant (the oldest go first)."""
+    suffix_decoding_max_spec_factor: float = 1.0
+    """suffix: at most this many proposed tokens per matched token."""
+
+    def __post_init__(self) -> None:
+        check_one_of("speculative method", self.method, SPECULATIVE_METHODS)
+        k = self.num_speculative_tokens
+        check(1 <= k <= 32, f"num_speculative_tokens must be in [1, 32], got {k}")
+        lo, hi = self.prompt_lookup_min, self.prompt_lookup_max
+        check(lo >= 1, f"prompt_lookup_min must be >= 1, got {lo}")
+        check(hi >= lo, f"prompt_lookup_max ({hi}) must be >= prompt_lookup_min ({lo})")
+        check(self.disable_by_batch_size >= 0, "disable_by_batch_size must be >= 0")
+        check(
+            self.suffix_decoding_max_cached_requests >= 0,
+            "suffix_decoding_max_cached_requests must be >= 0",
+        )
+        check(
+            self.suffix_decoding_max_spec_factor > 0,
+            "suffix_decoding_max_spec_factor must be > 0",
+        )
+
+    @classmethod
+    def from_json(cls, text: str | dict[str, Any] | None) -> SpeculativeConfig | None:
+        """Parses --speculative-config (a JSON object, as vLLM spells it); None or "" is off.
+        Raises ValueError naming what to fix."""
+        if text is None or text == "":
+            return None
+        if isinstance(text, str):
+            try:
+                raw = json.loads(text)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"--speculative-config is not valid JSON ({e}): {text!r}") from e
+        else:
+            raw = dict(text)
+        if not isinstance(raw, dict):
+            raise ValueError(f"--speculative-config must be a JSON object, got {text!r}")
+        if raw.get("model") is not None or raw.get("method") in ("draft_model", "eagle", "eagle3"):
+            raise ValueError(
+                '--speculative-config: draft-model speculation ("model") is not supported; '
+                'use method "ngram" or "suffix"'
+            )
+        raw.pop("model", None)
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(raw) - known)
+        if unknown:
+            raise ValueError(
+                f"--speculative-config: unknown key(s) {unknown}; known: {sorted(known)}"
+            )
+        for key, value in raw.items():
+            kinds: tuple[type, ...] = (int,)
+            if key == "method":
+                kinds = (str,)
+            elif key == "suffix_decoding_max_spec_factor":
+                kinds = (int, float)
+            if isinstance(value, bool) or not isinstance(value, kinds):
+                raise ValueError(
+                    f"--speculative-config: {key} must be a {kinds[-1].__name__}, got {value!r}"
+                )
+        return cls(**raw)
+
+
+@dataclass(frozen=True, slots=True)
 class EngineConfig:
     model: ModelConfig
     cache: CacheConfig = field(default_factory=CacheConfig)
@@ -192,6 +274,8 @@ class EngineConfig:
     max_cuda_graph_batch: int = 256
     """Largest decode batch captured as a CUDA graph (sizes 1, 2, 4, 8, then every 8; capped at
     max_num_seqs). Used only on CUDA with the cupy backend; 0 captures none."""
+    speculative: SpeculativeConfig | None = None
+    """Speculative decoding (engine/spec/); None: off."""
 
     def __post_init__(self) -> None:
         check(
@@ -222,6 +306,9 @@ class EngineConfig:
         top: dict[str, Any] = {}
         top_names = {f.name for f in fields(cls)} - {"model", "cache", "scheduler"}
         for key, value in kwargs.items():
+            if key == "speculative_config":  # vLLM's keyword: a dict or its JSON
+                top["speculative"] = SpeculativeConfig.from_json(value)
+                continue
             for part in parts:
                 if key in {f.name for f in fields(part)}:
                     parts[part][key] = value

@@ -36,6 +36,12 @@ class RequestMetrics:
     first_scheduled: float | None = None
     first_token: float | None = None
     finished: float | None = None
+    num_spec_steps: int = 0
+    """Steps that verified a proposal for one of its samples (speculative decoding)."""
+    num_draft_tokens: int = 0
+    """Tokens proposed for its samples."""
+    num_accepted_tokens: int = 0
+    """Of those, the tokens accepted."""
 
     @property
     def queue_time(self) -> float | None:

@@ -30,6 +30,8 @@ class ModelInfo:
     sampling_defaults: tuple[tuple[str, float], ...] = ()
     """(name, value) of the sampling settings a request that leaves them unset gets (the
     model's generation_config.json under ModelConfig.generation_config auto)."""
+    speculative_method: str | None = None
+    """Speculative decoding's method (ngram, suffix); None: off."""
 
     @property
     def kv_capacity_tokens(self) -> int:
@@ -105,6 +107,29 @@ class BufferStats:
 
 
 @dataclass(slots=True)
+class SpecStats:
+    """Speculative decoding since start (vLLM's spec_decode counters)."""
+
+    num_drafts: int = 0
+    """Proposals verified (one per sample and step)."""
+    num_draft_tokens: int = 0
+    """Tokens proposed."""
+    num_accepted_tokens: int = 0
+    """Proposed tokens accepted."""
+    accepted_per_pos: list[int] = field(default_factory=list)
+    """Accepted proposals reaching each position (index 0: the first proposed token)."""
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        """Tokens a verifying step gives a sample on average (1 + accepted per proposal)."""
+        return 1.0 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 0.0
+
+
+@dataclass(slots=True)
 class EngineStats:
     num_running: int = 0
     num_waiting: int = 0
@@ -140,6 +165,8 @@ class EngineStats:
     its core during a step included)."""
     num_steps: int = 0
     """Engine steps since start."""
+    spec: SpecStats | None = None
+    """Speculative decoding's counters; None when it is off."""
 
     @property
     def prefix_hit_rate(self) -> float:

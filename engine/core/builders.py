@@ -72,6 +72,7 @@ def model_info(
         eos_token_ids=eos_token_ids,
         has_chat_template=bool(getattr(tokenizer, "chat_template", None)),
         sampling_defaults=tuple(sorted(sampling_defaults.items())),
+        speculative_method=None if config.speculative is None else config.speculative.method,
     )
 
 

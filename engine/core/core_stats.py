@@ -8,6 +8,7 @@ lower tiers are not consulted, since a lookup there holds a reference until the 
 
 from __future__ import annotations
 
+import copy
 import time
 from typing import Any, Protocol
 
@@ -92,4 +93,5 @@ def engine_stats(core: StatsSource) -> EngineStats:
         tiers=tiers,
         grammar_cache=core.grammars.stats(),
         buffers=core.offload.buffers() if core.offload is not None else [],
+        spec=None if sched.proposer is None else copy.deepcopy(sched.proposer.stats),
     )

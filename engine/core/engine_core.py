@@ -49,6 +49,7 @@ from engine.kv_io.host_memory import HostMemoryTrimmer
 from engine.kv_io.offload import KVOffload, build_tiers, disk_manifest
 from engine.outputs import RequestOutput
 from engine.sample.structured.compiler import GrammarCompilerPool
+from engine.spec.proposer import Proposer
 from engine.stats import EngineStats
 from engine.worker.attention import AttentionBackend
 from engine.worker.attention.kv_quant import FP8_DTYPE, KVScales
@@ -116,7 +117,10 @@ class EngineCore:
             self.tokenizer, eos, self.max_model_len, cc.block_size, matcher
         )
         swap = cc.preemption_mode == "swap"
-        self.scheduler = Scheduler(config.scheduler, self.kv, self.outputs, self.tiers, swap)
+        self.proposer = None if config.speculative is None else Proposer(config.speculative)
+        self.scheduler = Scheduler(
+            config.scheduler, self.kv, self.outputs, self.tiers, swap, self.proposer
+        )
         self.records = StepRecords(vocab, config.device)
         self.step_rates = StepRates()
         self.requests: dict[str, Request] = {}
@@ -224,6 +228,7 @@ class EngineCore:
                 self._grammar_waits[req.request_id] = (req, fut)
         if req.params.use_beam_search:
             req.beam = new_beam_group(req, self.max_model_len, self.model_info.eos_token_ids)
+        req.speculates = self.proposer is not None and self.proposer.eligible(req)
         seq = self.outputs.new_sample(req, 0, list(req.prompt_token_ids))
         self.requests[req.request_id] = req
         self.scheduler.add(seq)
@@ -372,7 +377,12 @@ class EngineCore:
         finally:
             self.kv.end_step()
         launched = LaunchedStep(handle, recorded, scheduled_at, self.scheduler.advance(sched))
-        if self.async_scheduling and handle.deferrable and recorded.owners:
+        if (
+            self.async_scheduling
+            and handle.deferrable
+            and recorded.owners
+            and not self._proposing()
+        ):
             for item, _ in recorded.owners:  # one row each (deferrable)
                 item.seq.num_pending += 1
             self._in_flight = launched
@@ -388,6 +398,12 @@ class EngineCore:
         self._between_steps()
         self._trimmer.maybe_trim(now)
         return self.collect_outputs(now)
+
+    def _proposing(self) -> bool:
+        """Speculative decoding may propose next step: this one is not left in flight (a
+        proposal follows the sample's last token, which must be on the host)."""
+        p = self.proposer
+        return p is not None and p.active(len(self.scheduler.running))
 
     def _complete(self, launched: LaunchedStep, *, deferred: bool) -> None:
         """Waits for a launched step's results and brings them into the engine's state."""
@@ -446,6 +462,8 @@ class EngineCore:
                 req = self.requests.pop(out.request_id)
                 req.metrics.finished = now
                 self.records.forget(req)
+                if self.proposer is not None:
+                    self.proposer.finished(req)
         return outs
 
     # -- stats ---------------------------------------------------------------------------------

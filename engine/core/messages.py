@@ -107,7 +107,7 @@ PackedOutput = tuple[
     list[PackedSample],  # outputs (deltas)
     bool,  # finished
     tuple[int, int, int],  # cached_tokens: device, cpu, disk
-    tuple[float, float | None, float | None, float | None] | None,  # metrics
+    tuple[float, float | None, float | None, float | None, int, int, int] | None,  # metrics
     str | None,  # error
     bool | None,  # pinned
 ]
@@ -136,7 +136,17 @@ def pack_output(out: RequestOutput) -> PackedOutput:
         ],
         out.finished,
         (c.device, c.cpu, c.disk),
-        None if m is None else (m.arrival, m.first_scheduled, m.first_token, m.finished),
+        None
+        if m is None
+        else (
+            m.arrival,
+            m.first_scheduled,
+            m.first_token,
+            m.finished,
+            m.num_spec_steps,
+            m.num_draft_tokens,
+            m.num_accepted_tokens,
+        ),
         out.error,
         out.pinned,
     )

@@ -31,6 +31,7 @@ import itertools
 import time
 from collections import deque
 from collections.abc import Sequence as Seq
+from typing import TYPE_CHECKING
 
 from engine.config import SchedulerConfig
 from engine.core.output_processor import OutputProcessor
@@ -41,6 +42,9 @@ from engine.core.step_update import StepUpdate
 from engine.kv.manager import KVCacheManager, PrefixMatch
 from engine.kv.tiers import TieredCache
 from engine.worker.model_runner import StepOutput
+
+if TYPE_CHECKING:
+    from engine.spec.proposer import Proposer
 
 
 class Scheduler:
@@ -53,9 +57,11 @@ class Scheduler:
         outputs: OutputProcessor,
         tiers: TieredCache | None = None,
         swap: bool = False,
+        proposer: Proposer | None = None,
     ) -> None:
         """`tiers`: the CPU and disk tiers (prompt pins reach them); `swap`: preemption spills
-        a sequence's KV to the CPU tier instead of recomputing it."""
+        a sequence's KV to the CPU tier instead of recomputing it; `proposer`: speculative
+        decoding's (engine/spec/proposer.py), None when it is off."""
         self.config = config
         self.kv = kv
         self.waiting: deque[Sequence] = deque()
@@ -63,7 +69,8 @@ class Scheduler:
         self.num_preemptions = 0
         self.swap = tiers if swap else None
         """In swap preemption mode: preempted sequences' KV goes to this CPU tier."""
-        self._update = StepUpdate(self, kv, outputs, tiers)
+        self.proposer = proposer
+        self._update = StepUpdate(self, kv, outputs, tiers, proposer)
 
     def update_from_output(
         self, step: RecordedStep, out: StepOutput, now: float, *, deferred: bool
@@ -199,6 +206,9 @@ class Scheduler:
         running = self.running
         fits_in_place = self.kv.fits_in_place
         scheduled = out.scheduled
+        proposer = self.proposer
+        if proposer is not None and not proposer.active(len(running)):
+            proposer = None
         while i < len(running) and budget > 0:
             seq = running[i]
             computed = seq.num_computed_tokens
@@ -206,6 +216,17 @@ class Scheduler:
             length = len(seq.token_ids) + pending
             if pending and length >= seq.max_len:
                 i += 1  # the token in flight ends it by length: nothing more to compute
+                continue
+            if (
+                proposer is not None
+                and length - computed == 1
+                and not pending
+                and seq.request.speculates
+                and seq.request.forked
+                and self._speculate(seq, proposer, budget, len(running) - i - 1, scheduled)
+            ):
+                budget -= scheduled[-1].num_new_tokens
+                i += 1
                 continue
             if (
                 length - computed == 1 and seq.request.beam is None and fits_in_place(seq)
@@ -243,6 +264,30 @@ class Scheduler:
                 self._preempt_unit(unit, out)
             break
         return budget
+
+    def _speculate(
+        self,
+        seq: Sequence,
+        proposer: Proposer,
+        budget: int,
+        behind: int,
+        scheduled: list[ScheduledSeq],
+    ) -> bool:
+        """Schedules a decoding sample's token with a proposal after it, if it gets one and its
+        blocks fit while leaving one free block for each of the `behind` running sequences after
+        it (a proposal never costs another sequence its place)."""
+        room = min(budget - 1, seq.max_len - len(seq.token_ids) - 1)
+        if room <= 0:
+            return False
+        drafts = proposer.propose(seq, room)
+        if not drafts:
+            return False
+        n = 1 + len(drafts)
+        kv = self.kv
+        if kv.blocks_needed(seq, n, None) + behind > kv.num_free_blocks or not kv.allocate(seq, n):
+            return False
+        scheduled.append(ScheduledSeq(seq, n, seq.num_computed_tokens, drafts))
+        return True
 
     def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
         """Admits waiting units in order, each sequence with its longest cached prefix."""

@@ -3,6 +3,7 @@ compute how many tokens from where, and the block copies to carry out first."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 
 from engine.core.sequence import Sequence
@@ -16,12 +17,16 @@ class ScheduledSeq:
     """Tokens computed for this sequence in this step (1 for a decode)."""
     start: int
     """Position of the first of them (tokens before it are already in the cache)."""
+    drafts: Seq[int] = ()
+    """Proposed tokens after the sequence's last one (speculative decoding, engine/spec/): the
+    step computes them too (they count in num_new_tokens) and verifies them."""
 
     @property
     def samples(self) -> bool:
         """This chunk reaches the sequence's last token: the step samples its next token."""
         seq = self.seq
-        return self.start + self.num_new_tokens == len(seq.token_ids) + seq.num_pending
+        end = self.start + self.num_new_tokens - len(self.drafts)
+        return end == len(seq.token_ids) + seq.num_pending
 
 
 @dataclass(slots=True)

@@ -27,6 +27,7 @@ if TYPE_CHECKING:
 
     from engine.kv.manager import KVCacheManager
     from engine.sample.structured.compiler import Grammar
+    from engine.spec.proposer import DraftState
 
 
 class SeqStatus(enum.Enum):
@@ -56,6 +57,8 @@ class Request:
     """Beam search's state (engine side); `seqs` then holds the running beams, best first."""
     worker_seq_ids: list[int] = field(default_factory=list)
     """Its sequences the workers were told of (they forget them when the request ends)."""
+    speculates: bool = False
+    """Its samples may get speculative proposals (engine/spec/proposer.py's `eligible`)."""
     ranks_samples: bool = field(init=False, default=False)
     """params.ranks_samples (best_of > n), read once: the core asks every step."""
 
@@ -107,6 +110,9 @@ class Sequence:
     grammar: xgr.GrammarMatcher | None = None
     """This sample's grammar matcher (structured outputs); it has accepted every output token.
     It outlives preemption: recompute and swap keep the tokens, so the state stays valid."""
+
+    draft: DraftState | None = None
+    """Its speculative proposals' state (engine/spec/proposer.py); None until it first proposes."""
 
     num_prompt_tokens: int = field(init=False, default=0)
     """len(request.prompt_token_ids): the first tokens of token_ids are the prompt's."""

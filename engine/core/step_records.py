@@ -27,7 +27,8 @@ class RecordedStep:
 
     record: StepRecord
     owners: list[tuple[ScheduledSeq, int]] = field(default_factory=list)
-    """(item, rows) of every sampling sequence, in row order."""
+    """(item, rows) of every sampling sequence, in row order (1 + its proposal's length for a
+    sample verifying one)."""
     beam_groups: list[tuple[Request, list[Sequence]]] = field(default_factory=list)
     """Each ranking beam-search request with its running beams, in the record's beam order."""
 
@@ -71,10 +72,18 @@ class StepRecords:
         owners, samples, fan_out = step.owners, record.samples, record.fan_out
         for i, item in enumerate(scheduled):
             seq = item.seq
-            if item.start + item.num_new_tokens != len(seq.token_ids) + seq.num_pending:
+            drafts = item.drafts
+            if (
+                item.start + item.num_new_tokens - len(drafts)
+                != len(seq.token_ids) + seq.num_pending
+            ):
                 continue  # a prefill chunk short of the prompt's end: nothing to sample
             req = seq.request
-            if req.forked and req.beam is None:  # a running sample: one row, the common case
+            if drafts:  # a running sample verifying a proposal: a row per position
+                samples.append(i)
+                owners.append((item, 1 + len(drafts)))
+                record.drafts[i] = list(drafts)
+            elif req.forked and req.beam is None:  # a running sample: one row, the common case
                 samples.append(i)
                 owners.append((item, 1))
             elif req.beam is not None:

@@ -10,15 +10,21 @@ common case (a running sample's next token) is written inline.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from engine.core.beam_step import advance_beams
 from engine.core.output_processor import OutputProcessor
+from engine.core.scheduler_output import ScheduledSeq
 from engine.core.sequence import Request, SeqStatus, Sequence, SequenceQueues
 from engine.core.step_records import RecordedStep
 from engine.kv.manager import KVCacheManager
 from engine.kv.tiers import TieredCache
 from engine.outputs import TokenLogprob
 from engine.sample.beam import BeamCandidate
-from engine.worker.model_runner import StepOutput
+from engine.worker.model_runner import StepOutput, num_accepted
+
+if TYPE_CHECKING:
+    from engine.spec.proposer import Proposer
 
 
 class StepUpdate:
@@ -30,12 +36,15 @@ class StepUpdate:
         kv: KVCacheManager,
         outputs: OutputProcessor,
         tiers: TieredCache | None,
+        proposer: Proposer | None = None,
     ) -> None:
         self.scheduler = scheduler
         self.kv = kv
         self.outputs = outputs
         self.tiers = tiers
         """Prompt pins reach the CPU tier too (best effort within its cap)."""
+        self.proposer = proposer
+        """Speculative decoding's: learns how each proposal fared."""
 
     def apply(self, step: RecordedStep, out: StepOutput, now: float, deferred: bool) -> None:
         """The step `step` (advanced at launch) sampled `out`: every sequence follows.
@@ -67,6 +76,10 @@ class StepUpdate:
                 continue
             req = seq.request
             touched[req.request_id] = req
+            if item.drafts:
+                self._verified(item, token_ids[k : k + n], logprobs[k : k + n])
+                k += n
+                continue
             if not req.forked:
                 self._first_tokens(seq, token_ids[k : k + n], logprobs[k : k + n], now, deferred)
                 k += n
@@ -82,6 +95,28 @@ class StepUpdate:
             end = process_token(seq, token_id, logprob)
             if end is not None:
                 self.scheduler.finish(seq, end.reason, end.stop_reason)
+
+    def _verified(
+        self, item: ScheduledSeq, token_ids: list[int], logprobs: list[TokenLogprob | None]
+    ) -> None:
+        """A sample verified a proposal: it keeps the proposed tokens its rows sampled too, up
+        to the first that differs, and that row's token (engine/worker/model_runner.py's
+        `Verifier`). The positions past them are no longer computed: their KV is overwritten
+        by later steps, and their blocks are hashed only once their real tokens are known."""
+        seq, drafts = item.seq, item.drafts
+        a = num_accepted(list(drafts), token_ids, 0)
+        seq.num_computed_tokens -= len(drafts) - a
+        assert self.proposer is not None
+        self.proposer.observe(seq, len(drafts), a)
+        for j in range(a + 1):
+            lp = logprobs[j]
+            seq.append_token(token_ids[j])
+            if lp is not None:
+                seq.cum_logprob += lp.logprob
+            end = self.outputs.process_token(seq, token_ids[j], lp)
+            if end is not None:
+                self.scheduler.finish(seq, end.reason, end.stop_reason)
+                return
 
     def _first_tokens(
         self,

@@ -61,6 +61,12 @@ class InputProcessor:
         )
         if params.response_format is not None:
             validate_response_format(params.response_format)
+        if params.use_beam_search and self.model_info.speculative_method is not None:
+            raise ValueError(
+                "beam search cannot be combined with speculative decoding: this server runs "
+                f"--speculative-config method {self.model_info.speculative_method!r}; send the "
+                "request without use_beam_search, or to a server without speculation"
+            )
         if params.use_beam_search:
             # A group's beams run in lockstep: all of them in one step's budget and batch.
             cap = min(lim.max_num_seqs, lim.max_num_batched_tokens)

@@ -113,13 +113,16 @@ class InputBatch:
         qlens: list[int],
         tables: list[list[int]],
         in_flight: torch.Tensor | None = None,
+        drafts: dict[int, list[int]] | None = None,
     ) -> StepInputs:
         """The flat batch of the sequences `states`, each computing qlens[i] tokens from
         position starts[i], with its block `tables`.
 
         `in_flight`: the sampled ids [rows] (on the device) of the step still in flight (async
         scheduling). A sequence whose new token is that step's pending sample (its position is
-        past its known tokens) takes its input id from row `state.pending_row`, on the device."""
+        past its known tokens) takes its input id from row `state.pending_row`, on the device.
+        `drafts`: sequence index -> tokens proposed after its last one (speculative decoding):
+        they are its input ids after its last token."""
         num_seqs, num_tokens = len(states), sum(qlens)
         max_blocks = max(map(len, tables))
         if self._copied is not None:
@@ -136,7 +139,7 @@ class InputBatch:
         if num_tokens == num_seqs:
             seq_idx, seq_lens = self._decode(states, starts, in_flight, dst, src)
         else:
-            seq_idx, seq_lens = self._mixed(states, starts, qlens, dst, src)
+            seq_idx, seq_lens = self._mixed(states, starts, qlens, dst, src, drafts)
         self.seq_lens.np[:num_seqs] = seq_lens
         self._write_tables(tables)
         # slot = block_id * block_size + offset within the block
@@ -193,14 +196,18 @@ class InputBatch:
         qlens: list[int],
         dst: list[int],
         src: list[int],
+        drafts: dict[int, list[int]] | None,
     ) -> tuple[np.ndarray, np.ndarray]:
-        """A step with prefill chunks: ids, positions and query starts; (token -> sequence,
-        lengths)."""
+        """A step with prefill chunks or proposals: ids, positions and query starts; (token ->
+        sequence, lengths)."""
         ids, num_seqs = self.input_ids.np, len(states)
         t = 0
-        for state, s, n in zip(states, starts, qlens, strict=True):
+        for i, (state, s, n) in enumerate(zip(states, starts, qlens, strict=True)):
             token_ids = state.token_ids
-            if s + n > len(token_ids):  # a decode of the token in flight
+            proposed = drafts.get(i) if drafts else None
+            if proposed:  # its last token, then the proposal
+                ids[t : t + n] = token_ids[s:] + proposed
+            elif s + n > len(token_ids):  # a decode of the token in flight
                 ids[t] = 0
                 dst.append(t)
                 src.append(state.pending_row)

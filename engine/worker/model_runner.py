@@ -52,6 +52,8 @@ class StepHandle:
     """The sampled rows: ids on the device, their copy to the host under way."""
     takers: list[tuple[SeqState, int]] = field(default_factory=list)
     """(sequence, its first row) of each sampling sequence: it appends that row's token."""
+    verifiers: list[Verifier] = field(default_factory=list)
+    """The sequences verifying a proposal (speculative decoding)."""
     beams: list[list[BeamCandidate]] = field(default_factory=list)
     deferrable: bool = False
     """The engine may launch its next step before reading this one's results (async scheduling):
@@ -65,6 +67,42 @@ class StepHandle:
         return None if self.sampled is None else self.sampled.token_ids
 
 
+@dataclass(slots=True, eq=False)
+class Verifier:
+    """A sequence verifying the tokens proposed after its last one (speculative decoding).
+
+    Its 1 + k rows sample each position as any row would: row j's logits follow the proposal's
+    first j tokens. It keeps the proposed tokens up to the first that differs from its row's
+    sample, then that row's sample (all k match: the last row's). For a greedy row that is the
+    longest prefix equal to the argmax; for a random one it is Leviathan et al.'s rule for a
+    proposal that puts all its mass on one token: the proposed token is kept with probability
+    p(token), and otherwise the row's sample is a draw from p without it, which is what the
+    exponential race gives conditioned on not choosing it (engine/sample/sampler.py). The
+    output's distribution is the target's, and a seeded sample's generator is rewound to the
+    positions kept, so it gives the same tokens as without speculation."""
+
+    state: SeqState
+    row: int
+    """Its first row."""
+    drafts: list[int]
+    generator_state: torch.Tensor | None = None
+    """A seeded random sample's generator before the step's draws (to rewind it)."""
+
+    def accepted(self, token_ids: list[int]) -> int:
+        """Proposed tokens kept, given the step's sampled rows."""
+        return num_accepted(self.drafts, token_ids, self.row)
+
+
+def num_accepted(drafts: list[int], token_ids: list[int], row: int) -> int:
+    """The longest prefix of `drafts` equal to the sampled rows token_ids[row:]."""
+    a = 0
+    for j, d in enumerate(drafts):
+        if token_ids[row + j] != d:
+            break
+        a = j + 1
+    return a
+
+
 @dataclass(slots=True)
 class _SamplingPlan:
     """The rows a step samples, known before its forward pass."""
@@ -76,6 +114,7 @@ class _SamplingPlan:
     """(sequence, its first row) of each sampling sequence."""
     beam_index: list[int] = field(default_factory=list)
     """Flat token index of each beam row's logits (after the sampled rows' in the logits)."""
+    verifiers: list[Verifier] = field(default_factory=list)
 
 
 @dataclass(eq=False, repr=False)
@@ -158,8 +197,9 @@ class ModelRunner:
             return StepHandle()
         pending = None if in_flight is None else in_flight.token_ids
         step = self.inputs.build(
-            states, record.starts, record.num_new_tokens, record.block_tables, pending
-        )
+            states, record.starts, record.num_new_tokens, record.block_tables, pending,
+            record.drafts,
+        )  # fmt: skip
         self.backend.prepare(step.meta)
         plan = self._sampling_plan(record, states)
         if followers is not None:
@@ -179,9 +219,13 @@ class ModelRunner:
             if mask is not None:  # a fill in flight finishes first (its buffer is reused)
                 mask.wait()
             raise
-        handle = StepHandle(takers=plan.takers)
+        handle = StepHandle(takers=plan.takers, verifiers=plan.verifiers)
         if record.beams:
             handle.beams = self._rank_beams(logits[len(plan.rows) :], record)
+        for v in plan.verifiers:
+            srow = plan.rows[v.row]
+            if srow.generator is not None and not srow.greedy:
+                v.generator_state = srow.generator.get_state()
         if plan.rows:
             rows_logits = logits[: len(plan.rows)]
             handle.sampled = self.sampler.sample(rows_logits, plan.rows, self.eos_token_ids, packed)
@@ -206,7 +250,23 @@ class ModelRunner:
             token_ids = host.token_ids
             for state, row in handle.takers:
                 state.token_ids.append(token_ids[row])
+            for v in handle.verifiers:
+                a = v.accepted(token_ids)
+                v.state.token_ids.extend(token_ids[v.row : v.row + a + 1])
+                if v.generator_state is not None and a < len(v.drafts):
+                    self._rewind(v, a + 1)
         return out
+
+    def _rewind(self, v: Verifier, kept: int) -> None:
+        """Puts a seeded sample's generator where `kept` positions' draws leave it (the sampler
+        drew one exponential vector per row; the rows past the kept ones are dropped)."""
+        assert v.generator_state is not None
+        generator = v.state.request.generators[v.state.index]
+        assert generator is not None
+        generator.set_state(v.generator_state)
+        draw = torch.empty(self.sampler.vocab_size, dtype=torch.float32, device=self.device)
+        for _ in range(kept):
+            draw.exponential_(generator=generator)
 
     def run_model(self, step: StepInputs, index: list[int], one_each: bool) -> torch.Tensor | None:
         """The forward over every scheduled token, then the logits [len(index), V] float32 of the
@@ -249,7 +309,7 @@ class ModelRunner:
         one row each (a steady decode), reuses that step's plan: its rows live as long as their
         sequences."""
         key = (record.seq_ids, record.num_new_tokens, record.samples)
-        steady = not record.fan_out and not record.beams
+        steady = not record.fan_out and not record.beams and not record.drafts
         if steady and self._plan is not None and self._plan_key == key:
             return self._plan
         plan = self._new_sampling_plan(record, states)
@@ -262,10 +322,17 @@ class ModelRunner:
         num_new = record.num_new_tokens
         decode = sum(num_new) == len(num_new)  # one token each: its end is its index + 1
         ends = range(1, len(num_new) + 1) if decode else list(itertools.accumulate(num_new))
-        fan_out = record.fan_out
+        fan_out, drafts = record.fan_out, record.drafts
         for i in record.samples:
             state = states[i]
             end = ends[i] - 1
+            proposed = drafts.get(i) if drafts else None
+            if proposed:  # a row at its last token and at each proposed one
+                k = len(proposed)
+                plan.verifiers.append(Verifier(state, len(rows), proposed))
+                rows.extend([state.row or state.sampling_row()] * (k + 1))
+                row_index.extend(range(end - k, end + 1))
+                continue
             n = fan_out.get(i, 1) if fan_out else 1
             takers.append((state, len(rows)))
             if n == 1:

@@ -75,6 +75,10 @@ class StepRecord:
     fan_out: dict[int, int] = field(default_factory=dict)
     """Sequences that sample n > 1 rows (a request's first token, before its n samples fork):
     index -> n. Every other sampling sequence samples one row."""
+    drafts: dict[int, list[int]] = field(default_factory=dict)
+    """Sequences verifying proposed tokens (speculative decoding): index -> the tokens proposed
+    after its last one. Such a sequence computes 1 + len(tokens) positions and samples a row at
+    each (engine/worker/model_runner.py)."""
     beams: list[BeamRanking] = field(default_factory=list)
     new_seqs: list[NewSequence] = field(default_factory=list)
     """Sequences to learn before the step (they may also be scheduled in it)."""
