@@ -14,8 +14,9 @@ Builds our engine twice (without speculation, then with `--speculative-config {"
 - random: 32 prompts of random tokens decoded together (output tok/s of the batch, best of 3).
 Each engine runs the quoting workload once untimed first, so every step shape has run before
 the timed passes. It prints each workload's figures, their ratio (with / without), the acceptance rate and mean
-tokens per verifying step, and how many outputs are token-identical (bfloat16 changes the
-numerics of a multi-token step, so a near tie may break the other way).
+tokens per verifying step, how many outputs are token-identical and the share of tokens before
+the first difference ("agree"; bfloat16 changes the numerics of a multi-token step, so a near
+tie may break the other way, and every later token of that output follows the new path).
 """
 
 from __future__ import annotations
@@ -167,6 +168,15 @@ def _run_all(llm: Any, args: argparse.Namespace) -> dict[str, dict[str, Any]]:
     return res
 
 
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
 def run(args: argparse.Namespace) -> int:
     model_path, info = common.begin(args, f"speculative decoding ({args.method}) vs plain decode")
     spec = {"method": args.method, "num_speculative_tokens": args.num_speculative_tokens}
@@ -182,10 +192,13 @@ def run(args: argparse.Namespace) -> int:
     for name, target in targets.items():
         a, b = plain[name], spec_run[name]
         ratio = b["tok_s"] / a["tok_s"]
-        same = sum(x == y for x, y in zip(a["outputs"], b["outputs"], strict=True))
+        pairs = list(zip(a["outputs"], b["outputs"], strict=True))
+        same = sum(x == y for x, y in pairs)
+        # Of the plain outputs' tokens, the share before the first difference.
+        prefix = sum(_common_prefix(x, y) for x, y in pairs) / max(1, sum(len(x) for x, _ in pairs))
         rows.append(
             [name, f"{a['tok_s']:.1f}", f"{b['tok_s']:.1f}", f"{ratio:.2f}x", f">= {target}x",
-             f"{same}/{len(a['outputs'])}"]
+             f"{same}/{len(a['outputs'])}", f"{100 * prefix:.1f}%"]
         )  # fmt: skip
         summary[name] = {
             "plain_tok_s": a["tok_s"],
@@ -193,10 +206,11 @@ def run(args: argparse.Namespace) -> int:
             "ratio": ratio,
             "target": target,
             "identical_outputs": same,
+            "tokens_before_first_difference": prefix,
             "outputs": len(a["outputs"]),
         }
     report.print_table(
-        ["workload", "plain tok/s", "spec tok/s", "ratio", "target", "identical"], rows
+        ["workload", "plain tok/s", "spec tok/s", "ratio", "target", "identical", "agree"], rows
     )
     s = spec_run.get("spec", {})
     print(

@@ -23,6 +23,7 @@ from engine.config import (
     EngineConfig,
     ModelConfig,
     SchedulerConfig,
+    SpeculativeConfig,
 )
 from service.common.flags import (
     ConfigFlag,
@@ -180,6 +181,16 @@ def add_engine_args(parser: argparse.ArgumentParser) -> list[argparse.Action]:
         ),
         add_flag(
             g,
+            "--speculative-config",
+            help="Speculative decoding, as vLLM spells it (JSON), e.g. "
+            '\'{"method": "ngram", "num_speculative_tokens": 4}\'; methods: ngram (prompt '
+            "lookup), suffix (also earlier outputs of the same tenant). Keys: "
+            "num_speculative_tokens, prompt_lookup_min, prompt_lookup_max, "
+            "disable_by_batch_size, suffix_decoding_max_cached_requests, "
+            "suffix_decoding_max_spec_factor.",
+        ),
+        add_flag(
+            g,
             "--max-cuda-graph-batch",
             type=int,
             default=256,
@@ -227,4 +238,5 @@ def engine_config_from_args(
         enforce_eager=args.enforce_eager,
         async_scheduling=args.async_scheduling,
         max_cuda_graph_batch=args.max_cuda_graph_batch,
+        speculative=SpeculativeConfig.from_json(args.speculative_config),
     )

@@ -158,6 +158,10 @@ def end_request_span(
                 span.set_attribute("deja.ttft_s", m.ttft)
             if m.e2e is not None:
                 span.set_attribute("deja.e2e_s", m.e2e)
+            if m.num_spec_steps:
+                span.set_attribute("deja.spec_decode.draft_tokens", m.num_draft_tokens)
+                span.set_attribute("deja.spec_decode.accepted_tokens", m.num_accepted_tokens)
+                span.set_attribute("deja.spec_decode.verify_steps", m.num_spec_steps)
             for name, t in (
                 ("scheduled", m.first_scheduled),
                 ("first_token", m.first_token),

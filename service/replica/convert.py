@@ -202,6 +202,17 @@ def final_message(out: RequestOutput, tally: StreamTally, *, replica_id: str) ->
         )
     )
     m = out.metrics
+    if m is not None and m.num_spec_steps:
+        drafted, accepted = m.num_draft_tokens, m.num_accepted_tokens
+        steps = max(1, tally.completion_tokens - accepted)
+        final.usage.speculative.CopyFrom(
+            pb.SpeculativeUsage(
+                draft_tokens=drafted,
+                accepted_tokens=accepted,
+                acceptance_rate=accepted / drafted if drafted else 0.0,
+                tokens_per_step=tally.completion_tokens / steps,
+            )
+        )
     if m is not None:
         final.timings.CopyFrom(
             pb.Timings(queue_s=m.queue_time or 0.0, ttft_s=m.ttft or 0.0, total_s=m.e2e or 0.0)

@@ -81,6 +81,25 @@ class _EngineStatsCollector(Collector):
             "deja_prefix_cache_queries", "Prompt tokens looked up in the cache.", s.prefix_queries
         )
         yield counter("deja_prefix_cache_hits", "Prompt tokens served from cache.", s.prefix_hits)
+        if s.spec is not None:  # vLLM's spec_decode counters
+            sp = s.spec
+            yield counter("deja_spec_decode_num_drafts", "Proposals verified.", sp.num_drafts)
+            yield counter(
+                "deja_spec_decode_num_draft_tokens", "Tokens proposed.", sp.num_draft_tokens
+            )
+            yield counter(
+                "deja_spec_decode_num_accepted_tokens",
+                "Proposed tokens accepted.",
+                sp.num_accepted_tokens,
+            )
+            per_pos = CounterMetricFamily(
+                "deja_spec_decode_num_accepted_tokens_per_pos",
+                "Accepted proposed tokens by position in the proposal (0: the first).",
+                labels=["model", "position"],
+            )
+            for pos, n in enumerate(sp.accepted_per_pos):
+                per_pos.add_metric([*m, str(pos)], n)
+            yield per_pos
         blocks = GaugeMetricFamily(
             "deja_cache_tier_blocks", "Blocks per cache tier and state.", labels=["tier", "state"]
         )

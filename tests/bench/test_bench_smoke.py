@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from bench import common, kv_dtype, moe, offline, peer, prefix, quant, step
+from bench import common, kv_dtype, moe, offline, peer, prefix, quant, spec, step
 from engine.testing.tiny_gguf import write_gguf
 
 
@@ -153,6 +153,20 @@ def test_quant_refuses_a_folder(tiny_llama_path: Path, capsys: pytest.CaptureFix
     args = common.parse_args(quant.add_arguments, ["--model", str(tiny_llama_path), "--quick"])
     assert quant.run(args) == 2
     assert "is not a GGUF model" in capsys.readouterr().out
+
+
+def test_spec_quick_compares_with_and_without_speculation(
+    tiny_llama_path: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`deja bench spec`: the three workloads with and without speculation in one run; in
+    float32 every output is the same token for token."""
+    text, data = _run_quick(spec, tiny_llama_path, tmp_path, capsys, "--dtype", "float32")
+    for name in ("quoting", "chat", "random"):
+        w = data["workloads"][name]
+        assert w["identical_outputs"] == w["outputs"] > 0, name
+        assert w["ratio"] > 0
+    assert re.search(r"^quoting +\d+\.\d +\d+\.\d +\d+\.\d\dx", text, re.M), text
+    assert re.search(r"^acceptance rate \d+\.\d%", text, re.M), text
 
 
 def test_peer_without_vllm_says_so(tiny_llama_path: Path, tmp_path: Path) -> None:
