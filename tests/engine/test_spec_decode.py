@@ -256,3 +256,21 @@ def test_beam_search_with_speculation_is_refused(tiny_llama_path: Path) -> None:
     params = SamplingParams(n=2, use_beam_search=True, temperature=0.0, max_tokens=4)
     with pytest.raises(ValueError, match="speculative decoding"):
         llm.generate([[11, 12, 13]], params)
+
+
+@pytest.mark.timeout(600)
+def test_two_ranks_verify_proposals_like_one(tiny_llama_path: Path) -> None:
+    """Tensor parallelism: rank 1 runs the 1 + k positions too; the greedy tokens are the same."""
+    prompts = repeating_prompts(512, 6, seed=10)
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    expected = hf_greedy(tiny_llama_path, prompts, MAX_TOKENS)
+    outs, llm = generate(
+        tiny_llama_path, prompts, params, num_device_blocks=256, tensor_parallel_size=2,
+        speculative_config=spec("ngram"),
+    )  # fmt: skip
+    try:
+        assert [o.token_ids for o in outs] == expected
+        stats = llm.engine.get_stats().spec
+        assert stats is not None and stats.num_accepted_tokens > 0
+    finally:
+        llm.engine.core.executor.close()
