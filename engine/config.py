@@ -18,7 +18,7 @@ DISK_WRITE_POLICIES = ("write-through", "selective", "write-back")
 KV_CACHE_DTYPES = ("auto", "fp8_e4m3")
 QUANTIZATIONS = ("auto", "gguf", "none")
 GENERATION_CONFIGS = ("auto", "vllm")
-SPECULATIVE_METHODS = ("ngram", "suffix")
+SPECULATIVE_METHODS = ("ngram", "suffix", "draft_model")
 
 
 def check(cond: bool, msg: str) -> None:
@@ -173,7 +173,10 @@ class SpeculativeConfig:
 
     method: str = "ngram"
     """ngram: prompt lookup over the request's own prompt and output; suffix: the same plus a
-    bounded cache of earlier requests' outputs, per tenant (cache salt)."""
+    bounded cache of earlier requests' outputs, per tenant (cache salt); draft_model: a smaller
+    model with the same tokenizer (`model`) proposes, greedily, with its own KV cache."""
+    model: str | None = None
+    """draft_model: the draft model's folder (or GGUF file); any model deja serves."""
     num_speculative_tokens: int = 4
     """Most tokens proposed per sample and step."""
     prompt_lookup_min: int = 2
@@ -190,6 +193,11 @@ class SpeculativeConfig:
 
     def __post_init__(self) -> None:
         check_one_of("speculative method", self.method, SPECULATIVE_METHODS)
+        check(
+            (self.model is not None) == (self.method == "draft_model"),
+            '--speculative-config: "model" (a draft model\'s folder) goes with method '
+            f'"draft_model" and only with it (method {self.method!r}, model {self.model!r})',
+        )
         k = self.num_speculative_tokens
         check(1 <= k <= 32, f"num_speculative_tokens must be in [1, 32], got {k}")
         lo, hi = self.prompt_lookup_min, self.prompt_lookup_max
@@ -220,12 +228,8 @@ class SpeculativeConfig:
             raw = dict(text)
         if not isinstance(raw, dict):
             raise ValueError(f"--speculative-config must be a JSON object, got {text!r}")
-        if raw.get("model") is not None or raw.get("method") in ("draft_model", "eagle", "eagle3"):
-            raise ValueError(
-                '--speculative-config: draft-model speculation ("model") is not supported; '
-                'use method "ngram" or "suffix"'
-            )
-        raw.pop("model", None)
+        if raw.get("model") is not None:
+            raw.setdefault("method", "draft_model")
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(raw) - known)
         if unknown:
@@ -234,7 +238,7 @@ class SpeculativeConfig:
             )
         for key, value in raw.items():
             kinds: tuple[type, ...] = (int,)
-            if key == "method":
+            if key in ("method", "model"):
                 kinds = (str,)
             elif key == "suffix_decoding_max_spec_factor":
                 kinds = (int, float)

@@ -53,9 +53,9 @@ def model_info(
     device budget in blocks of rank 0's cache)."""
     mc, cc, shape = config.model, config.cache, worker.shape
     hf_config = shape.hf_config
-    num_blocks = cc.num_device_blocks or max(
-        1, int(cc.device_memory_gib * 2**30) // worker.block_bytes
-    )
+    # A draft model's cache has a block for each of the target's: the budget holds both.
+    per_block = worker.block_bytes + worker.draft_block_bytes
+    num_blocks = cc.num_device_blocks or max(1, int(cc.device_memory_gib * 2**30) // per_block)
     return ModelInfo(
         model_id=mc.model_id or os.path.basename(os.path.normpath(mc.path)),
         family="qwen2" if hf_config.model_type == "qwen2" else "llama",

@@ -279,14 +279,19 @@ class Scheduler:
         room = min(budget - 1, seq.max_len - len(seq.token_ids) - 1)
         if room <= 0:
             return False
-        drafts = proposer.propose(seq, room)
-        if not drafts:
+        drafts: list[int] = []
+        if proposer.on_worker:  # the draft model proposes during the step
+            k = proposer.draft_length(seq, room)
+        else:
+            drafts = proposer.propose(seq, room)
+            k = len(drafts)
+        if not k:
             return False
-        n = 1 + len(drafts)
+        n = 1 + k
         kv = self.kv
         if kv.blocks_needed(seq, n, None) + behind > kv.num_free_blocks or not kv.allocate(seq, n):
             return False
-        scheduled.append(ScheduledSeq(seq, n, seq.num_computed_tokens, drafts))
+        scheduled.append(ScheduledSeq(seq, n, seq.num_computed_tokens, k, drafts))
         return True
 
     def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:

@@ -17,15 +17,18 @@ class ScheduledSeq:
     """Tokens computed for this sequence in this step (1 for a decode)."""
     start: int
     """Position of the first of them (tokens before it are already in the cache)."""
-    drafts: Seq[int] = ()
-    """Proposed tokens after the sequence's last one (speculative decoding, engine/spec/): the
+    num_drafts: int = 0
+    """Tokens proposed after the sequence's last one (speculative decoding, engine/spec/): the
     step computes them too (they count in num_new_tokens) and verifies them."""
+    drafts: Seq[int] = ()
+    """Those tokens, when the core proposed them (n-gram, suffix); empty when the worker's draft
+    model proposes them during the step."""
 
     @property
     def samples(self) -> bool:
         """This chunk reaches the sequence's last token: the step samples its next token."""
         seq = self.seq
-        end = self.start + self.num_new_tokens - len(self.drafts)
+        end = self.start + self.num_new_tokens - self.num_drafts
         return end == len(seq.token_ids) + seq.num_pending
 
 

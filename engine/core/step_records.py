@@ -72,17 +72,17 @@ class StepRecords:
         owners, samples, fan_out = step.owners, record.samples, record.fan_out
         for i, item in enumerate(scheduled):
             seq = item.seq
-            drafts = item.drafts
-            if (
-                item.start + item.num_new_tokens - len(drafts)
-                != len(seq.token_ids) + seq.num_pending
-            ):
+            k = item.num_drafts
+            if item.start + item.num_new_tokens - k != len(seq.token_ids) + seq.num_pending:
                 continue  # a prefill chunk short of the prompt's end: nothing to sample
             req = seq.request
-            if drafts:  # a running sample verifying a proposal: a row per position
+            if k:  # a running sample verifying a proposal: a row per position
                 samples.append(i)
-                owners.append((item, 1 + len(drafts)))
-                record.drafts[i] = list(drafts)
+                owners.append((item, 1 + k))
+                if item.drafts:
+                    record.drafts[i] = list(item.drafts)
+                else:  # the worker's draft model proposes them
+                    record.propose[i] = k
             elif req.forked and req.beam is None:  # a running sample: one row, the common case
                 samples.append(i)
                 owners.append((item, 1))

@@ -14,7 +14,6 @@ from typing import TYPE_CHECKING
 
 from engine.core.beam_step import advance_beams
 from engine.core.output_processor import OutputProcessor
-from engine.core.scheduler_output import ScheduledSeq
 from engine.core.sequence import Request, SeqStatus, Sequence, SequenceQueues
 from engine.core.step_records import RecordedStep
 from engine.kv.manager import KVCacheManager
@@ -69,15 +68,17 @@ class StepUpdate:
         kv = self.kv
         bs = kv.block_size
         k = 0
+        proposals = iter(out.drafts)
         for item, n in step.owners:
             seq = item.seq
+            drafts = next(proposals) if item.num_drafts else None
             if seq.status is SeqStatus.FINISHED:
                 k += n
                 continue
             req = seq.request
             touched[req.request_id] = req
-            if item.drafts:
-                self._verified(item, token_ids[k : k + n], logprobs[k : k + n])
+            if drafts is not None:
+                self._verified(seq, drafts, token_ids[k : k + n], logprobs[k : k + n])
                 k += n
                 continue
             if not req.forked:
@@ -97,14 +98,17 @@ class StepUpdate:
                 self.scheduler.finish(seq, end.reason, end.stop_reason)
 
     def _verified(
-        self, item: ScheduledSeq, token_ids: list[int], logprobs: list[TokenLogprob | None]
+        self,
+        seq: Sequence,
+        drafts: list[int],
+        token_ids: list[int],
+        logprobs: list[TokenLogprob | None],
     ) -> None:
         """A sample verified a proposal: it keeps the proposed tokens its rows sampled too, up
         to the first that differs, and that row's token (engine/worker/model_runner.py's
         `Verifier`). The positions past them are no longer computed: their KV is overwritten
         by later steps, and their blocks are hashed only once their real tokens are known."""
-        seq, drafts = item.seq, item.drafts
-        a = num_accepted(list(drafts), token_ids, 0)
+        a = num_accepted(drafts, token_ids, 0)
         seq.num_computed_tokens -= len(drafts) - a
         assert self.proposer is not None
         self.proposer.observe(seq, len(drafts), a)

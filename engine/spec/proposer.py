@@ -22,7 +22,8 @@ Who gets a proposal (`Proposer.propose`):
 Methods: "ngram" looks the sample's last tokens up in its own prompt and output
 (engine/spec/ngram.py); "suffix" also looks in its tenant's earlier outputs
 (engine/spec/suffix.py) and proposes at most `suffix_decoding_max_spec_factor` tokens per
-matched token.
+matched token; "draft_model" leaves the tokens to the worker's draft model, which proposes the
+number the scheduler allots (engine/worker/draft_runner.py).
 """
 
 from __future__ import annotations
@@ -82,8 +83,13 @@ class Proposer:
             or p.frequency_penalty != 0.0
         )
 
-    def propose(self, seq: Sequence, max_tokens: int) -> list[int]:
-        """Up to `max_tokens` tokens to verify after the sample's last one (may be none)."""
+    @property
+    def on_worker(self) -> bool:
+        """The worker's draft model makes the proposals (`draft_length` sizes them)."""
+        return self.config.method == "draft_model"
+
+    def _length(self, seq: Sequence, max_tokens: int) -> tuple[DraftState, int]:
+        """The sample's state and how many tokens it may be proposed now (0: none)."""
         state = seq.draft
         if state is None:
             c = self.config
@@ -92,10 +98,18 @@ class Proposer:
             )
         if state.wait:
             state.wait -= 1
-            return []
+            return state, 0
         if seq.num_output_tokens < seq.request.params.min_tokens:
-            return []
-        k = min(state.limit, max_tokens)
+            return state, 0
+        return state, max(0, min(state.limit, max_tokens))
+
+    def draft_length(self, seq: Sequence, max_tokens: int) -> int:
+        """draft_model: how many tokens the draft model proposes for the sample this step."""
+        return self._length(seq, max_tokens)[1]
+
+    def propose(self, seq: Sequence, max_tokens: int) -> list[int]:
+        """Up to `max_tokens` tokens to verify after the sample's last one (may be none)."""
+        state, k = self._length(seq, max_tokens)
         if k <= 0:
             return []
         c = self.config

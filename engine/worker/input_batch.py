@@ -114,6 +114,7 @@ class InputBatch:
         tables: list[list[int]],
         in_flight: torch.Tensor | None = None,
         drafts: dict[int, list[int]] | None = None,
+        token_ids: list[int] | None = None,
     ) -> StepInputs:
         """The flat batch of the sequences `states`, each computing qlens[i] tokens from
         position starts[i], with its block `tables`.
@@ -122,7 +123,8 @@ class InputBatch:
         scheduling). A sequence whose new token is that step's pending sample (its position is
         past its known tokens) takes its input id from row `state.pending_row`, on the device.
         `drafts`: sequence index -> tokens proposed after its last one (speculative decoding):
-        they are its input ids after its last token."""
+        they are its input ids after its last token. `token_ids`: a one-token-each step's input
+        ids, given (tokens not in the sequences' lists: a draft model's own proposals)."""
         num_seqs, num_tokens = len(states), sum(qlens)
         max_blocks = max(map(len, tables))
         if self._copied is not None:
@@ -136,7 +138,11 @@ class InputBatch:
         src: list[int] = []
         # NOTE: the scheduler never hands over an item with no new tokens, so T == S means one
         # token per sequence
-        if num_tokens == num_seqs:
+        if token_ids is not None:
+            assert num_tokens == num_seqs == len(token_ids)
+            self.input_ids.np[:num_seqs] = token_ids
+            seq_idx, seq_lens = self._decode_at(starts)
+        elif num_tokens == num_seqs:
             seq_idx, seq_lens = self._decode(states, starts, in_flight, dst, src)
         else:
             seq_idx, seq_lens = self._mixed(states, starts, qlens, dst, src, drafts)
@@ -184,6 +190,11 @@ class InputBatch:
             ids[:num_seqs] = [st.token_ids[s] for st, s in zip(states, starts, strict=True)]
         else:
             ids[:num_seqs] = self._decode_ids(states, starts, dst, src)
+        return self._decode_at(starts)
+
+    def _decode_at(self, starts: list[int]) -> tuple[np.ndarray, np.ndarray]:
+        """A decode-only step's positions and query starts (its ids written)."""
+        num_seqs = len(starts)
         starts_np = np.fromiter(starts, np.int64, num_seqs)
         self.positions.np[:num_seqs] = starts_np
         self.query_start_loc.np[: num_seqs + 1] = np.arange(num_seqs + 1)

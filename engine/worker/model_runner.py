@@ -15,6 +15,7 @@ from engine.sample.beam import BeamCandidate, BeamRows, top_candidates
 from engine.sample.sampler import SampledBatch, Sampler, SamplingRow, host_to_device
 from engine.worker.attention.base import AttentionBackend
 from engine.worker.cuda_graphs import DecodeGraphs, graph_sizes
+from engine.worker.draft_runner import DraftRunner
 from engine.worker.input_batch import InputBatch, StepInputs
 from engine.worker.parallel.messages import StepBatch
 from engine.worker.seq_state import SeqState, SeqStates
@@ -41,6 +42,8 @@ class StepOutput:
     """Per row; None where neither logprobs nor best_of's ranking asks for them."""
     beams: list[list[BeamCandidate]] = field(default_factory=list)
     """Each of the record's beam rankings' K best continuations, best first."""
+    drafts: list[list[int]] = field(default_factory=list)
+    """The tokens each verifying sequence was proposed, in row order (speculative decoding)."""
 
 
 @dataclass(slots=True, eq=False)
@@ -138,6 +141,9 @@ class ModelRunner:
     forward never syncs with the host (`supports_cuda_graphs`)."""
     max_model_len: int = 0
     """Longest sequence (sizes the graphs' block tables and decode launches)."""
+    drafter: DraftRunner | None = None
+    """Speculative decoding's draft model (method draft_model): runs over every step's tokens
+    and makes the proposals the record asks for (engine/worker/draft_runner.py)."""
     graphs: DecodeGraphs | None = field(init=False, default=None)
     inputs: InputBatch = field(init=False)
     """The step's flat batch, in buffers that persist across steps."""
@@ -170,6 +176,8 @@ class ModelRunner:
 
     def apply_plan(self, plan: KVPlan) -> None:
         apply_plan(plan, self.kv_cache, self.offload, self.backend)
+        if self.drafter is not None:
+            self.drafter.copy_blocks(plan.cow)
 
     def execute(self, record: StepRecord) -> StepOutput:
         """One step, start to end: `launch`, then `collect`."""
@@ -196,12 +204,14 @@ class ModelRunner:
                 followers(record.plan, None, [])
             return StepHandle()
         pending = None if in_flight is None else in_flight.token_ids
+        drafts = record.drafts
+        if self.drafter is not None:
+            drafts = {**drafts, **self.drafter.run(states, record, pending)}
         step = self.inputs.build(
-            states, record.starts, record.num_new_tokens, record.block_tables, pending,
-            record.drafts,
-        )  # fmt: skip
+            states, record.starts, record.num_new_tokens, record.block_tables, pending, drafts
+        )
         self.backend.prepare(step.meta)
-        plan = self._sampling_plan(record, states)
+        plan = self._sampling_plan(record, states, drafts)
         if followers is not None:
             rows = plan.row_index + plan.beam_index
             followers(record.plan, StepBatch.of(self.inputs, step), rows)
@@ -243,7 +253,7 @@ class ModelRunner:
     def collect(self, handle: StepHandle) -> StepOutput:
         """The launched step's results on the host (waits for its sampled ids); each sampling
         sequence appends its token."""
-        out = StepOutput(beams=handle.beams)
+        out = StepOutput(beams=handle.beams, drafts=[v.drafts for v in handle.verifiers])
         if handle.sampled is not None:
             host = handle.sampled.to_host()
             out.token_ids, out.logprobs = host.token_ids, host.logprobs
@@ -252,7 +262,10 @@ class ModelRunner:
                 state.token_ids.append(token_ids[row])
             for v in handle.verifiers:
                 a = v.accepted(token_ids)
-                v.state.token_ids.extend(token_ids[v.row : v.row + a + 1])
+                state = v.state
+                if state.draft_len is not None:  # the draft's KV holds the kept tokens only
+                    state.draft_len = min(state.draft_len, len(state.token_ids) + a)
+                state.token_ids.extend(token_ids[v.row : v.row + a + 1])
                 if v.generator_state is not None and a < len(v.drafts):
                     self._rewind(v, a + 1)
         return out
@@ -304,25 +317,29 @@ class ModelRunner:
             start += n
         return top_candidates(logits, self.sampler.vocab_size, rows)
 
-    def _sampling_plan(self, record: StepRecord, states: list[SeqState]) -> _SamplingPlan:
+    def _sampling_plan(
+        self, record: StepRecord, states: list[SeqState], drafts: dict[int, list[int]]
+    ) -> _SamplingPlan:
         """The step's sampling rows. A step that samples the same sequences as the one before,
         one row each (a steady decode), reuses that step's plan: its rows live as long as their
         sequences."""
         key = (record.seq_ids, record.num_new_tokens, record.samples)
-        steady = not record.fan_out and not record.beams and not record.drafts
+        steady = not record.fan_out and not record.beams and not drafts
         if steady and self._plan is not None and self._plan_key == key:
             return self._plan
-        plan = self._new_sampling_plan(record, states)
+        plan = self._new_sampling_plan(record, states, drafts)
         self._plan_key, self._plan = (key, plan) if steady else (None, plan)
         return plan
 
-    def _new_sampling_plan(self, record: StepRecord, states: list[SeqState]) -> _SamplingPlan:
+    def _new_sampling_plan(
+        self, record: StepRecord, states: list[SeqState], drafts: dict[int, list[int]]
+    ) -> _SamplingPlan:
         plan = _SamplingPlan([], [], [])
         rows, row_index, takers = plan.rows, plan.row_index, plan.takers
         num_new = record.num_new_tokens
         decode = sum(num_new) == len(num_new)  # one token each: its end is its index + 1
         ends = range(1, len(num_new) + 1) if decode else list(itertools.accumulate(num_new))
-        fan_out, drafts = record.fan_out, record.drafts
+        fan_out = record.fan_out
         for i in record.samples:
             state = states[i]
             end = ends[i] - 1

@@ -41,6 +41,9 @@ class SeqState:
     pending_row: int = 0
     """Its row in the sampled ids of the step in flight (async scheduling): while that step's
     token is not in `token_ids`, the next step's input id is gathered from it on the device."""
+    draft_len: int | None = None
+    """Positions whose KV the draft model's cache holds for this sequence's tokens (speculative
+    decoding's draft model); None: as many as the target's (a prefix-cache hit included)."""
 
     def sampling_row(self) -> SamplingRow:
         row = self.row

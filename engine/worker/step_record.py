@@ -79,6 +79,9 @@ class StepRecord:
     """Sequences verifying proposed tokens (speculative decoding): index -> the tokens proposed
     after its last one. Such a sequence computes 1 + len(tokens) positions and samples a row at
     each (engine/worker/model_runner.py)."""
+    propose: dict[int, int] = field(default_factory=dict)
+    """Sequences whose proposal the worker's draft model makes in the step: index -> how many
+    tokens (engine/worker/draft_runner.py); they verify them like `drafts`."""
     beams: list[BeamRanking] = field(default_factory=list)
     new_seqs: list[NewSequence] = field(default_factory=list)
     """Sequences to learn before the step (they may also be scheduled in it)."""

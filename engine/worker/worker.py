@@ -21,6 +21,7 @@ from engine.kv_io.offload import KVOffload, TPShare, open_disk
 from engine.sample.sampler import Sampler, host_to_device
 from engine.worker.attention import get_attention_backend
 from engine.worker.attention.kv_quant import KVScales, kv_block_bytes
+from engine.worker.draft_runner import DraftModel, DraftRunner
 from engine.worker.kv_calibration import calibration_pass, kv_cache_storage
 from engine.worker.model_loader import kv_dims, load_model
 from engine.worker.model_runner import ModelRunner, apply_plan
@@ -80,6 +81,14 @@ class Worker:
         self.offload: KVOffload | None = None
         """The CPU tier's tensor and the disk tier's files (None: no lower tiers)."""
         self.runner: ModelRunner | None = None
+        spec = config.speculative
+        self.draft: DraftModel | None = None
+        """Speculative decoding's draft model (method draft_model; rank 0 only)."""
+        if spec is not None and spec.model is not None and self.rank == 0:
+            self.draft = DraftModel.load(
+                spec.model, config.model, self.device, config.attention_backend
+            )
+        self.drafter: DraftRunner | None = None
 
     @property
     def layer_shape(self) -> tuple[int, int, int]:
@@ -91,6 +100,11 @@ class Worker:
         """Bytes of one block of this rank's cache (every layer, K and V)."""
         bs, heads, dim = self.layer_shape
         return kv_block_bytes(self.shape.num_layers, bs, heads, dim, self.kv_dtype)
+
+    @property
+    def draft_block_bytes(self) -> int:
+        """Bytes of one block of the draft model's cache (0: no draft model)."""
+        return 0 if self.draft is None else self.draft.block_bytes(self.config.cache.block_size)
 
     @property
     def tp_share(self) -> TPShare | None:
@@ -109,6 +123,9 @@ class Worker:
         shape = (self.shape.num_layers, 2, num_blocks, *self.layer_shape)
         self.kv_cache = torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
         self.backend.bind_kv_cache(self.kv_cache, kv_scales)
+        if self.draft is not None:  # the same blocks, in the draft model's own cache
+            bs = self.config.cache.block_size
+            self.drafter = self.draft.runner(num_blocks, bs, self.shape.vocab_size)
         return self.kv_cache
 
     def allocate(self, msg: Allocate) -> None:
@@ -139,6 +156,7 @@ class Worker:
             tensor_parallel=self.group is not None,
             max_graph_batch=self.config.cuda_graph_batch(),
             max_model_len=max_model_len,
+            drafter=self.drafter,
         )
         return self.runner
 

@@ -8,6 +8,7 @@ converted once into the cache folder).
 from __future__ import annotations
 
 import argparse
+from dataclasses import replace
 from pathlib import Path
 
 from engine.config import (
@@ -219,6 +220,14 @@ def engine_config_from_args(
     Raises ValueError (from the config's own checks) on inconsistent values.
     """
     path = model_path if model_path is not None else resolve_model(args)
+    spec = SpeculativeConfig.from_json(args.speculative_config)
+    if spec is not None and spec.model is not None:  # a draft model: "demo-gguf" or a folder
+        from engine.demo import resolve_model_path
+        from engine.worker.draft_runner import check_draft_model
+
+        draft = resolve_model_path(spec.model, Path(args.cache_dir).expanduser())
+        check_draft_model(path, draft)
+        spec = replace(spec, model=draft)
     return EngineConfig(
         model=ModelConfig(
             path=path,
@@ -238,5 +247,5 @@ def engine_config_from_args(
         enforce_eager=args.enforce_eager,
         async_scheduling=args.async_scheduling,
         max_cuda_graph_batch=args.max_cuda_graph_batch,
-        speculative=SpeculativeConfig.from_json(args.speculative_config),
+        speculative=spec,
     )

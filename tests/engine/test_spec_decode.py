@@ -5,7 +5,9 @@ propose tokens to another, and bad configurations are refused."""
 
 from __future__ import annotations
 
+import json
 import random
+import shutil
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -43,6 +45,28 @@ def spec(method: str, **kw: Any) -> dict[str, Any]:
     return {"method": method, "num_speculative_tokens": 4, "disable_by_batch_size": 64, **kw}
 
 
+@pytest.fixture(scope="module")
+def draft_path(tiny_llama_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny Llama with noise (0.006) on every matrix: a draft model that agrees with it
+    often, not always."""
+    from safetensors.torch import load_file, save_file
+
+    out = tmp_path_factory.mktemp("draft") / "model"
+    shutil.copytree(tiny_llama_path, out)
+    weights = load_file(out / "model.safetensors")
+    g = torch.Generator().manual_seed(0)
+    noisy = {
+        k: v + 0.006 * torch.randn(v.shape, generator=g) if v.dim() == 2 else v
+        for k, v in weights.items()
+    }
+    save_file(noisy, out / "model.safetensors", metadata={"format": "pt"})
+    return out
+
+
+def method_spec(method: str, draft: Path) -> dict[str, Any]:
+    return spec(method, model=str(draft)) if method == "draft_model" else spec(method)
+
+
 def generate(path: Path, prompts: list[list[int]], params: SamplingParams, **cfg: Any) -> Any:
     llm = LLM(str(path), dtype="float32", block_size=16, **cfg)
     outs = llm.generate(prompts, params)
@@ -52,9 +76,9 @@ def generate(path: Path, prompts: list[list[int]], params: SamplingParams, **cfg
     return outs, llm
 
 
-@pytest.mark.parametrize("method", ["ngram", "suffix"])
+@pytest.mark.parametrize("method", ["ngram", "suffix", "draft_model"])
 def test_greedy_matches_transformers_in_every_configuration(
-    tiny_llama_path: Path, method: str
+    tiny_llama_path: Path, draft_path: Path, method: str
 ) -> None:
     vocab = 512
     prompts = repeating_prompts(vocab, 8, seed=2) + shared_prefix_prompts(vocab, 16, 300, seed=1)
@@ -62,8 +86,9 @@ def test_greedy_matches_transformers_in_every_configuration(
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
     for name, cfg in SPEC_CONFIGS.items():
         outs, llm = generate(
-            tiny_llama_path, prompts, params, speculative_config=spec(method), **cfg
-        )
+            tiny_llama_path, prompts, params, speculative_config=method_spec(method, draft_path),
+            **cfg,
+        )  # fmt: skip
         for i, (o, e) in enumerate(zip(outs, expected, strict=True)):
             assert o.token_ids == e, f"{method} {name}: prompt {i} differs"
         stats = llm.engine.get_stats()
@@ -74,17 +99,21 @@ def test_greedy_matches_transformers_in_every_configuration(
         assert accepted == stats.spec.num_accepted_tokens
 
 
-def test_seeded_samples_equal_the_plain_engine(tiny_llama_path: Path) -> None:
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+def test_seeded_samples_equal_the_plain_engine(
+    tiny_llama_path: Path, draft_path: Path, method: str
+) -> None:
     """A seeded sample's generator is rewound to the kept positions, so speculation changes
-    none of its tokens; logprobs agree; n > 1 and stop strings behave the same."""
+    none of its tokens; logprobs agree; n > 1 behaves the same."""
     prompts = repeating_prompts(512, 6, seed=3)
     params = SamplingParams(
         n=2, temperature=0.3, top_k=3, seed=11, max_tokens=MAX_TOKENS, logprobs=2, ignore_eos=True
     )
     plain, _ = generate(tiny_llama_path, prompts, params, num_device_blocks=512)
     specd, llm = generate(
-        tiny_llama_path, prompts, params, num_device_blocks=512, speculative_config=spec("ngram")
-    )
+        tiny_llama_path, prompts, params, num_device_blocks=512,
+        speculative_config=method_spec(method, draft_path),
+    )  # fmt: skip
     stats = llm.engine.get_stats().spec
     assert stats is not None and stats.num_accepted_tokens > 0
     for a, b in zip(plain, specd, strict=True):
@@ -240,7 +269,9 @@ def test_no_proposals_above_the_batch_limit(tiny_llama_path: Path) -> None:
         ('{"method": "ngram", "num_speculative_tokens": "4"}', "must be a int"),
         ('{"method": "ngram", "prompt_lookup_min": 5, "prompt_lookup_max": 2}', "prompt_lookup"),
         ('{"method": "ngram", "lookahead": 3}', "unknown key"),
-        ('{"model": "some/draft-model", "num_speculative_tokens": 4}', "draft-model"),
+        ('{"method": "ngram", "model": "some/folder"}', "goes with method"),
+        ('{"method": "draft_model"}', "goes with method"),
+        ('{"method": "eagle", "model": "some/folder"}', "speculative method must be one of"),
     ],
 )
 def test_bad_speculative_config_is_refused(text: str, message: str) -> None:
@@ -274,3 +305,31 @@ def test_two_ranks_verify_proposals_like_one(tiny_llama_path: Path) -> None:
         assert stats is not None and stats.num_accepted_tokens > 0
     finally:
         llm.engine.core.executor.close()
+
+
+def test_the_target_as_its_own_draft_is_always_accepted(tiny_llama_path: Path) -> None:
+    """The draft model's cache follows the target's blocks: drafting with the target's own
+    weights proposes exactly what the target then samples (greedy), proposal after proposal."""
+    prompts = repeating_prompts(512, 6, seed=12)
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    cfg = spec("draft_model", model=str(tiny_llama_path))
+    _, llm = generate(
+        tiny_llama_path, prompts, params, num_device_blocks=512, speculative_config=cfg
+    )
+    stats = llm.engine.get_stats().spec
+    assert stats is not None and stats.num_drafts > 20
+    assert stats.num_accepted_tokens == stats.num_draft_tokens
+
+
+def test_a_draft_model_with_another_tokenizer_is_refused(
+    tiny_llama_path: Path, tmp_path: Path
+) -> None:
+    other = tmp_path / "other"
+    shutil.copytree(tiny_llama_path, other)
+    tok = json.loads((other / "tokenizer.json").read_text())
+    vocab = tok["model"]["vocab"]
+    a, b = sorted(vocab, key=vocab.__getitem__)[100:102]
+    vocab[a], vocab[b] = vocab[b], vocab[a]  # two ids swapped: the same size, other ids
+    (other / "tokenizer.json").write_text(json.dumps(tok))
+    with pytest.raises(ValueError, match="another tokenizer"):
+        LLM(str(tiny_llama_path), speculative_config={"model": str(other)})

@@ -6,6 +6,8 @@ each request's acceptance in its usage and its span, and the engine's counters i
 from __future__ import annotations
 
 import asyncio
+import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -64,15 +66,32 @@ async def test_usage_spans_and_metrics_report_acceptance(
         engine.shutdown()
 
 
-def test_serve_refuses_a_malformed_speculative_config(tiny_llama_path: Path) -> None:
-    proc = subprocess.run(
+def _serve(model: Path, spec: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
         [
-            sys.executable, "-m", "service.cli", "serve", "--model", str(tiny_llama_path),
-            "--port", "0", "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 0}',
+            sys.executable, "-m", "service.cli", "serve", "--model", str(model), "--port", "0",
+            "--speculative-config", spec,
         ],
         capture_output=True,
         text=True,
         timeout=120,
     )  # fmt: skip
+
+
+def test_serve_refuses_a_malformed_speculative_config(tiny_llama_path: Path) -> None:
+    proc = _serve(tiny_llama_path, '{"method": "ngram", "num_speculative_tokens": 0}')
     assert proc.returncode == 2
     assert "num_speculative_tokens must be in [1, 32]" in proc.stderr
+
+
+def test_serve_refuses_a_draft_model_with_another_tokenizer(
+    tiny_llama_path: Path, tmp_path: Path
+) -> None:
+    other = tmp_path / "other"
+    shutil.copytree(tiny_llama_path, other)
+    tok = json.loads((other / "tokenizer.json").read_text())
+    tok["model"]["vocab"]["zzzz-not-in-the-target"] = len(tok["model"]["vocab"])
+    (other / "tokenizer.json").write_text(json.dumps(tok))
+    proc = _serve(tiny_llama_path, json.dumps({"model": str(other)}))
+    assert proc.returncode == 2
+    assert "has another tokenizer than the target" in proc.stderr
