@@ -16,7 +16,8 @@ Each engine runs the quoting workload once untimed first, so every step shape ha
 the timed passes. It prints each workload's figures, their ratio (with / without), the acceptance rate and mean
 tokens per verifying step, how many outputs are token-identical and the share of tokens before
 the first difference ("agree"; bfloat16 changes the numerics of a multi-token step, so a near
-tie may break the other way, and every later token of that output follows the new path).
+tie may break the other way, and every later token of that output follows the new path), and
+the teacher-forced top-1 agreement of a multi-token pass with the plain decode's tokens.
 """
 
 from __future__ import annotations
@@ -105,7 +106,12 @@ def _one_at_a_time(llm: Any, prompts: list[list[int]], params: Any) -> dict[str,
         tokens += len(out.token_ids) - 1
         seconds += m.finished - m.first_token
         outputs.append(out.token_ids)
-    return {"tok_s": tokens / max(seconds, 1e-9), "tokens": tokens, "outputs": outputs}
+    return {
+        "tok_s": tokens / max(seconds, 1e-9),
+        "tokens": tokens,
+        "outputs": outputs,
+        "prompts": prompts,
+    }
 
 
 def chat(llm: Any, tokenizer: Any, params: Any, quick: bool) -> dict[str, Any]:
@@ -168,6 +174,20 @@ def _run_all(llm: Any, args: argparse.Namespace) -> dict[str, dict[str, Any]]:
     return res
 
 
+def _multi_token_agreement(llm: Any, quoting_run: dict[str, Any]) -> dict[str, Any]:
+    """How often a forward over many tokens at once (what verification runs) picks the token a
+    one-token decode step picked: the plain engine's quoting outputs, scored teacher-forced."""
+    from bench.kv_dtype import compare_forced, teacher_forced
+
+    seqs, starts, targets = [], [], []
+    for prompt, out in zip(quoting_run["prompts"], quoting_run["outputs"], strict=True):
+        seqs.append(prompt + out)
+        starts.append(len(prompt))
+        targets += out
+    lp = teacher_forced(llm, seqs, starts)
+    return compare_forced(lp, lp, targets)
+
+
 def _common_prefix(a: list[int], b: list[int]) -> int:
     n = 0
     for x, y in zip(a, b, strict=False):
@@ -181,9 +201,12 @@ def run(args: argparse.Namespace) -> int:
     model_path, info = common.begin(args, f"speculative decoding ({args.method}) vs plain decode")
     spec = {"method": args.method, "num_speculative_tokens": args.num_speculative_tokens}
     runs: dict[str, dict[str, Any]] = {}
+    forced: dict[str, Any] = {}
     for name, options in (("plain", {}), ("spec", {"speculative_config": spec})):
         llm = common.our_llm(model_path, args, **options)
         runs[name] = _run_all(llm, args)
+        if name == "plain":
+            forced = _multi_token_agreement(llm, runs[name]["quoting"])
         del llm
     plain, spec_run = runs["plain"], runs["spec"]
     targets = {"quoting": QUOTING_TARGET, "chat": CHAT_TARGET, "random": RANDOM_TARGET}
@@ -217,8 +240,16 @@ def run(args: argparse.Namespace) -> int:
         f"acceptance rate {100 * s.get('acceptance_rate', 0):.1f}%, mean tokens per verifying "
         f"step {s.get('mean_acceptance_length', 0):.2f}, proposals {s.get('num_drafts', 0)}"
     )
+    print(
+        f"a multi-token pass's top-1 equals the one-token decode's token at "
+        f"{100 * forced['top1_agreement']:.2f}% of {forced['positions']} positions (quoting "
+        f"outputs, teacher-forced, {args.dtype})"
+    )
     print(report.finish_line(info))
-    report.write_json(args.json, {"workloads": summary, "spec": s, "machine": info})
+    report.write_json(
+        args.json,
+        {"workloads": summary, "spec": s, "multi_token_agreement": forced, "machine": info},
+    )
     return 0
 
 
