@@ -169,7 +169,7 @@ class SchedulerConfig:
 class SpeculativeConfig:
     """Speculative decoding (vLLM's --speculative-config, JSON): each decode step of a sample
     verifies up to `num_speculative_tokens` proposed tokens in the same forward pass as the rest
-    of the batch (engine/spec/)."""
+    of the batch (engine/core/spec/)."""
 
     method: str = "ngram"
     """ngram: prompt lookup over the request's own prompt and output; suffix: the same plus a
@@ -279,7 +279,7 @@ class EngineConfig:
     """Largest decode batch captured as a CUDA graph (sizes 1, 2, 4, 8, then every 8; capped at
     max_num_seqs). Used only on CUDA with the cupy backend; 0 captures none."""
     speculative: SpeculativeConfig | None = None
-    """Speculative decoding (engine/spec/); None: off."""
+    """Speculative decoding (engine/core/spec/); None: off."""
 
     def __post_init__(self) -> None:
         check(

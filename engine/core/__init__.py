@@ -11,4 +11,5 @@ sequence.py          request and sequence state
 output_processor.py  every sample's output state: stop checks, stream deltas
 detokenizer.py       incremental detokenization with stop strings
 step_rates.py        measured step costs, published for the router's cost policy
+spec/                speculative decoding's proposals: prompt lookup, per-tenant suffix corpus
 """

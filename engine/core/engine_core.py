@@ -34,6 +34,7 @@ from engine.core.core_stats import engine_stats
 from engine.core.output_processor import OutputProcessor
 from engine.core.scheduler import Scheduler
 from engine.core.sequence import Request, SeqStatus
+from engine.core.spec.proposer import Proposer
 from engine.core.step_rates import StepRates
 from engine.core.step_records import RecordedStep, StepRecords
 from engine.executor import make_executor
@@ -49,7 +50,6 @@ from engine.kv_io.host_memory import HostMemoryTrimmer
 from engine.kv_io.offload import KVOffload, build_tiers, disk_manifest
 from engine.outputs import RequestOutput
 from engine.sample.structured.compiler import GrammarCompilerPool
-from engine.spec.proposer import Proposer
 from engine.stats import EngineStats
 from engine.worker.attention import AttentionBackend
 from engine.worker.attention.kv_quant import FP8_DTYPE, KVScales

@@ -44,7 +44,7 @@ from engine.kv.tiers import TieredCache
 from engine.worker.model_runner import StepOutput
 
 if TYPE_CHECKING:
-    from engine.spec.proposer import Proposer
+    from engine.core.spec.proposer import Proposer
 
 
 class Scheduler:
@@ -61,7 +61,7 @@ class Scheduler:
     ) -> None:
         """`tiers`: the CPU and disk tiers (prompt pins reach them); `swap`: preemption spills
         a sequence's KV to the CPU tier instead of recomputing it; `proposer`: speculative
-        decoding's (engine/spec/proposer.py), None when it is off."""
+        decoding's (engine/core/spec/proposer.py), None when it is off."""
         self.config = config
         self.kv = kv
         self.waiting: deque[Sequence] = deque()

@@ -18,7 +18,7 @@ class ScheduledSeq:
     start: int
     """Position of the first of them (tokens before it are already in the cache)."""
     num_drafts: int = 0
-    """Tokens proposed after the sequence's last one (speculative decoding, engine/spec/): the
+    """Tokens proposed after the sequence's last one (speculative decoding, engine/core/spec/): the
     step computes them too (they count in num_new_tokens) and verifies them."""
     drafts: Seq[int] = ()
     """Those tokens, when the core proposed them (n-gram, suffix); empty when the worker's draft

@@ -25,9 +25,9 @@ from engine.sample.sampling_params import SamplingParams
 if TYPE_CHECKING:
     import xgrammar as xgr
 
+    from engine.core.spec.state import DraftState
     from engine.kv.manager import KVCacheManager
     from engine.sample.structured.compiler import Grammar
-    from engine.spec.proposer import DraftState
 
 
 class SeqStatus(enum.Enum):
@@ -58,7 +58,7 @@ class Request:
     worker_seq_ids: list[int] = field(default_factory=list)
     """Its sequences the workers were told of (they forget them when the request ends)."""
     speculates: bool = False
-    """Its samples may get speculative proposals (engine/spec/proposer.py's `eligible`)."""
+    """Its samples may get speculative proposals (engine/core/spec/proposer.py's `eligible`)."""
     ranks_samples: bool = field(init=False, default=False)
     """params.ranks_samples (best_of > n), read once: the core asks every step."""
 
@@ -112,7 +112,7 @@ class Sequence:
     It outlives preemption: recompute and swap keep the tokens, so the state stays valid."""
 
     draft: DraftState | None = None
-    """Its speculative proposals' state (engine/spec/proposer.py); None until it first proposes."""
+    """Its speculative proposals' state (engine/core/spec/proposer.py); None until it first proposes."""
 
     num_prompt_tokens: int = field(init=False, default=0)
     """len(request.prompt_token_ids): the first tokens of token_ids are the prompt's."""

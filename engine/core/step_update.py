@@ -23,7 +23,7 @@ from engine.sample.beam import BeamCandidate
 from engine.worker.model_runner import StepOutput, num_accepted
 
 if TYPE_CHECKING:
-    from engine.spec.proposer import Proposer
+    from engine.core.spec.proposer import Proposer
 
 
 class StepUpdate:

@@ -18,7 +18,7 @@ import torch
 from engine import LLM, SamplingParams
 from engine.config import SpeculativeConfig
 from engine.core import step_update
-from engine.spec.proposer import Proposer
+from engine.core.spec.proposer import Proposer
 from engine.worker import model_runner
 from tests.engine.test_parity import CONFIGS, shared_prefix_prompts
 from tests.support.reference import assert_config_took_effect, hf_greedy

@@ -8,7 +8,7 @@ prompt_lookup_max) and returns the longest match with the tokens that followed i
 proposer and llama.cpp's prompt lookup do the same; the most recent occurrence wins a tie
 because, in chat, the latest turn is the one an answer quotes.
 
-`Corpus` (engine/spec/suffix.py) indexes several documents with the same keys.
+`Corpus` (engine/core/spec/suffix.py) indexes several documents with the same keys.
 """
 
 from __future__ import annotations

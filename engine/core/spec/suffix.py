@@ -20,7 +20,7 @@ from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from engine.spec.ngram import MAX_CANDIDATES, MAX_PER_KEY, Match, match_length
+from engine.core.spec.ngram import MAX_CANDIDATES, MAX_PER_KEY, Match, match_length
 
 
 @dataclass(slots=True)

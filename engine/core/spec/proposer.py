@@ -20,8 +20,8 @@ Who gets a proposal (`Proposer.propose`):
   `MAX_BACKOFF` steps before it proposes again.
 
 Methods: "ngram" looks the sample's last tokens up in its own prompt and output
-(engine/spec/ngram.py); "suffix" also looks in its tenant's earlier outputs
-(engine/spec/suffix.py) and proposes at most `suffix_decoding_max_spec_factor` tokens per
+(engine/core/spec/ngram.py); "suffix" also looks in its tenant's earlier outputs
+(engine/core/spec/suffix.py) and proposes at most `suffix_decoding_max_spec_factor` tokens per
 matched token; "draft_model" leaves the tokens to the worker's draft model, which proposes the
 number the scheduler allots (engine/worker/draft_runner.py).
 """
@@ -29,28 +29,19 @@ number the scheduler allots (engine/worker/draft_runner.py).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from engine.config import SpeculativeConfig
-from engine.core.sequence import Request, Sequence
-from engine.spec.ngram import TokenIndex
-from engine.spec.suffix import SuffixCache
+from engine.core.spec.ngram import TokenIndex
+from engine.core.spec.state import DraftState
+from engine.core.spec.suffix import SuffixCache
 from engine.stats import SpecStats
+
+if TYPE_CHECKING:
+    from engine.core.sequence import Request, Sequence
 
 MAX_BACKOFF = 16
 """Most steps a sample whose proposals keep failing waits before it proposes again."""
-
-
-@dataclass(slots=True)
-class DraftState:
-    """One sample's proposal state."""
-
-    index: TokenIndex
-    limit: int
-    """Most tokens its next proposal may hold (adaptive, <= num_speculative_tokens)."""
-    misses: int = 0
-    """Fully rejected proposals in a row."""
-    wait: int = 0
-    """Steps left before it proposes again."""
 
 
 @dataclass(eq=False)

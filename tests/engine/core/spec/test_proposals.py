@@ -6,11 +6,11 @@ from typing import Any
 
 from engine.config import SpeculativeConfig
 from engine.core.sequence import Request, Sequence
+from engine.core.spec.ngram import TokenIndex
+from engine.core.spec.proposer import MAX_BACKOFF, Proposer
+from engine.core.spec.suffix import SuffixCache
 from engine.outputs import RequestMetrics
 from engine.sample.sampling_params import SamplingParams
-from engine.spec.ngram import TokenIndex
-from engine.spec.proposer import MAX_BACKOFF, Proposer
-from engine.spec.suffix import SuffixCache
 
 
 def test_lookup_takes_the_longest_match_then_the_most_recent() -> None:
