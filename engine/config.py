@@ -186,8 +186,9 @@ class SpeculativeConfig:
     disable_by_batch_size: int = 8
     """No proposals while more samples than this are running: a batch that large is no longer
     bound by weight reads, so verifying extra tokens would cost time (0: never propose)."""
-    suffix_decoding_max_cached_requests: int = 10000
-    """suffix: earlier outputs kept per tenant (the oldest go first)."""
+    suffix_decoding_max_cached_requests: int = 1000
+    """suffix: earlier outputs kept per tenant (the oldest go first); the index costs about
+    230 bytes of host memory per cached token (vLLM's default is 10000 requests)."""
     suffix_decoding_max_spec_factor: float = 1.0
     """suffix: at most this many proposed tokens per matched token."""
 

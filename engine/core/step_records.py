@@ -118,14 +118,19 @@ class StepRecords:
         req.worker_seq_ids.append(seq.seq_id)
 
     def _start_mask(self, owners: list[tuple[ScheduledSeq, int]]) -> Any:
-        """Starts filling the rows' token mask (structured outputs), one row per sampled row."""
+        """Starts filling the rows' token mask (structured outputs), one row per sampled row
+        (a sample verifying proposed tokens: a row per position, each after the tokens before
+        it)."""
         matchers: list[Any] = []
         filters: list[Any] = []
+        proposals: dict[int, Any] = {}
         for item, n in owners:
             grammar = item.seq.request.compiled_grammar
+            if item.drafts and item.seq.grammar is not None:
+                proposals[len(matchers)] = item.drafts
             matchers += [item.seq.grammar] * n
             filters += [None if grammar is None else grammar.token_filter] * n
-        return self.masks.start(matchers, filters)
+        return self.masks.start(matchers, filters, proposals)
 
     def close(self) -> None:
         """Stops the mask filler's thread."""

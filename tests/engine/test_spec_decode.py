@@ -333,3 +333,43 @@ def test_a_draft_model_with_another_tokenizer_is_refused(
     (other / "tokenizer.json").write_text(json.dumps(tok))
     with pytest.raises(ValueError, match="another tokenizer"):
         LLM(str(tiny_llama_path), speculative_config={"model": str(other)})
+
+
+def test_structured_outputs_verify_only_what_the_grammar_accepts(tiny_llama_path: Path) -> None:
+    """Under a grammar a proposal is cut to what the grammar accepts and each verifying row is
+    masked after the proposed tokens before it: outputs equal the plain engine's, and a forced
+    answer quoted in the prompt is taken several tokens a step."""
+    from engine.sample.structured import ResponseFormat
+
+    sentence = "The quick brown fox jumps over the lazy dog. A cache stores blocks."
+    other = "Water boils at one hundred degrees, and the sun rises in the east."
+    schema = {
+        "type": "object",
+        "properties": {"name": {"type": "string"}, "count": {"type": "integer"}},
+        "required": ["name", "count"],
+    }
+    cases = [
+        (ResponseFormat.choice([sentence, other]), True),
+        (ResponseFormat.json_schema(schema), False),
+    ]
+    llm = LLM(str(tiny_llama_path), dtype="float32", num_device_blocks=256)
+    tok = llm.engine.core.tokenizer
+    stem = tok.encode(f'{sentence} {other} {{"name": "fox", "count": 3}}')
+    eos = set(llm.engine.core.model_info.eos_token_ids)
+    for fmt, forced in cases:
+        params = SamplingParams(temperature=0.0, max_tokens=80, response_format=fmt)
+        # The prompt quotes the model's own constrained answer (its tokenization of it).
+        first = llm.generate([stem], params)[0].token_ids
+        prompt = stem + [t for t in first if t not in eos] + stem
+        plain = llm.generate([prompt], params)[0]
+        specd, _ = generate(
+            tiny_llama_path, [prompt], params, num_device_blocks=256,
+            speculative_config=spec("ngram"),
+        )  # fmt: skip
+        assert specd[0].token_ids == plain.token_ids
+        assert specd[0].text == plain.text
+        m = specd[0].metrics
+        assert m is not None and m.num_spec_steps > 0  # proposals were verified, masked
+        if forced:
+            assert plain.text in (sentence, other)
+            assert m.num_accepted_tokens >= 5

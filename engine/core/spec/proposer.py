@@ -10,8 +10,10 @@ why). The KV written for rejected positions lies past the sample's computed toke
 overwrites it, and it is never hashed into the prefix cache.
 
 Who gets a proposal (`Proposer.propose`):
-- a running sample past its first token, with nothing in flight, not in beam search, without a
-  grammar or penalties (their sampling reads the output so far) and past min_tokens;
+- a running sample past its first token, with nothing in flight, not in beam search, without
+  penalties (their sampling reads the output so far) and past min_tokens; under a grammar
+  (structured outputs) only the proposal's prefix the grammar accepts (the token mask then has a
+  row for each proposed position), and never from the draft model;
 - only while at most `disable_by_batch_size` samples run: above that the step is no longer bound
   by weight reads, and extra positions cost time;
 - adaptively (`DraftState`): a proposal that was fully accepted lets the next one grow by one, a
@@ -29,7 +31,7 @@ number the scheduler allots (engine/worker/draft_runner.py).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from engine.config import SpeculativeConfig
 from engine.core.spec.ngram import TokenIndex
@@ -68,7 +70,6 @@ class Proposer:
         p = req.params
         return not (
             p.use_beam_search
-            or p.response_format is not None
             or p.repetition_penalty != 1.0
             or p.presence_penalty != 0.0
             or p.frequency_penalty != 0.0
@@ -95,7 +96,11 @@ class Proposer:
         return state, max(0, min(state.limit, max_tokens))
 
     def draft_length(self, seq: Sequence, max_tokens: int) -> int:
-        """draft_model: how many tokens the draft model proposes for the sample this step."""
+        """draft_model: how many tokens the draft model proposes for the sample this step (none
+        under a grammar: the draft model's tokens are known only on the worker, after the step's
+        token mask was planned)."""
+        if seq.request.params.response_format is not None:
+            return 0
         return self._length(seq, max_tokens)[1]
 
     def propose(self, seq: Sequence, max_tokens: int) -> list[int]:
@@ -112,8 +117,12 @@ class Proposer:
                 match = shared
             if match is not None:
                 cap = max(1, int(c.suffix_decoding_max_spec_factor * match.length))
-                return match.continuation[:cap]
-        return [] if match is None else match.continuation
+                match.continuation = match.continuation[:cap]
+        if match is None:
+            return []
+        if seq.grammar is not None:
+            return _grammar_prefix(seq.grammar, match.continuation)
+        return match.continuation
 
     def observe(self, seq: Sequence, num_drafts: int, num_accepted: int) -> None:
         """A verified proposal's outcome: stats, the request's counts, the next proposal's size."""
@@ -151,3 +160,20 @@ class Proposer:
         for seq in req.seqs:
             if seq.finish_reason in ("stop", "length"):
                 self.suffix.add(req.hash_extra, seq.token_ids, seq.num_prompt_tokens)
+
+
+def _grammar_prefix(matcher: Any, tokens: list[int]) -> list[int]:
+    """The longest prefix of `tokens` the sample's grammar accepts without ending (the matcher is
+    left as it was): each verification row's mask then follows an accepted token."""
+    n = 0
+    for t in tokens:
+        if not matcher.accept_token(t):
+            break
+        n += 1
+        if matcher.is_terminated():  # the grammar's end: no mask row after it, nothing proposed
+            matcher.rollback(1)
+            n -= 1
+            break
+    if n:
+        matcher.rollback(n)
+    return tokens[:n]

@@ -16,6 +16,9 @@ Contracts:
   samples before they fork) is filled once and copied.
 - The packed buffer is reused: a mask is valid until the next `start`. That is safe on a GPU too:
   the copy of pageable host memory to the device has read it by the time it returns.
+- A sample verifying k proposed tokens (speculative decoding) has k + 1 consecutive rows: row j
+  is its matcher's mask after the first j proposed tokens, which the worker accepts one by one
+  and rolls back afterwards (the core checked beforehand that the grammar accepts them all).
 """
 
 from __future__ import annotations
@@ -75,12 +78,16 @@ class TokenMaskFiller:
         self,
         matchers: Sequence[xgr.GrammarMatcher | None],
         filters: Sequence[np.ndarray | None],
+        proposals: dict[int, Sequence[int]] | None = None,
     ) -> PendingMask | None:
         """Starts filling the mask of a batch whose row i has `matchers[i]` (None: free row)
         and the static token filter `filters[i]` ([W] int32 ANDed into the row, or None).
+        `proposals`: first row -> the k tokens proposed to a sample whose k + 1 rows from there
+        verify them (the same matcher in each).
 
         None when no row is constrained.
         """
+        proposals = proposals or {}
         rows = [i for i, m in enumerate(matchers) if m is not None]
         if not rows:
             return None
@@ -94,22 +101,31 @@ class TokenMaskFiller:
         fill_rows: list[int] = []
         copies: list[tuple[int, int]] = []  # (dst, src)
         groups: dict[int, tuple[np.ndarray, list[int]]] = {}  # id(filter) -> (filter, rows)
+        verify: list[tuple[xgr.GrammarMatcher, int, Sequence[int]]] = []
+        skip = 0
         for r, i in enumerate(rows):
             m = matchers[i]
+            f = filters[i]
+            if f is not None:
+                groups.setdefault(id(f), (f, []))[1].append(r)
+            if skip:  # a later row of a proposal: filled with its first row
+                skip -= 1
+                continue
+            if i in proposals:
+                verify.append((m, r, proposals[i]))  # type: ignore[arg-type]
+                skip = len(proposals[i])
+                continue
             src = first.setdefault(id(m), r)
             if src == r:
                 fill.append(m)  # type: ignore[arg-type]
                 fill_rows.append(r)
             else:
                 copies.append((r, src))
-            f = filters[i]
-            if f is not None:
-                groups.setdefault(id(f), (f, []))[1].append(r)
         if self._executor is None:
             self._executor = ThreadPoolExecutor(1, thread_name_prefix="deja-mask")
         packed = self._packed[:num]
         future = self._executor.submit(
-            self._fill, packed, fill, fill_rows, copies, list(groups.values())
+            self._fill, packed, fill, fill_rows, copies, list(groups.values()), verify
         )
         row_index = None if num == len(matchers) else torch.tensor(rows, dtype=torch.int64)
         return PendingMask(future, row_index, self._packed_t[:num])
@@ -122,9 +138,19 @@ class TokenMaskFiller:
         fill_rows: list[int],
         copies: list[tuple[int, int]],
         groups: list[tuple[np.ndarray, list[int]]],
+        verify: list[tuple[xgr.GrammarMatcher, int, Sequence[int]]],
     ) -> np.ndarray | None:
         packed.fill(-1)
-        if len(fill) == 1:
+        for m, r, tokens in verify:
+            m.fill_next_token_bitmask(packed, r)
+            for j, t in enumerate(tokens):
+                accepted = m.accept_token(t)
+                assert accepted, "a proposal the grammar does not accept reached the mask"
+                m.fill_next_token_bitmask(packed, r + j + 1)
+            m.rollback(len(tokens))
+        if not fill:
+            pass
+        elif len(fill) == 1:
             fill[0].fill_next_token_bitmask(packed, fill_rows[0])
         else:
             if self._batch is None:
