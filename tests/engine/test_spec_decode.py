@@ -99,6 +99,20 @@ def test_greedy_matches_transformers_in_every_configuration(
         assert accepted == stats.spec.num_accepted_tokens
 
 
+def test_greedy_qwen2_matches_transformers(tiny_qwen2_path: Path) -> None:
+    """The parity suite's other model (GQA, q/k/v biases, tied embeddings), n-gram proposals."""
+    prompts = repeating_prompts(512, 8, seed=13)
+    expected = hf_greedy(tiny_qwen2_path, prompts, MAX_TOKENS)
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    for name, cfg in SPEC_CONFIGS.items():
+        outs, llm = generate(
+            tiny_qwen2_path, prompts, params, speculative_config=spec("ngram"), **cfg
+        )
+        assert [o.token_ids for o in outs] == expected, name
+        stats = llm.engine.get_stats().spec
+        assert stats is not None and stats.num_accepted_tokens > 0, name
+
+
 @pytest.mark.parametrize("method", ["ngram", "draft_model"])
 def test_seeded_samples_equal_the_plain_engine(
     tiny_llama_path: Path, draft_path: Path, method: str
