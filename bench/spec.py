@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import random
 import time
+from itertools import takewhile
 from pathlib import Path
 from typing import Any
 
@@ -188,13 +189,9 @@ def _multi_token_agreement(llm: Any, quoting_run: dict[str, Any]) -> dict[str, A
     return compare_forced(lp, lp, targets)
 
 
-def _common_prefix(a: list[int], b: list[int]) -> int:
-    n = 0
-    for x, y in zip(a, b, strict=False):
-        if x != y:
-            break
-        n += 1
-    return n
+def _agreed(a: list[int], b: list[int]) -> int:
+    """Tokens before the first difference."""
+    return sum(1 for _ in takewhile(lambda p: p[0] == p[1], zip(a, b, strict=False)))
 
 
 def run(args: argparse.Namespace) -> int:
@@ -218,7 +215,8 @@ def run(args: argparse.Namespace) -> int:
         pairs = list(zip(a["outputs"], b["outputs"], strict=True))
         same = sum(x == y for x, y in pairs)
         # Of the plain outputs' tokens, the share before the first difference.
-        prefix = sum(_common_prefix(x, y) for x, y in pairs) / max(1, sum(len(x) for x, _ in pairs))
+        agreed = sum(_agreed(x, y) for x, y in pairs)
+        prefix = agreed / max(1, sum(len(x) for x, _ in pairs))
         rows.append(
             [name, f"{a['tok_s']:.1f}", f"{b['tok_s']:.1f}", f"{ratio:.2f}x", f">= {target}x",
              f"{same}/{len(a['outputs'])}", f"{100 * prefix:.1f}%"]

@@ -5,7 +5,6 @@ propose tokens to another, and bad configurations are refused."""
 
 from __future__ import annotations
 
-import json
 import random
 import shutil
 from collections import Counter
@@ -21,6 +20,7 @@ from engine.core import step_update
 from engine.core.spec.proposer import Proposer
 from engine.worker import model_runner
 from tests.engine.test_parity import CONFIGS, shared_prefix_prompts
+from tests.support.checkpoints import with_other_tokenizer
 from tests.support.reference import assert_config_took_effect, hf_greedy
 
 MAX_TOKENS = 24
@@ -338,13 +338,7 @@ def test_the_target_as_its_own_draft_is_always_accepted(tiny_llama_path: Path) -
 def test_a_draft_model_with_another_tokenizer_is_refused(
     tiny_llama_path: Path, tmp_path: Path
 ) -> None:
-    other = tmp_path / "other"
-    shutil.copytree(tiny_llama_path, other)
-    tok = json.loads((other / "tokenizer.json").read_text())
-    vocab = tok["model"]["vocab"]
-    a, b = sorted(vocab, key=vocab.__getitem__)[100:102]
-    vocab[a], vocab[b] = vocab[b], vocab[a]  # two ids swapped: the same size, other ids
-    (other / "tokenizer.json").write_text(json.dumps(tok))
+    other = with_other_tokenizer(tiny_llama_path, tmp_path / "other")
     with pytest.raises(ValueError, match="another tokenizer"):
         LLM(str(tiny_llama_path), speculative_config={"model": str(other)})
 

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -17,6 +16,7 @@ import pytest
 
 from tests.service.conftest import StartServer, make_engine
 from tests.service.test_observability import _provider, _scrape, _spans
+from tests.support.checkpoints import with_other_tokenizer
 from tests.support.waiting import wait_until
 
 SPEC = {"method": "ngram", "num_speculative_tokens": 4}
@@ -87,11 +87,7 @@ def test_serve_refuses_a_malformed_speculative_config(tiny_llama_path: Path) -> 
 def test_serve_refuses_a_draft_model_with_another_tokenizer(
     tiny_llama_path: Path, tmp_path: Path
 ) -> None:
-    other = tmp_path / "other"
-    shutil.copytree(tiny_llama_path, other)
-    tok = json.loads((other / "tokenizer.json").read_text())
-    tok["model"]["vocab"]["zzzz-not-in-the-target"] = len(tok["model"]["vocab"])
-    (other / "tokenizer.json").write_text(json.dumps(tok))
+    other = with_other_tokenizer(tiny_llama_path, tmp_path / "other")
     proc = _serve(tiny_llama_path, json.dumps({"model": str(other)}))
     assert proc.returncode == 2
     assert "has another tokenizer than the target" in proc.stderr
