@@ -11,7 +11,8 @@ Builds our engine twice (without speculation, then with `--speculative-config {"
 - multi-turn chat: sessions of three turns, each turn's prompt the conversation so far (the
   model's own earlier answers included) and a follow-up that asks to restate or extend it;
   batch 1 (decode tok/s over every turn);
-- random: 32 prompts of random tokens decoded together (output tok/s of the batch, best of 3).
+- random: 32 prompts of random tokens decoded together (output tok/s of the batch, best of 3,
+  the two engines alternating).
 Each engine runs the quoting workload once untimed first (as another tenant: suffix decoding's
 corpus does not hold those answers), so every step shape has run before the timed passes. It prints each workload's figures, their ratio (with / without), the acceptance rate and mean
 tokens per verifying step, how many outputs are token-identical and the share of tokens before
@@ -138,19 +139,34 @@ def chat(llm: Any, tokenizer: Any, params: Any, quick: bool) -> dict[str, Any]:
     return {"tok_s": tokens / max(seconds, 1e-9), "tokens": tokens, "outputs": outputs}
 
 
-def random_batch(llm: Any, batch: int, params: Any, seed: int) -> dict[str, Any]:
-    """Output tok/s of `batch` random-token prompts decoded together."""
-    vocab = int(llm.engine.core.model_info.vocab_size)
-    rng = random.Random(seed)
+def random_batch(llms: dict[str, Any], args: argparse.Namespace) -> dict[str, dict[str, Any]]:
+    """Output tok/s of random-token prompts decoded together, best of 3 per engine, the engines
+    alternating (this kind of VM drifts by several percent within minutes)."""
+    from engine import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=8 if args.quick else 64, ignore_eos=True)
+    batch = 4 if args.quick else args.batch
+    vocab = int(next(iter(llms.values())).engine.core.model_info.vocab_size)
+    rng = random.Random(args.seed)
     prompts = [[rng.randrange(10, vocab) for _ in range(128)] for _ in range(batch)]
-    llm.generate(prompts[:2], params)  # warm-up
-    best = float("inf")
+    best = dict.fromkeys(llms, float("inf"))
+    outs: dict[str, Any] = {}
+    for llm in llms.values():
+        llm.generate(prompts[:2], params)  # warm-up
     for _ in range(3):
-        start = time.perf_counter()
-        outs = llm.generate(prompts, params)
-        best = min(best, time.perf_counter() - start)
-    tokens = sum(len(o.token_ids) for o in outs)
-    return {"tok_s": tokens / best, "tokens": tokens, "outputs": [o.token_ids for o in outs]}
+        for name, llm in llms.items():
+            start = time.perf_counter()
+            outs[name] = llm.generate(prompts, params)
+            best[name] = min(best[name], time.perf_counter() - start)
+    out = {}
+    for name in llms:
+        tokens = sum(len(o.token_ids) for o in outs[name])
+        out[name] = {
+            "tok_s": tokens / best[name],
+            "tokens": tokens,
+            "outputs": [o.token_ids for o in outs[name]],
+        }
+    return out
 
 
 def _run_all(llm: Any, args: argparse.Namespace) -> dict[str, dict[str, Any]]:
@@ -158,7 +174,6 @@ def _run_all(llm: Any, args: argparse.Namespace) -> dict[str, dict[str, Any]]:
 
     tokenizer = llm.engine.core.tokenizer
     turn = SamplingParams(temperature=0.0, max_tokens=16 if args.quick else args.max_tokens)
-    rand = SamplingParams(temperature=0.0, max_tokens=8 if args.quick else 64, ignore_eos=True)
     # Warm-up: the quoting workload once, so every step shape (1 + k tokens) has run before
     # the timed passes (the first run of a shape sets up its kernels); as another tenant, so
     # suffix decoding's timed passes do not find these answers in their corpus.
@@ -166,7 +181,6 @@ def _run_all(llm: Any, args: argparse.Namespace) -> dict[str, dict[str, Any]]:
     res = {
         "quoting": quoting(llm, tokenizer, turn, args.quick),
         "chat": chat(llm, tokenizer, turn, args.quick),
-        "random": random_batch(llm, 4 if args.quick else args.batch, rand, args.seed),
     }
     stats = llm.engine.get_stats().spec
     if stats is not None:
@@ -204,12 +218,15 @@ def run(args: argparse.Namespace) -> int:
     spec = {"method": args.method, "num_speculative_tokens": args.num_speculative_tokens}
     runs: dict[str, dict[str, Any]] = {}
     forced: dict[str, Any] = {}
+    llms = {}
     for name, options in (("plain", {}), ("spec", {"speculative_config": spec})):
-        llm = common.our_llm(model_path, args, **options)
+        llm = llms[name] = common.our_llm(model_path, args, **options)
         runs[name] = _run_all(llm, args)
         if name == "plain":
             forced = _multi_token_agreement(llm, runs[name]["quoting"])
-        del llm
+    for name, res in random_batch(llms, args).items():
+        runs[name]["random"] = res
+    del llms
     plain, spec_run = runs["plain"], runs["spec"]
     targets = {"quoting": QUOTING_TARGET, "chat": CHAT_TARGET, "random": RANDOM_TARGET}
     rows = []
