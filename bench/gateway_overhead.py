@@ -1,4 +1,4 @@
-"""`deja bench latency --gateway`: what the SMG gateway costs a caller (issue 25, acceptance 3).
+"""`deja bench latency --gateway`: what the SMG gateway costs a caller.
 
 One `deja serve` replica and one `deja gateway` (SMG) in front of that same replica, both started
 here (prefix caching off on the replica, so that both paths can be sent the very same prompts

@@ -12,14 +12,14 @@ prefix-cache hit flatters anyone). Three systems, one after another in this run,
 
 TTFT = from sending the request to the first token (served: the first message that carries a
 token). Decode tok/s = (tokens - 1) / (time of the last token - time of the first token). Each
-system gets one unmeasured warm-up request; the table shows medians over --repeats. Targets
-(issue 9): served / offline decode >= 0.95, served / transformers decode >= 1.2, served TTFT -
+system gets one unmeasured warm-up request; the table shows medians over --repeats. Targets:
+served / offline decode >= 0.95, served / transformers decode >= 1.2, served TTFT -
 offline TTFT <= 10 ms.
 
     deja bench latency [--model demo] [--repeats 3] [--json out.json]
 
 With --gateway it measures another pair instead: the SMG gateway in front of a replica vs that
-same replica's deja.v1, one user and under load (bench/gateway_overhead.py, issue 25).
+same replica's deja.v1, one user and under load (bench/gateway_overhead.py).
 """
 
 from __future__ import annotations

@@ -97,7 +97,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--capacity-share",
         type=float,
         help="Set --request-rate to this share of round robin's closed-loop capacity here, "
-        "measured first on fresh replicas with the same workload (issue 26's load: 0.67).",
+        "measured first on fresh replicas with the same workload (the acceptance run's load: 0.67).",
     )
     parser.set_defaults(dataset="multi-turn")
     o = parser.add_argument_group(

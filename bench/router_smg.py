@@ -1,4 +1,4 @@
-"""The `smg` policy of `deja bench router` (issue 26, item 1): SMG's cache-aware router over the
+"""The `smg` policy of `deja bench router`: SMG's cache-aware router over the
 same replicas and the same conversations as deja's policies.
 
 `smg launch --policy cache_aware` (the `smg` beside this Python, as `deja gateway` starts it)

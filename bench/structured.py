@@ -26,7 +26,7 @@ from typing import Any
 from bench import common, report
 
 TARGET = 0.9
-"""Issue 12's acceptance: schema throughput >= 0.9x of free."""
+"""The bound: schema throughput >= 0.9x of free."""
 
 SCHEMA: dict[str, Any] = {
     "type": "object",

@@ -1,4 +1,4 @@
-"""`deja bench tp`: resident memory per rank under tensor parallelism (issue 28, acceptance 2).
+"""`deja bench tp`: resident memory per rank under tensor parallelism.
 
 Builds once (in the cache dir) a random Llama of ~64M parameters (hidden 512, 8 layers, 8 heads
 / 4 KV heads, intermediate 2048, vocabulary 32000, untied: ~257 MB in float32), then runs the

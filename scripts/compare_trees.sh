@@ -2,7 +2,7 @@
 # Alternates an older commit and the working tree on the tiny model, in one run: batch-1 decode
 # steps/s and the core's host work outside the forward at batch 256 (`bench.step`), and offline
 # throughput of 256 mixed requests (`bench.offline`, deja alone). SKIP_OFFLINE=1 leaves out the
-# offline run. The issue 24 figures in the README came from `scripts/compare_trees.sh 2854be9`.
+# offline run. The README's one-step figures came from `scripts/compare_trees.sh 2854be9`.
 #
 #   scripts/compare_trees.sh OLD_COMMIT [REPS]
 set -euo pipefail

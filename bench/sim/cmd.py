@@ -4,9 +4,9 @@ Runs every policy on every workload with the same arrivals and prints one table:
 (all turns) and turn 2+ p50, the prompt-token hit rate next to an oracle's (one unlimited cache
 shared by all replicas), and load balance (busiest replica's time-averaged queued prefill tokens
 over the mean, the queue integrated exactly over the run; the same for requests in flight and
-busy time). `--check` also tests issue 14's acceptance on the chat workloads
+busy time). `--check` also tests the bounds on the chat workloads
 (cost vs round_robin: p50 <= 0.5x, p99 <= 0.8x, hit >= 90% of oracle, max/mean queued <= 1.25,
-skewed p99 <= 1.5x balanced p99) and issue 26's on llm-d's shape (hit >= 90% of the oracle's,
+skewed p99 <= 1.5x balanced p99) and those on llm-d's shape (hit >= 90% of the oracle's,
 p50 <= 0.2x round robin's, max/mean queued <= 1.3), and exits 1 when one fails.
 """
 
@@ -87,7 +87,7 @@ def _workload(name: str, args: argparse.Namespace, model: object) -> Workload:
 
 
 def check(results: dict[str, list[Summary]]) -> list[str]:
-    """Issue 14's acceptance 1 on the chat workloads and issue 26's bound on llm-d's shape
+    """The bounds on the chat workloads and on llm-d's shape
     (each where it was run); returns the failures."""
     fails: list[str] = []
     if "chat" not in results:
@@ -116,7 +116,7 @@ def check(results: dict[str, list[Summary]]) -> list[str]:
 
 
 def check_llmd(results: dict[str, list[Summary]]) -> list[str]:
-    """Issue 26's bound on llm-d's shape (cost vs round_robin: hit >= 90% of the oracle's,
+    """The bound on llm-d's shape (cost vs round_robin: hit >= 90% of the oracle's,
     p50 <= 0.2x, max/mean queued <= 1.3); nothing to check without that workload."""
     runs = {s.policy: s for s in results.get("llm-d", [])}
     cost, rr = runs.get("cost"), runs.get("round_robin")

@@ -28,7 +28,7 @@ from bench.sim.workload import Turn, Workload
 from service.router.cost import CostWeights
 
 BOUND = 0.25
-"""Simulated TTFT p50 within this share of the measured one (issue 26, acceptance 2)."""
+"""Simulated TTFT p50 within this share of the measured one."""
 
 _FIT_KEYS = (
     "step_overhead_s",

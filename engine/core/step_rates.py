@@ -17,7 +17,7 @@ for the prefill rate).
 Why a joint fit: the first version averaged `seconds / B` over decode-only steps and took those
 decodes' share out of prefill steps. The step overhead then counted as decode cost, so one
 decoding sequence looked ten times as expensive as eight, and the prefill rate of two identical
-replicas on this machine read 54 and 156 tokens/s in the same run (bench router, issue 14); the
+replicas on this machine read 54 and 156 tokens/s in the same run (bench router); the
 router sent the "faster" replica more work. A joint fit separates the three costs.
 
 And `utilisation(now)`: the share of the last ~`window_s` seconds spent in steps (exponentially

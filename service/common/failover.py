@@ -1,7 +1,7 @@
 """The replica -> router contract for a replica whose engine core died under an open stream.
 
 A replica ends every open `Generate` stream with UNAVAILABLE and a message when its engine core
-dies (issue 9; a tensor-parallel worker's death kills the core too, issue 28): the replica cannot
+dies (a tensor-parallel worker's death kills the core too): the replica cannot
 serve, the request itself was fine, and the caller may send it elsewhere. It also sends, in the
 trailing metadata, `deja-engine-dead: <messages sent>` (the number of response messages that
 stream had already sent). The router retries such a stream on another replica only when nothing

@@ -1,4 +1,4 @@
-"""Chat prompts tokenized a piece at a time, the pieces' ids cached (issue 26, item 4: the
+"""Chat prompts tokenized a piece at a time, the pieces' ids cached (the
 router's own cost per request at 8k-token histories).
 
 A chat prompt's ids are the chat template's text tokenized whole, without added special tokens

@@ -1,4 +1,4 @@
-"""When the router tries a Generate stream again on another replica (issue 26, item 4).
+"""When the router tries a Generate stream again on another replica.
 
 A stream is retried only while nothing of it reached the caller (the router relayed no message),
 on a replica not yet tried for this request (the servicer excludes each one it tried), at most

@@ -1,4 +1,4 @@
-"""A replica's engine core dies under open streams (issue 15, fault injection; issue 26 item 4 under
+"""A replica's engine core dies under open streams (fault injection; under
 load): a real round-robin `deja route` in front of two `deja serve` replicas (tiny model), each a
 separate process.
 
@@ -175,7 +175,7 @@ async def _arrivals(
 async def test_kill_under_load_fails_only_streams_that_had_output(
     cluster: Cluster, victim: str
 ) -> None:
-    """Issue 26, acceptance 3: streams of the killed replica that had streamed a token fail with
+    """Streams of the killed replica that had streamed a token fail with
     a clear error; every other call (queued there with no token yet, arriving during and after the
     kill) completes on the other replica."""
     c = cluster

@@ -1,5 +1,5 @@
 """The engine core in its own process: parity with the offline engine, crash isolation, and no
-orphan processes (issue 9, acceptance 3)."""
+orphan processes."""
 
 from __future__ import annotations
 

@@ -1,6 +1,5 @@
 """The real SMG gateway (`deja gateway --worker-url ...`, PyPI `smg`) in front of two real
-`deja serve` replicas on the demo model, driven with the `openai` Python client (issue 25,
-acceptance 1 and 2). One gateway and two replicas serve the whole module; the replica-kill test
+`deja serve` replicas on the demo model, driven with the `openai` Python client. One gateway and two replicas serve the whole module; the replica-kill test
 runs last."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""`deja gateway --worker-token` (issue 25, acceptance 2: an unauthenticated caller is rejected
+"""`deja gateway --worker-token` (an unauthenticated caller is rejected
 when the replica requires a token): the gateway starts one replica on the demo model that
 requires the token, a credential-adding proxy in front of it and the real `smg` in front of that.
 OpenAI calls through SMG work; the replica refuses a direct caller without the token; an HTTP

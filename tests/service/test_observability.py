@@ -157,7 +157,7 @@ async def test_host_buffers_in_cache_stats_and_metrics(
     start_server: StartServer, tiny_llama_path: Path, tmp_path: Path
 ) -> None:
     """With the CPU and disk tiers on, GetCacheStats and /metrics list the engine's bounded host
-    buffers with their sizes and caps (issue 15)."""
+    buffers with their sizes and caps."""
     engine = make_engine(tiny_llama_path, num_cpu_blocks=16, disk_dir=str(tmp_path / "disk"))
     try:
         h = await start_server(engine, metrics_port=0)

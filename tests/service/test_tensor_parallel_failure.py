@@ -1,4 +1,4 @@
-"""A tensor-parallel worker that dies (issue 28, acceptance 4): the replica turns NOT_SERVING
+"""A tensor-parallel worker that dies: the replica turns NOT_SERVING
 within 5 s with a clear log line, the open stream fails instead of hanging, new calls get
 UNAVAILABLE, and `deja serve --tensor-parallel-size 2` exits non-zero so it is restarted."""
 

@@ -1,4 +1,4 @@
-"""The engine's host-memory buffers (issue 15): each is capped by bytes and by a share of the tier
+"""The engine's host-memory buffers: each is capped by bytes and by a share of the tier
 it serves, and reported with its size and caps; the CPU tier is paid for at start; freed host
 memory goes back to the OS between steps."""
 

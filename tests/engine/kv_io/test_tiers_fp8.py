@@ -1,4 +1,4 @@
-"""fp8 blocks on every tier (issue 27): the CPU and disk tiers hold them at their own size, a
+"""fp8 blocks on every tier: the CPU and disk tiers hold them at their own size, a
 restart reads them back with the scales they were written with, and a block file of another
 format or KV encoding is a miss, never read as garbage."""
 
