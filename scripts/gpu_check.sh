@@ -13,7 +13,7 @@
 #                   against transformers and the torch backend (fp8 KV cache too), every family
 #                   (mixture of experts on torch._grouped_mm), decode graphs and async scheduling
 #                   token-exact with eager (tiny and 1B models), tiers, one-rank NCCL tensor
-#                   parallelism
+#                   parallelism, speculative decoding's verification under cupy
 #   sanitize-graph  compute-sanitizer memcheck on a tiny engine replaying decode graphs with the
 #                   layer kernels
 #   gpu             deja bench gpu: the 1B workload, cupy with graphs and with async scheduling,
@@ -61,7 +61,7 @@ run_step() {
     tests-all)  # the engine-level tests first, the kernel sweep (454 launches' worth) last
       "$PY" -m pytest tests/gpu/test_cuda_graphs.py tests/gpu/test_engine_gpu.py \
         tests/gpu/test_families_gpu.py tests/gpu/test_nccl_one_rank.py tests/gpu/test_tiers_gpu.py \
-        tests/gpu/test_kernels.py -q -rs --durations=12 -p no:cacheprovider ;;
+        tests/gpu/test_spec_decode_gpu.py tests/gpu/test_kernels.py -q -rs --durations=12 -p no:cacheprovider ;;
     graphs) "$PY" -m pytest tests/gpu/test_cuda_graphs.py -v -s -p no:cacheprovider ;;
     sanitize)
       for tool in memcheck racecheck; do
