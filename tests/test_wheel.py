@@ -1,6 +1,7 @@
 """The wheel is complete: built from the checkout, installed into a fresh venv and run from a
 folder outside the checkout, its `deja serve` serves a tiny model and answers a Generate from
-its own client, and the C++ and CUDA sources the kernels build from on first use are in it.
+its own client, and the C++ and CUDA sources the kernels build from on first use are in it. On
+SIGTERM the server stops with its own log lines only.
 
 The fresh venv sees the test environment's site-packages for the dependencies (a `.pth` line;
 tests/test_packaging.py checks that every import is a declared dependency, and no download is
@@ -102,3 +103,7 @@ def test_the_wheel_serves_from_a_fresh_venv(tiny_llama_path: Path, tmp_path: Pat
         proc.send_signal(signal.SIGTERM)
         proc.wait(timeout=60)
     assert proc.returncode == 0, log.read_text()
+    # A clean stop prints the server's own log lines and nothing else (no teardown noise).
+    text = log.read_text()
+    assert "nanobind" not in text and "leaked" not in text, text[-2000:]
+    assert all(" INFO " in line or " WARNING " in line for line in text.splitlines()), text

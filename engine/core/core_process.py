@@ -101,7 +101,14 @@ def run_engine_core(
         code = 1  # the loop told the client why, and logged it
     outputs.close()
     inputs.close()
-    sys.exit(code)
+    if code:
+        sys.exit(code)
+    # NOTE: a clean stop has closed everything (the loop closed the engine: its workers, the
+    # disk tier's writes). The interpreter's finalization would only print triton's nanobind
+    # "leaked" reports (triton comes in through torch._dynamo when transformers' configs load).
+    logging.shutdown()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def _tp_worker_died(message: str) -> None:
