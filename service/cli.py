@@ -100,18 +100,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 130
 
 
-NO_FINALIZATION = frozenset({"serve", "route", "gateway"})
+NO_FINALIZATION = frozenset({"serve"})
 """Commands that end without the interpreter's finalization (`console`)."""
 
 
 def console() -> None:
     """The `deja` console script: `main`, then the exit.
 
-    NOTE: `deja serve` (and the other servers) close everything they opened before `main`
-    returns: the engine core and its workers, the disk tier's writes, the tracer provider's
-    spans. The interpreter's finalization would then only print noise: triton (pulled in by
+    NOTE: `deja serve` closes everything it opened before `main` returns: the engine core and
+    its workers, the disk tier's writes, the tracer provider's spans. The interpreter's finalization would then only print noise: triton (pulled in by
     torch._dynamo when transformers' configs load, and by xgrammar's dependencies) reports its
-    nanobind objects as leaked at teardown. So a server that stopped cleanly flushes its logs
+    nanobind objects as leaked at teardown. So a replica that stopped cleanly flushes its logs
     and leaves with `os._exit`; a failed one and the other commands exit normally."""
     code = main()
     if code == 0 and len(sys.argv) > 1 and sys.argv[1] in NO_FINALIZATION:
