@@ -381,3 +381,22 @@ def test_structured_outputs_verify_only_what_the_grammar_accepts(tiny_llama_path
         if forced:
             assert plain.text in (sentence, other)
             assert m.num_accepted_tokens >= 5
+
+
+def test_swap_preemption_and_the_cpu_tier(tiny_llama_path: Path) -> None:
+    """Proposals with preemption by swap (a sample's KV spilled to the CPU tier and back) and
+    with the CPU tier behind the prefix cache: the greedy tokens are transformers'."""
+    prompts = repeating_prompts(512, 12, seed=14) + shared_prefix_prompts(512, 8, 300, seed=3)
+    expected = hf_greedy(tiny_llama_path, prompts, MAX_TOKENS)
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    swap = dict(
+        num_device_blocks=48, max_num_batched_tokens=128, preemption_mode="swap",
+        num_cpu_blocks=512,
+    )  # fmt: skip
+    outs, llm = generate(tiny_llama_path, prompts, params, speculative_config=spec("ngram"), **swap)
+    assert [o.token_ids for o in outs] == expected
+    stats = llm.engine.get_stats()
+    assert stats.num_preemptions > 0
+    cpu = next(t for t in stats.tiers if t.name == "cpu")
+    assert cpu.swap_ins > 0
+    assert stats.spec is not None and stats.spec.num_accepted_tokens > 0
