@@ -13,8 +13,11 @@ because, in chat, the latest turn is the one an answer quotes.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import TypeVar
+
+T = TypeVar("T")
 
 MAX_CANDIDATES = 16
 """Earlier occurrences of the key compared per lookup (most recent first)."""
@@ -40,6 +43,32 @@ def match_length(doc: Sequence[int], end: int, ctx: Sequence[int], limit: int) -
     return n
 
 
+def add_end(ends: dict[tuple[int, ...], list[T]], key: tuple[int, ...], end: T) -> None:
+    """Records one more place `key` ends (the oldest go past MAX_PER_KEY)."""
+    found = ends.get(key)
+    if found is None:
+        ends[key] = [end]
+    else:
+        found.append(end)
+        if len(found) > MAX_PER_KEY:
+            del found[0]
+
+
+def longest_match(
+    places: Iterable[tuple[Sequence[int], int]], ctx: Sequence[int], max_len: int
+) -> tuple[int, Sequence[int], int]:
+    """Of the places (doc, end) where ctx's last key ends, most recent first: the longest match
+    (the first on a tie) as (length, doc, end); length 0 when there are none."""
+    best: tuple[int, Sequence[int], int] = (0, ctx, -1)
+    for doc, end in places:
+        m = match_length(doc, end, ctx, max_len)
+        if m > best[0]:
+            best = (m, doc, end)
+            if m == max_len:
+                break
+    return best
+
+
 @dataclass(slots=True)
 class TokenIndex:
     """End positions of every `key_len`-gram of one token list, built as the list grows."""
@@ -54,14 +83,7 @@ class TokenIndex:
         n = self.key_len
         ends = self.ends
         for p in range(max(self.indexed, n - 1), upto):
-            key = tuple(tokens[p - n + 1 : p + 1])
-            found = ends.get(key)
-            if found is None:
-                ends[key] = [p]
-            else:
-                found.append(p)
-                if len(found) > MAX_PER_KEY:
-                    del found[0]
+            add_end(ends, tuple(tokens[p - n + 1 : p + 1]), p)
         self.indexed = max(self.indexed, upto)
 
     def lookup(self, tokens: Sequence[int], max_len: int, num_tokens: int) -> Match | None:
@@ -75,13 +97,8 @@ class TokenIndex:
         found = self.ends.get(tuple(tokens[last - n + 1 :]))
         if not found:
             return None
-        best_len, best_end = 0, -1
-        for end in reversed(found[-MAX_CANDIDATES:]):
-            m = match_length(tokens, end, tokens, max_len)
-            if m > best_len:
-                best_len, best_end = m, end
-                if m == max_len:
-                    break
-        if best_len < n:
+        places = ((tokens, end) for end in reversed(found[-MAX_CANDIDATES:]))
+        length, _, end = longest_match(places, tokens, max_len)
+        if length < n:
             return None
-        return Match(best_len, list(tokens[best_end + 1 : best_end + 1 + num_tokens]))
+        return Match(length, list(tokens[end + 1 : end + 1 + num_tokens]))

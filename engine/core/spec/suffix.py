@@ -20,7 +20,7 @@ from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from engine.core.spec.ngram import MAX_CANDIDATES, MAX_PER_KEY, Match, match_length
+from engine.core.spec.ngram import MAX_CANDIDATES, Match, add_end, longest_match
 
 
 @dataclass(slots=True)
@@ -39,16 +39,8 @@ class Corpus:
         if len(self.docs) >= self.max_docs:
             self._drop(self.docs.popleft())
         self.docs.append(doc)
-        ends = self.ends
         for p in range(n - 1, len(doc) - 1):  # a match at the last token has nothing after it
-            key = tuple(doc[p - n + 1 : p + 1])
-            found = ends.get(key)
-            if found is None:
-                ends[key] = [(doc, p)]
-            else:
-                found.append((doc, p))
-                if len(found) > MAX_PER_KEY:
-                    del found[0]
+            add_end(self.ends, tuple(doc[p - n + 1 : p + 1]), (doc, p))
 
     def _drop(self, doc: list[int]) -> None:
         n = self.key_len
@@ -71,15 +63,8 @@ class Corpus:
         found = self.ends.get(tuple(ctx[len(ctx) - n :]))
         if not found:
             return None
-        best_len, best = 0, found[-1]
-        for doc, end in reversed(found[-MAX_CANDIDATES:]):
-            m = match_length(doc, end, ctx, max_len)
-            if m > best_len:
-                best_len, best = m, (doc, end)
-                if m == max_len:
-                    break
-        doc, end = best
-        return Match(best_len, doc[end + 1 : end + 1 + num_tokens])
+        length, doc, end = longest_match(reversed(found[-MAX_CANDIDATES:]), ctx, max_len)
+        return Match(length, list(doc[end + 1 : end + 1 + num_tokens]))
 
 
 @dataclass(slots=True)
