@@ -112,14 +112,9 @@ class StepUpdate:
         seq.num_computed_tokens -= len(drafts) - a
         assert self.proposer is not None
         self.proposer.observe(seq, len(drafts), a)
-        for j in range(a + 1):
-            lp = logprobs[j]
-            seq.append_token(token_ids[j])
-            if lp is not None:
-                seq.cum_logprob += lp.logprob
-            end = self.outputs.process_token(seq, token_ids[j], lp)
-            if end is not None:
-                self.scheduler.finish(seq, end.reason, end.stop_reason)
+        for j in range(a + 1):  # a stop among them ends the sample there
+            self._append(seq, token_ids[j], logprobs[j], deferred=False)
+            if seq.status is SeqStatus.FINISHED:
                 return
 
     def _first_tokens(

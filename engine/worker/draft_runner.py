@@ -26,6 +26,7 @@ from typing import Any
 import torch
 
 from engine.config import ModelConfig
+from engine.sample.sampler import host_to_device
 from engine.worker.attention import get_attention_backend
 from engine.worker.attention.base import AttentionBackend
 from engine.worker.attention.kv_quant import kv_block_bytes
@@ -100,13 +101,6 @@ class DraftRunner:
     def __post_init__(self) -> None:
         self.inputs = InputBatch(self.block_size, self.device)
 
-    def copy_blocks(self, cow: list[tuple[int, int]]) -> None:
-        """The plan's copy-on-write pairs, on the draft's cache too."""
-        if cow:
-            src = torch.tensor([s for s, _ in cow], dtype=torch.int64, device=self.device)
-            dst = torch.tensor([d for _, d in cow], dtype=torch.int64, device=self.device)
-            self.backend.copy_blocks(self.kv_cache, src, dst)
-
     def run(
         self, states: list[SeqState], record: StepRecord, in_flight: torch.Tensor | None
     ) -> dict[int, list[int]]:
@@ -130,7 +124,7 @@ class DraftRunner:
             return {}
         order = sorted(propose)
         ends = list(itertools.accumulate(qlens))
-        last = torch.tensor([ends[i] - 1 for i in order], dtype=torch.int64, device=self.device)
+        last = host_to_device([ends[i] - 1 for i in order], torch.int64, self.device)
         tokens = self._argmax(hidden.index_select(0, last))
         drafts = {i: [t] for i, t in zip(order, tokens, strict=True)}
         for j in range(1, max(propose.values())):

@@ -176,8 +176,8 @@ class ModelRunner:
 
     def apply_plan(self, plan: KVPlan) -> None:
         apply_plan(plan, self.kv_cache, self.offload, self.backend)
-        if self.drafter is not None:
-            self.drafter.copy_blocks(plan.cow)
+        if self.drafter is not None:  # the plan's copy-on-write, on the draft's cache too
+            apply_plan(plan, self.drafter.kv_cache, None, self.drafter.backend)
 
     def execute(self, record: StepRecord) -> StepOutput:
         """One step, start to end: `launch`, then `collect`."""

@@ -148,11 +148,9 @@ class TokenMaskFiller:
                 assert accepted, "a proposal the grammar does not accept reached the mask"
                 m.fill_next_token_bitmask(packed, r + j + 1)
             m.rollback(len(tokens))
-        if not fill:
-            pass
-        elif len(fill) == 1:
+        if len(fill) == 1:
             fill[0].fill_next_token_bitmask(packed, fill_rows[0])
-        else:
+        elif fill:
             if self._batch is None:
                 import xgrammar as xgr
 
