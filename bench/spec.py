@@ -97,46 +97,35 @@ def quoting(
         )
         for code, change in zip(_code_snippets(3), CHANGES, strict=True)
     ]
-    return _one_at_a_time(llm, prompts[:1] if quick else prompts, params, salt)
+    prompts = prompts[:1] if quick else prompts
+    outs = [llm.generate([p], params, cache_salt=salt)[0] for p in prompts]
+    return {**_decode_rate(outs), "prompts": prompts}
 
 
-def _one_at_a_time(
-    llm: Any, prompts: list[list[int]], params: Any, salt: str | None
-) -> dict[str, Any]:
-    tokens = 0
-    seconds = 0.0
-    outputs = []
-    for p in prompts:
-        out = llm.generate([p], params, cache_salt=salt)[0]
-        m = out.metrics
-        tokens += len(out.token_ids) - 1
-        seconds += m.finished - m.first_token
-        outputs.append(out.token_ids)
+def _decode_rate(outs: list[Any]) -> dict[str, Any]:
+    """Batch-1 decode over requests run one at a time: output tokens after the first over the
+    time after the first."""
+    tokens = sum(len(o.token_ids) - 1 for o in outs)
+    seconds = sum(o.metrics.finished - o.metrics.first_token for o in outs)
     return {
         "tok_s": tokens / max(seconds, 1e-9),
         "tokens": tokens,
-        "outputs": outputs,
-        "prompts": prompts,
+        "outputs": [o.token_ids for o in outs],
     }
 
 
 def chat(llm: Any, tokenizer: Any, params: Any, quick: bool) -> dict[str, Any]:
     """Batch-1 decode over three-turn sessions whose follow-ups ask the model to restate."""
-    tokens = 0
-    seconds = 0.0
-    outputs = []
+    outs = []
     for question in QUESTIONS[:1] if quick else QUESTIONS:
         messages = [{"role": "user", "content": question}]
         for follow_up in [None, *FOLLOW_UPS]:
             if follow_up is not None:
                 messages.append({"role": "user", "content": follow_up})
             out = llm.generate([_chat(tokenizer, messages)], params)[0]
-            m = out.metrics
-            tokens += len(out.token_ids) - 1
-            seconds += m.finished - m.first_token
-            outputs.append(out.token_ids)
+            outs.append(out)
             messages.append({"role": "assistant", "content": out.text})
-    return {"tok_s": tokens / max(seconds, 1e-9), "tokens": tokens, "outputs": outputs}
+    return _decode_rate(outs)
 
 
 def random_batch(llms: dict[str, Any], args: argparse.Namespace) -> dict[str, dict[str, Any]]:
