@@ -15,6 +15,7 @@ DEVICES = ("auto", "cpu", "cuda")
 ATTENTION_BACKENDS = ("auto", "torch", "cupy", "cpu")
 PREEMPTION_MODES = ("recompute", "swap")
 DISK_WRITE_POLICIES = ("write-through", "selective", "write-back")
+REMOTE_WRITE_POLICIES = ("write-through", "selective")
 KV_CACHE_DTYPES = ("auto", "fp8_e4m3")
 QUANTIZATIONS = ("auto", "gguf", "none")
 GENERATION_CONFIGS = ("auto", "vllm")
@@ -102,6 +103,26 @@ class CacheConfig:
     eighth of the disk tier); 0 keeps only the current step's."""
     warm_start_blocks: int = 0
     """Most recently used disk blocks read back into the CPU tier in the background at start."""
+    kv_remote: str | None = None
+    """URL of the remote tier shared by every replica of the model (redis://HOST:PORT/DB, Redis
+    or Valkey); None turns it off. Needs the CPU tier (it sits below it)."""
+    kv_remote_write_policy: str = "write-through"
+    """What reaches the remote tier: write-through (every newly full block, once) or selective
+    (blocks hit at least disk_write_min_hits times, and pinned prefixes)."""
+    kv_remote_ttl_s: float = 86400.0
+    """Seconds a remote block lives after its last write or hit (the store's own eviction policy,
+    e.g. allkeys-lru under a maxmemory, may drop it sooner)."""
+    kv_remote_timeout_s: float = 1.0
+    """Bound on one remote operation; a store that does not answer in time is left alone for
+    kv_remote_retry_s (requests recompute meanwhile)."""
+    kv_remote_retry_s: float = 2.0
+    """After a failed remote operation, seconds before the tier is tried again."""
+    kv_remote_write_queue_blocks: int = 512
+    """Blocks queued for the remote writer at most; writes beyond are dropped and counted."""
+    kv_remote_buffer_mib: float = 256.0
+    """Verified remote payloads held in host memory for requests about to be admitted, MiB."""
+    kv_remote_key_prefix: str = "deja:kv:"
+    """Prefix of the remote tier's keys (one store may serve several deployments)."""
     preemption_mode: str = "recompute"
     """recompute (drop KV, recompute later) or swap (move KV to the CPU tier and back)."""
     max_pinned_fraction: float = 0.5
@@ -135,6 +156,17 @@ class CacheConfig:
         check(self.disk_write_queue_mib > 0, "disk_write_queue_mib must be > 0")
         check(self.disk_read_cache_mib >= 0, "disk_read_cache_mib must be >= 0")
         check(self.warm_start_blocks >= 0, "warm_start_blocks must be >= 0")
+        check(
+            self.kv_remote is None
+            or self.kv_remote.startswith(("redis://", "rediss://", "unix://")),
+            f"kv_remote must be a redis://HOST:PORT/DB URL, got {self.kv_remote!r}",
+        )
+        check_one_of("kv_remote_write_policy", self.kv_remote_write_policy, REMOTE_WRITE_POLICIES)
+        check(self.kv_remote_ttl_s > 0, "kv_remote_ttl_s must be > 0")
+        check(self.kv_remote_timeout_s > 0, "kv_remote_timeout_s must be > 0")
+        check(self.kv_remote_retry_s >= 0, "kv_remote_retry_s must be >= 0")
+        check(self.kv_remote_write_queue_blocks >= 1, "kv_remote_write_queue_blocks must be >= 1")
+        check(self.kv_remote_buffer_mib > 0, "kv_remote_buffer_mib must be > 0")
         check_one_of("preemption_mode", self.preemption_mode, PREEMPTION_MODES)
         check(0.0 <= self.max_pinned_fraction <= 1.0, "max_pinned_fraction must be in [0, 1]")
         check(self.kv_events_max_blocks >= 0, "kv_events_max_blocks must be >= 0")

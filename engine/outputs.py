@@ -22,10 +22,12 @@ class CachedTokens:
     device: int = 0
     cpu: int = 0
     disk: int = 0
+    remote: int = 0
+    """Served by the tier shared by every replica (loaded from another replica's work)."""
 
     @property
     def total(self) -> int:
-        return self.device + self.cpu + self.disk
+        return self.device + self.cpu + self.disk + self.remote
 
 
 @dataclass(slots=True)

@@ -40,7 +40,7 @@ class ModelInfo:
 
 @dataclass(slots=True)
 class TierStats:
-    """One cache tier (device, cpu or disk)."""
+    """One cache tier (device, cpu, disk or remote)."""
 
     name: str
     num_blocks: int = 0
@@ -66,7 +66,11 @@ class TierStats:
     write_errors: int = 0
     """Writes into this tier that failed (disk: the first one turns the tier off)."""
     disabled: int = 0
-    """1 when the tier turned itself off after a failure (disk: read-only or full directory)."""
+    """1 when the tier turned itself off after a failure (disk: read-only or full directory;
+    remote: the store failed and is left alone for a while)."""
+    misses: dict[str, int] = field(default_factory=dict)
+    """remote: lookups that ended on an unusable value or a failure, by reason
+    (engine/kv_io/remote_format.py's MISS_REASONS)."""
 
     @property
     def usage(self) -> float:

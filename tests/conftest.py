@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 os.environ["HF_HUB_OFFLINE"] = "1"
@@ -21,6 +21,7 @@ if _ROOT not in sys.path:
 import pytest  # noqa: E402
 
 from engine.testing.tiny_models import FAMILY_BUILDERS, build_tiny_llama, build_tiny_qwen2  # noqa: E402
+from tests.support.redis_proc import RedisProcess  # noqa: E402
 
 
 @pytest.fixture(scope="session")
@@ -59,3 +60,14 @@ def demo_model_path() -> Path:
         return ensure_demo_model(cache_dir)
     except FileNotFoundError as exc:
         pytest.skip(str(exc))
+
+
+@pytest.fixture
+def redis_proc() -> Iterator[RedisProcess]:
+    """A throwaway redis-server on a free port (the real server, from Debian)."""
+    proc = RedisProcess()
+    proc.start()
+    try:
+        yield proc
+    finally:
+        proc.stop()

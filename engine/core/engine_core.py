@@ -32,6 +32,7 @@ from engine.core.builders import (
 )
 from engine.core.core_stats import engine_stats
 from engine.core.output_processor import OutputProcessor
+from engine.core.remote_loads import RemoteLoads
 from engine.core.scheduler import Scheduler
 from engine.core.sequence import Request, SeqStatus
 from engine.core.spec.proposer import Proposer
@@ -111,6 +112,11 @@ class EngineCore:
         self.tiers = self._allocate_kv_cache(eos)
         cc = config.cache
         self.kv = kv_cache_manager(cc, self.model_info, hf_config, self.tiers, self.kv_events)
+        self.remote_loads = (
+            RemoteLoads(self.kv, self.tiers, self.tiers.remote)
+            if self.tiers is not None and self.tiers.remote is not None
+            else None
+        )  # requests waiting for their remote-tier lookup
         self.grammars = GrammarCompilerPool(self.tokenizer, vocab, eos)
         matcher = self.grammars.new_matcher
         self.outputs = OutputProcessor(
@@ -147,7 +153,7 @@ class EngineCore:
         return resolve_kv_scales(sources, run, shape)
 
     def _fingerprint(self) -> str | None:
-        if not self.config.cache.disk_dir:
+        if not (self.config.cache.disk_dir or self.config.cache.kv_remote):
             return None
         return model_fingerprint(self.config.model.path, self.config.model.quantization)
 
@@ -232,6 +238,8 @@ class EngineCore:
         seq = self.outputs.new_sample(req, 0, list(req.prompt_token_ids))
         self.requests[req.request_id] = req
         self.scheduler.add(seq)
+        if self.remote_loads is not None:
+            self.remote_loads.start(req, seq)
 
     def abort(self, request_id: str) -> bool:
         """Finishes the request with reason "abort" and frees its blocks now."""
@@ -356,6 +364,9 @@ class EngineCore:
         work overlaps the GPU's. Each call then returns the news of the step before."""
         if self._grammar_waits:
             self._poll_grammars()
+        if self.remote_loads:
+            assert self.remote_loads is not None
+            self.remote_loads.poll(self._runnable())
         self._between_steps()
         self.expire_pins()
         sched = self.scheduler.schedule()
@@ -429,10 +440,7 @@ class EngineCore:
 
         Only when nothing else can run does this wait (briefly) for a compile to finish.
         """
-        runnable = bool(self.scheduler.running) or any(
-            not s.request.waiting_for_grammar for s in self.scheduler.waiting
-        )
-        if not runnable:
+        if not self._runnable():
             futures = [f for _, f in self._grammar_waits.values()]
             wait(futures, timeout=0.05, return_when=FIRST_COMPLETED)
         for rid, (req, fut) in list(self._grammar_waits.items()):
@@ -452,6 +460,13 @@ class EngineCore:
             req.waiting_for_grammar = False
             for seq in req.seqs:
                 seq.grammar = self.grammars.new_matcher(req.compiled_grammar)
+
+    def _runnable(self) -> bool:
+        """Whether a sequence can be scheduled now (none waits on a grammar or a lookup)."""
+        return bool(self.scheduler.running) or any(
+            not (s.request.waiting_for_grammar or s.request.waiting_for_remote)
+            for s in self.scheduler.waiting
+        )
 
     def collect_outputs(self, now: float | None = None) -> list[RequestOutput]:
         """Deltas of every request with news since the last call (step() calls it)."""

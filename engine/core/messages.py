@@ -106,7 +106,7 @@ PackedOutput = tuple[
     str,  # request_id
     list[PackedSample],  # outputs (deltas)
     bool,  # finished
-    tuple[int, int, int],  # cached_tokens: device, cpu, disk
+    tuple[int, int, int, int],  # cached_tokens: device, cpu, disk, remote
     tuple[float, float | None, float | None, float | None, int, int, int] | None,  # metrics
     str | None,  # error
     bool | None,  # pinned
@@ -135,7 +135,7 @@ def pack_output(out: RequestOutput) -> PackedOutput:
             for s in out.outputs
         ],
         out.finished,
-        (c.device, c.cpu, c.disk),
+        (c.device, c.cpu, c.disk, c.remote),
         None
         if m is None
         else (

@@ -8,7 +8,8 @@ Each step:
 2. If nothing was preempted, waiting sequences are admitted first come, first served, each with
    its longest cached prefix and as much of the rest of its prompt as the budget allows. The
    queue does not skip: when the head does not fit, admission stops for this step. The one
-   exception: a request whose grammar is still compiling is stepped over (it keeps its place).
+   exception: a request whose grammar is still compiling, or whose remote-tier lookup is still
+   running, is stepped over (it keeps its place).
 A sequence that can never fit (it needs more blocks than the whole pool) finishes with an error
 instead of blocking the queue.
 
@@ -296,7 +297,8 @@ class Scheduler:
 
     def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
         """Admits waiting units in order, each sequence with its longest cached prefix."""
-        # Requests whose grammar is still compiling are set aside and put back in order.
+        # Requests whose grammar is still compiling, or whose remote lookup is still running, are
+        # set aside and put back in order.
         not_ready: list[Sequence] = []
         limit = self.config.max_num_partial_prefills
         prefilling = sum(1 for item in out.scheduled if item.start < item.seq.num_prompt_tokens)
@@ -306,7 +308,7 @@ class Scheduler:
             seq = self.waiting[0]
             if seq.num_pending:
                 break  # preempted with a token in flight: it comes back once the token is in
-            if seq.request.waiting_for_grammar:
+            if seq.request.waiting_for_grammar or seq.request.waiting_for_remote:
                 not_ready.append(self.waiting.popleft())
                 continue
             unit = self._unit(self.waiting, 0)
@@ -369,6 +371,7 @@ class Scheduler:
         by_tier = match.tokens_by_tier()
         ct = seq.request.cached_tokens
         ct.device, ct.cpu, ct.disk = by_tier["device"], by_tier["cpu"], by_tier["disk"]
+        ct.remote = by_tier["remote"]
 
     def _can_grow_alone(self, unit: list[Sequence], chunks: list[int]) -> bool:
         bs = self.kv.block_size

@@ -51,6 +51,8 @@ class Request:
     pinned: bool | None = None
     waiting_for_grammar: bool = False
     """Its response_format is still compiling: the scheduler skips it (others go ahead)."""
+    waiting_for_remote: bool = False
+    """Its remote-tier lookup is running: the scheduler skips it (others go ahead)."""
     compiled_grammar: Grammar | None = None
     """Set by the engine when the grammar is ready (engine side only; never pickled)."""
     beam: BeamGroup | None = None

@@ -37,10 +37,19 @@ class TierCounters:
     dropped_writes: int = 0
     """Blocks the policy wanted on disk but the writer's queue was full (or the block was gone);
     stores the writer itself refused are its `num_refused`."""
+    remote_queries: int = 0
+    """Prompt tokens looked up in the remote tier (those past the device, CPU and disk hits)."""
+    remote_hits: int = 0
+    remote_loads: int = 0
+    """Remote blocks read into the device."""
+    remote_writes: int = 0
+    """Blocks queued for the remote tier by its write policy."""
+    remote_dropped_writes: int = 0
+    """Blocks the policy wanted remote but the writer's queue was full (or the block was gone)."""
     warm_blocks: int = 0
     """Disk blocks read into the CPU tier by warm start."""
 
     @property
     def prefix_hits(self) -> int:
         """Prompt tokens served from any tier."""
-        return self.device_hits + self.cpu_hits + self.disk_hits
+        return self.device_hits + self.cpu_hits + self.disk_hits + self.remote_hits

@@ -6,7 +6,8 @@ once per step (`LLMEngine.take_kv_events`, outside the step's bookkeeping) and s
 `KVEventBatch`.
 
 Rules:
-- `medium` is "device", "cpu" or "disk". A block moving from one tier to another is a removal
+- `medium` is "device", "cpu", "disk" or "remote" (the tier shared by replicas: stored when the
+  store acknowledged a write, removed when a lookup found the block absent or bad). A block moving from one tier to another is a removal
   from the first and a store in the second (a device block spilled to the CPU tier and then
   reused on the device: `BlockStored(cpu)`, `BlockRemoved(device)`).
 - Device stores carry the parent hash of their first block (None for a prompt's first block) and
@@ -26,7 +27,7 @@ from dataclasses import dataclass, field
 
 from engine.kv.hashing import BlockHash
 
-MEDIA = ("device", "cpu", "disk")
+MEDIA = ("device", "cpu", "disk", "remote")
 
 
 @dataclass(slots=True)
@@ -122,6 +123,10 @@ class KVEventBuffer:
     def stored_one(self, block_hash: BlockHash, medium: str) -> None:
         """A lower-tier (cpu, disk) store of one hash."""
         self.stored([block_hash], None, [], medium)
+
+    def stored_many(self, block_hashes: list[BlockHash], medium: str) -> None:
+        """A lower-tier store of several hashes (not a chain)."""
+        self.stored(list(block_hashes), None, [], medium)
 
     def removed(self, block_hash: BlockHash, medium: str) -> None:
         # NOTE: called once per evicted block: kept to a few attribute reads.

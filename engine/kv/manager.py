@@ -54,7 +54,7 @@ class LowerTiers(Protocol):
     """The CPU and disk tiers below the device pool (engine/kv/tiers.py)."""
 
     def find(self, block_hash: BlockHash) -> str | None:
-        """The tier ("cpu" or "disk") that holds this hash, or None.
+        """The tier ("cpu", "disk" or "remote") that holds this hash, or None.
 
         Changes no block table; a hit stays fetchable until `end_step` (the tier holds it).
         """
@@ -112,7 +112,12 @@ class PrefixMatch:
 
     def tokens_by_tier(self) -> dict[str, int]:
         """Cached tokens per tier; skipped blocks count for the tier of the first held one."""
-        out = {"device": len(self.device_blocks) * self.block_size, "cpu": 0, "disk": 0}
+        out = {
+            "device": len(self.device_blocks) * self.block_size,
+            "cpu": 0,
+            "disk": 0,
+            "remote": 0,
+        }
         for tier, _ in self.lower_hits:
             out[tier] += self.block_size
         first = "device" if self.device_blocks or not self.lower_hits else self.lower_hits[0][0]
@@ -250,6 +255,10 @@ class KVCacheManager:
             c.cpu_hits += by_tier["cpu"]
             c.disk_queries += num_prompt_tokens - by_tier["device"] - by_tier["cpu"]
             c.disk_hits += by_tier["disk"]
+            c.remote_queries += num_prompt_tokens - sum(
+                by_tier[t] for t in ("device", "cpu", "disk")
+            )
+            c.remote_hits += by_tier["remote"]
 
     # -- allocation ----------------------------------------------------------------------------
     def blocks_needed(self, seq: SeqLike, num_new_tokens: int, match: PrefixMatch | None) -> int:

@@ -23,6 +23,9 @@ Rules:
   their hashes, shared with the prefix cache; the partial tail in a private block with no hash)
   and holds them until `resume` or `drop_swap`. The sequence comes back through the prefix cache
   (its full blocks are CPU or device hits); `resume` swaps the private tail in.
+- Remote tier (engine/kv/remote_tier.py), below the disk tier: `find` answers from the payloads a
+  request's lookup verified before its admission (never the network); its write policy queues
+  hashes that `take_remote_writes` resolves between steps.
 - KV events (the `events` buffer, engine/kv/events.py): a hash entering the CPU tier (spill,
   swap-out, warm start) is `BlockStored(cpu)`, one leaving it `BlockRemoved(cpu)`, reported by
   the `CpuTier`; the disk tier reports its own.
@@ -42,6 +45,7 @@ from engine.kv.disk_tier import WRITE_POLICIES, DiskIO, DiskTier, DiskWrites
 from engine.kv.events import KVEventBuffer
 from engine.kv.hashing import BlockHash
 from engine.kv.plan import KVPlan
+from engine.kv.remote_tier import RemoteIO, RemoteTier
 from engine.stats import TierStats
 
 
@@ -89,6 +93,8 @@ class TieredCache:
         write_policy: str = "write-back",
         min_hits: int = 2,
         events: KVEventBuffer | None = None,
+        remote: RemoteIO | None = None,
+        remote_write_policy: str = "write-through",
     ) -> None:
         if (disk is None) != (disk_io is None):
             raise ValueError("the disk tier needs both its index and its file reader")
@@ -118,6 +124,18 @@ class TieredCache:
         )
         self.cpu = self._cpu.pool
         """The CPU tier's blocks."""
+        self.remote = (
+            RemoteTier(
+                remote,
+                self.counters,
+                write_policy=remote_write_policy,
+                min_hits=min_hits,
+                events=events,
+            )
+            if remote is not None
+            else None
+        )
+        """The remote tier's bookkeeping (None: no remote tier)."""
         self.swapped: dict[int, SwapRecord] = {}
         """seq_id -> the CPU blocks of a sequence preempted by swap."""
         self._step = _Step()
@@ -143,7 +161,7 @@ class TieredCache:
 
     # -- LowerTiers ----------------------------------------------------------------------------
     def find(self, block_hash: BlockHash) -> str | None:
-        """The tier holding the hash ("cpu" before "disk") or None.
+        """The tier holding the hash ("cpu" before "disk" before "remote") or None.
 
         NOTE: a CPU hit is held until `end_step` and a disk hit's bytes are read and verified
         now, so a hit found in a step can be fetched in that step whatever else it evicts.
@@ -154,7 +172,16 @@ class TieredCache:
             return "cpu"
         if self._disk is not None and self._disk.find(block_hash):
             return "disk"
+        if self.remote is not None and self.remote.find(block_hash):
+            return "remote"
         return None
+
+    def holds(self, block_hash: BlockHash) -> bool:
+        """Whether the CPU tier or the disk index holds the hash (no probe, no hold): what a
+        remote lookup need not ask for."""
+        return self.cpu.lookup(block_hash) is not None or (
+            self._disk is not None and self._disk.enabled and block_hash in self._disk.index
+        )
 
     def fetch(self, block_hash: BlockHash, dst_block_id: int, plan: KVPlan) -> None:
         """Plans the copy of a hit found in this step into device block `dst_block_id`."""
@@ -165,7 +192,9 @@ class TieredCache:
             self._cpu.hold_for_step(b)
             plan.swap_in.append((b.block_id, dst_block_id))
             self.counters.cpu_swap_ins += 1
-        elif self._disk is None or not self._disk.fetch(block_hash, dst_block_id, plan):
+        elif (self._disk is None or not self._disk.fetch(block_hash, dst_block_id, plan)) and (
+            self.remote is None or not self.remote.fetch(block_hash, dst_block_id, plan)
+        ):
             raise AssertionError(
                 f"fetch of {block_hash.hex()[:16]}, which find did not return this step"
             )
@@ -195,16 +224,22 @@ class TieredCache:
         self._cpu.end_step()
         if self._disk is not None:
             self._disk.end_step()
+        if self.remote is not None:
+            self.remote.end_step()
 
     def on_cached(self, block_hash: BlockHash) -> None:
-        """A newly computed full device block: write-through queues it for disk."""
+        """A newly computed full device block: write-through queues it for disk and remote."""
         if self._disk is not None:
             self._disk.on_cached(block_hash)
+        if self.remote is not None:
+            self.remote.on_cached(block_hash)
 
     def note_hits(self, hashes: list[BlockHash]) -> None:
-        """Counts prefix hits; under `selective` a hash reaching `min_hits` is queued for disk."""
+        """Counts prefix hits; under `selective` a hash reaching `min_hits` is queued."""
         if self._disk is not None:
             self._disk.note_hits(hashes)
+        if self.remote is not None:
+            self.remote.note_hits(hashes)
 
     # -- the write policy's disk writes --------------------------------------------------------
     def take_writes(
@@ -215,6 +250,14 @@ class TieredCache:
         if self._disk is None:
             return DiskWrites()
         return self._disk.take_writes(room, device_lookup, self.cpu)
+
+    def take_remote_writes(
+        self, room: int, device_lookup: Callable[[BlockHash], int | None]
+    ) -> DiskWrites:
+        """The remote write policy's queued writes resolved to blocks, `room` at most."""
+        if self.remote is None:
+            return DiskWrites()
+        return self.remote.take_writes(room, device_lookup, self.cpu)
 
     def forget_write(self, block_hash: BlockHash) -> None:
         """A taken write did not reach the writer (refused there, and counted there)."""
@@ -253,6 +296,8 @@ class TieredCache:
         out = [("cpu", list(self.cpu.cached))]
         if self._disk is not None and self._disk.enabled:
             out.append(("disk", list(self._disk.index.entries)))
+        if self.remote is not None:
+            out.append(("remote", list(self.remote.known)))
         return out
 
     # -- swap preemption -----------------------------------------------------------------------
@@ -339,9 +384,11 @@ class TieredCache:
         hashes = list(hashes)
         if not self._cpu.pin(hashes, until):
             return False
-        if self._disk is not None:
-            for h in hashes:
+        for h in hashes:
+            if self._disk is not None:
                 self._disk.on_pinned(h)
+            if self.remote is not None:
+                self.remote.on_pinned(h)
         return True
 
     def expire_pins(self, now: float) -> None:
@@ -354,7 +401,9 @@ class TieredCache:
         for t in tiers:
             if t.name == "device":
                 t.spills = c.device_spills
-                t.bytes_moved = (c.device_spills + c.cpu_swap_ins + c.disk_loads) * block_bytes
+                t.bytes_moved = (
+                    c.device_spills + c.cpu_swap_ins + c.disk_loads + c.remote_loads
+                ) * block_bytes
         cpu = self.cpu
         tiers.append(
             TierStats(
@@ -375,6 +424,8 @@ class TieredCache:
         )
         if self._disk is not None:
             tiers.append(self._disk.stats(block_bytes))
+        if self.remote is not None:
+            tiers.append(self.remote.stats(block_bytes))
 
     def check_integrity(self) -> None:
         """CPU pool integrity, and every CPU reference accounted for by a step, swap or pin."""
@@ -392,3 +443,4 @@ class TieredCache:
         if dst in self._step.fetch_dst:
             plan.swap_in[:] = [p for p in plan.swap_in if p[1] != dst]
             plan.disk_load[:] = [p for p in plan.disk_load if p[1] != dst]
+            plan.remote_load[:] = [p for p in plan.remote_load if p[1] != dst]

@@ -93,7 +93,8 @@ def claim_directory(root: Path, manifest: dict[str, Any]) -> bool:
     return True
 
 
-def _digest(data: Any) -> bytes:
+def digest(data: Any) -> bytes:
+    """XXH3-128 of the bytes (see _HEADER)."""
     return xxhash.xxh3_128_digest(data)
 
 
@@ -101,7 +102,7 @@ def manifest_tag(manifest: dict[str, Any]) -> bytes:
     """16 bytes naming a manifest (its canonical JSON's digest): every block file carries its
     writer's, so a file written under another KV dtype, other scales or another model never
     reads as this directory's."""
-    return _digest(json.dumps(manifest, sort_keys=True).encode())
+    return digest(json.dumps(manifest, sort_keys=True).encode())
 
 
 NO_TAG = bytes(16)
@@ -114,8 +115,8 @@ def write_block_file(
     """Writes the block's file (header, then the payload's bytes) through a temp file renamed
     into place; raises OSError (the temp file removed) when the directory fails."""
     data = payload.numpy().data  # memoryview of the contiguous bytes
-    digest = _digest(data)
-    header = _HEADER.pack(_MAGIC, block_hash, data.nbytes, digest, tag).ljust(HEADER_BYTES, b"\0")
+    checksum = digest(data)
+    header = _HEADER.pack(_MAGIC, block_hash, data.nbytes, checksum, tag).ljust(HEADER_BYTES, b"\0")
     path.parent.mkdir(exist_ok=True)
     tmp = path.parent / f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp"
     try:
@@ -166,7 +167,7 @@ def read_block_file(
         os.close(fd)
     if size != expected or n != expected:
         raise BadBlockFile(f"size {size if size != expected else n}, expected {expected}")
-    magic, stored_hash, length, digest, stored_tag = _HEADER.unpack_from(view)
+    magic, stored_hash, length, checksum, stored_tag = _HEADER.unpack_from(view)
     if magic != _MAGIC:
         old = magic[:6] == _MAGIC[:6]
         raise BadBlockFile("an older format's file" if old else "bad magic")
@@ -176,6 +177,6 @@ def read_block_file(
         raise BadBlockFile("header names another block")
     if length != payload_bytes:
         raise BadBlockFile(f"payload length {length}")
-    if _digest(view[HEADER_BYTES:]) != digest:
+    if digest(view[HEADER_BYTES:]) != checksum:
         raise BadBlockFile("checksum mismatch")
     return buf[HEADER_BYTES:]

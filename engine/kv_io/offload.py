@@ -39,7 +39,9 @@ from engine.kv.hashing import BlockHash
 from engine.kv.plan import KVPlan
 from engine.kv.tiers import TieredCache
 from engine.kv_io.disk import DiskFiles
-from engine.kv_io.disk_format import FORMAT, HEADER_BYTES, read_manifest
+from engine.kv_io.disk_format import FORMAT, HEADER_BYTES, manifest_tag, read_manifest
+from engine.kv_io.remote import RemoteKV
+from engine.kv_io.remote_format import FORMAT as REMOTE_FORMAT
 from engine.stats import BufferStats, ModelInfo
 
 
@@ -79,6 +81,8 @@ class KVOffload:
     disk_ops: list[DiskOp] | None = None
     """Tensor-parallel rank 0: the disk writes queued between steps and the deletes, in order,
     for the workers to repeat on their shares (None: not recorded)."""
+    remote: RemoteKV | None = None
+    """The remote tier's store (None: no remote tier)."""
     direct_copies: bool = field(default_factory=kv_cache_direct_copies_available, init=False)
     """CUDA: spills and swap-ins move blocks straight between the pinned CPU tier and the
     device (cuda/tier_copy.py, CuPy); False: gather, staging tensor, scatter (torch only)."""
@@ -102,6 +106,12 @@ class KVOffload:
             dtype = self.cpu_cache.dtype
             for h, d in plan.disk_load:
                 kv_cache[:, :, d].copy_(self.disk.buffered(h).view(dtype).view(self.block_shape))
+        if plan.remote_load:
+            assert self.remote is not None
+            dtype = self.cpu_cache.dtype
+            for h, d in plan.remote_load:
+                payload = self.remote.buffered(h)
+                kv_cache[:, :, d].copy_(payload.view(dtype).view(self.block_shape))
         if plan.swap_in:
             cpu, dev = _pairs(plan.swap_in, kv_cache.device)
             kv_cache[:, :, dev] = self.cpu_cache[:, :, cpu]
@@ -113,15 +123,34 @@ class KVOffload:
         out = [BufferStats("cpu_tier", n, nbytes, n, nbytes)]
         if self.disk is not None:
             out += self.disk.buffers()
+        if self.remote is not None:
+            r, p = self.remote, self.remote.payload_bytes
+            out.append(
+                BufferStats(
+                    "remote_buffer",
+                    r.num_buffered,
+                    r.num_buffered * p,
+                    r.buffer_blocks,
+                    r.buffer_blocks * p,
+                )
+            )
+            out.append(
+                BufferStats(
+                    "remote_write_queue", r.queued, r.queued * p, r.max_queued, r.max_queued * p
+                )
+            )
         return out
 
     def flush(self, timeout_s: float | None = None) -> bool:
-        """Waits for queued disk writes (tests, benchmarks, shutdown); True when all are done."""
-        return self.disk.flush(timeout_s) if self.disk is not None else True
+        """Waits for queued disk and remote writes (tests, benchmarks, shutdown); True when all
+        are done."""
+        done = self.disk.flush(timeout_s) if self.disk is not None else True
+        return (self.remote.flush(timeout_s) if self.remote is not None else True) and done
 
     def close(self, timeout_s: float | None = None) -> bool:
-        """Flushes queued writes (bounded by `timeout_s`) and stops the disk threads."""
-        return self.disk.close(timeout_s) if self.disk is not None else True
+        """Flushes queued writes (bounded by `timeout_s`) and stops the disk and remote threads."""
+        done = self.disk.close(timeout_s) if self.disk is not None else True
+        return (self.remote.close(timeout_s) if self.remote is not None else True) and done
 
     # -- between steps -------------------------------------------------------------------------
     def after_step(
@@ -132,6 +161,12 @@ class KVOffload:
     ) -> None:
         """The write policy's writes, budget-scan deletions and warm-start blocks (step thread,
         no plan pending)."""
+        if self.remote is not None:
+            writes = tiers.take_remote_writes(self.remote.room(), device_lookup)
+            if writes:
+                for h in self._stage(writes, kv_cache, self.remote.store):
+                    assert tiers.remote is not None
+                    tiers.remote.forget_write(h)
         disk, index = self.disk, self.disk_index
         if disk is None or index is None:
             return
@@ -141,7 +176,7 @@ class KVOffload:
             self._insert_warm(tiers)
         writes = tiers.take_writes(disk.room(), device_lookup)
         if writes:
-            refused = self._stage(writes, kv_cache)
+            refused = self._stage(writes, kv_cache, disk.store)
             for h in refused:
                 tiers.forget_write(h)
             if self.disk_ops is not None:
@@ -170,11 +205,16 @@ class KVOffload:
             else:
                 writes.from_cpu.append((block, h))
         if writes:
-            self._stage(writes, kv_cache)
+            self._stage(writes, kv_cache, self.disk.store)
 
-    def _stage(self, writes: DiskWrites, kv_cache: torch.Tensor) -> list[BlockHash]:
-        """Copies the blocks into staging payloads and queues them; returns hashes refused."""
-        assert self.disk is not None
+    def _stage(
+        self,
+        writes: DiskWrites,
+        kv_cache: torch.Tensor,
+        store: Callable[[BlockHash, torch.Tensor, Any], bool],
+    ) -> list[BlockHash]:
+        """Copies the blocks into staging payloads and queues them with `store` (the disk's or
+        the remote tier's); returns the hashes it refused."""
         dtype = self.cpu_cache.dtype
         refused: list[BlockHash] = []
         jobs: list[tuple[BlockHash, torch.Tensor, Any]] = []
@@ -202,7 +242,7 @@ class KVOffload:
             snap.copy_(self.cpu_cache[:, :, cpu_id])
             jobs.append((h, snap, None))
         for h, payload, ready in jobs:
-            if not self.disk.store(h, payload.view(-1).view(torch.uint8), ready):
+            if not store(h, payload.view(-1).view(torch.uint8), ready):
                 refused.append(h)
         return refused
 
@@ -227,14 +267,16 @@ class KVOffload:
         if self.disk_index is not None:
             self._delete(self.disk_index.take_deletes())
 
-    def _disk_payloads(self, plan: KVPlan) -> torch.Tensor:
-        """[num_layers, 2, n, block_size, Hkv, D] host tensor of the plan's disk loads."""
-        assert self.disk is not None
+    def _loaded_payloads(self, plan: KVPlan) -> torch.Tensor:
+        """[num_layers, 2, n, block_size, Hkv, D] host tensor of the plan's disk loads, then its
+        remote loads."""
         dtype = self.cpu_cache.dtype
         L, two, bs, h, d = self.block_shape
-        out = torch.empty((L, two, len(plan.disk_load), bs, h, d), dtype=dtype)
-        for i, (block_hash, _) in enumerate(plan.disk_load):
-            out[:, :, i].copy_(self.disk.buffered(block_hash).view(dtype).view(self.block_shape))
+        payloads = [self.disk.buffered(k) for k, _ in plan.disk_load] if self.disk else []
+        payloads += [self.remote.buffered(k) for k, _ in plan.remote_load] if self.remote else []
+        out = torch.empty((L, two, len(payloads), bs, h, d), dtype=dtype)
+        for i, payload in enumerate(payloads):
+            out[:, :, i].copy_(payload.view(dtype).view(self.block_shape))
         return out
 
     def _apply_cuda(self, plan: KVPlan, kv_cache: torch.Tensor) -> None:
@@ -262,9 +304,9 @@ class KVOffload:
                 self.cpu_cache[:, :, cpu.cpu()] = host
             srcs: list[torch.Tensor] = []
             dsts: list[int] = []
-            if plan.disk_load:
-                srcs.append(self._disk_payloads(plan))
-                dsts += [d for _, d in plan.disk_load]
+            if plan.disk_load or plan.remote_load:
+                srcs.append(self._loaded_payloads(plan))
+                dsts += [d for _, d in plan.disk_load] + [d for _, d in plan.remote_load]
             if plan.swap_in and direct:
                 # Straight from the pinned CPU tier; the next apply's synchronize keeps the
                 # source blocks from being reused before the copies are done.
@@ -397,10 +439,10 @@ def build_tiers(
     else:
         num_cpu = int(cache.cpu_swap_gib * 2**30) // block_bytes
     if num_cpu == 0:
-        if cache.disk_dir:
+        if cache.disk_dir or cache.kv_remote:
             raise ValueError(
-                "the disk tier is filled from CPU-tier evictions: give cpu_swap_gib > 0 "
-                "(or num_cpu_blocks > 0) together with disk_dir"
+                "the disk and remote tiers sit below the CPU tier: give cpu_swap_gib > 0 "
+                "(or num_cpu_blocks > 0) together with disk_dir or kv_remote"
             )
         return None
     if not cache.enable_prefix_caching:
@@ -429,6 +471,14 @@ def build_tiers(
             # most recently used first, so the hottest blocks arrive first
             n_warm = min(cache.warm_start_blocks if tp is None else 0, num_cpu, len(index))
             files.start_warm(list(reversed(index.entries))[:n_warm])
+    remote = None
+    if cache.kv_remote:
+        remote = open_remote(
+            cache,
+            disk_manifest(info, model_fingerprint, kv_cache.dtype, kv_scales),
+            block_bytes,
+            tp,
+        )
     tiers = TieredCache(
         num_cpu,
         bs,
@@ -438,6 +488,8 @@ def build_tiers(
         write_policy=cache.disk_write_policy,
         min_hits=cache.disk_write_min_hits,
         events=events,
+        remote=remote,
+        remote_write_policy=cache.kv_remote_write_policy,
     )
     offload = KVOffload(
         cpu_cache,
@@ -445,5 +497,34 @@ def build_tiers(
         index,
         disk_manifest=manifest if files is not None else None,
         disk_ops=[] if tp is not None and files is not None else None,
+        remote=remote,
     )
     return tiers, offload
+
+
+def remote_tag(manifest: dict[str, Any], tp: TPShare | None) -> bytes:
+    """The layout tag of this rank's remote values: the disk manifest (model, fingerprint, KV
+    dtype and scales, layout) with the remote format and the tensor-parallel share."""
+    manifest = {**manifest, "format": REMOTE_FORMAT}
+    if tp is not None:
+        share = {"size": tp.world, "rank": tp.rank, "kv_heads": [tp.first_kv_head, tp.kv_heads]}
+        manifest["tensor_parallel"] = share
+    return manifest_tag(manifest)
+
+
+def open_remote(
+    cache: CacheConfig, manifest: dict[str, Any], block_bytes: int, tp: TPShare | None
+) -> RemoteKV:
+    """This rank's client of the remote tier (`kv_remote`); nothing is sent until it is used."""
+    assert cache.kv_remote
+    return RemoteKV(
+        cache.kv_remote,
+        remote_tag(manifest, tp),
+        block_bytes,
+        key_prefix=cache.kv_remote_key_prefix,
+        ttl_s=cache.kv_remote_ttl_s,
+        timeout_s=cache.kv_remote_timeout_s,
+        retry_s=cache.kv_remote_retry_s,
+        max_queued=cache.kv_remote_write_queue_blocks,
+        buffer_blocks=int(cache.kv_remote_buffer_mib * 2**20) // block_bytes,
+    )

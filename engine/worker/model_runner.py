@@ -373,7 +373,9 @@ def _index_tensor(index: list[int], device: torch.device) -> torch.Tensor:
 def apply_plan(plan: KVPlan, kv_cache: torch.Tensor, offload: Offload | None, backend: Any) -> None:
     """A step's KV plan on one rank's cache: the CPU and disk tiers' copies, then copy-on-write
     (every rank, before its forward)."""
-    if offload is not None and (plan.disk_store or plan.spill or plan.disk_load or plan.swap_in):
+    if offload is not None and (
+        plan.disk_store or plan.spill or plan.disk_load or plan.remote_load or plan.swap_in
+    ):
         offload.apply(plan, kv_cache)
     if plan.cow:
         src = host_to_device([s for s, _ in plan.cow], torch.int64, kv_cache.device)

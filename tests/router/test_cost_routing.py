@@ -26,7 +26,7 @@ from service.router.policy import Candidate, OverloadGuard, RouteInputs, decide
 from service.router.server import Router, serve_router
 
 from .fake_replica import BLOCK_SIZE, MODEL_ID, FakeReplica
-from .redis_proc import RedisProcess
+from tests.support.redis_proc import RedisProcess
 from .test_router import generate, prompt
 
 GUARD = OverloadGuard()

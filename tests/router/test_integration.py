@@ -37,7 +37,7 @@ from service.api.deja.v1 import inference_pb2 as pb
 from service.api.deja.v1 import inference_pb2_grpc as pb_grpc
 from service.common.ports import free_port
 
-from .redis_proc import RedisProcess
+from tests.support.redis_proc import RedisProcess
 
 BLOCK = 16
 REPLICAS = ("r0", "r1", "r2")

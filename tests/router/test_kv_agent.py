@@ -20,7 +20,7 @@ from service.replica.kv_events import KvEventRing
 from service.router.cost import CostWeights, held_blocks
 from tests.support.waiting import wait_until
 
-from .redis_proc import RedisProcess
+from tests.support.redis_proc import RedisProcess
 
 BS = 16
 

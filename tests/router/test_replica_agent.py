@@ -14,7 +14,7 @@ from service.affinity.redis_store import RedisAffinityStore
 from service.replica.agent import ReplicaAgent
 from tests.support.waiting import wait_until
 
-from .redis_proc import RedisProcess
+from tests.support.redis_proc import RedisProcess
 
 INFO = ReplicaInfo("r1", "127.0.0.1:5001", "tiny", 4)
 CONFIG = AffinityConfig(heartbeat_s=0.05, replica_ttl_s=0.5, max_blocks_per_record=3)

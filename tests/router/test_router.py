@@ -24,7 +24,7 @@ from service.router.server import Router, serve_router
 from tests.support.waiting import wait_until
 
 from .fake_replica import FakeReplica
-from .redis_proc import RedisProcess
+from tests.support.redis_proc import RedisProcess
 
 
 @dataclass

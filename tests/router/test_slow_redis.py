@@ -14,8 +14,8 @@ import pytest
 from service.affinity import AffinityStoreError, ReplicaInfo, ReplicaLoad
 from service.affinity.redis_store import RedisAffinityStore
 
-from .delay_proxy import DelayProxy
-from .redis_proc import RedisProcess
+from tests.support.delay_proxy import DelayProxy
+from tests.support.redis_proc import RedisProcess
 
 OP_TIMEOUT_S = 0.3
 

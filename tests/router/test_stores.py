@@ -18,7 +18,7 @@ from service.affinity import (
 from service.affinity.memory import MemoryAffinityStore
 from service.affinity.redis_store import RedisAffinityStore
 
-from .redis_proc import RedisProcess
+from tests.support.redis_proc import RedisProcess
 
 
 class FakeClock:
