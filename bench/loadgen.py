@@ -28,6 +28,7 @@ import math
 import sys
 import tempfile
 from collections.abc import AsyncIterator
+from contextlib import ExitStack
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -44,6 +45,7 @@ from bench.served import (
 from bench.sweep import run_sweep
 from bench.workload import DATASETS, Workload, summarize_by_turn
 from clients.client import add_connection_args
+from clients.testing.redis_server import redis_server
 from service.common.engine_args import add_engine_args
 from service.common.flags import add_bool_flag, add_flag
 
@@ -80,7 +82,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_flag(
         s,
         "--spawn-servers",
-        help="Comma-separated variants to start locally and bench in turn: cache-on, cache-off. "
+        help="Comma-separated variants to start locally and bench in turn: cache-on, cache-off, "
+        "remote (cache-on plus a remote tier on a redis-server of its own). "
         "They use the engine flags below.",
     )
     add_bool_flag(
@@ -178,6 +181,16 @@ def compare(results: dict[str, dict[str, Any]]) -> dict[str, Any]:
         out["ttft_p50_ms"] = {"scope": key, "cache_on": a, "cache_off": b}
         if a and b:
             out["ttft_p50_ms"]["speedup_cache_on"] = b / a
+    remote = results.get("remote")
+    if on is not None and remote is not None:
+        t_on, t_remote = on["tpot_ms"].get("p50"), remote["tpot_ms"].get("p50")
+        out["remote_tier"] = {
+            "tpot_p50_ms": {"cache_on": t_on, "remote": t_remote},
+            "tpot_p50_ratio": t_remote / t_on if t_on and t_remote else None,
+            "output_throughput_ratio": remote["output_throughput"] / on["output_throughput"]
+            if on["output_throughput"]
+            else None,
+        }
     inproc = results.get("in-process")
     grpc_name = next((n for n in ("cache-on", "target", "cache-off") if n in results), None)
     if inproc is not None and grpc_name is not None:
@@ -200,6 +213,14 @@ def format_comparison(c: dict[str, Any]) -> str:
             f"TTFT p50 ({scope}): cache-on {t['cache_on']:.1f} ms, cache-off {t['cache_off']:.1f} "
             f"ms -> {t.get('speedup_cache_on', float('nan')):.2f}x faster with prefix caching"
         )
+    if "remote_tier" in c:
+        r = c["remote_tier"]
+        t = r["tpot_p50_ms"]
+        lines.append(
+            f"remote tier written behind: TPOT p50 {t['remote']:.1f} ms vs {t['cache_on']:.1f} ms "
+            f"without it ({r['tpot_p50_ratio']:.3f}x), output throughput "
+            f"{r['output_throughput_ratio']:.3f}x"
+        )
     if "grpc_overhead" in c:
         o = c["grpc_overhead"]
         lines.append(
@@ -220,7 +241,9 @@ def run(args: argparse.Namespace) -> int:
         if v not in VARIANTS:
             print(f"deja bench serve: unknown variant {v!r}; use {list(VARIANTS)}", file=sys.stderr)
             return 2
-    with tempfile.TemporaryDirectory(prefix="deja-bench-") as tmp:
+    with tempfile.TemporaryDirectory(prefix="deja-bench-") as tmp, ExitStack() as stack:
+        if "remote" in variants:  # its shared tier: a redis-server of the run's own
+            args.kv_remote_url = stack.enter_context(redis_server())
         try:
             for v in variants:
                 results[v], workload = _run_spawned(args, v, workload, Path(tmp))

@@ -5,7 +5,9 @@
     deja bench router --overhead --model demo --history-tokens 8192   # the router's own cost
 
 For each policy (cost, affinity, round_robin, prefix_only by default; `smg`: SMG's cache-aware
-router in place of `deja route`, bench/router_smg.py) the command starts fresh replicas
+router in place of `deja route`, bench/router_smg.py; `smg_round_robin`: SMG's round robin; any
+of them with `+remote`: its replicas share a remote KV tier, `--kv-remote` on a redis-server of
+the run's own) the command starts fresh replicas
 (`deja serve`, so every policy starts from cold caches) and a router in front of them, then runs
 the same multi-turn workload of `deja bench serve` through the router: sessions share a system
 prompt, turn t's prompt is the whole conversation so far. It prints the prefix-cache hit rate and
@@ -28,6 +30,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
@@ -43,6 +46,7 @@ from clients.testing.cluster import (
     wait_healthy,
     wait_router_replicas,
 )
+from clients.testing.redis_server import redis_server
 from service.common.flags import add_bool_flag, add_flag
 from service.common.ports import free_port
 from service.router.policy import POLICIES
@@ -213,25 +217,31 @@ def _run_policy(
 ) -> Any:
     """Starts fresh replicas and a router (`deja route`, or SMG for the policy smg), runs the
     workload through it, stops them all."""
-    from bench.router_smg import SMG, smg_argv, wait_models
+    from bench.router_smg import REMOTE, SMG_POLICIES, smg_argv, wait_models
 
+    base, remote = policy.removesuffix(REMOTE), policy.endswith(REMOTE)
     group = ProcessGroup(workdir)
+    stack = ExitStack()
     names = [f"r{i}" for i in range(args.num_replicas)]
     ports = {n: free_port() for n in names}
     replica_metrics = {n: free_port() for n in names}
     router_port, metrics_port = free_port(), free_port()
     try:
+        shared = ["--kv-remote", stack.enter_context(redis_server())] if remote else []
         for n in names:
             extra = [*shlex.split(args.server_args), "--metrics-port", str(replica_metrics[n])]
+            extra += shared
             argv = serve_argv(args.model, port=ports[n], replica_id=n, extra=extra)
             group.spawn(n, pinned(argv, args.pin_cores, names.index(n)))
         t0 = time.monotonic()
-        if policy == SMG:
+        if base in SMG_POLICIES:
             assert chat is not None
             for n in names:  # SMG registers only workers that answer
                 wait_healthy(group, n, f"127.0.0.1:{ports[n]}", args.start_timeout)
             urls = [f"grpc://127.0.0.1:{ports[n]}" for n in names]
-            group.spawn("smg", smg_argv(chat.model_path, router_port, metrics_port, urls))
+            smg_policy = SMG_POLICIES[base]
+            argv = smg_argv(chat.model_path, router_port, metrics_port, urls, smg_policy)
+            group.spawn("smg", argv)
             model = wait_models(group, "smg", router_port, args.start_timeout)
             print(f"{policy}: cluster ready in {time.monotonic() - t0:.1f} s", file=sys.stderr)
             replica = f"127.0.0.1:{ports[names[0]]}"
@@ -242,7 +252,7 @@ def _run_policy(
             route_argv(
                 port=router_port,
                 replicas=[f"127.0.0.1:{ports[n]}" for n in names],
-                policy=policy,
+                policy=base,
                 # NOTE: chat prompts are text: without the model's tokenizer the router has no
                 # prefix chain for them and every policy routes blind.
                 model=chat.model_path if chat is not None else None,
@@ -265,6 +275,7 @@ def _run_policy(
         return workload
     finally:
         group.stop_all()
+        stack.close()
 
 
 def _chat(model: str) -> _Chat:
@@ -378,14 +389,21 @@ def run(args: argparse.Namespace) -> int:
         from bench.router_overhead import run_overhead
 
         return run_overhead(args)
-    from bench.router_smg import SMG
+    from bench.router_smg import REMOTE, SMG_POLICIES
 
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
-    bad = [p for p in policies if p not in (*POLICIES, SMG)]
+    known = (*POLICIES, *SMG_POLICIES)
+    bad = [p for p in policies if p.removesuffix(REMOTE) not in known]
     if bad or not policies or args.num_replicas < 1 or args.repeat < 1:
-        print(f"deja bench router: policies must be among {(*POLICIES, SMG)}", file=sys.stderr)
+        print(
+            f"deja bench router: policies must be among {known}, each optionally with "
+            f"{REMOTE} (its replicas share a remote KV tier)",
+            file=sys.stderr,
+        )
         return 2
-    chat = _chat(args.model) if SMG in policies else None
+    chat = (
+        _chat(args.model) if any(p.removesuffix(REMOTE) in SMG_POLICIES for p in policies) else None
+    )
     if not args.request_rate > 0:
         print("deja bench router: --request-rate must be > 0 (inf: a closed loop)", file=sys.stderr)
         return 2

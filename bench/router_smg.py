@@ -29,15 +29,27 @@ from clients.client import AsyncDejaClient
 from clients.testing.cluster import ProcessGroup
 
 SMG = "smg"
+SMG_ROUND_ROBIN = "smg_round_robin"
+"""SMG with its round-robin policy (no cache awareness): the gateway alone, the shared tier's
+case."""
+SMG_POLICIES = {SMG: "cache_aware", SMG_ROUND_ROBIN: "round_robin"}
+REMOTE = "+remote"
+"""A policy name's suffix: its replicas share a remote KV tier (a redis-server of the run's)."""
 
 
-def smg_argv(model_path: str, port: int, metrics_port: int, worker_urls: list[str]) -> list[str]:
+def smg_argv(
+    model_path: str,
+    port: int,
+    metrics_port: int,
+    worker_urls: list[str],
+    policy: str = "cache_aware",
+) -> list[str]:
     from service.gateway.command import smg_binary
 
     return [
         smg_binary(), "launch", "--host", "127.0.0.1", "--port", str(port),
         "--prometheus-host", "127.0.0.1", "--prometheus-port", str(metrics_port),
-        "--policy", "cache_aware", "--model-path", model_path, "--worker-urls", *worker_urls,
+        "--policy", policy, "--model-path", model_path, "--worker-urls", *worker_urls,
     ]  # fmt: skip
 
 

@@ -42,7 +42,7 @@ def format_comparison(rows: dict[str, Any]) -> str:
 
     lines = [
         "== routing policies (TTFT in ms; x = round robin's TTFT / this policy's) ==",
-        f"{'policy':<12}{'hit':>7}{'hit 2+':>8}{'p50':>9}{'p99':>9}{'p50 2+':>9}{'p99 2+':>9}"
+        f"{'policy':<24}{'hit':>7}{'hit 2+':>8}{'p50':>9}{'p99':>9}{'p50 2+':>9}{'p99 2+':>9}"
         f"{'x p50':>8}{'x p99':>8}{'x p50 2+':>10}{'x hit':>7}{'oracle':>8}",
     ]
     for policy, row in rows.items():
@@ -53,7 +53,7 @@ def format_comparison(rows: dict[str, Any]) -> str:
             return f"{v:.2f}" if v else "-"
 
         lines.append(
-            f"{policy:<12}{100 * row['hit_rate']:6.1f}%{100 * row['hit_rate_turns_2plus']:7.1f}%"
+            f"{policy:<24}{100 * row['hit_rate']:6.1f}%{100 * row['hit_rate_turns_2plus']:7.1f}%"
             f"{ms(row['ttft_p50_ms'])}{ms(row['ttft_p99_ms'])}"
             f"{ms(row['ttft_p50_ms_turns_2plus'])}{ms(row['ttft_p99_ms_turns_2plus'])}"
             f"{ratio('ttft_p50_ms'):>8}{ratio('ttft_p99_ms'):>8}"

@@ -33,8 +33,13 @@ from service.common.ports import free_port
 MessagesOf = Callable[[list[int]], list[dict[str, str]]]
 """Chat messages made of a workload's token-id prompt (the same messages for every path)."""
 
-VARIANTS = {"cache-on": ["--prefix-caching"], "cache-off": ["--no-prefix-caching"]}
-"""Replicas `deja bench serve --spawn-servers` starts: `deja serve` flags by name."""
+VARIANTS = {
+    "cache-on": ["--prefix-caching"],
+    "cache-off": ["--no-prefix-caching"],
+    "remote": ["--prefix-caching"],
+}
+"""Replicas `deja bench serve --spawn-servers` starts: `deja serve` flags by name ("remote" also
+gets `--kv-remote` of a redis-server the run starts: the remote tier written behind)."""
 
 
 # -- flags -------------------------------------------------------------------------------------
@@ -172,6 +177,7 @@ def variant_argv(args: argparse.Namespace, variant: str, port: int) -> list[str]
     return deja_argv(
         "serve", "--host", "127.0.0.1", "--port", str(port), "--replica-id", variant,
         *to_argv(forwarded, args), *shlex.split(args.server_args), *VARIANTS[variant],
+        *(["--kv-remote", args.kv_remote_url] if variant == "remote" else []),
     )  # fmt: skip
 
 

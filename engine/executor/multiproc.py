@@ -154,13 +154,18 @@ class MultiprocExecutor(Executor):
         """Tells the workers the pool sizes, the fp8 cache's scales (None: the model's dtype)
         and rank 0's disk manifest (each worker opens its own folder), waits until every one has
         loaded, starts watching."""
-        manifest = None
+        manifest = remote = None
         if offload is not None and offload.disk is not None:
             manifest = offload.disk_manifest
             offload.disk.peers_probe = self.probe
+        if offload is not None:
             self._disk_ops = offload.disk_ops
+            remote = offload.remote_manifest
         scales = None if kv_scales is None else kv_scales.to_json()
-        msg = pickle.dumps(messages.Allocate(num_device_blocks, num_cpu_blocks, manifest, scales))
+        msg = pickle.dumps(
+            messages.Allocate(num_device_blocks, num_cpu_blocks, manifest, remote, scales)
+        )
+        shares: list[tuple[bytes, int]] = []
         for conn in self.conns:
             conn.send_bytes(msg)
         deadline = time.monotonic() + READY_TIMEOUT_S
@@ -173,13 +178,23 @@ class MultiprocExecutor(Executor):
             reply = pickle.loads(conn.recv_bytes())
             if isinstance(reply, messages.Failed):
                 raise RuntimeError(f"tensor-parallel worker failed to start: {reply.message}")
+            if reply.remote_share is not None:
+                shares.append(reply.remote_share)
+        if offload is not None and offload.remote is not None:
+            offload.remote.peers = shares  # a remote hit needs every rank's share
         threading.Thread(target=self._watch, name="deja-tp-watch", daemon=True).start()
 
     def send_step(
         self, plan: KVPlan, batch: messages.StepBatch | None, logit_rows: list[int]
     ) -> None:
-        """Sends one step to every worker (before rank 0's own forward)."""
-        self._send(messages.Step(plan, batch, logit_rows))
+        """Sends one step to every worker (before rank 0's own forward), with the other ranks'
+        shares of its remote loads."""
+        shares = None
+        if plan.remote_load:
+            offload = self.driver.offload
+            assert offload is not None and offload.remote is not None
+            shares = {h: offload.remote.peer_shares(h) for h, _ in plan.remote_load}
+        self._send(messages.Step(plan, batch, logit_rows, shares))
 
     def _send(self, msg: Any) -> None:
         """To every worker, after the disk writes and deletes recorded since the last message

@@ -59,6 +59,9 @@ class RemoteIO(Protocol):
     def take_written(self) -> list[BlockHash]: ...
 
     @property
+    def num_outages(self) -> int: ...
+
+    @property
     def num_buffered(self) -> int: ...
 
     @property
@@ -97,6 +100,8 @@ class RemoteTier:
         """Hashes the write policy wants remote, in order; taken by `take_writes`."""
         self._hits: OrderedDict[BlockHash, int] = OrderedDict()
         """Prefix hits per hash (selective policy), least recently hit first, bounded."""
+        self._outages = 0
+        """The store's outages seen: after one, nothing is known to be there any more."""
 
     # -- lookups -------------------------------------------------------------------------------
     def prefetch(self, hashes: list[BlockHash]) -> Future[Any]:
@@ -127,6 +132,11 @@ class RemoteTier:
 
     def end_step(self) -> None:
         self.io.end_step()
+        if self.io.num_outages != self._outages:
+            # NOTE: a store that failed may come back empty (a restart): blocks written
+            # before are written again when they are next computed.
+            self._outages = self.io.num_outages
+            self.known.clear()
         written = self.io.take_written()
         if written and self.events is not None:
             self.events.stored_many(written, "remote")

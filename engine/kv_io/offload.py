@@ -18,6 +18,11 @@ queued between steps and its deletes (`disk_ops`), which the workers repeat on t
 before the next message, and a block is a disk hit only when every rank verified its own file
 (engine/kv_io/disk.py's `peers_probe`): a rank whose write was refused or failed, or whose file
 a budget scan removed, turns the block into a miss instead of a wrong load.
+The remote tier
+(engine/kv_io/remote.py) works the same way: each rank writes its share under its own layout tag
+(the manifest with its share), repeating rank 0's writes (`disk_ops`); rank 0's lookup reads and
+checks every rank's share of a block (a hit needs all of them) and sends the others' with the
+step that loads it.
 """
 
 from __future__ import annotations
@@ -83,6 +88,9 @@ class KVOffload:
     for the workers to repeat on their shares (None: not recorded)."""
     remote: RemoteKV | None = None
     """The remote tier's store (None: no remote tier)."""
+    remote_manifest: dict[str, Any] | None = None
+    """The manifest the remote tags are made of, without the tensor-parallel share (workers
+    add theirs)."""
     direct_copies: bool = field(default_factory=kv_cache_direct_copies_available, init=False)
     """CUDA: spills and swap-ins move blocks straight between the pinned CPU tier and the
     device (cuda/tier_copy.py, CuPy); False: gather, staging tensor, scatter (torch only)."""
@@ -164,9 +172,16 @@ class KVOffload:
         if self.remote is not None:
             writes = tiers.take_remote_writes(self.remote.room(), device_lookup)
             if writes:
-                for h in self._stage(writes, kv_cache, self.remote.store):
+                refused = self._stage(writes, kv_cache, self.remote.store)
+                for h in refused:
                     assert tiers.remote is not None
                     tiers.remote.forget_write(h)
+                if self.disk_ops is not None:  # the workers write their shares too
+                    gone = set(refused)
+                    self.disk_ops += [
+                        ("rdev", b, h) for b, h in writes.from_device if h not in gone
+                    ]
+                    self.disk_ops += [("rcpu", c, h) for c, h in writes.from_cpu if h not in gone]
         disk, index = self.disk, self.disk_index
         if disk is None or index is None:
             return
@@ -193,19 +208,21 @@ class KVOffload:
             self.disk_ops += [("del", 0, h) for h in hashes]
 
     def repeat_disk_ops(self, ops: list[DiskOp], kv_cache: torch.Tensor) -> None:
-        """A tensor-parallel worker: rank 0's writes and deletes, on this rank's share."""
-        if self.disk is None:
-            return
-        writes = DiskWrites()
+        """A tensor-parallel worker: rank 0's disk and remote writes and its disk deletes, on
+        this rank's share."""
+        writes, remote = DiskWrites(), DiskWrites()
         for kind, block, h in ops:
             if kind == "del":
-                self.disk.delete(h)
-            elif kind == "dev":
-                writes.from_device.append((block, h))
+                if self.disk is not None:
+                    self.disk.delete(h)
+            elif kind in ("dev", "rdev"):
+                (writes if kind == "dev" else remote).from_device.append((block, h))
             else:
-                writes.from_cpu.append((block, h))
-        if writes:
+                (writes if kind == "cpu" else remote).from_cpu.append((block, h))
+        if writes and self.disk is not None:
             self._stage(writes, kv_cache, self.disk.store)
+        if remote and self.remote is not None:
+            self._stage(remote, kv_cache, self.remote.store)
 
     def _stage(
         self,
@@ -325,8 +342,8 @@ class KVOffload:
 
 
 DiskOp = tuple[str, int, BlockHash]
-"""("dev", device block, hash) | ("cpu", CPU block, hash): a write queued from that block;
-("del", 0, hash): a delete."""
+"""("dev", device block, hash) | ("cpu", CPU block, hash): a disk write queued from that block;
+("rdev", ...) | ("rcpu", ...): the same for the remote tier; ("del", 0, hash): a disk delete."""
 
 KVScalesJSON = dict[str, list[float]]
 """Per-layer K and V scales of an fp8 cache, as the manifest holds them: {"k": [..], "v": [..]}."""
@@ -441,7 +458,7 @@ def build_tiers(
     if num_cpu == 0:
         if cache.disk_dir or cache.kv_remote:
             raise ValueError(
-                "the disk and remote tiers sit below the CPU tier: give cpu_swap_gib > 0 "
+                "the disk tier and the remote tier sit below the CPU tier: give cpu_swap_gib > 0 "
                 "(or num_cpu_blocks > 0) together with disk_dir or kv_remote"
             )
         return None
@@ -471,14 +488,10 @@ def build_tiers(
             # most recently used first, so the hottest blocks arrive first
             n_warm = min(cache.warm_start_blocks if tp is None else 0, num_cpu, len(index))
             files.start_warm(list(reversed(index.entries))[:n_warm])
-    remote = None
+    remote = remote_manifest = None
     if cache.kv_remote:
-        remote = open_remote(
-            cache,
-            disk_manifest(info, model_fingerprint, kv_cache.dtype, kv_scales),
-            block_bytes,
-            tp,
-        )
+        remote_manifest = disk_manifest(info, model_fingerprint, kv_cache.dtype, kv_scales)
+        remote = open_remote(cache, remote_manifest, block_bytes, tp)
     tiers = TieredCache(
         num_cpu,
         bs,
@@ -496,8 +509,9 @@ def build_tiers(
         files,
         index,
         disk_manifest=manifest if files is not None else None,
-        disk_ops=[] if tp is not None and files is not None else None,
+        disk_ops=[] if tp is not None and (files is not None or remote is not None) else None,
         remote=remote,
+        remote_manifest=remote_manifest,
     )
     return tiers, offload
 

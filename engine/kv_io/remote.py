@@ -27,6 +27,7 @@ import time
 from collections import Counter, OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Any
 
 import redis
 import torch
@@ -96,6 +97,8 @@ class RemoteKV:
         """Values the store refused for want of memory (maxmemory under noeviction)."""
         self.num_write_errors = 0
         """Values lost to a failed or timed-out write."""
+        self.num_outages = 0
+        """Times the store failed after answering (it may have lost its values meanwhile)."""
         self.num_lookups = 0
         self.num_skipped_lookups = 0
         """Lookups answered "nothing" because the store was down."""
@@ -113,6 +116,11 @@ class RemoteKV:
         """Verified payloads waiting to be loaded (step thread), least recently accepted first."""
         self._loaded: list[BlockHash] = []
         """Payloads loaded in this step (dropped at `end_step`)."""
+        self.peers: list[tuple[bytes, int]] = []
+        """Tensor-parallel rank 0: (layout tag, payload bytes) of ranks 1..N-1, whose shares its
+        lookups read and check too (a block is found only with every share)."""
+        self._peer_shares: dict[BlockHash, list[torch.Tensor]] = {}
+        """Verified shares of ranks 1..N-1 of the buffered blocks (rank 0)."""
 
     # -- availability --------------------------------------------------------------------------
     @property
@@ -124,6 +132,7 @@ class RemoteKV:
         with self._lock:
             self._down_until = time.monotonic() + self.retry_s
             first, self._outage_logged = not self._outage_logged, True
+            self.num_outages += first
         if first:
             log.warning(
                 "remote KV tier %s: %s failed (%s: %s); requests recompute what it would have "
@@ -239,7 +248,7 @@ class RemoteKV:
         done: list[BlockHash] = []
         full = errors = 0
         for w, r in zip(batch, results, strict=True):
-            if isinstance(r, redis.ResponseError) and "OOM" in str(r):
+            if isinstance(r, redis.exceptions.OutOfMemoryError):
                 full += 1
             elif isinstance(r, Exception):
                 errors += 1
@@ -252,24 +261,32 @@ class RemoteKV:
             self.num_write_errors += errors
 
     # -- lookups (lookup thread reads, step thread accepts) ------------------------------------
-    def lookup(self, hashes: list[BlockHash]) -> Future[list[tuple[BlockHash, torch.Tensor]]]:
-        """The verified payloads of the longest run of `hashes` the store holds, read in the
-        lookup thread. Done at once with nothing while the store is down."""
+    def lookup(self, hashes: list[BlockHash]) -> Future[list[tuple[BlockHash, Any]]]:
+        """The verified payloads of the longest run of `hashes` the store holds (every rank's
+        share of each), read in the lookup thread; `accept` takes the result. Done at once with
+        nothing while the store is down."""
         self.num_lookups += 1
         if not self.available or not hashes:
             self.num_skipped_lookups += bool(hashes)
-            fut: Future[list[tuple[BlockHash, torch.Tensor]]] = Future()
+            fut: Future[list[tuple[BlockHash, Any]]] = Future()
             fut.set_result([])
             return fut
         return self._reader.submit(self._read_run, list(hashes))
 
-    def _read_run(self, hashes: list[BlockHash]) -> list[tuple[BlockHash, torch.Tensor]]:
-        found: list[tuple[BlockHash, torch.Tensor]] = []
+    def _read_run(self, hashes: list[BlockHash]) -> list[tuple[BlockHash, Any]]:
+        """(hash, [this rank's payload, then ranks 1..N-1's]) of the leading run found."""
+        found: list[tuple[BlockHash, Any]] = []
+        if not self.available:  # failed while this lookup was queued
+            self.num_skipped_lookups += 1
+            return found
+        shapes = [(self.tag, self.payload_bytes), *self.peers]
+        n = len(shapes)
         for start in range(0, len(hashes), READ_BATCH):
             chunk = hashes[start : start + READ_BATCH]
             pipe = self._redis.pipeline(transaction=False)
             for h in chunk:
-                pipe.getex(self.key(h), ex=self.ttl_s)
+                for tag, _ in shapes:
+                    pipe.getex(key(self.key_prefix, tag, h), ex=self.ttl_s)
             try:
                 values = pipe.execute()
             except redis.RedisError as exc:
@@ -277,38 +294,58 @@ class RemoteKV:
                 self._failed("a lookup", exc)
                 return found
             self._succeeded()
-            for h, value in zip(chunk, values, strict=True):
-                if value is None:
-                    return found
-                try:
-                    found.append((h, decode(value, h, self.payload_bytes, self.tag)))
-                except BadValue as exc:
-                    self.misses[exc.reason] += 1
-                    log.warning(
-                        "remote KV tier: ignoring and deleting the value of %s (%s); it is a miss",
-                        h.hex()[:16],
-                        exc,
-                    )
-                    self._delete(h)
-                    return found
+            for i, h in enumerate(chunk):
+                shares = []
+                for (tag, size), value in zip(shapes, values[i * n : (i + 1) * n], strict=True):
+                    if value is None:
+                        return found
+                    try:
+                        shares.append(decode(value, h, size, tag))
+                    except BadValue as exc:
+                        self.misses[exc.reason] += 1
+                        log.warning(
+                            "remote KV tier: ignoring and deleting the value of %s (%s); it is a "
+                            "miss",
+                            h.hex()[:16],
+                            exc,
+                        )
+                        self._delete(key(self.key_prefix, tag, h))
+                        return found
+                found.append((h, shares))
         return found
 
-    def _delete(self, block_hash: BlockHash) -> None:
+    def _delete(self, name: str) -> None:
         try:
-            self._redis.delete(self.key(block_hash))
+            self._redis.delete(name)
         except redis.RedisError as exc:
             self._failed("a delete", exc)
 
-    def accept(self, found: list[tuple[BlockHash, torch.Tensor]]) -> None:
-        """A finished lookup's payloads join the buffer (step thread); the oldest beyond
+    def accept(self, found: list[tuple[BlockHash, Any]]) -> None:
+        """A finished lookup's payloads join the buffer (step thread): per hash a payload, or
+        (a lookup's result) the list of every rank's share, this rank's first. The oldest beyond
         `buffer_blocks` are dropped (their requests recompute those blocks)."""
         buf = self._buffer
         for h, payload in found:
+            if isinstance(payload, list):
+                payload, peers = payload[0], payload[1:]
+                if peers:
+                    self._peer_shares[h] = peers
             buf[h] = payload
             buf.move_to_end(h)
         self.num_found += len(found)
         while len(buf) > self.buffer_blocks:
-            buf.popitem(last=False)
+            old, _ = buf.popitem(last=False)
+            self._peer_shares.pop(old, None)
+
+    def peer_shares(self, block_hash: BlockHash) -> list[torch.Tensor]:
+        """Ranks 1..N-1's verified shares of a buffered block, in rank order (rank 0)."""
+        return self._peer_shares[block_hash]
+
+    def drop(self, hashes: list[BlockHash]) -> None:
+        """Forgets these buffered payloads (a worker, after its step loaded them)."""
+        for h in hashes:
+            self._buffer.pop(h, None)
+            self._peer_shares.pop(h, None)
 
     def has(self, block_hash: BlockHash) -> bool:
         return block_hash in self._buffer
@@ -322,8 +359,7 @@ class RemoteKV:
         self._loaded.append(block_hash)
 
     def end_step(self) -> None:
-        for h in self._loaded:
-            self._buffer.pop(h, None)
+        self.drop(self._loaded)
         self._loaded.clear()
 
     @property

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from engine.config import EngineConfig
-from engine.kv_io.offload import KVOffload, TPShare, open_disk
+from engine.kv_io.offload import KVOffload, TPShare, open_disk, open_remote
 from engine.sample.sampler import Sampler, host_to_device
 from engine.worker.attention import get_attention_backend
 from engine.worker.attention.kv_quant import KVScales, kv_block_bytes
@@ -136,10 +136,13 @@ class Worker:
             return
         shape = (self.shape.num_layers, 2, msg.num_cpu_blocks, *self.layer_shape)
         cpu = torch.zeros(shape, dtype=cache.dtype, pin_memory=cache.is_cuda)
-        disk = None
+        disk = remote = None
         if msg.disk_manifest is not None:  # rank 0's manifest: this rank's folder and share
             disk = open_disk(self.config.cache, msg.disk_manifest, self.block_bytes, self.tp_share)
-        self.offload = KVOffload(cpu, disk)
+        if msg.remote_manifest is not None:  # this rank's share, under its own tag
+            cc = self.config.cache
+            remote = open_remote(cc, msg.remote_manifest, self.block_bytes, self.tp_share)
+        self.offload = KVOffload(cpu, disk, remote=remote)
 
     def init_runner(self, eos_token_ids: tuple[int, ...], max_model_len: int) -> ModelRunner:
         """Rank 0: the sampler and the model runner (decode CUDA graphs captured here)."""
@@ -166,9 +169,14 @@ class Worker:
         over rank 0's flat batch (its collectives meet rank 0's)."""
         cache = self.kv_cache
         assert cache is not None
+        remote = None if self.offload is None else self.offload.remote
+        if step.remote_shares and remote is not None:
+            remote.accept([(h, shares[self.rank - 1]) for h, shares in step.remote_shares.items()])
         apply_plan(step.plan, cache, self.offload, self.backend)
         if self.offload is not None and self.offload.disk is not None:
             self.offload.disk.end_step()
+        if step.remote_shares and remote is not None:
+            remote.drop(list(step.remote_shares))
         if step.batch is None:
             return
         input_ids, positions, meta = step.batch.to(self.device)

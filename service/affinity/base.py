@@ -8,7 +8,7 @@ Three kinds of record live in the store:
 - **session affinity**: `session_id -> replica_id`, refreshed on every turn, expiring after `ttl_s`.
 - **prefix records**: which block hashes (the engine's process-stable hashes from
   `engine.kv.hashing`) a replica holds, each with its own expiry and the tier that holds it
-  ("device", "cpu" or "disk"; a record written without one is a device record). Hashes are
+  ("device", "cpu", "disk" or "remote"; a record written without one is a device record). Hashes are
   chained, so holding block `i` implies holding blocks `0..i`; a record may therefore be sparse
   and still answers "how long a prefix does replica R hold". A block without a record inside a
   replica's prefix counts in the tier of the next deeper record (earlier blocks are at least as
@@ -31,8 +31,14 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from engine.kv.hashing import BlockHash
+from service.affinity.prefix import TierBlocks
 
-TIERS = ("device", "cpu", "disk")
+TIERS = ("device", "cpu", "disk", "remote")
+REMOTE_HOLDER = "@remote"
+"""The holder of the remote tier's records: the tier shared by every replica of a model is
+recorded as a replica of its own (each replica's agent writes what it stored there), so its
+records outlive the replica that wrote the blocks; the router credits them to every replica
+(service/router/servicer.py)."""
 TIER_INDEX = {t: i for i, t in enumerate(TIERS)}
 
 
@@ -153,9 +159,9 @@ class AffinityStore(ABC):
     @abstractmethod
     async def longest_prefix_tiers(
         self, block_hashes: Sequence[BlockHash]
-    ) -> dict[str, tuple[int, int, int]]:
+    ) -> dict[str, TierBlocks]:
         """For the chain `block_hashes` of one prompt: replica id -> its leading blocks (as
-        `longest_prefix` counts them) split by tier as (device, cpu, disk)."""
+        `longest_prefix` counts them) split by tier as (device, cpu, disk, remote)."""
 
     @abstractmethod
     async def longest_prefix(self, block_hashes: Sequence[BlockHash]) -> dict[str, int]:

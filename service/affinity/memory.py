@@ -14,7 +14,7 @@ from service.affinity.base import (
     ReplicaLoad,
     ReplicaStatus,
 )
-from service.affinity.prefix import leading_tiers
+from service.affinity.prefix import TierBlocks, leading_tiers
 
 
 class MemoryAffinityStore(AffinityStore):
@@ -119,7 +119,7 @@ class MemoryAffinityStore(AffinityStore):
 
     async def longest_prefix_tiers(
         self, block_hashes: Sequence[BlockHash]
-    ) -> dict[str, tuple[int, int, int]]:
+    ) -> dict[str, TierBlocks]:
         self._check_open()
         now = self._clock()
         held = [

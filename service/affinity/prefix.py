@@ -6,6 +6,9 @@ from collections.abc import Mapping, Sequence
 
 from engine.kv.hashing import BlockHash
 
+TierBlocks = tuple[int, int, int, int]
+"""Leading blocks of a prompt held, by tier: (device, cpu, disk, remote)."""
+
 
 def bounded_chain(block_hashes: Sequence[BlockHash], limit: int) -> list[BlockHash]:
     """At most `limit` hashes of a chain: all of them, or the first `limit - 1` and the last.
@@ -20,8 +23,9 @@ def bounded_chain(block_hashes: Sequence[BlockHash], limit: int) -> list[BlockHa
     return [*block_hashes[: limit - 1], block_hashes[-1]]
 
 
-def leading_tiers(held: Sequence[Mapping[str, int]]) -> dict[str, tuple[int, int, int]]:
-    """`held[i]`: replica id -> tier index (0 device, 1 cpu, 2 disk) of its record of block i.
+def leading_tiers(held: Sequence[Mapping[str, int]]) -> dict[str, TierBlocks]:
+    """`held[i]`: replica id -> tier index (0 device, 1 cpu, 2 disk, 3 remote) of its record of
+    block i.
 
     Each replica's leading blocks, up to its deepest record, counted by tier; a block without a
     record takes the tier of the next deeper one (see service/affinity/base.py).
@@ -31,5 +35,5 @@ def leading_tiers(held: Sequence[Mapping[str, int]]) -> dict[str, tuple[int, int
     for i in range(len(held) - 1, -1, -1):
         current.update(held[i])
         for rid, t in current.items():
-            counts.setdefault(rid, [0, 0, 0])[t] += 1
-    return {rid: (c[0], c[1], c[2]) for rid, c in counts.items()}
+            counts.setdefault(rid, [0, 0, 0, 0])[t] += 1
+    return {rid: (c[0], c[1], c[2], c[3]) for rid, c in counts.items()}

@@ -48,7 +48,7 @@ from service.affinity.base import (
     ReplicaStatus,
     check_tier,
 )
-from service.affinity.prefix import leading_tiers
+from service.affinity.prefix import TierBlocks, leading_tiers
 
 log = logging.getLogger(__name__)
 
@@ -326,12 +326,12 @@ class RedisAffinityStore(AffinityStore):
 
     async def longest_prefix_tiers(
         self, block_hashes: Sequence[BlockHash]
-    ) -> dict[str, tuple[int, int, int]]:
+    ) -> dict[str, TierBlocks]:
         if not block_hashes:
             return {}
         now = self._clock()
 
-        async def run() -> dict[str, tuple[int, int, int]]:
+        async def run() -> dict[str, TierBlocks]:
             pipe = self._redis.pipeline(transaction=False)
             for h in block_hashes:
                 pipe.zrangebyscore(self._block_key(h), f"({now!r}", "+inf")

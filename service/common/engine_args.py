@@ -20,6 +20,7 @@ from engine.config import (
     KV_CACHE_DTYPES,
     PREEMPTION_MODES,
     QUANTIZATIONS,
+    REMOTE_WRITE_POLICIES,
     CacheConfig,
     EngineConfig,
     ModelConfig,
@@ -90,6 +91,39 @@ _CACHE_FLAGS = (
     ConfigFlag(
         "warm_start_blocks", int, "Most recently used disk blocks read into the CPU tier at start."
     ),
+    ConfigFlag(
+        "kv_remote",
+        str,
+        "redis://HOST:PORT/DB of the KV tier shared by every replica of the model (Redis or "
+        "Valkey; unset: off). Give the store a maxmemory and an LRU policy.",
+    ),
+    ConfigFlag(
+        "kv_remote_write_policy",
+        str,
+        "write-through: every new full block goes to the remote tier once; selective: blocks hit "
+        "--disk-write-min-hits times and pinned prefixes.",
+        REMOTE_WRITE_POLICIES,
+    ),
+    ConfigFlag(
+        "kv_remote_ttl_s", float, "Seconds a remote block lives after its last write or hit."
+    ),
+    ConfigFlag(
+        "kv_remote_timeout_s",
+        float,
+        "Bound on one remote-tier operation (a slower store is left alone for --kv-remote-retry-s).",
+    ),
+    ConfigFlag("kv_remote_retry_s", float, "Seconds before a failed remote tier is tried again."),
+    ConfigFlag(
+        "kv_remote_write_queue_blocks",
+        int,
+        "Remote writes queued at most (more are dropped and counted).",
+    ),
+    ConfigFlag(
+        "kv_remote_buffer_mib",
+        float,
+        "MiB of verified remote blocks held for requests about to be admitted.",
+    ),
+    ConfigFlag("kv_remote_key_prefix", str, "Prefix of the remote tier's keys."),
     ConfigFlag(
         "preemption_mode", str, "What happens to a preempted request's KV.", PREEMPTION_MODES
     ),

@@ -44,6 +44,7 @@ from engine.frontend.prompt import prompt_block_hashes
 from engine.kv.hashing import BlockHash
 from engine.stats import EngineStats, ModelInfo
 from service.affinity.base import (
+    REMOTE_HOLDER,
     AffinityStore,
     AffinityStoreError,
     ReplicaInfo,
@@ -112,6 +113,17 @@ class ReplicaAgent:
             retry_s=config.reconnect_interval_s,
         )
         """The prefix records of KV events (used with `kv_events` only)."""
+        self.remote_records = KvRecordWriter(
+            store,
+            REMOTE_HOLDER,
+            self._try,
+            ttl_s=config.prefix_ttl_s,
+            flush_s=config.prefix_flush_s,
+            retry_s=config.reconnect_interval_s,
+            media=frozenset({"remote"}),
+            shared=True,
+        )
+        """The remote tier's records, shared by every replica (written only with a remote tier)."""
         self._followers: list[asyncio.Task[None]] = []
         self.info = info
         self._get_stats = get_stats
@@ -147,6 +159,7 @@ class ReplicaAgent:
             self._followers = [
                 loop.create_task(self._follow_events()),
                 loop.create_task(self.kv_records.run()),
+                loop.create_task(self.remote_records.run()),
                 loop.create_task(self._refresh_loop()),
             ]
         elif self._cached_hashes is not None:
@@ -277,6 +290,7 @@ class ReplicaAgent:
             try:
                 async for batch in batches:
                     self.kv_records.apply(batch)
+                    self.remote_records.apply(batch)
                 else:
                     return  # the ring was closed: the replica is stopping
             except Exception:
@@ -290,6 +304,7 @@ class ReplicaAgent:
         while not self._stopping:
             await asyncio.sleep(self._config.prefix_ttl_s / 2)
             self.kv_records.refresh()
+            self.remote_records.refresh()
 
     def _touch(self, chain: Sequence[BlockHash]) -> list[BlockHash]:
         """Marks the chain most recently used; returns the hashes pushed out of the local LRU."""

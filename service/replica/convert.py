@@ -198,7 +198,9 @@ def final_message(out: RequestOutput, tally: StreamTally, *, replica_id: str) ->
             prompt_tokens=len(out.prompt_token_ids),
             completion_tokens=tally.completion_tokens,
             cached_prompt_tokens=out.num_cached_tokens,
-            cached_by_tier=pb.CachedByTier(device=cached.device, cpu=cached.cpu, disk=cached.disk),
+            cached_by_tier=pb.CachedByTier(
+                device=cached.device, cpu=cached.cpu, disk=cached.disk, remote=cached.remote
+            ),
         )
     )
     m = out.metrics

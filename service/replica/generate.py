@@ -185,7 +185,7 @@ class GenerateRpc(ServicerBase):
         if last is None or not last.finished:
             return
         m.prompt_tokens.inc(len(last.prompt_token_ids))
-        for tier in ("device", "cpu", "disk"):
+        for tier in ("device", "cpu", "disk", "remote"):
             m.cached_prompt_tokens.labels(tier).inc(getattr(last.cached_tokens, tier))
         t = last.metrics
         if t is not None:

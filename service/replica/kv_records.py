@@ -33,7 +33,8 @@ from service.replica.kv_events import KvBatch
 
 log = logging.getLogger(__name__)
 
-_MEDIUM_BIT = {"device": 1, "cpu": 2, "disk": 4}
+_MEDIUM_BIT = {"device": 1, "cpu": 2, "disk": 4, "remote": 8}
+LOCAL_MEDIA = frozenset({"device", "cpu", "disk"})
 _MAX_WRITE_BLOCKS = 1024
 _MIN_WRITE_BLOCKS = 64
 _MAX_PENDING = 65536
@@ -62,7 +63,9 @@ def best_tier(mask: int) -> int | None:
         return 0
     if mask & 2:
         return 1
-    return 2 if mask & 4 else None
+    if mask & 4:
+        return 2
+    return 3 if mask & 8 else None
 
 
 @dataclass(eq=False, repr=False)
@@ -76,6 +79,11 @@ class KvRecordWriter:
     flush_s: float
     retry_s: float
     max_pending: int = _MAX_PENDING
+    media: frozenset[str] = LOCAL_MEDIA
+    """The media whose events this writer records (others are skipped)."""
+    shared: bool = False
+    """The records are shared with other replicas' writers (REMOTE_HOLDER's): never cleared in
+    the store; an AllBlocksCleared only drops what this writer holds."""
     _media: dict[BlockHash, int] = field(default_factory=dict, init=False)
     """hash -> the tiers holding it (_MEDIUM_BIT bits), as last applied."""
     _pending: dict[BlockHash, _Change] = field(default_factory=dict, init=False)
@@ -105,7 +113,13 @@ class KvRecordWriter:
         for ev in batch.events:
             if isinstance(ev, AllBlocksCleared):
                 media.clear()
-                self._start_over()
+                if self.shared:
+                    self._epoch += 1
+                    self._pending.clear()
+                else:
+                    self._start_over()
+                continue
+            if ev.medium not in self.media:
                 continue
             bit = _MEDIUM_BIT[ev.medium]
             stored = isinstance(ev, BlockStored)
@@ -120,7 +134,7 @@ class KvRecordWriter:
                     del media[h]
                 self._change(h, best_tier(old), best_tier(new))
         self.last_sequence_number = batch.sequence_number
-        if len(self._pending) > len(media) + self.max_pending:
+        if len(self._pending) > len(media) + self.max_pending and not self.shared:
             self._start_over()
         self._wake_if_pending()
 

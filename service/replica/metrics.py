@@ -118,8 +118,15 @@ class _EngineStatsCollector(Collector):
         }
         disabled = GaugeMetricFamily(
             "deja_cache_tier_disabled",
-            "1 when the tier turned itself off after a failure (disk: read-only or full).",
+            "1 when the tier is off after a failure (disk: read-only or full; remote: the store "
+            "failed and is left alone for a while).",
             labels=["tier"],
+        )
+        remote_misses = CounterMetricFamily(
+            "deja_kv_remote_misses",
+            "Remote-tier lookups that ended on an unusable value or a failure, by reason "
+            "(truncated, format, foreign, other_block, checksum, error).",
+            labels=["reason"],
         )
         for t in s.tiers:
             blocks.add_metric([t.name, "total"], t.num_blocks)
@@ -129,10 +136,12 @@ class _EngineStatsCollector(Collector):
             for name, fam in tier_counters.items():
                 fam.add_metric([t.name], getattr(t, name))
             disabled.add_metric([t.name], t.disabled)
+            for reason, n in t.misses.items():
+                remote_misses.add_metric([reason], n)
         buffer_bytes = GaugeMetricFamily(
             "deja_cache_buffer_bytes",
             "Host bytes held by a bounded engine buffer (cpu_tier, disk_read_cache, "
-            "disk_write_queue); state: used or max.",
+            "disk_write_queue, remote_buffer, remote_write_queue); state: used or max.",
             labels=["buffer", "state"],
         )
         buffer_entries = GaugeMetricFamily(
@@ -147,6 +156,7 @@ class _EngineStatsCollector(Collector):
             buffer_entries.add_metric([b.name, "max"], b.max_entries)
         yield blocks
         yield disabled
+        yield remote_misses
         yield from tier_counters.values()
         yield buffer_bytes
         yield buffer_entries

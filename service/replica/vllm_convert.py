@@ -32,8 +32,9 @@ _TIERS = {
     "device": common_pb2.KV_CACHE_TIER_DEVICE,
     "cpu": common_pb2.KV_CACHE_TIER_HOST,
     "disk": common_pb2.KV_CACHE_TIER_DISK,
+    "remote": common_pb2.KV_CACHE_TIER_EXTERNAL,
 }
-_CACHE_LEVELS = {"device": 0, "cpu": 1, "disk": 2}
+_CACHE_LEVELS = {"device": 0, "cpu": 1, "disk": 2, "remote": 3}
 
 
 def deja_request(request: vpb.GenerateRequest) -> pb.GenerateRequest:

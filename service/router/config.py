@@ -178,22 +178,27 @@ def add_router_args(parser: argparse.ArgumentParser) -> None:
     add_flag(
         k,
         "--tier-credits",
-        default=f"{dc.device_credit},{dc.cpu_credit},{dc.disk_credit}",
-        help="Share of a block's prefill saved on device,cpu,disk.",
+        default=f"{dc.device_credit},{dc.cpu_credit},{dc.disk_credit},{dc.remote_credit}",
+        help="Share of a block's prefill saved on device,cpu,disk[,remote] (remote: the KV tier "
+        "shared by every replica, credited to all of them).",
     )
     add_affinity_args(parser, with_url=True)
 
 
-def parse_tier_credits(spec: str) -> tuple[float, float, float]:
+def parse_tier_credits(spec: str) -> tuple[float, float, float, float]:
+    """DEVICE,CPU,DISK[,REMOTE] (REMOTE defaults to CostWeights' remote_credit)."""
     parts = [p.strip() for p in spec.split(",")]
-    if len(parts) != 3:
-        raise ValueError(f"--tier-credits takes DEVICE,CPU,DISK, got {spec!r}")
-    dev, cpu, disk = (float(p) for p in parts)
-    return dev, cpu, disk
+    if len(parts) not in (3, 4):
+        raise ValueError(f"--tier-credits takes DEVICE,CPU,DISK[,REMOTE], got {spec!r}")
+    values = [float(p) for p in parts]
+    if len(values) == 3:
+        values.append(CostWeights().remote_credit)
+    dev, cpu, disk, remote = values
+    return dev, cpu, disk, remote
 
 
 def router_config_from_args(args: argparse.Namespace) -> RouterConfig:
-    dev, cpu, disk = parse_tier_credits(args.tier_credits)
+    dev, cpu, disk, remote = parse_tier_credits(args.tier_credits)
     return RouterConfig(
         host=args.host,
         port=args.port,
@@ -207,7 +212,9 @@ def router_config_from_args(args: argparse.Namespace) -> RouterConfig:
             max_inflight=args.max_inflight,
             max_imbalance=args.max_imbalance,
         ),
-        cost=cost_weights_from_args(args, device_credit=dev, cpu_credit=cpu, disk_credit=disk),
+        cost=cost_weights_from_args(
+            args, device_credit=dev, cpu_credit=cpu, disk_credit=disk, remote_credit=remote
+        ),
         model=args.model,
         cache_dir=args.cache_dir,
         affinity=affinity_config_from_args(args),

@@ -9,7 +9,9 @@ For every healthy, not overloaded replica the router estimates
   and what this router sent it that has not produced a first token yet (exact, no poll lag);
 - `uncached`: this prompt's tokens minus the credit for the blocks the replica holds of it:
   1.0 per block on the device, 0.75 in the CPU tier, 0.25 on disk (the cost of bringing a block
-  back relative to recomputing it; NVIDIA Dynamo's KV router uses the same credits);
+  back relative to recomputing it; NVIDIA Dynamo's KV router uses the same credits), 0.5 in
+  the remote tier shared by every replica (what its records hold counts for every replica: a
+  session whose replica is gone goes where it is cheapest, its history a remote hit anywhere);
 - `prefill_rate`: the replica's measured prefill tokens per second;
 - the decode term: the engine schedules running sequences first, so every step that carries a
   piece of this prefill also carries one token of each of the `decoding` sequences; the prefill
@@ -35,10 +37,13 @@ a little over the bound still wins when its estimate is clearly the lowest.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
-TIERS = ("device", "cpu", "disk")
+from service.affinity.base import REMOTE_HOLDER
+from service.affinity.prefix import TierBlocks
+
+TIERS = ("device", "cpu", "disk", "remote")
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,6 +54,9 @@ class CostWeights:
     """... in its pinned CPU tier (swap-in instead of recompute)."""
     disk_credit: float = 0.25
     """... on its disk tier."""
+    remote_credit: float = 0.5
+    """... in the remote tier shared by every replica (`deja bench tiers` measures the load
+    against a recompute)."""
     stickiness_frac: float = 0.2
     """The session's last replica's estimate is lowered by this share of itself ..."""
     stickiness_s: float = 0.05
@@ -105,7 +113,13 @@ class CostWeights:
     session onto the replica that computed them first."""
 
     def __post_init__(self) -> None:
-        for name in ("device_credit", "cpu_credit", "disk_credit", "stickiness_frac"):
+        for name in (
+            "device_credit",
+            "cpu_credit",
+            "disk_credit",
+            "remote_credit",
+            "stickiness_frac",
+        ):
             v = getattr(self, name)
             if not 0.0 <= v <= 1.0:
                 raise ValueError(f"{name} must be in [0, 1], got {v}")
@@ -130,10 +144,15 @@ class CostWeights:
         if self.default_step_tokens < 1:
             raise ValueError("default_step_tokens must be >= 1")
 
-    def credit(self, blocks: tuple[int, int, int]) -> float:
-        """Block credit of (device, cpu, disk) leading blocks held."""
-        dev, cpu, disk = blocks
-        return dev * self.device_credit + cpu * self.cpu_credit + disk * self.disk_credit
+    def credit(self, blocks: TierBlocks) -> float:
+        """Block credit of (device, cpu, disk, remote) leading blocks held."""
+        dev, cpu, disk, remote = blocks
+        return (
+            dev * self.device_credit
+            + cpu * self.cpu_credit
+            + disk * self.disk_credit
+            + remote * self.remote_credit
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -157,7 +176,7 @@ def estimate(
     replica_id: str,
     prompt_tokens: int,
     block_size: int,
-    held: tuple[int, int, int],
+    held: TierBlocks,
     queued_tokens: int,
     pending_requests: int = 0,
     decoding: int,
@@ -191,12 +210,31 @@ def estimate(
 def held_blocks(
     replica_id: str,
     prefix_blocks: Mapping[str, int] | None,
-    prefix_tiers: Mapping[str, tuple[int, int, int]] | None,
-) -> tuple[int, int, int]:
-    """(device, cpu, disk) leading blocks a replica holds; tier-less records count as device."""
+    prefix_tiers: Mapping[str, TierBlocks] | None,
+) -> TierBlocks:
+    """(device, cpu, disk, remote) leading blocks a replica holds; tier-less records count as
+    device."""
     if prefix_tiers is not None and replica_id in prefix_tiers:
         return prefix_tiers[replica_id]
-    return ((prefix_blocks or {}).get(replica_id, 0), 0, 0)
+    return ((prefix_blocks or {}).get(replica_id, 0), 0, 0, 0)
+
+
+def with_shared_tier(
+    held: Mapping[str, TierBlocks], replica_ids: Iterable[str]
+) -> dict[str, TierBlocks]:
+    """`held` (a store's `longest_prefix_tiers`) for `replica_ids`, each with the remote tier's
+    leading run (the records of REMOTE_HOLDER, the tier every replica shares) past what the
+    replica holds itself; a replica with neither is absent."""
+    shared = sum(held.get(REMOTE_HOLDER, ()))
+    out: dict[str, TierBlocks] = {}
+    for rid in replica_ids:
+        t = held.get(rid)
+        if shared:
+            d, c, k, r = t or (0, 0, 0, 0)
+            t = (d, c, k, max(r, shared - d - c - k))
+        if t is not None:
+            out[rid] = t
+    return out
 
 
 def within_bound(

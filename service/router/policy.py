@@ -23,6 +23,7 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+from service.affinity.prefix import TierBlocks
 from service.affinity.rendezvous import rendezvous_order
 from service.router.cost import (
     CostWeights,
@@ -117,8 +118,9 @@ class RouteInputs:
     """False when the store could not be read; routing then falls back to rendezvous."""
     prompt_tokens: int = 0
     """The prompt's length in tokens (cost policy; 0: unknown)."""
-    prefix_tiers: Mapping[str, tuple[int, int, int]] | None = None
-    """Replica id -> leading blocks held on (device, cpu, disk); None: prefix_blocks, all device."""
+    prefix_tiers: Mapping[str, TierBlocks] | None = None
+    """Replica id -> leading blocks held on (device, cpu, disk, remote); None: prefix_blocks,
+    all device."""
     prefix_shares: tuple[tuple[int, float], ...] | None = None
     """(block index, share of the router's recent requests whose prompts contain the prompt's
     blocks up to it) at a few depths (service/router/popularity.py); None: not tracked."""

@@ -33,12 +33,13 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
 from service.affinity.base import AffinityStore, AffinityStoreError
-from service.affinity.prefix import bounded_chain
+from service.affinity.prefix import TierBlocks, bounded_chain
 from service.api.deja.v1 import inference_pb2 as pb
 from service.api.deja.v1 import inference_pb2_grpc as pb_grpc
 from service.common.rpc import SERVICE_NAME, abort
 from service.common.tracing import extract_context, get_tracer
 from service.router.config import RouterConfig
+from service.router.cost import with_shared_tier
 from service.router.metrics import RouterMetrics
 from service.router.policy import Candidate, NoReplicaError, RouteDecision, RouteInputs, decide
 from service.router.pool import ReplicaHandle, ReplicaPool
@@ -89,7 +90,13 @@ def _sum_by_name(into: dict[str, Any], items: Iterable[Any], message: Any) -> No
     for item in items:
         acc = into.setdefault(item.name, message(name=item.name))
         for f in message.DESCRIPTOR.fields:
-            if f.name != "name":
+            if f.name == "name":
+                continue
+            if f.message_type is not None and f.message_type.GetOptions().map_entry:
+                into_map = getattr(acc, f.name)  # counts by key (TierStats.misses)
+                for k, v in getattr(item, f.name).items():
+                    into_map[k] += v
+            else:
                 setattr(acc, f.name, getattr(acc, f.name) + getattr(item, f.name))
 
 
@@ -186,7 +193,7 @@ class RouterServicer(pb_grpc.InferenceServicer):
         cfg = self._config
         store_ok, session_replica, prompt_tokens = True, None, 0
         prefix: dict[str, int] | None = None
-        tiers: dict[str, tuple[int, int, int]] | None = None
+        tiers: dict[str, TierBlocks] | None = None
         if cfg.policy in ("affinity", "cost") and request.session_id:
             store_ok, session_replica = await self._store_call(
                 "get_session", self._store.get_session(request.session_id)
@@ -213,7 +220,7 @@ class RouterServicer(pb_grpc.InferenceServicer):
                     "longest_prefix", self._store.longest_prefix_tiers(chain)
                 )
                 store_ok &= ok
-                tiers.update({rid: t for rid, t in (held or {}).items() if rid in ids})
+                tiers.update(with_shared_tier(held or {}, ids))
             prefix = {rid: sum(t) for rid, t in tiers.items()}
         return RouteInputs(key, session_replica, prefix, store_ok, prompt_tokens, tiers, shares)
 

@@ -48,7 +48,7 @@ def test_prefix_records_follow_the_replicas_kv_events() -> None:
         held = set(replica.device) | set(replica.cpu)
         assert held and writer.num_held == len(held)
         tiers = run_sync(cluster.store.longest_prefix_tiers(list(replica.device)[:1]))
-        assert tiers.get(rid, (0, 0, 0))[0] == 1
+        assert tiers.get(rid, (0, 0, 0, 0))[0] == 1
     with pytest.raises(ValueError, match="records"):
         Cluster(CPU, 2, "cost", records="guess")
 

@@ -24,9 +24,9 @@ from service.router.config import RouterConfig
 from service.router.cost import CostWeights, estimate
 from service.router.policy import Candidate, OverloadGuard, RouteInputs, decide
 from service.router.server import Router, serve_router
+from tests.support.redis_proc import RedisProcess
 
 from .fake_replica import BLOCK_SIZE, MODEL_ID, FakeReplica
-from tests.support.redis_proc import RedisProcess
 from .test_router import generate, prompt
 
 GUARD = OverloadGuard()
@@ -51,10 +51,10 @@ def test_estimate_credits_tiers_like_dynamo() -> None:
         sticky=False,
         weights=w,
     )
-    assert estimate(held=(100, 0, 0), **base).uncached_tokens == 1  # type: ignore[arg-type]
-    assert estimate(held=(0, 100, 0), **base).uncached_tokens == 400  # type: ignore[arg-type]
-    assert estimate(held=(0, 0, 100), **base).uncached_tokens == 1200  # type: ignore[arg-type]
-    assert estimate(held=(0, 0, 0), **base).ttft_s == pytest.approx(1.6)  # type: ignore[arg-type]
+    assert estimate(held=(100, 0, 0, 0), **base).uncached_tokens == 1  # type: ignore[arg-type]
+    assert estimate(held=(0, 100, 0, 0), **base).uncached_tokens == 400  # type: ignore[arg-type]
+    assert estimate(held=(0, 0, 100, 0), **base).uncached_tokens == 1200  # type: ignore[arg-type]
+    assert estimate(held=(0, 0, 0, 0), **base).ttft_s == pytest.approx(1.6)  # type: ignore[arg-type]
 
 
 def test_cached_history_wins_until_its_queue_costs_more_than_recomputing() -> None:
@@ -353,3 +353,19 @@ async def test_restarted_replica_gets_its_sessions_back_after_republishing(
     finally:
         for r in replicas:
             await r.stop()
+
+
+def test_the_shared_tier_counts_for_every_replica() -> None:
+    """The remote tier's records (REMOTE_HOLDER) extend every replica's own run: a replica that
+    holds 2 blocks gets the remote run's other 4; one that holds none gets all 6; one past the
+    remote run keeps its own; nothing is invented without records."""
+    from service.affinity.base import REMOTE_HOLDER
+    from service.router.cost import with_shared_tier
+
+    held = {"a": (2, 0, 0, 0), "c": (7, 0, 0, 0), REMOTE_HOLDER: (0, 0, 0, 6), "gone": (9, 0, 0, 0)}
+    out = with_shared_tier(held, ["a", "b", "c"])
+    assert out == {"a": (2, 0, 0, 4), "b": (0, 0, 0, 6), "c": (7, 0, 0, 0)}
+    assert with_shared_tier({"a": (2, 0, 0, 0)}, ["a", "b"]) == {"a": (2, 0, 0, 0)}
+    w = CostWeights()
+    assert w.credit(out["b"]) == 6 * w.remote_credit
+    assert w.credit(out["a"]) == 2 * w.device_credit + 4 * w.remote_credit

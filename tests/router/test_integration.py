@@ -36,7 +36,6 @@ from clients.testing.cluster import (
 from service.api.deja.v1 import inference_pb2 as pb
 from service.api.deja.v1 import inference_pb2_grpc as pb_grpc
 from service.common.ports import free_port
-
 from tests.support.redis_proc import RedisProcess
 
 BLOCK = 16

@@ -13,14 +13,14 @@ from engine.frontend.prompt import prompt_block_hashes
 from engine.sample.sampling_params import SamplingParams
 from engine.stats import EngineStats
 from service.affinity import AffinityConfig, AffinityStore, ReplicaInfo
+from service.affinity.base import REMOTE_HOLDER
 from service.affinity.memory import MemoryAffinityStore
 from service.affinity.redis_store import RedisAffinityStore
 from service.replica.agent import ReplicaAgent
 from service.replica.kv_events import KvEventRing
-from service.router.cost import CostWeights, held_blocks
-from tests.support.waiting import wait_until
-
+from service.router.cost import CostWeights, held_blocks, with_shared_tier
 from tests.support.redis_proc import RedisProcess
+from tests.support.waiting import wait_until
 
 BS = 16
 
@@ -87,7 +87,7 @@ async def test_records_follow_eviction_and_cpu_tier(
     await generate(engine, a, "a")
 
     async def holds_a_on_device() -> bool:
-        return await store.longest_prefix_tiers(chain_a) == {"r1": (5, 0, 0)}
+        return await store.longest_prefix_tiers(chain_a) == {"r1": (5, 0, 0, 0)}
 
     await wait_until(holds_a_on_device, what="a's 5 blocks recorded on the device")
     # The agent's estimate is not used: a capacity of 1 block would have removed them all.
@@ -95,13 +95,13 @@ async def test_records_follow_eviction_and_cpu_tier(
     await generate(engine, b, "b")  # 6 of the 8 device blocks: a's tail blocks are reused
 
     async def a_moved_to_cpu() -> bool:
-        tiers = (await store.longest_prefix_tiers(chain_a)).get("r1", (0, 0, 0))
+        tiers = (await store.longest_prefix_tiers(chain_a)).get("r1", (0, 0, 0, 0))
         return tiers[1] > 0 and sum(tiers) == 5
 
     await wait_until(a_moved_to_cpu, what="a's reused blocks recorded in the CPU tier")
-    assert await store.longest_prefix_tiers(chain_b) == {"r1": (5, 0, 0)}
+    assert await store.longest_prefix_tiers(chain_b) == {"r1": (5, 0, 0, 0)}
     tiers = await store.longest_prefix_tiers(chain_a)
-    dev, cpu, _ = held_blocks("r1", None, tiers)
+    dev, cpu, _, _ = held_blocks("r1", None, tiers)
     assert (dev, cpu) == (5 - cpu, cpu) and cpu >= 2
     # The cost policy credits a CPU block 0.75 of a device block.
     assert CostWeights().credit(held_blocks("r1", None, tiers)) == dev + 0.75 * cpu
@@ -132,7 +132,7 @@ async def test_eviction_without_a_cpu_tier_removes_records(
 
         async def evicted_gone() -> bool:
             held = await store.longest_prefix_tiers(chain_a)
-            return sum(held.get("r1", (0, 0, 0))) == 5 - len(evicted)
+            return sum(held.get("r1", (0, 0, 0, 0))) == 5 - len(evicted)
 
         await wait_until(evicted_gone, what="a's evicted blocks removed from the store")
         await agent.stop()
@@ -155,7 +155,7 @@ async def test_overflow_clears_and_resyncs(
         await generate(engine, a, "a")
 
         async def resynced() -> bool:
-            return await store.longest_prefix_tiers(chain_a) == {"r1": (5, 0, 0)}
+            return await store.longest_prefix_tiers(chain_a) == {"r1": (5, 0, 0, 0)}
 
         await wait_until(resynced, what="the snapshot after the overflow applied")
         assert await store.longest_prefix([b"\x01" * 32]) == {}
@@ -183,7 +183,9 @@ async def test_restarted_replica_records_are_rebuilt_from_the_snapshot(
 
         async def both_on_device() -> bool:
             held_a = await store.longest_prefix_tiers(chain_a)
-            return held_a == {"r9": (5, 0, 0)} and await store.longest_prefix(chain_b) == {"r9": 4}
+            return held_a == {"r9": (5, 0, 0, 0)} and await store.longest_prefix(chain_b) == {
+                "r9": 4
+            }
 
         await wait_until(both_on_device, what="the first life's records")
         await agent.stop()
@@ -202,7 +204,7 @@ async def test_restarted_replica_records_are_rebuilt_from_the_snapshot(
 
             async def rebuilt() -> bool:
                 return (
-                    await store.longest_prefix_tiers(chain_a) == {"r9": (0, 0, 5)}
+                    await store.longest_prefix_tiers(chain_a) == {"r9": (0, 0, 5, 0)}
                     and await store.longest_prefix(chain_b) == {}
                 )
 
@@ -212,4 +214,36 @@ async def test_restarted_replica_records_are_rebuilt_from_the_snapshot(
         finally:
             second.shutdown(5.0)
     finally:
+        await store.close()
+
+
+async def test_remote_tier_records_are_shared_and_outlive_the_replica(
+    tiny_llama_path: Path, redis_proc: RedisProcess
+) -> None:
+    """A replica with a remote tier records what it stored there under REMOTE_HOLDER (its own
+    records stay its own); its restart clears its records but not the shared ones, which the
+    router credits to every replica."""
+    store = RedisAffinityStore(redis_proc.url, key_prefix="rt:", op_timeout_s=1.0)
+    kv_url = redis_proc.url.removesuffix("/0") + "/1"  # the KV values in another database
+    engine = start_engine(tiny_llama_path, num_device_blocks=32, num_cpu_blocks=8, kv_remote=kv_url)
+    try:
+        agent, ring = await start_agent(engine, store, "r1")
+        a = list(range(10, 90))  # 5 full blocks, 4 cached by a prompt that ends in the 5th
+        chain = prompt_block_hashes(a, BS, engine.model_info.model_id, None)
+        await generate(engine, a, "a")
+
+        async def shared() -> bool:
+            held = await store.longest_prefix_tiers(chain)
+            return held.get(REMOTE_HOLDER) == (0, 0, 0, 5) and held.get("r1") == (5, 0, 0, 0)
+
+        await wait_until(shared, what="the blocks recorded for r1 and for the shared tier")
+        await agent.stop()  # closes its store
+        ring.close()
+        store = RedisAffinityStore(redis_proc.url, key_prefix="rt:", op_timeout_s=1.0)
+        await store.clear_prefixes("r1")  # what a restart does first
+        held = await store.longest_prefix_tiers(chain)
+        assert held == {REMOTE_HOLDER: (0, 0, 0, 5)}
+        assert with_shared_tier(held, ["r1", "r2"]) == {"r1": (0, 0, 0, 5), "r2": (0, 0, 0, 5)}
+    finally:
+        engine.shutdown(5.0)
         await store.close()

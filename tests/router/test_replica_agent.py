@@ -12,9 +12,8 @@ from service.affinity import AffinityConfig, ReplicaInfo
 from service.affinity.memory import MemoryAffinityStore
 from service.affinity.redis_store import RedisAffinityStore
 from service.replica.agent import ReplicaAgent
-from tests.support.waiting import wait_until
-
 from tests.support.redis_proc import RedisProcess
+from tests.support.waiting import wait_until
 
 INFO = ReplicaInfo("r1", "127.0.0.1:5001", "tiny", 4)
 CONFIG = AffinityConfig(heartbeat_s=0.05, replica_ttl_s=0.5, max_blocks_per_record=3)

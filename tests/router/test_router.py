@@ -21,10 +21,10 @@ from service.api.deja.v1 import inference_pb2_grpc as pb_grpc
 from service.router.config import RouterConfig
 from service.router.policy import OverloadGuard
 from service.router.server import Router, serve_router
+from tests.support.redis_proc import RedisProcess
 from tests.support.waiting import wait_until
 
 from .fake_replica import FakeReplica
-from tests.support.redis_proc import RedisProcess
 
 
 @dataclass

@@ -13,7 +13,6 @@ import pytest
 
 from service.affinity import AffinityStoreError, ReplicaInfo, ReplicaLoad
 from service.affinity.redis_store import RedisAffinityStore
-
 from tests.support.delay_proxy import DelayProxy
 from tests.support.redis_proc import RedisProcess
 
@@ -97,4 +96,4 @@ async def test_a_slow_prefix_write_does_not_mark_the_store_down(redis_proc: Redi
         proxy.delay_s = 0.0
         await store.register(info, ReplicaLoad(), ttl_s=60)
         await store.write_prefixes("a", {bytes(32): "cpu"}, ttl_s=60)
-        assert await store.longest_prefix_tiers([bytes(32)]) == {"a": (0, 1, 0)}
+        assert await store.longest_prefix_tiers([bytes(32)]) == {"a": (0, 1, 0, 0)}

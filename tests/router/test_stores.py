@@ -15,9 +15,9 @@ from service.affinity import (
     ReplicaInfo,
     ReplicaLoad,
 )
+from service.affinity.base import REMOTE_HOLDER
 from service.affinity.memory import MemoryAffinityStore
 from service.affinity.redis_store import RedisAffinityStore
-
 from tests.support.redis_proc import RedisProcess
 
 
@@ -117,18 +117,23 @@ async def test_prefix_tiers(store_and_clock: tuple[AffinityStore, FakeClock]) ->
     await store.record_prefix("a", p[2:4], ttl_s=10, tier="cpu")
     await store.record_prefix("a", [p[5]], ttl_s=10, tier="disk")  # block 4 has no record
     await store.record_prefix("b", p[:3], ttl_s=10, tier="cpu")
-    assert await store.longest_prefix_tiers(p) == {"a": (2, 2, 2), "b": (0, 3, 0)}
+    assert await store.longest_prefix_tiers(p) == {"a": (2, 2, 2, 0), "b": (0, 3, 0, 0)}
     assert await store.longest_prefix(p) == {"a": 6, "b": 3}
     assert await store.longest_prefix_tiers([]) == {}
+    # the remote tier's records, under the shared holder
+    await store.record_prefix(REMOTE_HOLDER, p[:4], ttl_s=10, tier="remote")
+    held = await store.longest_prefix_tiers(p)
+    assert held[REMOTE_HOLDER] == (0, 0, 0, 4) and held["b"] == (0, 3, 0, 0)
+    await store.clear_prefixes(REMOTE_HOLDER)
 
     # A new record of a block replaces its tier; a removal drops it.
     await store.record_prefix("a", [p[2]], ttl_s=10)
     await store.remove_prefix("a", [p[5]])
-    assert (await store.longest_prefix_tiers(p))["a"] == (3, 1, 0)
+    assert (await store.longest_prefix_tiers(p))["a"] == (3, 1, 0, 0)
 
     # Clearing one replica leaves the others.
     await store.clear_prefixes("a")
-    assert await store.longest_prefix_tiers(p) == {"b": (0, 3, 0)}
+    assert await store.longest_prefix_tiers(p) == {"b": (0, 3, 0, 0)}
     await store.clear_prefixes("nobody")
 
     clock.now += 11
@@ -144,10 +149,10 @@ async def test_write_prefixes_sets_and_removes_in_one_call(
     await store.write_prefixes(
         "a", {p[1]: "cpu", p[2]: "disk", p[4]: None, p[5]: None, p[3]: "device"}, ttl_s=10
     )
-    assert await store.longest_prefix_tiers(p) == {"a": (2, 1, 1)}
+    assert await store.longest_prefix_tiers(p) == {"a": (2, 1, 1, 0)}
     await store.write_prefixes("a", {}, ttl_s=10)
     await store.write_prefixes("b", {p[0]: None}, ttl_s=10)  # nothing to remove
-    assert await store.longest_prefix_tiers(p) == {"a": (2, 1, 1)}
+    assert await store.longest_prefix_tiers(p) == {"a": (2, 1, 1, 0)}
 
     # Written records are the replica's: a clear drops them.
     await store.write_prefixes("a", {p[5]: "cpu"}, ttl_s=10)

@@ -15,13 +15,17 @@ from service.common.ports import free_port
 class RedisProcess:
     """`redis-server --port N --save '' --bind 127.0.0.1`; can be stopped and restarted."""
 
-    def __init__(self, port: int | None = None, workdir: Path | None = None) -> None:
+    def __init__(
+        self, port: int | None = None, workdir: Path | None = None, extra: tuple[str, ...] = ()
+    ) -> None:
         binary = shutil.which("redis-server")
         if binary is None:
             raise RuntimeError("redis-server is not installed")
         self.binary = binary
         self.port = port or free_port()
         self.workdir = workdir
+        self.extra = extra
+        """More server arguments (e.g. "--maxmemory", "1mb")."""
         self.proc: subprocess.Popen[bytes] | None = None
 
     @property
@@ -30,7 +34,7 @@ class RedisProcess:
 
     def start(self, timeout_s: float = 10.0) -> None:
         args = [self.binary, "--port", str(self.port), "--save", "", "--appendonly", "no"]
-        args += ["--bind", "127.0.0.1"]
+        args += ["--bind", "127.0.0.1", *self.extra]
         self.proc = subprocess.Popen(
             args,
             cwd=self.workdir,

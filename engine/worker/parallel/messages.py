@@ -4,7 +4,8 @@ costs tens of microseconds a step and needs no fixed shapes, no second collectiv
 shared-memory bookkeeping; its end-of-file is also how a worker learns that the core is gone.
 
     rank 0 -> worker:  WorkerSpec (first), Calibrate, Allocate, then per step DiskOps (rank 0's
-                       disk writes and deletes, repeated first), Probe, Step; Stop
+                       disk and remote writes and disk deletes, repeated first), Probe, Step
+                       (with this step's remote loads' shares); Stop
     worker -> rank 0:  Ready | Failed, Probed (the answer to a Probe)
 """
 
@@ -89,6 +90,9 @@ class Step:
     """None: a plan-only step (nothing scheduled)."""
     logit_rows: list[int]
     """Flat token indices whose logits rank 0 samples from (every rank computes its slice)."""
+    remote_shares: dict[BlockHash, list[torch.Tensor]] | None = None
+    """The plan's remote loads: hash -> the verified payloads of ranks 1..N-1, in rank order
+    (rank 0's lookup read and checked every rank's share)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -121,6 +125,9 @@ class Allocate:
     num_cpu_blocks: int
     disk_manifest: dict[str, Any] | None
     """Rank 0's disk manifest (each rank opens its own folder), or None: no disk tier."""
+    remote_manifest: dict[str, Any] | None
+    """Rank 0's manifest for the remote tier (each rank writes its share under its own tag),
+    or None: no remote tier."""
     kv_scales: dict[str, Any] | None
     """An fp8 cache's scales (KVScales.to_json), or None: the model's dtype."""
 
@@ -147,6 +154,10 @@ class Stop:
 @dataclass(frozen=True, slots=True)
 class Ready:
     """The worker's model and caches are up."""
+
+    remote_share: tuple[bytes, int] | None = None
+    """(layout tag, payload bytes) of this rank's remote values: rank 0 reads every rank's
+    share."""
 
 
 @dataclass(frozen=True, slots=True)

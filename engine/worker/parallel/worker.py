@@ -74,7 +74,9 @@ def run_worker(conn: Connection) -> int:
         return 1
     if worker is None:
         return 0
-    _send(conn, messages.Ready())
+    remote = None if worker.offload is None else worker.offload.remote
+    share = None if remote is None else (remote.tag, remote.payload_bytes)
+    _send(conn, messages.Ready(share))
     try:
         _serve(conn, worker)
     finally:

@@ -90,7 +90,7 @@ def test_prefix_match_skips_blocks_outside_the_window() -> None:
     assert match.num_skipped == 3
     assert [blk.block_id for blk in match.device_blocks] == [3, 4]
     assert match.num_tokens == 20
-    assert match.tokens_by_tier() == {"device": 20, "cpu": 0, "disk": 0}
+    assert match.tokens_by_tier() == {"device": 20, "cpu": 0, "disk": 0, "remote": 0}
     assert kv.blocks_needed(b, 1, match) == 2 + 1  # the two free hits plus the new tail block
     assert kv.allocate(b, 1, match)
     assert table(kv, b) == [None, None, None, 3, 4, 6]
@@ -167,7 +167,7 @@ def test_window_match_through_the_cpu_tier() -> None:
     assert match.num_skipped == 2 and match.device_blocks == []
     assert [tier for tier, _ in match.lower_hits] == ["cpu", "cpu"]
     assert [h for _, h in match.lower_hits] == b.block_hashes[2:4]
-    assert match.tokens_by_tier() == {"device": 0, "cpu": 16, "disk": 0}
+    assert match.tokens_by_tier() == {"device": 0, "cpu": 16, "disk": 0, "remote": 0}
     assert kv.allocate(b, 1, match)
     assert len(kv.take_plan().swap_in) == 2
     assert kv.tables[2][:2] == [None, None]

@@ -96,7 +96,7 @@ def test_write_back_spill_and_swap_in_exact_ids() -> None:
     m = kv.match_prefix(d)
     assert [b.block_id for b in m.device_blocks] == [0]
     assert m.lower_hits == [("cpu", a.block_hashes[1])]
-    assert m.tokens_by_tier() == {"device": 4, "cpu": 4, "disk": 0}
+    assert m.tokens_by_tier() == {"device": 4, "cpu": 4, "disk": 0, "remote": 0}
     assert kv.allocate(d, 1, m)
     assert kv.block_ids(2) == [0, 1, 2]
     plan = step(kv, tiers)

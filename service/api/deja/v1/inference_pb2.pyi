@@ -238,14 +238,16 @@ class SpeculativeUsage(_message.Message):
     def __init__(self, draft_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., acceptance_rate: _Optional[float] = ..., tokens_per_step: _Optional[float] = ...) -> None: ...
 
 class CachedByTier(_message.Message):
-    __slots__ = ("device", "cpu", "disk")
+    __slots__ = ("device", "cpu", "disk", "remote")
     DEVICE_FIELD_NUMBER: _ClassVar[int]
     CPU_FIELD_NUMBER: _ClassVar[int]
     DISK_FIELD_NUMBER: _ClassVar[int]
+    REMOTE_FIELD_NUMBER: _ClassVar[int]
     device: int
     cpu: int
     disk: int
-    def __init__(self, device: _Optional[int] = ..., cpu: _Optional[int] = ..., disk: _Optional[int] = ...) -> None: ...
+    remote: int
+    def __init__(self, device: _Optional[int] = ..., cpu: _Optional[int] = ..., disk: _Optional[int] = ..., remote: _Optional[int] = ...) -> None: ...
 
 class Timings(_message.Message):
     __slots__ = ("queue_s", "ttft_s", "total_s")
@@ -354,7 +356,14 @@ class GetCacheStatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class TierStats(_message.Message):
-    __slots__ = ("name", "num_blocks", "used_blocks", "cached_blocks", "pinned_blocks", "queries", "hits", "spills", "swap_ins", "evictions", "bytes_moved", "dropped_writes", "write_errors", "disabled")
+    __slots__ = ("name", "num_blocks", "used_blocks", "cached_blocks", "pinned_blocks", "queries", "hits", "spills", "swap_ins", "evictions", "bytes_moved", "dropped_writes", "write_errors", "disabled", "misses")
+    class MissesEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
     NAME_FIELD_NUMBER: _ClassVar[int]
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     USED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
@@ -369,6 +378,7 @@ class TierStats(_message.Message):
     DROPPED_WRITES_FIELD_NUMBER: _ClassVar[int]
     WRITE_ERRORS_FIELD_NUMBER: _ClassVar[int]
     DISABLED_FIELD_NUMBER: _ClassVar[int]
+    MISSES_FIELD_NUMBER: _ClassVar[int]
     name: str
     num_blocks: int
     used_blocks: int
@@ -383,7 +393,8 @@ class TierStats(_message.Message):
     dropped_writes: int
     write_errors: int
     disabled: int
-    def __init__(self, name: _Optional[str] = ..., num_blocks: _Optional[int] = ..., used_blocks: _Optional[int] = ..., cached_blocks: _Optional[int] = ..., pinned_blocks: _Optional[int] = ..., queries: _Optional[int] = ..., hits: _Optional[int] = ..., spills: _Optional[int] = ..., swap_ins: _Optional[int] = ..., evictions: _Optional[int] = ..., bytes_moved: _Optional[int] = ..., dropped_writes: _Optional[int] = ..., write_errors: _Optional[int] = ..., disabled: _Optional[int] = ...) -> None: ...
+    misses: _containers.ScalarMap[str, int]
+    def __init__(self, name: _Optional[str] = ..., num_blocks: _Optional[int] = ..., used_blocks: _Optional[int] = ..., cached_blocks: _Optional[int] = ..., pinned_blocks: _Optional[int] = ..., queries: _Optional[int] = ..., hits: _Optional[int] = ..., spills: _Optional[int] = ..., swap_ins: _Optional[int] = ..., evictions: _Optional[int] = ..., bytes_moved: _Optional[int] = ..., dropped_writes: _Optional[int] = ..., write_errors: _Optional[int] = ..., disabled: _Optional[int] = ..., misses: _Optional[_Mapping[str, int]] = ...) -> None: ...
 
 class CacheStats(_message.Message):
     __slots__ = ("replica_id", "tiers", "free_device_blocks", "total_device_blocks", "prefix_queries", "prefix_hits", "buffers")
