@@ -95,6 +95,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_flag(s, "--server-args", default="", help="Extra `deja serve` flags for spawned servers.")
     add_flag(
         s,
+        "--rounds",
+        type=int,
+        default=1,
+        help="Spawned variants run in turn this many times (A B A B ...); comparisons use each "
+        "variant's median over the rounds (a noisy machine drifts between runs).",
+    )
+    add_flag(
+        s,
         "--sweep-concurrency",
         help="Comma-separated concurrency levels (e.g. 1,4,16,64): run the workload at each "
         "level against --target or the one --spawn-servers variant, print one table. Each level "
@@ -143,7 +151,10 @@ async def _bench(
 def _run_spawned(
     args: argparse.Namespace, variant: str, workload: Workload | None, tmp: Path
 ) -> tuple[dict[str, Any], Workload]:
-    with spawned_variant(args, variant, tmp) as target:
+    with ExitStack() as stack:
+        if variant == "remote":  # its shared tier: a fresh redis-server of its own
+            args.kv_remote_url = stack.enter_context(redis_server())
+        target = stack.enter_context(spawned_variant(args, variant, tmp))
         return asyncio.run(bench_target(target, args, variant, workload))
 
 
@@ -172,6 +183,17 @@ def _ttft_p50(r: dict[str, Any]) -> float | None:
     return part["ttft_ms"].get("p50")
 
 
+def _round_figures(r: dict[str, Any]) -> dict[str, float]:
+    return {"tpot_p50": r["tpot_ms"].get("p50", 0.0), "output_throughput": r["output_throughput"]}
+
+
+def _median_of_rounds(r: dict[str, Any], key: str) -> float:
+    """The median of one figure over a variant's rounds (--rounds), or its one run's."""
+    values = sorted(x[key] for x in r.get("rounds", [_round_figures(r)]))
+    mid = len(values) // 2
+    return values[mid] if len(values) % 2 else (values[mid - 1] + values[mid]) / 2
+
+
 def compare(results: dict[str, dict[str, Any]]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     on, off = results.get("cache-on"), results.get("cache-off")
@@ -183,13 +205,15 @@ def compare(results: dict[str, dict[str, Any]]) -> dict[str, Any]:
             out["ttft_p50_ms"]["speedup_cache_on"] = b / a
     remote = results.get("remote")
     if on is not None and remote is not None:
-        t_on, t_remote = on["tpot_ms"].get("p50"), remote["tpot_ms"].get("p50")
+        t_on, t_remote = _median_of_rounds(on, "tpot_p50"), _median_of_rounds(remote, "tpot_p50")
+        x_on = _median_of_rounds(on, "output_throughput")
+        x_remote = _median_of_rounds(remote, "output_throughput")
         out["remote_tier"] = {
+            "rounds": len(on.get("rounds", [on])),
             "tpot_p50_ms": {"cache_on": t_on, "remote": t_remote},
             "tpot_p50_ratio": t_remote / t_on if t_on and t_remote else None,
-            "output_throughput_ratio": remote["output_throughput"] / on["output_throughput"]
-            if on["output_throughput"]
-            else None,
+            "output_throughput": {"cache_on": x_on, "remote": x_remote},
+            "output_throughput_ratio": x_remote / x_on if x_on else None,
         }
     inproc = results.get("in-process")
     grpc_name = next((n for n in ("cache-on", "target", "cache-off") if n in results), None)
@@ -217,9 +241,9 @@ def format_comparison(c: dict[str, Any]) -> str:
         r = c["remote_tier"]
         t = r["tpot_p50_ms"]
         lines.append(
-            f"remote tier written behind: TPOT p50 {t['remote']:.1f} ms vs {t['cache_on']:.1f} ms "
-            f"without it ({r['tpot_p50_ratio']:.3f}x), output throughput "
-            f"{r['output_throughput_ratio']:.3f}x"
+            f"remote tier written behind (median of {r['rounds']} rounds): TPOT p50 "
+            f"{t['remote']:.1f} ms vs {t['cache_on']:.1f} ms without it "
+            f"({r['tpot_p50_ratio']:.3f}x), output throughput {r['output_throughput_ratio']:.3f}x"
         )
     if "grpc_overhead" in c:
         o = c["grpc_overhead"]
@@ -241,12 +265,15 @@ def run(args: argparse.Namespace) -> int:
         if v not in VARIANTS:
             print(f"deja bench serve: unknown variant {v!r}; use {list(VARIANTS)}", file=sys.stderr)
             return 2
-    with tempfile.TemporaryDirectory(prefix="deja-bench-") as tmp, ExitStack() as stack:
-        if "remote" in variants:  # its shared tier: a redis-server of the run's own
-            args.kv_remote_url = stack.enter_context(redis_server())
+    with tempfile.TemporaryDirectory(prefix="deja-bench-") as tmp:
         try:
+            rounds: dict[str, list[dict[str, float]]] = {v: [] for v in variants}
+            for _ in range(max(1, args.rounds)):  # NOTE: interleaved, so drift hits all alike
+                for v in variants:
+                    results[v], workload = _run_spawned(args, v, workload, Path(tmp))
+                    rounds[v].append(_round_figures(results[v]))
             for v in variants:
-                results[v], workload = _run_spawned(args, v, workload, Path(tmp))
+                results[v]["rounds"] = rounds[v]
             if not variants:
                 results["target"], workload = asyncio.run(
                     bench_target(args.target, args, "target", workload)

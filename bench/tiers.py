@@ -1,8 +1,9 @@
 """The tiered prefix cache: time to first token by tier, and multi-turn hit rates.
 
 Part 1 (ttft): a 1,024-token prefix with a short distinct suffix, max_tokens 1, served from the
-device tier, the CPU tier, the disk tier (files just written, so in the OS page cache) and
-recomputed (an engine with prefix caching off). The device pool holds one such prompt, so traffic
+device tier, the CPU tier, the disk tier (files just written, so in the OS page cache), the
+remote tier (a second engine that never saw the prefix, sharing a redis-server this command
+starts; skipped without one) and recomputed (an engine with prefix caching off). The device pool holds one such prompt, so traffic
 ("filler" prompts of the same size) pushes the prefix down the tiers: warm -> 2 fillers (device
 -> CPU -> disk) -> disk hit -> device hit -> 1 filler (device -> CPU) -> CPU hit.
 
@@ -21,15 +22,18 @@ from __future__ import annotations
 
 import argparse
 import random
+import shutil
 import sys
 import tempfile
 import time
 from collections.abc import Callable
+from contextlib import ExitStack
 from dataclasses import dataclass, field
 from typing import Any
 
 from bench import common, report
 from bench.tiers_restart import BS, run_restart, tier_llm
+from clients.testing.redis_server import redis_server
 
 FULL: dict[str, Any] = {
     "prefix_len": 1024,
@@ -53,7 +57,8 @@ QUICK: dict[str, Any] = {
     "answer_len": 2,
     "group": 2,
 }
-TIERS = ("device", "cpu", "disk", "recompute")
+TIERS = ("device", "cpu", "disk", "remote", "recompute")
+CACHED = ("device", "cpu", "disk", "remote")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -104,11 +109,25 @@ class TierSample:
     tier: str
     ttft: float
     cached: dict[str, int]
-    """Prompt tokens served per tier (device, cpu, disk)."""
+    """Prompt tokens served per tier (device, cpu, disk, remote)."""
 
 
 def run_ttft(
     args: argparse.Namespace, model_path: str, ids: list[int], work: dict[str, Any]
+) -> dict[str, Any]:
+    disk_dir = tempfile.mkdtemp(prefix="deja-bench-tiers-")
+    with ExitStack() as stack:
+        url = stack.enter_context(redis_server()) if shutil.which("redis-server") else None
+        return _run_ttft(args, model_path, ids, work, disk_dir, url)
+
+
+def _run_ttft(
+    args: argparse.Namespace,
+    model_path: str,
+    ids: list[int],
+    work: dict[str, Any],
+    disk_dir: str,
+    url: str | None,
 ) -> dict[str, Any]:
     from engine import SamplingParams
 
@@ -120,10 +139,19 @@ def run_ttft(
     filler_len = num_device * BS
     # The CPU tier holds the prefix and one block more: one filler's spills push it to disk.
     num_cpu = plen // BS + 1
-    disk_dir = tempfile.mkdtemp(prefix="deja-bench-tiers-")
     tiered = tier_llm(
-        model_path, args, num_device_blocks=num_device, num_cpu_blocks=num_cpu, disk_dir=disk_dir
+        model_path, args, num_device_blocks=num_device, num_cpu_blocks=num_cpu, disk_dir=disk_dir,
+        kv_remote=url,
+    )  # fmt: skip
+    # another replica: it never computed the prefix, its tiers are empty but for the shared one
+    elsewhere = (
+        tier_llm(
+            model_path, args, num_device_blocks=num_device, num_cpu_blocks=num_cpu, kv_remote=url
+        )
+        if url
+        else None
     )
+    tiers = [t for t in TIERS if url or t != "remote"]
     recompute = tier_llm(
         model_path, args, num_device_blocks=num_device, enable_prefix_caching=False
     )
@@ -131,13 +159,15 @@ def run_ttft(
     warm = common.random_prompt(rng, ids, 64)
     tiered.generate([warm], params)
     recompute.generate([warm], params)
+    if elsewhere is not None:
+        elsewhere.generate([warm], params)
     store = tiered.engine.core.offload
 
     def measure(llm: Any, prompt: list[int], tier: str) -> TierSample:
         out = llm.generate([prompt], params)[0]
         assert out.error is None, out.error
         m, ct = out.metrics, out.cached_tokens
-        return TierSample(tier, m.ttft, {"device": ct.device, "cpu": ct.cpu, "disk": ct.disk})
+        return TierSample(tier, m.ttft, {t: getattr(ct, t) for t in CACHED})
 
     def filler() -> None:
         tiered.generate([common.random_prompt(rng, ids, filler_len)], params)
@@ -153,15 +183,17 @@ def run_ttft(
         filler()  # prefix: device -> CPU
         filler()  # prefix: CPU -> disk
         if store is not None:
-            store.flush()  # the files are written (the reads below come from files)
+            store.flush()  # the files and remote values are written (the reads below read them)
         samples.append(measure(tiered, prompt(), "disk"))
+        if elsewhere is not None:
+            samples.append(measure(elsewhere, prompt(), "remote"))
         samples.append(measure(tiered, prompt(), "device"))
         filler()  # prefix: device -> CPU
         samples.append(measure(tiered, prompt(), "cpu"))
         samples.append(measure(recompute, prompt(), "recompute"))
         print(
             f"  rep {rep + 1}: "
-            + ", ".join(f"{s.tier} {1000 * s.ttft:.0f} ms" for s in samples[-4:])
+            + ", ".join(f"{s.tier} {1000 * s.ttft:.0f} ms" for s in samples[-len(tiers) :])
         )
         sys.stdout.flush()
     if store is not None:
@@ -171,19 +203,17 @@ def run_ttft(
     # median over reps: on a shared machine the load drifts between reps far more than within.
     rows, result = [], {}
     recompute_t = [s.ttft for s in samples if s.tier == "recompute"]
-    for tier in TIERS:
+    for tier in tiers:
         mine = [s for s in samples if s.tier == tier]
         t = common.p50([s.ttft for s in mine])
         speedup = common.p50([r / s.ttft for r, s in zip(recompute_t, mine, strict=True)])
-        served = {k: min(s.cached[k] for s in mine) for k in ("device", "cpu", "disk")}
+        served = {k: min(s.cached[k] for s in mine) for k in CACHED}
         result[tier] = {
             "ttft_p50_s": t,
             "speedup_vs_recompute": speedup,
             "cached_tokens_min": served,
         }
-        rows.append(
-            (tier, 1000 * t, f"{speedup:.1f}x", served["device"], served["cpu"], served["disk"])
-        )
+        rows.append((tier, 1000 * t, f"{speedup:.1f}x", *(served[k] for k in CACHED)))
     print()
     report.print_table(
         [
@@ -193,6 +223,7 @@ def run_ttft(
             "device tok",
             "cpu tok",
             "disk tok",
+            "remote tok",
         ],
         rows,
     )

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import logging
 import queue
+import re
 import threading
 import time
 from collections import Counter, OrderedDict
@@ -68,6 +69,8 @@ class RemoteKV:
         buffer_blocks: int = 1024,
     ) -> None:
         self.url = url
+        self._shown_url = re.sub(r"//[^@/]*@", "//", url)
+        """The URL without credentials (for logs)."""
         self.tag = tag
         """The writer's layout tag (engine/kv_io/remote_format.py): in every key and header."""
         self.payload_bytes = payload_bytes
@@ -104,9 +107,9 @@ class RemoteKV:
         """Lookups answered "nothing" because the store was down."""
         self.num_found = 0
         """Blocks found, verified and handed to the engine."""
-        self.misses: Counter[str] = Counter()
+        self._misses: Counter[str] = Counter()
         """Lookups that ended on a value that was there but unusable, or on a failure, by
-        reason (engine/kv_io/remote_format.py's MISS_REASONS)."""
+        reason (engine/kv_io/remote_format.py's MISS_REASONS); `misses` reads them."""
         self._queue: queue.SimpleQueue[_Write | None] = queue.SimpleQueue()
         self._writer = threading.Thread(target=self._write_loop, name="deja-kv-remote-writer")
         self._writer.daemon = True
@@ -137,7 +140,7 @@ class RemoteKV:
             log.warning(
                 "remote KV tier %s: %s failed (%s: %s); requests recompute what it would have "
                 "served, retried every %.1f s",
-                self.url,
+                self._shown_url,
                 what,
                 type(exc).__name__,
                 exc,
@@ -149,7 +152,7 @@ class RemoteKV:
             with self._lock:
                 was, self._outage_logged = self._outage_logged, False
             if was:
-                log.warning("remote KV tier %s: answering again", self.url)
+                log.warning("remote KV tier %s: answering again", self._shown_url)
 
     def key(self, block_hash: BlockHash) -> str:
         return key(self.key_prefix, self.tag, block_hash)
@@ -290,7 +293,7 @@ class RemoteKV:
             try:
                 values = pipe.execute()
             except redis.RedisError as exc:
-                self.misses["error"] += 1
+                self._miss("error")
                 self._failed("a lookup", exc)
                 return found
             self._succeeded()
@@ -302,7 +305,7 @@ class RemoteKV:
                     try:
                         shares.append(decode(value, h, size, tag))
                     except BadValue as exc:
-                        self.misses[exc.reason] += 1
+                        self._miss(exc.reason)
                         log.warning(
                             "remote KV tier: ignoring and deleting the value of %s (%s); it is a "
                             "miss",
@@ -313,6 +316,16 @@ class RemoteKV:
                         return found
                 found.append((h, shares))
         return found
+
+    def _miss(self, reason: str) -> None:
+        with self._lock:
+            self._misses[reason] += 1
+
+    @property
+    def misses(self) -> dict[str, int]:
+        """A copy of the miss counts by reason (any thread)."""
+        with self._lock:
+            return dict(self._misses)
 
     def _delete(self, name: str) -> None:
         try:

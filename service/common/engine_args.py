@@ -110,7 +110,7 @@ _CACHE_FLAGS = (
     ConfigFlag(
         "kv_remote_timeout_s",
         float,
-        "Bound on one remote-tier operation (a slower store is left alone for --kv-remote-retry-s).",
+        "Bound on one remote-tier operation (a slower store is left alone for --kv-remote-retry).",
     ),
     ConfigFlag("kv_remote_retry_s", float, "Seconds before a failed remote tier is tried again."),
     ConfigFlag(

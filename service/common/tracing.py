@@ -146,6 +146,7 @@ def end_request_span(
             "deja.cached_prompt_tokens.device": cached.device,
             "deja.cached_prompt_tokens.cpu": cached.cpu,
             "deja.cached_prompt_tokens.disk": cached.disk,
+            "deja.cached_prompt_tokens.remote": cached.remote,
         }
         span.set_attributes(attrs)
         if final.pinned is not None:

@@ -44,3 +44,17 @@ def test_tiers_restart_quick(
     row = json.loads(out_json.read_text())["restart"]["64"]
     assert row["disk_hit_tokens"] == 64 and row["cpu_hit_tokens"] == 64
     assert row["load_speed"]["ratio"] > 0
+
+
+def test_tiers_ttft_quick_serves_each_tier(
+    tiny_llama_path: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Part 1: each row's prompt is served from the tier it names, the remote one by another
+    engine sharing a real redis-server."""
+    out_json = tmp_path / "tiers.json"
+    argv = ["--model", str(tiny_llama_path), "--quick", "--part", "ttft", "--json", str(out_json)]
+    assert tiers.run(common.parse_args(tiers.add_arguments, argv)) == 0
+    rows = json.loads(out_json.read_text())["ttft"]["tiers"]
+    assert set(rows) == {"device", "cpu", "disk", "remote", "recompute"}
+    for tier in ("device", "cpu", "disk", "remote"):
+        assert rows[tier]["cached_tokens_min"][tier] == 128, (tier, rows[tier])
