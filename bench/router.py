@@ -215,19 +215,17 @@ def _run_policy(
     runs: _Runs,
     chat: _Chat | None,
 ) -> Any:
-    """Starts fresh replicas and a router (`deja route`, or SMG for the policy smg), runs the
-    workload through it, stops them all."""
+    """Runs the workload through fresh replicas and a router (`deja route` or SMG); stops all."""
     from bench.router_smg import REMOTE, SMG_POLICIES, smg_argv, wait_models
 
-    base, remote = policy.removesuffix(REMOTE), policy.endswith(REMOTE)
-    group = ProcessGroup(workdir)
-    stack = ExitStack()
+    base = policy.removesuffix(REMOTE)  # with REMOTE: replicas share a tier on a redis-server
+    group, stack = ProcessGroup(workdir), ExitStack()
     names = [f"r{i}" for i in range(args.num_replicas)]
     ports = {n: free_port() for n in names}
     replica_metrics = {n: free_port() for n in names}
     router_port, metrics_port = free_port(), free_port()
     try:
-        shared = ["--kv-remote", stack.enter_context(redis_server())] if remote else []
+        shared = ["--kv-remote", stack.enter_context(redis_server())] if base != policy else []
         for n in names:
             extra = [*shlex.split(args.server_args), "--metrics-port", str(replica_metrics[n])]
             extra += shared
@@ -395,15 +393,11 @@ def run(args: argparse.Namespace) -> int:
     known = (*POLICIES, *SMG_POLICIES)
     bad = [p for p in policies if p.removesuffix(REMOTE) not in known]
     if bad or not policies or args.num_replicas < 1 or args.repeat < 1:
-        print(
-            f"deja bench router: policies must be among {known}, each optionally with "
-            f"{REMOTE} (its replicas share a remote KV tier)",
-            file=sys.stderr,
-        )
+        what = f"policies must be among {known}, each may end in {REMOTE} (a shared KV tier)"
+        print(f"deja bench router: {what}", file=sys.stderr)
         return 2
-    chat = (
-        _chat(args.model) if any(p.removesuffix(REMOTE) in SMG_POLICIES for p in policies) else None
-    )
+    smg = any(p.removesuffix(REMOTE) in SMG_POLICIES for p in policies)
+    chat = _chat(args.model) if smg else None
     if not args.request_rate > 0:
         print("deja bench router: --request-rate must be > 0 (inf: a closed loop)", file=sys.stderr)
         return 2

@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from engine.config import CacheConfig, EngineConfig, ModelConfig
+from engine.core.remote_loads import RemoteLoads
 from engine.kv.events import KVEventBuffer
 from engine.kv.manager import KVCacheManager
 from engine.kv.tiers import TieredCache
@@ -102,3 +103,10 @@ def kv_cache_manager(
         events=events,
         sliding_window=window,
     )
+
+
+def remote_loads(kv: KVCacheManager, tiers: TieredCache | None) -> RemoteLoads | None:
+    """The lookups of requests waiting on the remote tier (None: no remote tier)."""
+    if tiers is None or tiers.remote is None:
+        return None
+    return RemoteLoads(kv, tiers, tiers.remote)

@@ -28,11 +28,11 @@ from engine.core.builders import (
     kv_event_buffer,
     max_model_len,
     model_info,
+    remote_loads,
     resolve_config,
 )
 from engine.core.core_stats import engine_stats
 from engine.core.output_processor import OutputProcessor
-from engine.core.remote_loads import RemoteLoads
 from engine.core.scheduler import Scheduler
 from engine.core.sequence import Request, SeqStatus
 from engine.core.spec.proposer import Proposer
@@ -48,7 +48,8 @@ from engine.kv.events import (
 )
 from engine.kv.tiers import TieredCache
 from engine.kv_io.host_memory import HostMemoryTrimmer
-from engine.kv_io.offload import KVOffload, build_tiers, disk_manifest
+from engine.kv_io.offload import KVOffload
+from engine.kv_io.tier_setup import build_tiers, disk_manifest
 from engine.outputs import RequestOutput
 from engine.sample.structured.compiler import GrammarCompilerPool
 from engine.stats import EngineStats
@@ -112,11 +113,7 @@ class EngineCore:
         self.tiers = self._allocate_kv_cache(eos)
         cc = config.cache
         self.kv = kv_cache_manager(cc, self.model_info, hf_config, self.tiers, self.kv_events)
-        self.remote_loads = (
-            RemoteLoads(self.kv, self.tiers, self.tiers.remote)
-            if self.tiers is not None and self.tiers.remote is not None
-            else None
-        )  # requests waiting for their remote-tier lookup
+        self.remote_loads = remote_loads(self.kv, self.tiers)  # requests awaiting their lookup
         self.grammars = GrammarCompilerPool(self.tokenizer, vocab, eos)
         matcher = self.grammars.new_matcher
         self.outputs = OutputProcessor(

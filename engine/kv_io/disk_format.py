@@ -2,7 +2,7 @@
 
 `manifest.json` binds the directory to the model identity, dtype, block size and layout (FORMAT),
 and to the KV encoding: the KV dtype and, for fp8, the per-layer K and V scales the blocks were
-quantized with (a restarted replica adopts them, engine/kv_io/offload.py's `stored_kv_scales`);
+quantized with (a restarted replica adopts them, engine/kv_io/tier_setup.py's `stored_kv_scales`);
 a directory whose manifest differs is not used (logged).
 A block file is a 128-byte header (magic with the format version, block hash, payload length,
 XXH3-128 digest of the payload, the manifest's tag; zero padded so the payload stays aligned for

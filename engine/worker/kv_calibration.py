@@ -5,7 +5,7 @@ one prefill batch into a small temporary cache in the model's dtype, while the a
 reports each layer's new K and V (`AttentionBackend.kv_observer`). Each layer's scale is the
 power of two that puts CALIBRATION_MARGIN x the largest |K| (|V|) seen at or under e4m3's 448
 (engine/worker/attention/kv_quant.py). It costs one forward of ~400 tokens at start.
-The disk tier's stored scales take precedence over a new calibration (engine/kv_io/offload.py's
+The disk tier's stored scales take precedence over a new calibration (engine/kv_io/tier_setup.py's
 `stored_kv_scales`), so blocks written before a restart stay readable.
 """
 
@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from engine.kv_io.offload import TPShare, rank_disk, stored_kv_scales
+from engine.kv_io.tier_setup import TPShare, rank_disk, stored_kv_scales
 from engine.worker.attention.base import AttentionBackend, AttentionMetadata
 from engine.worker.attention.kv_quant import (
     CHECKPOINT_SCALE,
@@ -204,7 +204,7 @@ class KVScaleSources:
     disk_dir: str | None
     """The disk tier's folder (its manifest's `kv_scales`); None: no disk tier."""
     disk_manifest: dict[str, Any]
-    """This engine's disk manifest without scales (engine/kv_io/offload.py's disk_manifest)."""
+    """This engine's disk manifest without scales (engine/kv_io/tier_setup.py's disk_manifest)."""
     tp: TPShare | None = None
     """Rank 0's share with N > 1: the scales are those of its own folder's blocks."""
 

@@ -17,7 +17,8 @@ from typing import Any
 import torch
 
 from engine.config import EngineConfig
-from engine.kv_io.offload import KVOffload, TPShare, open_disk, open_remote
+from engine.kv_io.offload import KVOffload
+from engine.kv_io.tier_setup import TPShare, open_disk, open_remote
 from engine.sample.sampler import Sampler, host_to_device
 from engine.worker.attention import get_attention_backend
 from engine.worker.attention.kv_quant import KVScales, kv_block_bytes

@@ -34,11 +34,6 @@ from engine.kv.hashing import BlockHash
 from service.affinity.prefix import TierBlocks
 
 TIERS = ("device", "cpu", "disk", "remote")
-REMOTE_HOLDER = "@remote"
-"""The holder of the remote tier's records: the tier shared by every replica of a model is
-recorded as a replica of its own (each replica's agent writes what it stored there), so its
-records outlive the replica that wrote the blocks; the router credits them to every replica
-(service/router/servicer.py)."""
 TIER_INDEX = {t: i for i, t in enumerate(TIERS)}
 
 

@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 
 from engine.kv.hashing import BlockHash
 
 TierBlocks = tuple[int, int, int, int]
 """Leading blocks of a prompt held, by tier: (device, cpu, disk, remote)."""
+REMOTE_HOLDER = "@remote"
+"""The holder of the remote tier's records: the tier shared by every replica of a model is
+recorded as a replica of its own (each replica's agent writes what it stored there), so its
+records outlive the replica that wrote the blocks; the router credits them to every replica
+(service/router/servicer.py)."""
 
 
 def bounded_chain(block_hashes: Sequence[BlockHash], limit: int) -> list[BlockHash]:
@@ -37,3 +42,21 @@ def leading_tiers(held: Sequence[Mapping[str, int]]) -> dict[str, TierBlocks]:
         for rid, t in current.items():
             counts.setdefault(rid, [0, 0, 0, 0])[t] += 1
     return {rid: (c[0], c[1], c[2], c[3]) for rid, c in counts.items()}
+
+
+def with_shared_tier(
+    held: Mapping[str, TierBlocks], replica_ids: Iterable[str]
+) -> dict[str, TierBlocks]:
+    """`held` (a store's `longest_prefix_tiers`) for `replica_ids`, each with the remote tier's
+    leading run (the records of REMOTE_HOLDER, the tier every replica shares) past what the
+    replica holds itself; a replica with neither is absent."""
+    shared = sum(held.get(REMOTE_HOLDER, ()))
+    out: dict[str, TierBlocks] = {}
+    for rid in replica_ids:
+        t = held.get(rid)
+        if shared:
+            d, c, k, r = t or (0, 0, 0, 0)
+            t = (d, c, k, max(r, shared - d - c - k))
+        if t is not None:
+            out[rid] = t
+    return out

@@ -44,7 +44,6 @@ from engine.frontend.prompt import prompt_block_hashes
 from engine.kv.hashing import BlockHash
 from engine.stats import EngineStats, ModelInfo
 from service.affinity.base import (
-    REMOTE_HOLDER,
     AffinityStore,
     AffinityStoreError,
     ReplicaInfo,
@@ -52,7 +51,7 @@ from service.affinity.base import (
 )
 from service.affinity.config import AffinityConfig
 from service.affinity.flags import add_affinity_args, affinity_config_from_args
-from service.affinity.prefix import bounded_chain
+from service.affinity.prefix import REMOTE_HOLDER, bounded_chain
 from service.common.flags import add_flag
 from service.replica.kv_events import KvBatch
 from service.replica.kv_records import KvRecordWriter

@@ -37,10 +37,9 @@ a little over the bound still wins when its estimate is clearly the lowest.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from service.affinity.base import REMOTE_HOLDER
 from service.affinity.prefix import TierBlocks
 
 TIERS = ("device", "cpu", "disk", "remote")
@@ -217,24 +216,6 @@ def held_blocks(
     if prefix_tiers is not None and replica_id in prefix_tiers:
         return prefix_tiers[replica_id]
     return ((prefix_blocks or {}).get(replica_id, 0), 0, 0, 0)
-
-
-def with_shared_tier(
-    held: Mapping[str, TierBlocks], replica_ids: Iterable[str]
-) -> dict[str, TierBlocks]:
-    """`held` (a store's `longest_prefix_tiers`) for `replica_ids`, each with the remote tier's
-    leading run (the records of REMOTE_HOLDER, the tier every replica shares) past what the
-    replica holds itself; a replica with neither is absent."""
-    shared = sum(held.get(REMOTE_HOLDER, ()))
-    out: dict[str, TierBlocks] = {}
-    for rid in replica_ids:
-        t = held.get(rid)
-        if shared:
-            d, c, k, r = t or (0, 0, 0, 0)
-            t = (d, c, k, max(r, shared - d - c - k))
-        if t is not None:
-            out[rid] = t
-    return out
 
 
 def within_bound(

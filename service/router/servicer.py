@@ -7,12 +7,11 @@ stream with the caller's deadline and metadata (bearer token; the W3C trace cont
 router span's), and retry on the next-best replica not tried yet when one fails before the first
 message (UNAVAILABLE, its engine core died, its queue is full: service/router/retry.py); never
 after it. The final message carries `route {replica_id, reason}`; before it is relayed the router
-records `session -> replica` and the prompt's block hashes, so the next turn finds them. Cancelling the call cancels the upstream
-call. The store is an optimisation: when it fails, routing falls back to rendezvous hashing
-(reason "fallback", counted in deja_router_fallback_total) and no request fails because of it.
-
-Tokenize and GetModelInfo go to the least loaded healthy replica; GetLoad and GetCacheStats add
-up the healthy replicas; Abort goes to every healthy replica.
+records `session -> replica` and the prompt's block hashes, so the next turn finds them.
+Cancelling the call cancels the upstream call. The store is an optimisation: when it fails,
+routing falls back to rendezvous hashing (reason "fallback", deja_router_fallback_total) and
+no request fails because of it. Tokenize and GetModelInfo go to the least loaded healthy
+replica; GetLoad and GetCacheStats add up the healthy replicas; Abort goes to every one.
 """
 
 from __future__ import annotations
@@ -33,13 +32,12 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
 from service.affinity.base import AffinityStore, AffinityStoreError
-from service.affinity.prefix import TierBlocks, bounded_chain
+from service.affinity.prefix import TierBlocks, bounded_chain, with_shared_tier
 from service.api.deja.v1 import inference_pb2 as pb
 from service.api.deja.v1 import inference_pb2_grpc as pb_grpc
 from service.common.rpc import SERVICE_NAME, abort
 from service.common.tracing import extract_context, get_tracer
 from service.router.config import RouterConfig
-from service.router.cost import with_shared_tier
 from service.router.metrics import RouterMetrics
 from service.router.policy import Candidate, NoReplicaError, RouteDecision, RouteInputs, decide
 from service.router.pool import ReplicaHandle, ReplicaPool
@@ -90,13 +88,10 @@ def _sum_by_name(into: dict[str, Any], items: Iterable[Any], message: Any) -> No
     for item in items:
         acc = into.setdefault(item.name, message(name=item.name))
         for f in message.DESCRIPTOR.fields:
-            if f.name == "name":
-                continue
-            if f.message_type is not None and f.message_type.GetOptions().map_entry:
-                into_map = getattr(acc, f.name)  # counts by key (TierStats.misses)
+            if f.message_type is not None:  # a map of counts by key (TierStats.misses)
                 for k, v in getattr(item, f.name).items():
-                    into_map[k] += v
-            else:
+                    getattr(acc, f.name)[k] += v
+            elif f.name != "name":
                 setattr(acc, f.name, getattr(acc, f.name) + getattr(item, f.name))
 
 
@@ -188,8 +183,8 @@ class RouterServicer(pb_grpc.InferenceServicer):
         self, request: pb.GenerateRequest, key: str, prompt: PromptChains, exclude: set[str]
     ) -> RouteInputs:
         """What the store knows of this request: its session's replica and, per replica, the
-        leading prompt blocks held in each tier (skipped when the session's replica decides
-        alone, as under affinity)."""
+        leading prompt blocks held in each tier, the shared one's counted for every replica
+        (skipped when the session's replica decides alone, as under affinity)."""
         cfg = self._config
         store_ok, session_replica, prompt_tokens = True, None, 0
         prefix: dict[str, int] | None = None

@@ -157,7 +157,7 @@ def test_bad_values_are_misses_with_their_reason(
     tenant_value = r.get(_keys(a, other_tenant, "someone-else")[bad_at])
     assert tenant_value is not None
     r.set(keys[3][bad_at], tenant_value)  # another tenant's block under this key
-    from engine.kv_io.offload import TPShare, disk_manifest, remote_tag
+    from engine.kv_io.tier_setup import TPShare, disk_manifest, remote_tag
 
     eng = a.engine
     manifest = disk_manifest(eng.model_info, eng.core._fingerprint(), torch.float32, None)
