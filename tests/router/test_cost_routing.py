@@ -359,8 +359,7 @@ def test_the_shared_tier_counts_for_every_replica() -> None:
     """The remote tier's records (REMOTE_HOLDER) extend every replica's own run: a replica that
     holds 2 blocks gets the remote run's other 4; one that holds none gets all 6; one past the
     remote run keeps its own; nothing is invented without records."""
-    from service.affinity.base import REMOTE_HOLDER
-    from service.router.cost import with_shared_tier
+    from service.affinity.prefix import REMOTE_HOLDER, with_shared_tier
 
     held = {"a": (2, 0, 0, 0), "c": (7, 0, 0, 0), REMOTE_HOLDER: (0, 0, 0, 6), "gone": (9, 0, 0, 0)}
     out = with_shared_tier(held, ["a", "b", "c"])

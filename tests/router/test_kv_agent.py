@@ -13,12 +13,12 @@ from engine.frontend.prompt import prompt_block_hashes
 from engine.sample.sampling_params import SamplingParams
 from engine.stats import EngineStats
 from service.affinity import AffinityConfig, AffinityStore, ReplicaInfo
-from service.affinity.base import REMOTE_HOLDER
 from service.affinity.memory import MemoryAffinityStore
+from service.affinity.prefix import REMOTE_HOLDER, with_shared_tier
 from service.affinity.redis_store import RedisAffinityStore
 from service.replica.agent import ReplicaAgent
 from service.replica.kv_events import KvEventRing
-from service.router.cost import CostWeights, held_blocks, with_shared_tier
+from service.router.cost import CostWeights, held_blocks
 from tests.support.redis_proc import RedisProcess
 from tests.support.waiting import wait_until
 

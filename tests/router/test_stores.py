@@ -15,8 +15,8 @@ from service.affinity import (
     ReplicaInfo,
     ReplicaLoad,
 )
-from service.affinity.base import REMOTE_HOLDER
 from service.affinity.memory import MemoryAffinityStore
+from service.affinity.prefix import REMOTE_HOLDER
 from service.affinity.redis_store import RedisAffinityStore
 from tests.support.redis_proc import RedisProcess
 

@@ -12,10 +12,12 @@ from typing import Any
 
 import pytest
 import redis
+import torch
 
 from engine import LLM, SamplingParams
 from engine.kv.hashing import extra_keys, hash_blocks
 from engine.kv_io.remote_format import decode, encode
+from engine.kv_io.tier_setup import TPShare, disk_manifest, remote_tag
 from tests.support.redis_proc import RedisProcess
 from tests.support.thread_proxy import ThreadDelayProxy
 
@@ -117,6 +119,12 @@ def test_fp8_cache_is_shared(tiny_llama_path: Path, redis_proc: RedisProcess) ->
     assert all(o.cached_tokens.remote == 0 for o in c.generate(prompts, GREEDY))
 
 
+def get(r: redis.Redis, name: str) -> bytes:
+    value = r.get(name)
+    assert isinstance(value, bytes), name
+    return value
+
+
 def _keys(llm: LLM, prompt: list[int], salt: str | None = None) -> list[str]:
     extra = extra_keys(llm.engine.model_info.model_id, salt)
     offload = llm.engine.core.offload
@@ -143,22 +151,16 @@ def test_bad_values_are_misses_with_their_reason(
     tag = offload.remote.tag
     keys = [_keys(a, p) for p in prompts]
     bad_at = 5  # blocks 0..4 stay good: each prompt gets exactly 5 remote blocks
-    value = r.get(keys[0][bad_at])
-    assert value is not None
+    value = get(r, keys[0][bad_at])
     r.set(keys[0][bad_at], value[:-100])  # truncated
-    flipped = bytearray(r.get(keys[1][bad_at]) or b"")
+    flipped = bytearray(get(r, keys[1][bad_at]))
     flipped[len(flipped) // 2] ^= 0x10
     r.set(keys[1][bad_at], bytes(flipped))  # corrupt payload
-    import torch
-
     payload = torch.frombuffer(bytearray(value[128:]), dtype=torch.uint8)
     block = hash_blocks(prompts[2], BS, extra_keys(a.engine.model_info.model_id))[bad_at]
     r.set(keys[2][bad_at], encode(block, payload, bytes(16)))  # another model's tag
-    tenant_value = r.get(_keys(a, other_tenant, "someone-else")[bad_at])
-    assert tenant_value is not None
+    tenant_value = get(r, _keys(a, other_tenant, "someone-else")[bad_at])
     r.set(keys[3][bad_at], tenant_value)  # another tenant's block under this key
-    from engine.kv_io.tier_setup import TPShare, disk_manifest, remote_tag
-
     eng = a.engine
     manifest = disk_manifest(eng.model_info, eng.core._fingerprint(), torch.float32, None)
     assert remote_tag(manifest, None) == tag
@@ -177,9 +179,7 @@ def test_bad_values_are_misses_with_their_reason(
     flush(b)
     for i in range(5):
         block = hash_blocks(prompts[i], BS, extra_keys(eng.model_info.model_id))[bad_at]
-        good = r.get(keys[i][bad_at])
-        assert good is not None
-        decode(good, block, len(value) - 128, tag)
+        decode(get(r, keys[i][bad_at]), block, len(value) - 128, tag)
 
 
 def test_a_killed_store_fails_no_request_and_is_used_again(
