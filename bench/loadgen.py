@@ -300,4 +300,8 @@ def run(args: argparse.Namespace) -> int:
         if text:
             print("== comparison ==\n" + text)
         print(finished)
+    if args.plot:
+        from bench import plots
+
+        plots.ttft_by_turn(results, Path(args.plot), f"{args.dataset}: TTFT by turn")
     return 0 if all(r["failed"] == 0 for r in results.values()) else 1

@@ -34,8 +34,8 @@ from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
-from bench import report
-from bench.router_table import compare, format_comparison
+from bench import plots, report
+from bench.router_table import compare, format_comparison, route_counts
 from bench.served import add_run_flags, dataset_spec, drive, format_result
 from clients.testing.cluster import (
     ProcessGroup,
@@ -60,7 +60,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_flag(c, "--model", default="demo", help="Model folder or 'demo' for every replica.")
     add_flag(c, "--num-replicas", type=int, default=2, help="Replicas behind the router.")
     add_flag(
-        c, "--policies", default=",".join(POLICIES), help="Comma-separated policies to compare."
+        c,
+        "--policies",
+        default=",".join(POLICIES),
+        help=f"Comma-separated policies to compare: {', '.join(POLICIES)}, smg (SMG's cache-aware "
+        "router), smg_round_robin; any may end in +remote (its replicas share a remote KV tier).",
     )
     add_flag(
         c,
@@ -196,17 +200,6 @@ async def _drive(
     return workload
 
 
-def _route_counts(metrics_text: str, label: str) -> dict[str, float]:
-    """deja_router_requests_total summed by one label (reason or replica)."""
-    out: dict[str, float] = {}
-    for line in metrics_text.splitlines():
-        if line.startswith("deja_router_requests_total{"):
-            labels, _, value = line.partition("} ")
-            key = labels.split(f'{label}="', 1)[1].split('"', 1)[0]
-            out[key] = out.get(key, 0.0) + float(value)
-    return out
-
-
 def _run_policy(
     args: argparse.Namespace,
     policy: str,
@@ -266,9 +259,9 @@ def _run_policy(
         workload = asyncio.run(_drive(target, args, policy, workload, runs, chat))
         runs.busy_s.append(engine_busy_seconds(list(replica_metrics.values())))
         text = scrape(metrics_port)
-        for reason, count in _route_counts(text, "reason").items():
+        for reason, count in route_counts(text, "reason").items():
             runs.routes[reason] = runs.routes.get(reason, 0.0) + count
-        for replica, count in _route_counts(text, "replica").items():
+        for replica, count in route_counts(text, "replica").items():
             runs.replicas[replica] = runs.replicas.get(replica, 0.0) + count
         return workload
     finally:
@@ -497,4 +490,6 @@ def run(args: argparse.Namespace) -> int:
                 "comparable between policies, not with the oracle"
             )
         print(end_line)
+    if args.plot:
+        plots.ttft_distributions(plots.ttfts({p: m.records for p, m in runs.items()}), args.plot)
     return 0 if all(r["failed"] == 0 for r in results.values()) else 1

@@ -68,3 +68,14 @@ def format_comparison(rows: dict[str, Any]) -> str:
             f"so none can reach more than {best:.2f}x round robin's here"
         )
     return "\n".join(lines)
+
+
+def route_counts(metrics_text: str, label: str) -> dict[str, float]:
+    """deja_router_requests_total summed by one label (reason or replica)."""
+    out: dict[str, float] = {}
+    for line in metrics_text.splitlines():
+        if line.startswith("deja_router_requests_total{"):
+            labels, _, value = line.partition("} ")
+            key = labels.split(f'{label}="', 1)[1].split('"', 1)[0]
+            out[key] = out.get(key, 0.0) + float(value)
+    return out

@@ -61,6 +61,13 @@ def add_run_flags(group: argparse._ArgumentGroup) -> None:
     add_flag(group, "--warmup-requests", type=int, default=2, help="Unmeasured requests first.")
     add_bool_flag(group, "--json", default=False, help="Print JSON instead of text.")
     add_flag(group, "--output", help="Also write the JSON results to this file.")
+    add_flag(
+        group,
+        "--plot",
+        help="Also draw the results into this PNG (matplotlib): TTFT by turn per server; with "
+        "--sweep-concurrency, throughput and TPOT against concurrency; `deja bench router`: "
+        "TTFT distributions per policy.",
+    )
     add_bool_flag(group, "--progress", default=True, help="Progress bar on stderr.")
 
 

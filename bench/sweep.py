@@ -145,6 +145,7 @@ def sweep_rows(
             "requests": s["requests"],
             "served_output_tok_s": s["output_throughput"],
             "served_ttft_p50_ms": s["ttft_ms"].get("p50"),
+            "served_tpot_p50_ms": s["tpot_ms"].get("p50"),
         }
         if c in offline:
             o = offline[c]
@@ -222,5 +223,10 @@ def run_sweep(args: argparse.Namespace) -> int:
         )
         print(format_sweep(rows))
         print(f"load avg at start {format_load(load_start)}, at end {format_load(load_end)}")
+    if args.plot:
+        from bench import plots
+
+        title = f"{args.dataset}, input {args.input_len}, output {args.output_len}"
+        plots.sweep(rows, Path(args.plot), title)
     failed = sum(r["failed"] for part in (served, offline) for r in part.values())
     return 1 if failed else 0

@@ -377,8 +377,14 @@ def summarize(records: Sequence[Record], duration_s: float) -> dict[str, Any]:
 
 
 def summarize_by_turn(records: Sequence[Record], duration_s: float) -> dict[str, Any]:
-    """The whole run, plus turn 1 and turns 2+ separately (when there are later turns)."""
+    """The whole run, plus turn 1 and turns 2+ separately (when there are later turns), and
+    the TTFT percentiles of each turn (`ttft_ms_by_turn`, turn -> percentiles)."""
     out = summarize(records, duration_s)
+    ttfts = [(r.turn, r.ttft_s) for r in records if r.error is None and r.ttft_s is not None]
+    out["ttft_ms_by_turn"] = {
+        str(t): percentiles([s for turn, s in ttfts if turn == t])
+        for t in sorted({turn for turn, _ in ttfts})
+    }
     later = [r for r in records if r.turn > 1]
     if later:
         out["turn_1"] = summarize([r for r in records if r.turn == 1], duration_s)

@@ -28,9 +28,7 @@ Rules:
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Protocol
 
 from engine.kv.block_pool import BlockPool
@@ -39,6 +37,7 @@ from engine.kv.disk_index import DiskIndex
 from engine.kv.events import KVEventBuffer
 from engine.kv.hashing import BlockHash
 from engine.kv.plan import KVPlan
+from engine.kv.write_queue import DiskWrites, WriteQueue
 from engine.stats import TierStats
 
 WRITE_POLICIES = ("write-through", "selective", "write-back")
@@ -74,19 +73,6 @@ class DiskIO(Protocol):
         ...
 
 
-@dataclass(slots=True)
-class DiskWrites:
-    """Blocks to copy into staging memory now and queue for the disk writer (`take_writes`)."""
-
-    from_device: list[tuple[int, BlockHash]] = field(default_factory=list)
-    """(device block id, hash)."""
-    from_cpu: list[tuple[int, BlockHash]] = field(default_factory=list)
-    """(cpu block id, hash)."""
-
-    def __bool__(self) -> bool:
-        return bool(self.from_device or self.from_cpu)
-
-
 class DiskTier:
     """The disk index, the file reader and the write policy below a `TieredCache`."""
 
@@ -109,13 +95,8 @@ class DiskTier:
         """Hashes whose disk store this step's plan carries."""
         self.write_policy = write_policy
         """One of WRITE_POLICIES: what reaches disk besides write-back stores."""
-        self.min_hits = min_hits
-        """Prefix hits that make a block worth a disk write (selective policy)."""
-        self._writes: dict[BlockHash, None] = {}
-        """Hashes the write policy wants on disk, in order; taken by `take_writes`."""
-        self._hits: OrderedDict[BlockHash, int] = OrderedDict()
-        """Prefix hits per hash (selective policy), least recently hit first, bounded."""
-        self._max_hit_entries = max_hit_entries
+        self.queue = WriteQueue(self.index.__contains__, min_hits, max_hit_entries)
+        """Hashes the write policy wants on disk, and the selective policy's hit counts."""
         self.counters = counters
         """The `TieredCache`'s (shared with its manager)."""
         self.events = events
@@ -174,9 +155,8 @@ class DiskTier:
         if block_hash in self.index:
             self.index.touch(block_hash)
             return
-        if self.write_policy == "selective" and not (
-            self._hits.get(block_hash, 0) >= self.min_hits or pinned
-        ):
+        q = self.queue
+        if self.write_policy == "selective" and not (q.hits(block_hash) >= q.min_hits or pinned):
             return
         assert plan is not None, "CPU blocks are only reused while planning"
         self.index.add(block_hash)
@@ -187,26 +167,18 @@ class DiskTier:
     def on_cached(self, block_hash: BlockHash) -> None:
         """A newly computed full device block: write-through queues it."""
         if self.write_policy == "write-through" and self.io.enabled:
-            self._want_write(block_hash)
+            self.queue.want(block_hash)
 
     def on_pinned(self, block_hash: BlockHash) -> None:
         """A pinned hash: every policy but write-back queues it (a pinned prefix is worth keeping
         across restarts)."""
         if self.write_policy != "write-back" and self.io.enabled:
-            self._want_write(block_hash)
+            self.queue.want(block_hash)
 
     def note_hits(self, hashes: list[BlockHash]) -> None:
         """Counts prefix hits; under `selective` a hash reaching `min_hits` is queued."""
-        if self.write_policy != "selective" or not self.io.enabled:
-            return
-        counts = self._hits
-        for h in hashes:
-            n = counts.pop(h, 0) + 1
-            counts[h] = n
-            if n == self.min_hits:
-                self._want_write(h)
-        while len(counts) > self._max_hit_entries:
-            counts.popitem(last=False)
+        if self.write_policy == "selective" and self.io.enabled:
+            self.queue.count_hits(hashes)
 
     def take_writes(
         self, room: int, device_lookup: Callable[[BlockHash], int | None], cpu: BlockPool
@@ -223,33 +195,15 @@ class DiskTier:
         tier off (lookups stop, `cached_hashes` skips the index), and a restart rebuilds the
         index from the files that exist, so such an entry is never served.
         """
-        out = DiskWrites()
-        queued, self._writes = self._writes, {}
         if not self.io.enabled:
-            return out
-        for h in queued:
-            if h in self.index:
-                continue
-            if room <= 0:
-                self.counters.dropped_writes += 1
-                continue
-            dev = device_lookup(h)
-            if dev is not None:
-                out.from_device.append((dev, h))
-            else:
-                b = cpu.lookup(h)
-                if b is None:  # evicted from both before the step ended: nothing to write
-                    self.counters.dropped_writes += 1
-                    continue
-                out.from_cpu.append((b.block_id, h))
+            self.queue.clear()
+            return DiskWrites()
+        out, dropped = self.queue.take(room, device_lookup, cpu)
+        self.counters.dropped_writes += dropped
+        for h in out.hashes():
             self.index.add(h)
-            self.counters.disk_writes += 1
-            room -= 1
+        self.counters.disk_writes += len(out.from_device) + len(out.from_cpu)
         return out
-
-    def _want_write(self, block_hash: BlockHash) -> None:
-        if block_hash not in self.index:
-            self._writes[block_hash] = None
 
     # -- stats ---------------------------------------------------------------------------------
     def stats(self, block_bytes: int) -> TierStats:

@@ -30,10 +30,10 @@ from typing import Any, Protocol
 
 from engine.kv.block_pool import BlockPool
 from engine.kv.counters import TierCounters
-from engine.kv.disk_tier import DiskWrites
 from engine.kv.events import KVEventBuffer
 from engine.kv.hashing import BlockHash
 from engine.kv.plan import KVPlan
+from engine.kv.write_queue import DiskWrites, WriteQueue
 from engine.stats import TierStats
 
 MAX_KNOWN = 1 << 17
@@ -92,14 +92,11 @@ class RemoteTier:
         self.io = io
         self.counters = counters
         self.write_policy = write_policy
-        self.min_hits = min_hits
         self.events = events
         self.known: OrderedDict[BlockHash, None] = OrderedDict()
         """Hashes this engine wrote or found in the store, least recently seen first."""
-        self._writes: dict[BlockHash, None] = {}
-        """Hashes the write policy wants remote, in order; taken by `take_writes`."""
-        self._hits: OrderedDict[BlockHash, int] = OrderedDict()
-        """Prefix hits per hash (selective policy), least recently hit first, bounded."""
+        self.queue = WriteQueue(self.known.__contains__, min_hits, MAX_KNOWN)
+        """Hashes the write policy wants remote, and the selective policy's hit counts."""
         self._outages = 0
         """The store's outages seen: after one, nothing is known to be there any more."""
 
@@ -144,57 +141,30 @@ class RemoteTier:
     # -- the write policy ----------------------------------------------------------------------
     def on_cached(self, block_hash: BlockHash) -> None:
         if self.write_policy == "write-through":
-            self._want(block_hash)
+            self.queue.want(block_hash)
 
     def on_pinned(self, block_hash: BlockHash) -> None:
-        self._want(block_hash)
+        self.queue.want(block_hash)
 
     def note_hits(self, hashes: list[BlockHash]) -> None:
-        if self.write_policy != "selective":
-            return
-        counts = self._hits
-        for h in hashes:
-            n = counts.pop(h, 0) + 1
-            counts[h] = n
-            if n == self.min_hits:
-                self._want(h)
-        while len(counts) > MAX_KNOWN:
-            counts.popitem(last=False)
+        if self.write_policy == "selective":
+            self.queue.count_hits(hashes)
 
     def take_writes(
         self, room: int, device_lookup: Callable[[BlockHash], int | None], cpu: BlockPool | None
     ) -> DiskWrites:
         """The queued hashes resolved to the blocks that hold them now, `room` at most (the
         writer's free queue slots); the rest are dropped and counted. Between steps only."""
-        out = DiskWrites()
-        queued, self._writes = self._writes, {}
-        for h in queued:
-            if h in self.known:
-                continue
-            if room <= 0:
-                self.counters.remote_dropped_writes += 1
-                continue
-            dev = device_lookup(h)
-            if dev is not None:
-                out.from_device.append((dev, h))
-            else:
-                b = cpu.lookup(h) if cpu is not None else None
-                if b is None:
-                    self.counters.remote_dropped_writes += 1
-                    continue
-                out.from_cpu.append((b.block_id, h))
+        out, dropped = self.queue.take(room, device_lookup, cpu)
+        self.counters.remote_dropped_writes += dropped
+        for h in out.hashes():
             self._know(h)
-            self.counters.remote_writes += 1
-            room -= 1
+        self.counters.remote_writes += len(out.from_device) + len(out.from_cpu)
         return out
 
     def forget_write(self, block_hash: BlockHash) -> None:
         """A taken write the store's queue refused: it may be queued again later."""
         self.known.pop(block_hash, None)
-
-    def _want(self, block_hash: BlockHash) -> None:
-        if block_hash not in self.known:
-            self._writes[block_hash] = None
 
     def _know(self, block_hash: BlockHash) -> None:
         self.known[block_hash] = None

@@ -41,11 +41,12 @@ from engine.kv.block_pool import Block
 from engine.kv.counters import TierCounters
 from engine.kv.cpu_tier import CpuTier
 from engine.kv.disk_index import DiskIndex
-from engine.kv.disk_tier import WRITE_POLICIES, DiskIO, DiskTier, DiskWrites
+from engine.kv.disk_tier import WRITE_POLICIES, DiskIO, DiskTier
 from engine.kv.events import KVEventBuffer
 from engine.kv.hashing import BlockHash
 from engine.kv.plan import KVPlan
 from engine.kv.remote_tier import RemoteIO, RemoteTier
+from engine.kv.write_queue import DiskWrites
 from engine.stats import TierStats
 
 

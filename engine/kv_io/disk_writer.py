@@ -32,6 +32,21 @@ from engine.kv_io.disk_format import NO_TAG, write_block_file
 log = logging.getLogger(__name__)
 
 
+def wait_until_idle(
+    idle: threading.Condition, busy: Callable[[], int], timeout_s: float | None
+) -> bool:
+    """Waits until `busy()` (read under `idle`'s lock, whose holder notifies when it reaches 0)
+    is 0, at most `timeout_s`; True if it did."""
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    with idle:
+        while busy():
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                return False
+            idle.wait(left)
+    return True
+
+
 class Ready(Protocol):
     """Completion of an asynchronous copy into a payload (a CUDA event)."""
 
@@ -143,14 +158,7 @@ class DiskWriter:
 
     def flush(self, timeout_s: float | None = None) -> bool:
         """Waits until every queued write and delete is done (at most `timeout_s`); True if so."""
-        deadline = None if timeout_s is None else time.monotonic() + timeout_s
-        with self._idle:
-            while self._unfinished:
-                left = None if deadline is None else deadline - time.monotonic()
-                if left is not None and left <= 0:
-                    return False
-                self._idle.wait(left)
-        return True
+        return wait_until_idle(self._idle, lambda: self._unfinished, timeout_s)
 
     def stop(self, flushed: bool) -> None:
         """Stops the thread: after a budget scan when the queue was `flushed`, else at once (what

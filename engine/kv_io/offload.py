@@ -36,10 +36,10 @@ import torch
 
 from cuda.tier_copy import copy_blocks_between
 from engine.kv.disk_index import DiskIndex
-from engine.kv.disk_tier import DiskWrites
 from engine.kv.hashing import BlockHash
 from engine.kv.plan import KVPlan
 from engine.kv.tiers import TieredCache
+from engine.kv.write_queue import DiskWrites
 from engine.kv_io.disk import DiskFiles
 from engine.kv_io.remote import RemoteKV
 from engine.stats import BufferStats

@@ -34,7 +34,7 @@ import redis
 import torch
 
 from engine.kv.hashing import BlockHash
-from engine.kv_io.disk_writer import Ready
+from engine.kv_io.disk_writer import Ready, wait_until_idle
 from engine.kv_io.remote_format import BadValue, decode, encode, key
 
 log = logging.getLogger(__name__)
@@ -186,14 +186,7 @@ class RemoteKV:
 
     def flush(self, timeout_s: float | None = None) -> bool:
         """Waits until every queued value was sent or dropped (at most `timeout_s`)."""
-        deadline = None if timeout_s is None else time.monotonic() + timeout_s
-        with self._idle:
-            while self._unfinished:
-                left = None if deadline is None else deadline - time.monotonic()
-                if left is not None and left <= 0:
-                    return False
-                self._idle.wait(left)
-        return True
+        return wait_until_idle(self._idle, lambda: self._unfinished, timeout_s)
 
     def close(self, timeout_s: float | None = None) -> bool:
         """Flushes (bounded by `timeout_s`) and stops the threads; True when nothing was left."""

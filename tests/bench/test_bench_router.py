@@ -21,9 +21,10 @@ def test_bench_router_runs_each_policy_on_fresh_replicas(
     flags += ["--input-len", "32", "--output-len", "4", "--max-concurrency", "2"]
     flags += ["--request-rate", "20", "--warmup-requests", "1", "--no-progress"]
     flags += ["--server-args", "--max-num-seqs 4 --threads 1", "--output", str(out_json)]
-    flags += ["--simulate", "--sim-profile", "cpu"]
+    flags += ["--simulate", "--sim-profile", "cpu", "--plot", str(tmp_path / "ttft.png")]
     args = common.parse_args(router.add_arguments, flags)
     assert router.run(args) == 0
+    assert (tmp_path / "ttft.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"  # per policy
     text = capsys.readouterr().out
     assert re.search(r"^cost\s+\d+\.\d%", text, re.M), text
     data = json.loads(out_json.read_text())

@@ -146,10 +146,12 @@ def test_spawn_servers_cache_on_off_and_in_process(tiny_llama_path: Path, tmp_pa
     argv += ["--model", str(tiny_llama_path), "--num-device-blocks", "256", "--cpu-swap-gib", "0"]
     argv += ["--max-model-len", "1024", "--dataset", "multi-turn", "--num-sessions", "2"]
     argv += ["--num-turns", "2", "--prefix-len", "64", "--input-len", "8", "--output-len", "4"]
-    argv += ["--no-progress", "--output", str(out)]
+    argv += ["--no-progress", "--output", str(out), "--plot", str(tmp_path / "ttft.png")]
     assert cli.main(argv) == 0
+    assert (tmp_path / "ttft.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"  # TTFT by turn
     report = json.loads(out.read_text())
     on, off = report["results"]["cache-on"], report["results"]["cache-off"]
+    assert set(on["ttft_ms_by_turn"]) == {"1", "2"}
     assert on["turns_2plus"]["prefix_hit_rate"] > 0.5
     assert off["prefix_hit_rate"] == 0.0
     assert on["replica_id"] == "cache-on" and off["replica_id"] == "cache-off"

@@ -45,10 +45,11 @@ def test_levels_and_rows() -> None:
     assert parse_levels("1,4, 16,64") == [1, 4, 16, 64]
     with pytest.raises(ValueError):
         parse_levels("0,4")
-    served = {1: {"requests": 4, "output_throughput": 19.5, "ttft_ms": {"p50": 5.0}}}
+    served = {1: {"requests": 4, "output_throughput": 19.5, "ttft_ms": {"p50": 5.0}, "tpot_ms": {}}}
     offline = {1: {"requests": 4, "output_throughput": 20.0, "ttft_ms": {"p50": 4.0}}}
     (row,) = sweep_rows([1], served, offline)
     assert row["ratio"] == pytest.approx(0.975) and row["ok"] is True
+    assert row["served_tpot_p50_ms"] is None  # no request made two tokens
     assert TARGET_RATIO == 0.95
     served[1]["output_throughput"] = 18.0
     assert sweep_rows([1], served, offline)[0]["ok"] is False
@@ -62,7 +63,9 @@ def test_sweep_spawned_server_vs_offline(
     argv += ["--compare-offline", "--model", str(tiny_llama_path), *ENGINE_FLAGS]
     argv += ["--dataset", "random", "--num-prompts", "3", "--input-len", "16", "--output-len", "4"]
     argv += ["--warmup-requests", "1", "--no-progress", "--output", str(out)]
+    argv += ["--plot", str(tmp_path / "sweep.png")]
     assert cli.main(argv) == 0
+    assert (tmp_path / "sweep.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     text = capsys.readouterr().out
     assert "concurrency" in text and "load avg at start" in text
     report = json.loads(out.read_text())

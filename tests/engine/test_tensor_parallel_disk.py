@@ -12,16 +12,10 @@ from typing import Any
 from engine import LLM, SamplingParams
 from engine.kv.hashing import extra_keys, hash_blocks
 from engine.testing.tiny_models import build_tiny_llama
+from tests.support.prompts import rand_tokens
 
 BS = 16
 GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
-
-
-def rand_tokens(n: int, seed: int) -> list[int]:
-    import random
-
-    rng = random.Random(seed)
-    return [rng.randrange(10, 400) for _ in range(n)]
 
 
 def make_llm(path: Path, **cfg: Any) -> LLM:

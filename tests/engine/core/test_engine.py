@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import random
 from pathlib import Path
 
 import pytest
@@ -13,6 +12,7 @@ from engine.config import EngineConfig
 from engine.core.engine_core import EngineCore
 from engine.errors import StreamOverflowError
 from engine.frontend.async_engine import AsyncEngine
+from tests.support.prompts import rand_tokens
 from tests.support.waiting import wait_until
 
 
@@ -34,11 +34,6 @@ def _blocks_free_after(request: pytest.FixtureRequest) -> object:
     if "llm" in request.fixturenames:
         eng = request.getfixturevalue("llm").engine.core
         all_free(eng)
-
-
-def rand_tokens(n: int, seed: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(10, 400) for _ in range(n)]
 
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)

@@ -26,18 +26,12 @@ import pytest
 from engine import LLM, SamplingParams
 from engine.kv.hashing import extra_keys, hash_blocks
 from engine.kv_io.disk_format import HEADER_BYTES
+from tests.support.prompts import rand_tokens
 
 BS = 16
 GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
 REPO = Path(__file__).resolve().parents[3]
 CHILD = Path(__file__).with_name("tier_child.py")
-
-
-def rand_tokens(n: int, seed: int) -> list[int]:
-    import random
-
-    rng = random.Random(seed)
-    return [rng.randrange(10, 400) for _ in range(n)]
 
 
 def make_llm(path: Path, **cfg: Any) -> LLM:

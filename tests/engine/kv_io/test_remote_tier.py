@@ -4,7 +4,6 @@ or changes an output; every bad value is a miss counted by its reason."""
 
 from __future__ import annotations
 
-import random
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -18,16 +17,12 @@ from engine import LLM, SamplingParams
 from engine.kv.hashing import extra_keys, hash_blocks
 from engine.kv_io.remote_format import decode, encode
 from engine.kv_io.tier_setup import TPShare, disk_manifest, remote_tag
+from tests.support.prompts import rand_tokens
 from tests.support.redis_proc import RedisProcess
 from tests.support.thread_proxy import ThreadDelayProxy
 
 BS = 16
 GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
-
-
-def rand_tokens(n: int, seed: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(10, 400) for _ in range(n)]
 
 
 def make_llm(path: Path, url: str | None, **cfg: Any) -> LLM:

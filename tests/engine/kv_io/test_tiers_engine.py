@@ -3,7 +3,6 @@ swap preemption. Every test ends with every device block free and both pools int
 
 from __future__ import annotations
 
-import random
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -16,15 +15,11 @@ from engine.frontend.llm_engine import LLMEngine
 from engine.kv.hashing import hash_blocks
 from engine.outputs import RequestOutput
 from engine.worker.step_record import StepRecord
+from tests.support.prompts import rand_tokens
 
 BS = 16
 MAX_TOKENS = 6
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
-
-
-def rand_tokens(n: int, seed: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(10, 400) for _ in range(n)]
 
 
 def make_llm(path: Path, **cfg: Any) -> LLM:

@@ -14,20 +14,15 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import random
 import resource
 import signal
 import subprocess
 import sys
 
 from engine import LLM, SamplingParams
+from tests.support.prompts import rand_tokens
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
-
-
-def rand_tokens(n: int, seed: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(10, 400) for _ in range(n)]
 
 
 def write_through_llm(model: str, disk_dir: str, device_blocks: int, cpu_blocks: int) -> LLM:
