@@ -120,13 +120,21 @@ dry_run() {
   for f in bench.step bench.gpu_engine bench.kernels bench.tiers_gpu; do
     if "$PY" -m "$f" --help >/dev/null 2>&1; then ok "python -m $f --help"; else bad "python -m $f --help"; fi
   done
+  if "$PY" scripts/gpu_sanitize_case.py graph-cpu >"$LOGS/graph-cpu.log" 2>&1; then
+    ok "gpu_sanitize_case.py graph-cpu (the graph case's engine, on the CPU)"
+  else bad "scripts/gpu_sanitize_case.py graph-cpu (see $LOGS/graph-cpu.log)"; fi
   if "$PY" -m py_compile scripts/gpu_sanitize_case.py; then ok "py_compile gpu_sanitize_case.py"
   else bad "py_compile scripts/gpu_sanitize_case.py"; fi
   if "$PY" -c 'import engine.testing.tiny_models as g; assert callable(g.ensure_random_llama)'; then
     ok "engine.testing.tiny_models.ensure_random_llama"; else bad "engine.testing.tiny_models.ensure_random_llama"; fi
   # Without cupy or CUDA the GPU test modules skip before their own imports: resolve those here.
   if "$PY" - tests/gpu/*.py <<'PYEOF'
-import ast, importlib, importlib.util, sys
+import ast, importlib, importlib.abc, importlib.util, sys
+class Absent(importlib.abc.MetaPathFinder):  # packages the GPU machine lacks (FACTS.md): redis
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in {"redis"}:
+            raise ImportError(f"{name} is not on the GPU machine: import it only where it is used")
+sys.meta_path.insert(0, Absent())
 def top_names(path):  # a GPU test module's own names (importing it skips without cupy)
     names = set()
     for node in ast.parse(open(path).read(), path).body:
@@ -154,7 +162,7 @@ for path in sys.argv[1:]:
 print("\n".join(bad))
 sys.exit(1 if bad else 0)
 PYEOF
-  then ok "every name the GPU tests import exists"; else bad "a GPU test imports a missing name"; fi
+  then ok "every name the GPU tests import exists (without redis)"; else bad "a GPU test imports a missing name"; fi
   # Collection imports every GPU test module and resolves its parameters; without cupy or CUDA
   # the modules skip, so this also runs with the module-level guards turned off.
   if "$PY" -m pytest tests/gpu --collect-only -q -p no:cacheprovider >"$LOGS/collect.log" 2>&1; then

@@ -1,5 +1,6 @@
 """One paged decode launch (plain and split-K) and one varlen prefill launch, for compute-sanitizer;
-or `graph`: a tiny engine whose decode steps replay CUDA graphs (padded sizes included).
+or `graph`: a tiny engine whose decode steps replay CUDA graphs (padded sizes included);
+`graph-cpu`: the same engine run on the CPU (no graphs there), the dry run's check of the script.
 
     compute-sanitizer --tool memcheck python scripts/gpu_sanitize_case.py decode|prefill|graph
 Small shapes (racecheck and memcheck slow kernels down a lot) with ragged lengths, GQA 4, bf16.
@@ -16,7 +17,7 @@ from cuda import reshape_and_cache
 from tests.support import kernel_reference as kref
 
 
-def graph_replays() -> int:
+def graph_replays(device: str = "cuda") -> int:
     """Six ragged requests on a tiny bf16 Llama (head_dim 64): decode steps of 6 down to 1
     sequences replay the graphs of sizes 8, 4, 2 and 1 (padding rows included)."""
     import tempfile
@@ -26,22 +27,24 @@ def graph_replays() -> int:
 
     with tempfile.TemporaryDirectory() as tmp:
         path = build_tiny_llama(tmp, hidden_size=256, num_attention_heads=4)
-        llm = LLM(model=str(path), device="cuda", attention_backend="cupy", dtype="bfloat16",
+        backend = "cupy" if device == "cuda" else "auto"
+        llm = LLM(model=str(path), device=device, attention_backend=backend, dtype="bfloat16",
                   num_device_blocks=128, max_num_seqs=8)  # fmt: skip
         prompts = [[10 + i] * (5 + 37 * i) for i in range(6)]
         params = [SamplingParams(temperature=0, max_tokens=4 + 3 * i, ignore_eos=True)
                   for i in range(6)]  # fmt: skip
         llm.generate(prompts, params)
-        graphs = llm.engine.runner.graphs
-        assert graphs is not None and graphs.replays > 0
-        print(f"graph: {graphs.replays} decode steps replayed a CUDA graph")
+        graphs = llm.engine.core.runner.graphs
+        if device == "cuda":
+            assert graphs is not None and graphs.replays > 0
+            print(f"graph: {graphs.replays} decode steps replayed a CUDA graph")
         llm.engine.close()
     return 0
 
 
 def main(which: str) -> int:
-    if which == "graph":
-        return graph_replays()
+    if which in ("graph", "graph-cpu"):
+        return graph_replays("cuda" if which == "graph" else "cpu")
     device = torch.device("cuda", 0)
     scale = 1 / math.sqrt(128)
     if which == "decode":

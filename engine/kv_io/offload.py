@@ -30,7 +30,7 @@ from __future__ import annotations
 import importlib.util
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -41,8 +41,10 @@ from engine.kv.plan import KVPlan
 from engine.kv.tiers import TieredCache
 from engine.kv.write_queue import DiskWrites
 from engine.kv_io.disk import DiskFiles
-from engine.kv_io.remote import RemoteKV
 from engine.stats import BufferStats
+
+if TYPE_CHECKING:  # the remote tier's client needs redis, imported only when it is used
+    from engine.kv_io.remote import RemoteKV
 
 
 def kv_cache_direct_copies_available() -> bool:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -17,9 +17,11 @@ from engine.kv.tiers import TieredCache
 from engine.kv_io.disk import DiskFiles
 from engine.kv_io.disk_format import FORMAT, HEADER_BYTES, manifest_tag, read_manifest
 from engine.kv_io.offload import KVOffload
-from engine.kv_io.remote import RemoteKV
 from engine.kv_io.remote_format import FORMAT as REMOTE_FORMAT
 from engine.stats import ModelInfo
+
+if TYPE_CHECKING:  # needs redis, imported only when a remote tier is opened
+    from engine.kv_io.remote import RemoteKV
 
 KVScalesJSON = dict[str, list[float]]
 """Per-layer K and V scales of an fp8 cache, as the manifest holds them: {"k": [..], "v": [..]}."""
@@ -210,6 +212,8 @@ def open_remote(
     cache: CacheConfig, manifest: dict[str, Any], block_bytes: int, tp: TPShare | None
 ) -> RemoteKV:
     """This rank's client of the remote tier (`kv_remote`); nothing is sent until it is used."""
+    from engine.kv_io.remote import RemoteKV
+
     assert cache.kv_remote
     return RemoteKV(
         cache.kv_remote,

@@ -24,7 +24,9 @@ from tests.support.reference import hf_greedy  # noqa: E402
 @pytest.mark.parametrize("method", ["ngram", "draft_model"])
 def test_verification_under_cupy_matches_transformers(tmp_path: Path, method: str) -> None:
     path = build_tiny_llama(tmp_path / "m", hidden_size=256, num_attention_heads=4)
-    prompts = repeating_prompts(512, 8, seed=2)
+    # prompts on which this model's greedy argmax is never EOS: transformers' reference masks EOS
+    # (min_new_tokens), ignore_eos samples it
+    prompts = repeating_prompts(512, 8, seed=4)
     expected = hf_greedy(path, prompts, 24)
     spec = {"method": method, "num_speculative_tokens": 4}
     if method == "draft_model":
