@@ -1,5 +1,6 @@
-"""Loads a local checkpoint: a Hugging Face folder (config, safetensors weights, tokenizer) or a
-GGUF file (gguf_checkpoint.py: the same three read from the file).
+"""Loads a local checkpoint: a Hugging Face folder (config, safetensors weights, tokenizer; AWQ and
+GPTQ int4 folders through int4_checkpoint.py) or a GGUF file (gguf_checkpoint.py: the same three
+read from the file).
 
 Nothing is downloaded: every transformers call uses `local_files_only=True`.
 """
@@ -23,9 +24,10 @@ from engine.worker.attention.kv_quant import is_kv_scale_name
 from engine.worker.gguf_checkpoint import GGUFCheckpoint, find_gguf
 from engine.worker.gguf_checkpoint import load_tokenizer as gguf_tokenizer
 from engine.worker.gguf_checkpoint import read_config as gguf_config
+from engine.worker.int4_checkpoint import Int4Checkpoint, Int4Format, read_format
 from engine.worker.models import get_model_class
 from engine.worker.models.base import CausalLM
-from engine.worker.models.layers.quantized import quantize_embedding, quantize_linears
+from engine.worker.models.layers.quantized import gguf_int4, quantize_embedding, quantize_linears
 from engine.worker.models.layers.weights import TPSlice, slice_map
 from engine.worker.safetensors_reader import SafetensorsReader
 
@@ -101,7 +103,10 @@ def model_fingerprint(model_path: str | Path, quantization: str = "auto") -> str
         return hashlib.blake2b(key + head, digest_size=16).hexdigest()
     folder = _check_folder(model_path)
     h = hashlib.blake2b(digest_size=16)
-    h.update((folder / "config.json").read_bytes())
+    config = (folder / "config.json").read_bytes()
+    h.update(config)
+    if b'"quantization_config"' in config:  # AWQ / GPTQ kept or expanded, as for GGUF
+        h.update(quantization.encode())
     for f in safetensors_files(folder):
         h.update(f"{f.name}:{f.stat().st_size}".encode())
         with open(f, "rb") as fh:
@@ -144,14 +149,21 @@ def load_model(
     hf_config = read_hf_config(model_config.path)
     model_cls = get_model_class(hf_config)
     gguf = find_gguf(model_config.path)
-    keep_quantized = _keep_quantized(model_config, gguf, device)
+    int4 = None if gguf is not None else read_format(hf_config)
+    keep_quantized = _keep_quantized(model_config, gguf, int4, device)
     if gguf is not None and tp is not None:
         raise ValueError("a GGUF model runs on one rank: use tensor_parallel_size 1")
+    if int4 is not None and tp is not None:
+        raise ValueError(
+            f"an {int4.method.upper()} checkpoint runs on one rank: use tensor_parallel_size 1"
+        )
     safetensors_files(model_config.path)  # fail on missing weights before building the model
     dtype: torch.dtype = getattr(torch, model_config.dtype)
     with torch.no_grad():
         model = model_cls(hf_config, dtype, backend, tp)
-        if gguf is None:
+        if int4 is not None:
+            _load_int4(model, model_config.path, Int4Checkpoint(int4), keep_quantized)
+        elif gguf is None:
             slices = slice_map(model) if tp is not None else None
             model.load_weights(iter_weights(model_config.path, slices))
         else:
@@ -170,20 +182,50 @@ def load_model(
     return model, hf_config
 
 
-def _keep_quantized(model_config: ModelConfig, gguf: Path | None, device: torch.device) -> bool:
-    """Whether a GGUF file's quantized weights stay quantized (ModelConfig.quantization);
-    ValueError where `gguf` is asked for and cannot be."""
+_NEEDS = {
+    "gguf": "a GGUF model (a .gguf file)",
+    "awq": "an AWQ checkpoint (quant_method awq in config.json's quantization_config)",
+    "gptq": "a GPTQ checkpoint (quant_method gptq in config.json's quantization_config)",
+}
+
+
+def _keep_quantized(
+    model_config: ModelConfig, gguf: Path | None, int4: Int4Format | None, device: torch.device
+) -> bool:
+    """Whether a GGUF file's or an AWQ / GPTQ folder's quantized weights stay quantized
+    (ModelConfig.quantization); ValueError where a format is asked for and cannot be."""
     mode = model_config.quantization
-    if mode == "gguf" and gguf is None:
-        raise ValueError("quantization gguf needs a GGUF model (a .gguf file)")
-    if mode == "gguf" and device.type != "cpu":
+    source = "gguf" if gguf is not None else int4.method if int4 is not None else None
+    if mode in _NEEDS and mode != source:
+        raise ValueError(f"quantization {mode} needs {_NEEDS[mode]}")
+    if mode in _NEEDS and device.type != "cpu":
         raise ValueError(
-            f"quantization gguf runs on the CPU; on {device.type} use quantization none "
+            f"quantization {mode} runs on the CPU; on {device.type} use quantization none "
             "(the weights expanded to dtype)"
         )
+    if mode == "auto" and gguf is not None:
+        return device.type == "cpu" and model_config.dtype == "bfloat16"
     if mode == "auto":
-        return gguf is not None and device.type == "cpu" and model_config.dtype == "bfloat16"
-    return mode == "gguf"
+        return int4 is not None and device.type == "cpu"
+    return mode != "none"
+
+
+def _load_int4(model: CausalLM, path: str, checkpoint: Int4Checkpoint, keep: bool) -> None:
+    """Loads an AWQ / GPTQ folder (each linear dequantized), then, with `keep`, swaps its linears
+    for Int4Linears; logs the format and the weights' resident bytes against the packed ones."""
+    model.load_weights(checkpoint.weights(iter_weights(path)))
+    replaced = quantize_linears(model, checkpoint.int4, model.checkpoint_renames) if keep else 0
+    checkpoint.int4.clear()
+    fmt = checkpoint.fmt
+    log.info(
+        "%s int4 (group_size %d): %d layers kept quantized; weights resident %.1f MB "
+        "(packed linears %.1f MB)",
+        fmt.method.upper(),
+        fmt.group_size,
+        replaced,
+        resident_weight_bytes(model) / 1e6,
+        checkpoint.packed_bytes / 1e6,
+    )
 
 
 def _load_gguf(model: CausalLM, checkpoint: GGUFCheckpoint, keep_quantized: bool) -> None:
@@ -194,7 +236,7 @@ def _load_gguf(model: CausalLM, checkpoint: GGUFCheckpoint, keep_quantized: bool
     embedding = quantized.get("model.embed_tokens.weight")
     if model.tie_word_embeddings and embedding is not None:
         quantized.setdefault("lm_head.weight", embedding)  # a 4-bit one becomes an Int4Linear
-    replaced = quantize_linears(model, quantized, model.checkpoint_renames)
+    replaced = quantize_linears(model, gguf_int4(quantized), model.checkpoint_renames)
     replaced += quantize_embedding(model, embedding)
     quantized.clear()
     types = sorted(set(checkpoint.types.values()))

@@ -176,8 +176,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> list[argparse.Action]:
             "--quantization",
             default="auto",
             choices=QUANTIZATIONS,
-            help="A GGUF file's Q4_0/Q4_1 linears and embedding: gguf keeps them quantized "
-            "(CPU), none expands them; auto keeps them when --dtype is bfloat16 on the CPU.",
+            help="Quantized weights on the CPU. A GGUF file's Q4_0/Q4_1 linears and embedding: "
+            "gguf keeps them 4-bit, auto does so when --dtype is bfloat16. An AWQ or GPTQ int4 "
+            "folder's linears: awq / gptq (the folder's method) or auto keep them 4-bit. none "
+            "expands them to --dtype (what a GPU always does).",
         ),
         add_flag(
             g,

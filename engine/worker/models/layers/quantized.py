@@ -12,7 +12,8 @@ a weight), and its time grows with the rows like a compute-bound loop. So an Int
 paths (`use_kernel` enables the second where the C++ kernels load and their layout check passes):
 - bf16 below DENSE_ROWS rows: torch's int4 kernel;
 - from DENSE_ROWS rows, and always in float32 (where torch's kernel is a scalar loop): the weight
-  expanded once per call by cpu_quant.cpp into a dense transposed weight, then a dense product.
+  expanded once per call by cpu_quant.cpp into a dense transposed weight, then a dense product
+  (it reads torch's packed layout of AVX-512 and AVX2 builds; a probe at start finds which).
 Either is exact to the summation order against the dequantized weight in float32 (the parity
 tests' mode). Resident bytes a weight (bf16): 0.625 (file: 0.5625 for Q4_0, 0.625 for Q4_1).
 
@@ -33,8 +34,9 @@ after the model has loaded (CPU only).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -52,9 +54,24 @@ def _fp16(blocks: np.ndarray, at: int) -> np.ndarray:
     return blocks[..., at : at + 2].copy().view(np.float16)[..., 0].astype(np.float32)
 
 
-def unpack(rows: QuantizedRows) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(q int32 [N, K] in 0..15, scale float32 [N, K/32], zero float32 [N, K/32]) of a Q4_0 or
-    Q4_1 weight in the int4 op's convention (w = (q - 8) * scale + zero)."""
+class Int4Rows(NamedTuple):
+    """A weight in the int4 op's convention: w = (q - 8) * scale + zero, groups of 32 inputs."""
+
+    q: np.ndarray
+    """int32 [N, K], values 0..15."""
+    scale: np.ndarray
+    """float32 [N, K / 32]."""
+    zero: np.ndarray
+    """float32 [N, K / 32]."""
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        n, k = self.q.shape
+        return n, k
+
+
+def unpack(rows: QuantizedRows) -> Int4Rows:
+    """A Q4_0 or Q4_1 weight's rows in the int4 op's convention."""
     from gguf import GGMLQuantizationType as T
 
     n, k = rows.shape
@@ -72,7 +89,14 @@ def unpack(rows: QuantizedRows) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         raise ValueError(f"{rows.kind.name} is not a type Int4Linear holds (Q4_0, Q4_1)")
     # a block's 16 bytes hold weights j (low nibble) and j + 16 (high nibble)
     q = np.concatenate([nibbles & 15, nibbles >> 4], axis=-1).reshape(n, k).astype(np.int32)
-    return q, d, zero
+    return Int4Rows(q, d, zero)
+
+
+def gguf_int4(quantized: Mapping[str, QuantizedRows]) -> dict[str, Int4Rows]:
+    """The Q4_0 / Q4_1 tensors of a GGUF file's kept ones, unpacked (others are expanded)."""
+    from gguf import GGMLQuantizationType as T
+
+    return {name: unpack(r) for name, r in quantized.items() if r.kind in (T.Q4_0, T.Q4_1)}
 
 
 class Int4Linear(nn.Module):
@@ -109,9 +133,11 @@ class Int4Linear(nn.Module):
 
     def use_kernel(self, ops: Any) -> None:
         """Takes the many-row path (the weight expanded by `ops.int4_dequant_t`, then a dense
-        product) where its layout check passes and the shape allows (out_features % 64)."""
-        if self.out_features % 64 == 0 and _dequant_layout_ok(ops):
-            self._dequant = ops.int4_dequant_t
+        product) where the layout probe finds torch's row blocks and the shape allows
+        (out_features a multiple of them)."""
+        block = _packed_block_rows(ops)
+        if block and self.out_features % block == 0:
+            self._dequant = functools.partial(_expand, ops.int4_dequant_t, block)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features).contiguous()  # [M, in]
@@ -132,29 +158,38 @@ class Int4Linear(nn.Module):
         return out.view(*x.shape[:-1], self.out_features)
 
 
+def _expand(op: Any, block_rows: int, packed: torch.Tensor, sz: torch.Tensor, group: int) -> Any:
+    return op(packed, sz, group, block_rows)
+
+
 DENSE_ROWS = 64
 """Rows from which a bf16 Int4Linear expands its weight and takes a dense product (see the
 module docstring's NOTE); float32 always does (torch's int4 kernel is scalar there)."""
 
-_LAYOUT_OK: dict[int, bool] = {}
+_BLOCK_ROWS: dict[int, int] = {}
 
 
-def _dequant_layout_ok(ops: Any) -> bool:
-    """Whether `ops.int4_dequant_t` reads this torch build's packed layout (once per process):
-    a probe weight packed by torch, expanded, against its values."""
+def _packed_block_rows(ops: Any) -> int:
+    """The row blocks of this torch build's packed int4 layout that `ops.int4_dequant_t` reads
+    (64 on AVX-512 builds, 32 on AVX2), found once per process on a probe weight packed by
+    torch, expanded, against its values; 0 where neither reads it."""
     key = id(ops)
-    if key not in _LAYOUT_OK:
+    if key not in _BLOCK_ROWS:
         gen = torch.Generator().manual_seed(0)
         q = torch.randint(0, 16, (128, 64), dtype=torch.int32, generator=gen)
         sz = torch.randn(64 // GROUP, 128, 2, generator=gen)
         packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
         want = (q.view(128, 2, GROUP) - 8) * sz[..., 0].T[..., None] + sz[..., 1].T[..., None]
-        try:
-            got = ops.int4_dequant_t(packed, sz, GROUP).T
-            _LAYOUT_OK[key] = bool(torch.allclose(got, want.view(128, 64), rtol=1e-6, atol=1e-5))
-        except (RuntimeError, AttributeError):
-            _LAYOUT_OK[key] = False
-    return _LAYOUT_OK[key]
+        _BLOCK_ROWS[key] = 0
+        for block in (64, 32):
+            try:
+                got = ops.int4_dequant_t(packed, sz, GROUP, block).T
+            except (RuntimeError, AttributeError):
+                continue
+            if torch.allclose(got, want.view(128, 64), rtol=1e-6, atol=1e-5):
+                _BLOCK_ROWS[key] = block
+                break
+    return _BLOCK_ROWS[key]
 
 
 def fits(out_features: int, in_features: int) -> bool:
@@ -196,7 +231,7 @@ def quantize_embedding(model: nn.Module, rows: QuantizedRows | None) -> bool:
 
 
 def quantize_linears(
-    model: nn.Module, quantized: Mapping[str, QuantizedRows], rename: Mapping[str, str]
+    model: nn.Module, quantized: Mapping[str, Int4Rows], rename: Mapping[str, str]
 ) -> int:
     """Replaces each nn.Linear of `model` whose weight rows all came from 4-bit tensors in
     `quantized` (transformers names; `rename` as the model's load_checkpoint used) by an
@@ -212,26 +247,22 @@ def quantize_linears(
             continue  # not every row is quantized (or an expert's slice): stays dense
         if not fits(linear.out_features, linear.in_features):
             continue
-        unpacked = [unpack(r) for _, r in sorted(parts, key=lambda p: p[0])]
-        q, scale, zero = (np.concatenate([u[i] for u in unpacked]) for i in range(3))
+        ordered = [r for _, r in sorted(parts, key=lambda p: p[0])]
+        q, scale, zero = (np.concatenate([u[i] for u in ordered]) for i in range(3))
         setattr(parent, attr, Int4Linear(q, scale, zero, linear.bias, linear.weight.dtype))
         replaced += 1
     return replaced
 
 
 def _weight_sources(
-    model: nn.Module, quantized: Mapping[str, QuantizedRows], rename: Mapping[str, str]
-) -> dict[str, list[tuple[int, QuantizedRows]]]:
-    """nn.Linear module name -> [(first row, its 4-bit rows)] for every Q4_0 / Q4_1 tensor that
-    fills (part of) that module's weight."""
-    from gguf import GGMLQuantizationType as T
-
+    model: nn.Module, quantized: Mapping[str, Int4Rows], rename: Mapping[str, str]
+) -> dict[str, list[tuple[int, Int4Rows]]]:
+    """nn.Linear module name -> [(first row, its 4-bit rows)] for every tensor of `quantized`
+    that fills (part of) that module's weight."""
     linears = {name for name, m in model.named_modules() if isinstance(m, nn.Linear)}
     shards = shard_map(model)
-    out: dict[str, list[tuple[int, QuantizedRows]]] = {}
+    out: dict[str, list[tuple[int, Int4Rows]]] = {}
     for name, rows in quantized.items():
-        if rows.kind not in (T.Q4_0, T.Q4_1):
-            continue
         target = renamed(name, dict(rename))
         shard = shards.get(target)
         if shard is not None and shard.expert is not None:

@@ -1,0 +1,157 @@
+"""AWQ and GPTQ int4 folders (packed by the formats' rules in engine/testing/tiny_int4.py): greedy
+tokens equal transformers' on the dequantized weights in float32, with the linears kept 4-bit
+(Int4Linear) under caching, chunked prefill and preemption, and expanded; refusals at start."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from safetensors.numpy import load_file, save_file
+
+from engine import LLM, SamplingParams
+from engine.testing.tiny_int4 import write_int4
+from engine.testing.tiny_models import build_tiny_llama, build_tiny_qwen2
+from engine.worker.model_loader import model_fingerprint
+from engine.worker.models.layers.quantized import Int4Linear
+from tests.engine.test_parity import CONFIGS, shared_prefix_prompts
+from tests.support.reference import assert_config_took_effect, hf_greedy
+
+MAX_TOKENS = 12
+CASES = {
+    # name: (family, method, group_size, checkpoint_format)
+    "awq-llama-g64": ("llama", "awq", 64, "gptq"),
+    "gptq-llama-g128": ("llama", "gptq", 128, "gptq"),
+    "gptq_v2-qwen2-channel": ("qwen2", "gptq", -1, "gptq_v2"),
+    "awq-qwen2-g32": ("qwen2", "awq", 32, "gptq"),
+}
+FULL = ("awq-llama-g64", "gptq-llama-g128")
+"""The cases run under every parity configuration (the others: the cache on)."""
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, Path]]:
+    """case -> (packed folder, dequantized reference folder); hidden 128 so groups of 128 fit."""
+    root = tmp_path_factory.mktemp("int4")
+    shape = dict(hidden_size=128, intermediate_size=256)
+    src = {
+        "llama": build_tiny_llama(root / "llama", **shape),  # type: ignore[arg-type]
+        "qwen2": build_tiny_qwen2(root / "qwen2", **shape),  # type: ignore[arg-type]
+    }
+    return {
+        name: write_int4(src[family], root / name, method, group, fmt)
+        for name, (family, method, group, fmt) in CASES.items()
+    }
+
+
+def _int4_layers(llm: LLM) -> list[str]:
+    model = llm.engine.core.executor.driver.model
+    return [name for name, m in model.named_modules() if isinstance(m, Int4Linear)]
+
+
+def _greedy(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    return [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_int4_folder_matches_transformers_dequantized(
+    case: str, folders: dict[str, tuple[Path, Path]]
+) -> None:
+    packed, reference = folders[case]
+    prompts = shared_prefix_prompts(512, 16, 600, seed=4)
+    want = hf_greedy(reference, prompts, MAX_TOKENS)
+    configs = CONFIGS if case in FULL else {"cache-on": CONFIGS["cache-on"]}
+    for name, cfg in configs.items():
+        llm = LLM(str(packed), dtype="float32", block_size=16, **cfg)  # type: ignore[arg-type]
+        # 2 layers x (qkv, o, gate_up, down): every projection computes on its 4-bit rows
+        assert len(_int4_layers(llm)) == 8, _int4_layers(llm)
+        got = _greedy(llm, prompts)
+        for i, (g, w) in enumerate(zip(got, want, strict=True)):
+            assert g == w, f"{case} {name}: prompt {i} differs: {g} != {w}"
+        assert_config_took_effect(name, llm.engine.get_stats())
+        kv = llm.engine.core.kv
+        assert kv.num_free_blocks == kv.num_blocks
+
+
+def test_expanded_int4_folder_matches_too(folders: dict[str, tuple[Path, Path]]) -> None:
+    packed, reference = folders["gptq-llama-g128"]
+    prompts = shared_prefix_prompts(512, 4, 300, seed=5)
+    llm = LLM(str(packed), dtype="float32", quantization="none", num_device_blocks=128)
+    assert _int4_layers(llm) == []
+    assert _greedy(llm, prompts) == hf_greedy(reference, prompts, MAX_TOKENS)
+
+
+def test_fingerprint_tells_kept_from_expanded(folders: dict[str, tuple[Path, Path]]) -> None:
+    packed, _ = folders["awq-llama-g64"]
+    assert model_fingerprint(packed, "auto") != model_fingerprint(packed, "none")
+
+
+def _variant(packed: Path, tmp_path: Path, qc: dict[str, object] | None = None) -> Path:
+    out = tmp_path / "variant"
+    out.mkdir()
+    for f in packed.iterdir():
+        (out / f.name).write_bytes(f.read_bytes())
+    if qc is not None:
+        config = json.loads((out / "config.json").read_text())
+        config["quantization_config"].update(qc)
+        (out / "config.json").write_text(json.dumps(config))
+    return out
+
+
+@pytest.mark.parametrize(
+    ("case", "qc", "message"),
+    [
+        ("awq-llama-g64", {"bits": 8}, "AWQ checkpoint with bits 8 is not supported"),
+        ("awq-llama-g64", {"version": "gemv"}, "version 'gemv' is not supported"),
+        ("awq-llama-g64", {"group_size": 48}, "group_size 48 is not supported"),
+        ("gptq-llama-g128", {"desc_act": True}, "desc_act true"),
+        ("gptq-llama-g128", {"quant_method": "bitsandbytes"}, "quant_method 'bitsandbytes'"),
+        ("gptq-llama-g128", {"checkpoint_format": "marlin"}, "checkpoint_format 'marlin'"),
+    ],
+)
+def test_unsupported_settings_are_refused_at_start(
+    case: str,
+    qc: dict[str, object],
+    message: str,
+    folders: dict[str, tuple[Path, Path]],
+    tmp_path: Path,
+) -> None:
+    with pytest.raises(ValueError, match=message):
+        LLM(str(_variant(folders[case][0], tmp_path, qc)), dtype="float32", num_device_blocks=64)
+
+
+def test_missing_and_misshapen_tensors_are_refused(
+    folders: dict[str, tuple[Path, Path]], tmp_path: Path
+) -> None:
+    packed = _variant(folders["awq-llama-g64"][0], tmp_path)
+    tensors = load_file(packed / "model.safetensors")
+    del tensors["model.layers.1.mlp.down_proj.qzeros"]
+    save_file(tensors, str(packed / "model.safetensors"))
+    with pytest.raises(ValueError, match=r"model.layers.1.mlp.down_proj lacks qzeros"):
+        LLM(str(packed), dtype="float32", num_device_blocks=64)
+
+    tensors = load_file(folders["awq-llama-g64"][0] / "model.safetensors")
+    tensors["model.layers.0.self_attn.o_proj.scales"] = tensors[
+        "model.layers.0.self_attn.o_proj.scales"
+    ][:1]
+    save_file(tensors, str(packed / "model.safetensors"))
+    with pytest.raises(ValueError, match=r"o_proj: qweight .* do not fit an? AWQ group_size 64"):
+        LLM(str(packed), dtype="float32", num_device_blocks=64)
+
+
+def test_quantization_flag_must_match_the_checkpoint(
+    folders: dict[str, tuple[Path, Path]], tiny_llama_path: Path
+) -> None:
+    with pytest.raises(ValueError, match="quantization awq needs an AWQ checkpoint"):
+        LLM(str(folders["gptq-llama-g128"][0]), quantization="awq", num_device_blocks=64)
+    with pytest.raises(ValueError, match="quantization gptq needs a GPTQ checkpoint"):
+        LLM(str(tiny_llama_path), quantization="gptq", num_device_blocks=64)
+    llm = LLM(
+        str(folders["gptq-llama-g128"][0]),
+        dtype="float32",
+        quantization="gptq",
+        num_device_blocks=64,
+    )
+    assert len(_int4_layers(llm)) == 8
