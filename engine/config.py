@@ -17,7 +17,7 @@ PREEMPTION_MODES = ("recompute", "swap")
 DISK_WRITE_POLICIES = ("write-through", "selective", "write-back")
 REMOTE_WRITE_POLICIES = ("write-through", "selective")
 KV_CACHE_DTYPES = ("auto", "fp8_e4m3")
-QUANTIZATIONS = ("auto", "gguf", "awq", "gptq", "none")
+QUANTIZATIONS = ("auto", "gguf", "awq", "gptq", "int4", "int8", "none")
 GENERATION_CONFIGS = ("auto", "vllm")
 SPECULATIVE_METHODS = ("ngram", "suffix", "draft_model")
 

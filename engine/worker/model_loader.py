@@ -27,7 +27,12 @@ from engine.worker.gguf_checkpoint import read_config as gguf_config
 from engine.worker.int4_checkpoint import Int4Checkpoint, Int4Format, read_format
 from engine.worker.models import get_model_class
 from engine.worker.models.base import CausalLM
-from engine.worker.models.layers.quantized import gguf_int4, quantize_embedding, quantize_linears
+from engine.worker.models.layers.quantized import (
+    gguf_int4,
+    quantize_embedding,
+    quantize_linears,
+    quantize_loaded,
+)
 from engine.worker.models.layers.weights import TPSlice, slice_map
 from engine.worker.safetensors_reader import SafetensorsReader
 
@@ -105,7 +110,7 @@ def model_fingerprint(model_path: str | Path, quantization: str = "auto") -> str
     h = hashlib.blake2b(digest_size=16)
     config = (folder / "config.json").read_bytes()
     h.update(config)
-    if b'"quantization_config"' in config:  # AWQ / GPTQ kept or expanded, as for GGUF
+    if b'"quantization_config"' in config or quantization in LOAD_TIME:  # kept or expanded
         h.update(quantization.encode())
     for f in safetensors_files(folder):
         h.update(f"{f.name}:{f.stat().st_size}".encode())
@@ -157,6 +162,10 @@ def load_model(
         raise ValueError(
             f"an {int4.method.upper()} checkpoint runs on one rank: use tensor_parallel_size 1"
         )
+    if model_config.quantization in LOAD_TIME and tp is not None:
+        raise ValueError(
+            f"quantization {model_config.quantization} runs on one rank: use tensor_parallel_size 1"
+        )
     safetensors_files(model_config.path)  # fail on missing weights before building the model
     dtype: torch.dtype = getattr(torch, model_config.dtype)
     with torch.no_grad():
@@ -166,6 +175,8 @@ def load_model(
         elif gguf is None:
             slices = slice_map(model) if tp is not None else None
             model.load_weights(iter_weights(model_config.path, slices))
+            if keep_quantized:  # --quantization int4 | int8
+                _quantize_at_load(model, model_config.quantization)
         else:
             _load_gguf(model, GGUFCheckpoint(gguf, hf_config), keep_quantized)
         model = model.to(device)
@@ -182,6 +193,8 @@ def load_model(
     return model, hf_config
 
 
+LOAD_TIME = ("int4", "int8")
+"""--quantization values that quantize a plain checkpoint's projections at load."""
 _NEEDS = {
     "gguf": "a GGUF model (a .gguf file)",
     "awq": "an AWQ checkpoint (quant_method awq in config.json's quantization_config)",
@@ -198,7 +211,12 @@ def _keep_quantized(
     source = "gguf" if gguf is not None else int4.method if int4 is not None else None
     if mode in _NEEDS and mode != source:
         raise ValueError(f"quantization {mode} needs {_NEEDS[mode]}")
-    if mode in _NEEDS and device.type != "cpu":
+    if mode in LOAD_TIME and source is not None:
+        raise ValueError(
+            f"quantization {mode} quantizes a 16- or 32-bit checkpoint at load; this model is "
+            f"{source.upper()} already: use quantization auto (kept) or none (expanded)"
+        )
+    if (mode in _NEEDS or mode in LOAD_TIME) and device.type != "cpu":
         raise ValueError(
             f"quantization {mode} runs on the CPU; on {device.type} use quantization none "
             "(the weights expanded to dtype)"
@@ -208,6 +226,19 @@ def _keep_quantized(
     if mode == "auto":
         return int4 is not None and device.type == "cpu"
     return mode != "none"
+
+
+def _quantize_at_load(model: CausalLM, kind: str) -> None:
+    before = resident_weight_bytes(model)
+    replaced = quantize_loaded(model, kind)
+    log.info(
+        "%s weight-only quantization at load: %d projections; weights resident %.1f MB (%.1f MB "
+        "before)",
+        kind,
+        replaced,
+        resident_weight_bytes(model) / 1e6,
+        before / 1e6,
+    )
 
 
 def _load_int4(model: CausalLM, path: str, checkpoint: Int4Checkpoint, keep: bool) -> None:

@@ -5,16 +5,19 @@ tokens equal transformers' on the dequantized weights in float32, with the linea
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
+import numpy as np
 import pytest
+import torch
 from safetensors.numpy import load_file, save_file
 
 from engine import LLM, SamplingParams
-from engine.testing.tiny_int4 import write_int4
+from engine.testing.tiny_int4 import is_quantized, write_int4
 from engine.testing.tiny_models import build_tiny_llama, build_tiny_qwen2
 from engine.worker.model_loader import model_fingerprint
-from engine.worker.models.layers.quantized import Int4Linear
+from engine.worker.models.layers.quantized import Int4Linear, Int8Linear, rtn_int4
 from tests.engine.test_parity import CONFIGS, shared_prefix_prompts
 from tests.support.reference import assert_config_took_effect, hf_greedy
 
@@ -155,3 +158,84 @@ def test_quantization_flag_must_match_the_checkpoint(
         num_device_blocks=64,
     )
     assert len(_int4_layers(llm)) == 8
+
+
+def _rtn_reference(src: Path, dst: Path, kind: str) -> Path:
+    """`src` with each projection replaced by its load-time quantization dequantized, computed
+    here by the rules deja documents (int4: groups of 32, scale (max - min) / 15, zero min + 8
+    scale, q nearest; int8: one scale a row, absmax / 127): transformers' reference weights."""
+    shutil.copytree(src, dst)
+    tensors = load_file(src / "model.safetensors")
+    for name, w in tensors.items():
+        if not is_quantized(name):
+            continue
+        w = w.astype(np.float32)
+        if kind == "int8":
+            scale = np.maximum(np.abs(w).max(axis=1), 1e-8) / 127
+            tensors[name] = np.clip(np.round(w / scale[:, None]), -127, 127) * scale[:, None]
+            continue
+        n, k = w.shape
+        g = w.reshape(n, k // 32, 32)
+        lo, hi = g.min(-1), g.max(-1)
+        scale = np.maximum((hi - lo) / 15, 1e-8)
+        zero = lo + 8 * scale
+        q = np.clip(np.round((g - zero[..., None]) / scale[..., None]) + 8, 0, 15)
+        tensors[name] = ((q - 8) * scale[..., None] + zero[..., None]).reshape(n, k)
+    save_file({k: np.ascontiguousarray(v, dtype=np.float32) for k, v in tensors.items()},
+              str(dst / "model.safetensors"))  # fmt: skip
+    return dst
+
+
+@pytest.mark.parametrize("kind", ["int4", "int8"])
+def test_load_time_quantization_matches_transformers_dequantized(
+    kind: str, tiny_qwen2_path: Path, tmp_path: Path
+) -> None:
+    """--quantization int4 | int8 on a float checkpoint (Qwen2: biases, a tied head): tokens equal
+    transformers' on the weights quantized by the documented rule, under the cache and
+    preemption."""
+    reference = _rtn_reference(tiny_qwen2_path, tmp_path / "ref", kind)
+    prompts = shared_prefix_prompts(512, 16, 600, seed=4)
+    want = hf_greedy(reference, prompts, MAX_TOKENS)
+    kinds = (Int4Linear,) if kind == "int4" else (Int8Linear,)
+    for name in ("cache-on", "preempt"):
+        llm = LLM(str(tiny_qwen2_path), dtype="float32", quantization=kind, block_size=16,
+                  **CONFIGS[name])  # type: ignore[arg-type]  # fmt: skip
+        model = llm.engine.core.executor.driver.model
+        assert sum(isinstance(m, kinds) for m in model.modules()) == 8
+        got = _greedy(llm, prompts)
+        for i, (g, w) in enumerate(zip(got, want, strict=True)):
+            assert g == w, f"{kind} {name}: prompt {i} differs: {g} != {w}"
+        assert_config_took_effect(name, llm.engine.get_stats())
+
+
+def test_load_time_layers_in_bf16_match_their_dequantized_weights() -> None:
+    """The bf16 paths (torch's int8 and int4 kernels, not the float32 expansion) compute with the
+    weight the layer holds; each rounded weight is within half a step of the original."""
+    gen = torch.Generator().manual_seed(0)
+    w = torch.randn(128, 96, generator=gen)
+    bias = torch.randn(128, generator=gen)
+    x = torch.randn(5, 96, generator=gen)
+    int8 = Int8Linear(w, bias, torch.bfloat16)
+    w8 = int8.weight_int8.float() * int8.scales.float()[:, None]
+    assert (w8 - w).abs().max() <= int8.scales.float().max() / 2 + 1e-6
+    rows = rtn_int4(w.to(torch.bfloat16))
+    q, scale, zero = (torch.from_numpy(a) for a in rows)
+    w4 = ((q.view(128, 3, 32) - 8) * scale[..., None] + zero[..., None]).view(128, 96)
+    assert (w4 - w).abs().max() <= scale.max() / 2 + 0.02  # bf16 input rounding on top
+    int4 = Int4Linear(*rows, bias, torch.bfloat16)
+    for layer, dense in ((int8, w8), (int4, w4)):
+        want = x @ dense.T + bias
+        got = layer(x.to(torch.bfloat16)).float()
+        assert ((got - want).norm() / want.norm()).item() < 0.02, type(layer).__name__
+
+
+def test_load_time_quantization_of_a_quantized_checkpoint_is_refused(
+    folders: dict[str, tuple[Path, Path]],
+) -> None:
+    with pytest.raises(ValueError, match="quantization int4 quantizes a 16- or 32-bit checkpoint"):
+        LLM(str(folders["awq-llama-g64"][0]), quantization="int4", num_device_blocks=64)
+
+
+def test_fingerprint_tells_load_time_quantization(tiny_llama_path: Path) -> None:
+    fps = {model_fingerprint(tiny_llama_path, q) for q in ("auto", "int4", "int8")}
+    assert len(fps) == 3

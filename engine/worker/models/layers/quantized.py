@@ -192,6 +192,71 @@ def _packed_block_rows(ops: Any) -> int:
     return _BLOCK_ROWS[key]
 
 
+class Int8Linear(nn.Module):
+    """y = x W^T (+ b) with W int8 [out, in] and one scale a row (per channel, symmetric: w = q *
+    scale); torch's int8 weight-only kernel in bf16, the weight expanded per call in float32
+    (exact against the dequantized weight there)."""
+
+    weight_int8: torch.Tensor
+    scales: torch.Tensor
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.out_features, self.in_features = weight.shape
+        w = weight.detach().float()
+        scale = (w.abs().amax(dim=1).clamp(min=1e-8) / 127).to(dtype).float()  # as stored
+        q = torch.clamp(torch.round(w / scale[:, None]), -127, 127).to(torch.int8)
+        self.register_buffer("weight_int8", q.contiguous(), persistent=False)
+        self.register_buffer("scales", scale.to(dtype), persistent=False)
+        self.bias = None if bias is None else bias.detach()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, self.in_features).contiguous()
+        if flat.dtype == torch.float32:
+            out = flat @ (self.weight_int8.float() * self.scales[:, None]).T
+        else:
+            out = torch.ops.aten._weight_int8pack_mm(flat, self.weight_int8, self.scales)
+        if self.bias is not None:
+            out = out + self.bias
+        return out.view(*x.shape[:-1], self.out_features)
+
+
+def rtn_int4(weight: torch.Tensor) -> Int4Rows:
+    """A weight [N, K] rounded to nearest in asymmetric groups of 32 (min / max), in Int4Linear's
+    convention, with the scale and zero rounded to the weight's dtype first (as they are stored)
+    so that q is the nearest value given them."""
+    dtype = weight.dtype
+    n, k = weight.shape
+    g = weight.detach().float().reshape(n, k // GROUP, GROUP)
+    lo, hi = g.amin(-1), g.amax(-1)
+    scale = ((hi - lo) / 15).clamp(min=1e-8).to(dtype).float()
+    zero = (lo + 8 * scale).to(dtype).float()
+    q = torch.clamp(torch.round((g - zero[..., None]) / scale[..., None]) + 8, 0, 15)
+    return Int4Rows(q.reshape(n, k).to(torch.int32).numpy(), scale.numpy(), zero.numpy())
+
+
+def quantize_loaded(model: nn.Module, kind: str) -> int:
+    """Load-time weight-only quantization (`--quantization int4|int8`): every attention and MLP
+    projection (an nn.Linear named *_proj; not the LM head, the router or the experts) becomes an
+    Int4Linear (rtn_int4) or an Int8Linear; returns how many. Call after loading, on the CPU."""
+    replaced = 0
+    for name, module in list(model.named_modules()):
+        if not isinstance(module, nn.Linear) or not name.endswith("_proj"):
+            continue
+        dtype = module.weight.dtype
+        layer: nn.Module
+        if kind == "int8":
+            layer = Int8Linear(module.weight, module.bias, dtype)
+        elif fits(module.out_features, module.in_features):
+            layer = Int4Linear(*rtn_int4(module.weight), module.bias, dtype)
+        else:
+            continue
+        parent_name, _, attr = name.rpartition(".")
+        setattr(model.get_submodule(parent_name), attr, layer)
+        replaced += 1
+    return replaced
+
+
 def fits(out_features: int, in_features: int) -> bool:
     """Whether the int4 op takes a weight of this shape."""
     return out_features % 16 == 0 and in_features % GROUP == 0
