@@ -32,6 +32,10 @@ class ModelInfo:
     model's generation_config.json under ModelConfig.generation_config auto)."""
     speculative_method: str | None = None
     """Speculative decoding's method (ngram, suffix); None: off."""
+    quantization: str = "none"
+    """The format the weights are kept in: gguf, awq, gptq, int4, int8; none: in dtype."""
+    weight_bytes: int = 0
+    """Resident bytes of the weights (rank 0's shard under tensor parallelism)."""
 
     @property
     def kv_capacity_tokens(self) -> int:

@@ -16,6 +16,7 @@ from engine.kv.manager import KVCacheManager
 from engine.kv.tiers import TieredCache
 from engine.stats import ModelInfo
 from engine.worker.cpu_features import resolve_device, resolve_dtype
+from engine.worker.model_loader import resident_weight_bytes
 from engine.worker.models.sliding_window import kv_window, layer_windows
 from engine.worker.worker import Worker
 
@@ -74,6 +75,8 @@ def model_info(
         has_chat_template=bool(getattr(tokenizer, "chat_template", None)),
         sampling_defaults=tuple(sorted(sampling_defaults.items())),
         speculative_method=None if config.speculative is None else config.speculative.method,
+        quantization=worker.model.weight_quantization,
+        weight_bytes=resident_weight_bytes(worker.model),
     )
 
 

@@ -172,13 +172,16 @@ def load_model(
         model = model_cls(hf_config, dtype, backend, tp)
         if int4 is not None:
             _load_int4(model, model_config.path, Int4Checkpoint(int4), keep_quantized)
+            model.weight_quantization = int4.method if keep_quantized else "none"
         elif gguf is None:
             slices = slice_map(model) if tp is not None else None
             model.load_weights(iter_weights(model_config.path, slices))
             if keep_quantized:  # --quantization int4 | int8
                 _quantize_at_load(model, model_config.quantization)
+                model.weight_quantization = model_config.quantization
         else:
             _load_gguf(model, GGUFCheckpoint(gguf, hf_config), keep_quantized)
+            model.weight_quantization = "gguf" if keep_quantized else "none"
         model = model.to(device)
         if device.type == "cpu":
             model.use_cpu_layout(load_kernel().ops)

@@ -70,6 +70,7 @@ def test_int4_folder_matches_transformers_dequantized(
         llm = LLM(str(packed), dtype="float32", block_size=16, **cfg)  # type: ignore[arg-type]
         # 2 layers x (qkv, o, gate_up, down): every projection computes on its 4-bit rows
         assert len(_int4_layers(llm)) == 8, _int4_layers(llm)
+        assert llm.engine.model_info.quantization == CASES[case][1]
         got = _greedy(llm, prompts)
         for i, (g, w) in enumerate(zip(got, want, strict=True)):
             assert g == w, f"{case} {name}: prompt {i} differs: {g} != {w}"
@@ -83,6 +84,10 @@ def test_expanded_int4_folder_matches_too(folders: dict[str, tuple[Path, Path]])
     prompts = shared_prefix_prompts(512, 4, 300, seed=5)
     llm = LLM(str(packed), dtype="float32", quantization="none", num_device_blocks=128)
     assert _int4_layers(llm) == []
+    kept = LLM(str(packed), dtype="float32", num_device_blocks=16).engine.model_info
+    info = llm.engine.model_info
+    assert (info.quantization, kept.quantization) == ("none", "gptq")
+    assert kept.weight_bytes < 0.75 * info.weight_bytes  # the projections at ~0.16x of float32
     assert _greedy(llm, prompts) == hf_greedy(reference, prompts, MAX_TOKENS)
 
 

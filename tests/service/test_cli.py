@@ -149,6 +149,7 @@ async def test_generate_sends_chat_when_the_model_has_a_template(
 ) -> None:
     info = await server.client.model_info()
     assert info.has_chat_template  # the tiny tokenizer carries a ChatML template
+    assert info.quantization == "none" and info.weight_bytes > 0
     question = "What is the capital of France?"
     argv = ["generate", question, "--target", server.target, "--max-tokens", "6"]
     argv += ["--temperature", "0", "--usage"]

@@ -104,6 +104,9 @@ class CausalLM(nn.Module):
     """Substring of a checkpoint name -> ours (e.g. Mixtral's `.block_sparse_moe.` -> `.mlp.`)."""
     supports_tensor_parallel = False
     """The family splits over a tensor-parallel group (shared attention and gated MLP only)."""
+    weight_quantization = "none"
+    """The format its weights are kept in on the device (set by the loader): gguf, awq, gptq,
+    int4, int8; none: every weight in the model's dtype."""
     supports_cuda_graphs = True
     """The forward never waits on the device (no host sync, shapes fixed by the batch), so a
     decode step can be captured as a CUDA graph (engine/worker/cuda_graphs.py)."""

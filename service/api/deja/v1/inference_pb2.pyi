@@ -286,7 +286,7 @@ class GetModelInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("model_id", "family", "architecture", "max_model_len", "block_size", "dtype", "vocab_size", "num_device_blocks", "kv_capacity_tokens", "eos_token_ids", "replica_id", "has_chat_template")
+    __slots__ = ("model_id", "family", "architecture", "max_model_len", "block_size", "dtype", "vocab_size", "num_device_blocks", "kv_capacity_tokens", "eos_token_ids", "replica_id", "has_chat_template", "quantization", "weight_bytes")
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     FAMILY_FIELD_NUMBER: _ClassVar[int]
     ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
@@ -299,6 +299,8 @@ class ModelInfo(_message.Message):
     EOS_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
     HAS_CHAT_TEMPLATE_FIELD_NUMBER: _ClassVar[int]
+    QUANTIZATION_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_BYTES_FIELD_NUMBER: _ClassVar[int]
     model_id: str
     family: str
     architecture: str
@@ -311,7 +313,9 @@ class ModelInfo(_message.Message):
     eos_token_ids: _containers.RepeatedScalarFieldContainer[int]
     replica_id: str
     has_chat_template: bool
-    def __init__(self, model_id: _Optional[str] = ..., family: _Optional[str] = ..., architecture: _Optional[str] = ..., max_model_len: _Optional[int] = ..., block_size: _Optional[int] = ..., dtype: _Optional[str] = ..., vocab_size: _Optional[int] = ..., num_device_blocks: _Optional[int] = ..., kv_capacity_tokens: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., replica_id: _Optional[str] = ..., has_chat_template: _Optional[bool] = ...) -> None: ...
+    quantization: str
+    weight_bytes: int
+    def __init__(self, model_id: _Optional[str] = ..., family: _Optional[str] = ..., architecture: _Optional[str] = ..., max_model_len: _Optional[int] = ..., block_size: _Optional[int] = ..., dtype: _Optional[str] = ..., vocab_size: _Optional[int] = ..., num_device_blocks: _Optional[int] = ..., kv_capacity_tokens: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., replica_id: _Optional[str] = ..., has_chat_template: _Optional[bool] = ..., quantization: _Optional[str] = ..., weight_bytes: _Optional[int] = ...) -> None: ...
 
 class GetLoadRequest(_message.Message):
     __slots__ = ()
