@@ -84,13 +84,30 @@ def write_gguf(folder: str | Path, file: str | Path, types: Mapping[str, str]) -
         if qtype == gguf.GGMLQuantizationType.F32:
             writer.add_tensor(gguf_name(name), w)
         else:
-            raw = gguf.quants.quantize(w, qtype)
+            raw = quantized_blocks(w, qtype, np.random.default_rng(len(name)))
             writer.add_tensor(gguf_name(name), raw, raw_shape=raw.shape, raw_dtype=qtype)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
     return out
+
+
+def quantized_blocks(w: np.ndarray, qtype: object, rng: np.random.Generator) -> np.ndarray:
+    """w in `qtype`'s blocks: gguf's own quantizer where it has one; a type it can only
+    dequantize (Q4_K) gets random blocks of w's magnitude instead (the tensor's values are then
+    whatever the file says: transformers reads the same file)."""
+    import gguf
+
+    assert isinstance(qtype, gguf.GGMLQuantizationType)
+    if qtype != gguf.GGMLQuantizationType.Q4_K:
+        return np.asarray(gguf.quants.quantize(w, qtype))
+    n, k = w.shape
+    blocks = rng.integers(0, 256, size=(n * k // 256, 144), dtype=np.uint8)
+    d = float(np.abs(w).mean()) / 240  # d sc q - dmin m: sc, m and q average 31, 31 and 7.5
+    blocks[:, 0:2] = np.full((len(blocks), 1), d, dtype=np.float16).view(np.uint8)
+    blocks[:, 2:4] = np.full((len(blocks), 1), 7.5 * d, dtype=np.float16).view(np.uint8)
+    return blocks.reshape(n, k // 256 * 144)
 
 
 def _add_tokenizer(writer: object, src: Path, cfg: dict[str, object]) -> None:

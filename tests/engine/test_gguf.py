@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
-from engine.testing.tiny_gguf import write_gguf
+from engine.testing.tiny_gguf import quantized_blocks, write_gguf
+from engine.testing.tiny_models import build_tiny_llama
 from engine.worker.gguf_checkpoint import QuantizedRows, find_gguf
 from engine.worker.models.layers.quantized import (
     DENSE_ROWS,
@@ -211,3 +212,36 @@ def test_unsupported_architecture_and_misplaced_options(
         LLM(str(other), dtype="float32", num_device_blocks=64)
     with pytest.raises(ValueError, match="quantization gguf needs a GGUF model"):
         LLM(str(tiny_llama_path), dtype="float32", quantization="gguf", num_device_blocks=64)
+
+
+def test_q4_k_rows_are_exact() -> None:
+    """Q4_K super-blocks unpack into groups of 32 exactly: the layer (float32) computes with the
+    weight gguf dequantizes."""
+    from gguf import GGMLQuantizationType, quants
+
+    w = np.random.default_rng(3).standard_normal((48, 512)).astype(np.float32)
+    raw = quantized_blocks(w, GGMLQuantizationType.Q4_K, np.random.default_rng(4))
+    dense = torch.from_numpy(quants.dequantize(raw, GGMLQuantizationType.Q4_K).copy())
+    q, scale, zero = unpack(QuantizedRows(GGMLQuantizationType.Q4_K, raw, (48, 512)))
+    expanded = (q.reshape(48, 16, 32) - 8) * scale[..., None] + zero[..., None]
+    np.testing.assert_allclose(expanded.reshape(48, 512), dense.numpy(), rtol=1e-6, atol=1e-7)
+    layer = Int4Linear(q, scale, zero, None, torch.float32)
+    x = torch.randn(5, 512)
+    torch.testing.assert_close(layer(x), x @ dense.T, rtol=1e-5, atol=1e-5)
+
+
+def test_q4_k_m_style_file_matches_transformers(tmp_path: Path) -> None:
+    """A Q4_K_M-like file (Q4_K projections, a Q8_0 down projection and head): the Q4_K linears
+    stay 4-bit and greedy tokens equal transformers' GGUF loader in float32."""
+    src = build_tiny_llama(tmp_path / "m", hidden_size=256, intermediate_size=512)
+    types = {"down_proj": "Q8_0", "_proj": "Q4_K", "lm_head": "Q8_0"}
+    file = write_gguf(src, tmp_path / "q4km.gguf", types)
+    prompts = shared_prefix_prompts(512, 8, 400, seed=7)
+    want, _ = hf_reference(file.parent, prompts, MAX_TOKENS, gguf_file=file.name)
+    llm = LLM(str(file), dtype="float32", quantization="gguf", block_size=16, num_device_blocks=256)
+    # 2 layers x (qkv, o, gate_up); the Q8_0 down projections and head are expanded
+    assert len([n for n in _quantized_layers(llm) if "embed" not in n]) == 6
+    outs = llm.generate(
+        prompts, SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    )
+    assert [o.outputs[0].token_ids for o in outs] == want

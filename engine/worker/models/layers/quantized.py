@@ -5,7 +5,10 @@
 weight dequantized as (q - 8) * scale + zero). GGUF blocks map onto it exactly:
 
 - Q4_1 (fp16 d, fp16 m, 32 nibbles q): w = d * q + m, so scale = d, zero = m + 8d;
-- Q4_0 (fp16 d, 32 nibbles q): w = d * (q - 8), so scale = d, zero = 0.
+- Q4_0 (fp16 d, 32 nibbles q): w = d * (q - 8), so scale = d, zero = 0;
+- Q4_K (256-weight super-blocks: fp16 d and dmin, eight 6-bit scales sc and mins m, 256 nibbles):
+  sub-block j of 32 weights is w = d sc_j q - dmin m_j, so scale = d sc_j, zero = 8 scale -
+  dmin m_j (the type most of a Q4_K_M file's linears are in).
 
 The int4 kernel is vectorized for bfloat16 activations only (scales rounded to bf16: at most d/64
 a weight), and its time grows with the rows like a compute-bound loop. So an Int4Linear has two
@@ -85,18 +88,39 @@ def unpack(rows: QuantizedRows) -> Int4Rows:
         d = _fp16(blocks, 0)
         nibbles = blocks[..., 2:]
         zero = np.zeros_like(d)
+    elif rows.kind == T.Q4_K:
+        return _unpack_q4_k(rows)
     else:
-        raise ValueError(f"{rows.kind.name} is not a type Int4Linear holds (Q4_0, Q4_1)")
+        raise ValueError(f"{rows.kind.name} is not a type Int4Linear holds (Q4_0, Q4_1, Q4_K)")
     # a block's 16 bytes hold weights j (low nibble) and j + 16 (high nibble)
     q = np.concatenate([nibbles & 15, nibbles >> 4], axis=-1).reshape(n, k).astype(np.int32)
     return Int4Rows(q, d, zero)
 
 
-def gguf_int4(quantized: Mapping[str, QuantizedRows]) -> dict[str, Int4Rows]:
-    """The Q4_0 / Q4_1 tensors of a GGUF file's kept ones, unpacked (others are expanded)."""
-    from gguf import GGMLQuantizationType as T
+def _unpack_q4_k(rows: QuantizedRows) -> Int4Rows:
+    """A Q4_K weight: super-blocks of 256 (144 bytes: d, dmin, 12 bytes of 6-bit scales and
+    mins, 128 bytes of nibbles; 32 bytes hold sub-block 2i in their low nibbles and 2i + 1 in
+    their high ones), each sub-block of 32 one group."""
+    from gguf.quants import Q4_K
 
-    return {name: unpack(r) for name, r in quantized.items() if r.kind in (T.Q4_0, T.Q4_1)}
+    n, k = rows.shape
+    blocks = rows.blocks.reshape(n * k // 256, 144)
+    d, dmin = _fp16(blocks, 0)[:, None], _fp16(blocks, 2)[:, None]
+    sc, m = Q4_K.get_scale_min(blocks[:, 4:16])  # [blocks, 8] each
+    scale = d * sc.astype(np.float32)
+    zero = 8 * scale - dmin * m.astype(np.float32)
+    qs = blocks[:, 16:].reshape(-1, 4, 1, 32)
+    q = np.concatenate([qs & 15, qs >> 4], axis=2).reshape(n, k).astype(np.int32)
+    return Int4Rows(q, scale.reshape(n, k // GROUP), zero.reshape(n, k // GROUP))
+
+
+INT4_TYPES = ("Q4_0", "Q4_1", "Q4_K")
+"""GGUF types whose linears stay 4-bit (Int4Linear); the others are expanded to dtype."""
+
+
+def gguf_int4(quantized: Mapping[str, QuantizedRows]) -> dict[str, Int4Rows]:
+    """The 4-bit tensors (INT4_TYPES) of a GGUF file's kept ones, unpacked."""
+    return {name: unpack(r) for name, r in quantized.items() if r.kind.name in INT4_TYPES}
 
 
 class Int4Linear(nn.Module):
