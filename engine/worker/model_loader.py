@@ -162,10 +162,6 @@ def load_model(
         raise ValueError(
             f"an {int4.method.upper()} checkpoint runs on one rank: use tensor_parallel_size 1"
         )
-    if model_config.quantization in LOAD_TIME and tp is not None:
-        raise ValueError(
-            f"quantization {model_config.quantization} runs on one rank: use tensor_parallel_size 1"
-        )
     safetensors_files(model_config.path)  # fail on missing weights before building the model
     dtype: torch.dtype = getattr(torch, model_config.dtype)
     with torch.no_grad():

@@ -244,3 +244,17 @@ def test_load_time_quantization_of_a_quantized_checkpoint_is_refused(
 def test_fingerprint_tells_load_time_quantization(tiny_llama_path: Path) -> None:
     fps = {model_fingerprint(tiny_llama_path, q) for q in ("auto", "int4", "int8")}
     assert len(fps) == 3
+
+
+@pytest.mark.timeout(900)
+def test_load_time_int4_on_two_ranks(tiny_qwen2_path: Path, tmp_path: Path) -> None:
+    """Each rank quantizes its shard; with 64 of the 128 inputs of a row-parallel layer a rank,
+    the groups are one rank's: tokens equal transformers' on the one-rank quantized weights."""
+    src = build_tiny_qwen2(tmp_path / "m", hidden_size=128, intermediate_size=256)
+    reference = _rtn_reference(src, tmp_path / "ref", "int4")
+    prompts = shared_prefix_prompts(512, 8, 300, seed=8)
+    llm = LLM(str(src), dtype="float32", quantization="int4", tensor_parallel_size=2,
+              num_device_blocks=256)  # fmt: skip
+    assert llm.engine.model_info.quantization == "int4"
+    assert _greedy(llm, prompts) == hf_greedy(reference, prompts, MAX_TOKENS)
+    llm.engine.core.executor.close()

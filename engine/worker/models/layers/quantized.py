@@ -262,7 +262,11 @@ def rtn_int4(weight: torch.Tensor) -> Int4Rows:
 def quantize_loaded(model: nn.Module, kind: str) -> int:
     """Load-time weight-only quantization (`--quantization int4|int8`): every attention and MLP
     projection (an nn.Linear named *_proj; not the LM head, the router or the experts) becomes an
-    Int4Linear (rtn_int4) or an Int8Linear; returns how many. Call after loading, on the CPU."""
+    Int4Linear (rtn_int4) or an Int8Linear; returns how many. Call after loading, on the CPU.
+
+    Under tensor parallelism each rank quantizes its shard: int4 groups run along a row's inputs,
+    so where a rank's share of a row-parallel layer's inputs is a multiple of 32 the groups are
+    those of one rank; int8's per-row scale is then of the rank's share of the row."""
     replaced = 0
     for name, module in list(model.named_modules()):
         if not isinstance(module, nn.Linear) or not name.endswith("_proj"):
