@@ -1,7 +1,7 @@
 """A GGUF file's weights kept quantized against the same file expanded to the compute dtype.
 
     deja bench quant [--model demo-gguf | FILE.gguf] [--dtype bfloat16] [--requests 48]
-                     [--decode-tokens 128] [--threads 2]
+                     [--decode-tokens 128] [--threads 2] [--llama-bench PATH]
 
 Loads the file twice in one process (`--quantization gguf`: Q4_0 / Q4_1 linears as torch's
 packed int4, the embedding in its blocks; `--quantization none`: every weight expanded to
@@ -14,7 +14,11 @@ Then the teacher-forced agreement of the quantized engine with the expanded one 
 expanded engine's greedy outputs: the share of positions where the quantized engine's top-1 is
 that token), the machine's memory read rate (a large tensor summed with --threads) and each
 decode's fraction of the weight-read limit (read rate / resident weight bytes a token).
-llama.cpp on the same file is not run here (no build in the environment).
+
+With --llama-bench (a llama.cpp build's `llama-bench`; llama-cpp-python's sdist vendors the
+tree: see the benchmarks page), llama.cpp runs on the same file with --threads in the same run:
+its tg (--decode-tokens generated) against deja's batch-1 decode with the weights kept, and its
+pp512 against deja's 512-token TTFT (prompt tokens per second).
 """
 
 from __future__ import annotations
@@ -37,6 +41,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.set_defaults(model="demo-gguf", dtype="bfloat16")
     parser.add_argument("--requests", type=int, default=48, help="throughput requests (48)")
     parser.add_argument("--decode-tokens", type=int, default=128, help="batch-1 tokens (128)")
+    parser.add_argument(
+        "--llama-bench", default=None, help="llama.cpp's llama-bench binary: run it on the file too"
+    )
+
+
+def llama_bench(binary: str, file: str, threads: int, tokens: int) -> dict[str, float]:
+    """llama.cpp's pp512 and tg<tokens> on `file` (tokens per second, mean of 3 repetitions)."""
+    import json
+    import subprocess
+
+    argv = [binary, "-m", file, "-t", str(threads), "-p", "512", "-n", str(tokens)]
+    out = subprocess.run(
+        [*argv, "-r", "3", "-o", "json"], capture_output=True, text=True, check=True
+    )
+    rows = json.loads(out.stdout)
+    pp = next(r["avg_ts"] for r in rows if r["n_prompt"] > 0 and r["n_gen"] == 0)
+    tg = next(r["avg_ts"] for r in rows if r["n_gen"] > 0 and r["n_prompt"] == 0)
+    return {"pp512_tok_s": float(pp), "tg_tok_s": float(tg)}
 
 
 def read_rate_gb_s() -> float:
@@ -139,6 +161,17 @@ def run(args: argparse.Namespace) -> int:
         f"{100 * tf['top1_agreement']:.1f}% over {tf['positions']} positions (target >= "
         f"{100 * AGREEMENT_TARGET:.0f}%)"
     )
+    if args.llama_bench:
+        llama = llama_bench(args.llama_bench, str(file), args.threads, decode_tokens)
+        runs["llama.cpp"] = llama
+        ratios["decode_vs_llama_cpp"] = kept["decode_tok_s"] / llama["tg_tok_s"]
+        ratios["prefill_vs_llama_cpp"] = 512 / (kept["ttft_ms"] / 1e3) / llama["pp512_tok_s"]
+        print(
+            f"llama.cpp (llama-bench -t {args.threads}): tg{decode_tokens} "
+            f"{llama['tg_tok_s']:.1f} tok/s, pp512 {llama['pp512_tok_s']:.1f} tok/s; deja kept / "
+            f"llama.cpp: decode {ratios['decode_vs_llama_cpp']:.2f}x (target >= 1.0x), prefill "
+            f"{ratios['prefill_vs_llama_cpp']:.2f}x"
+        )
     print(report.finish_line(info))
     report.write_json(
         args.json,
