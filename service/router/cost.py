@@ -83,9 +83,9 @@ class CostWeights:
     holds, which the estimate weighs against its queue. Only while such holders are at most
     half of the pool, and only for a prefix whose share of the router's recent traffic fits
     one replica's share (service/router/popularity.py): a system prompt that many sessions
-    start with must spread whoever computed it first. 0: off (the default until 2026-11-27,
-    before the traffic share: on the chat workload the exemption piled new sessions onto the
-    first holders of the system prompts)."""
+    start with must spread whoever computed it first (without that condition, on the chat
+    workload the exemption piled new sessions onto the first holders of the system prompts).
+    0: off."""
     holder_bound: float = 1.5
     """The exemption of `holder_share` holds up to this x the mean load (the load bound's two
     caps); 0: no cap."""
@@ -96,8 +96,8 @@ class CostWeights:
     own time to first token. In a single-server queue at utilisation u, a second of work added
     delays the arrivals after it by u / (1 - u) seconds in all: 2 at the two thirds of capacity
     the router is sized for. 0: this request's estimate alone. The estimate reported stays the
-    TTFT. (1.0 until 2026-11-27: the simulated chat workload's busiest replica then queued
-    1.19-1.30x the mean over seeds 0-4; 1.13-1.25x with 2.0, hits and p50 unchanged.)"""
+    TTFT. (On the simulated chat workload, over seeds 0-4, the busiest replica queued 1.13-1.25x
+    the mean with 2.0 against 1.19-1.30x with 1.0, hits and p50 unchanged.)"""
     packing_weight: float = 1.0
     """... plus this x the same prefill time per request this router sent there that has no first
     token yet: the engine packs waiting prompts into one step, and where a step's time grows
