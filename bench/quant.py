@@ -165,7 +165,8 @@ def run(args: argparse.Namespace) -> int:
         llama = llama_bench(args.llama_bench, str(file), args.threads, decode_tokens)
         runs["llama.cpp"] = llama
         ratios["decode_vs_llama_cpp"] = kept["decode_tok_s"] / llama["tg_tok_s"]
-        ratios["prefill_vs_llama_cpp"] = 512 / (kept["ttft_ms"] / 1e3) / llama["pp512_tok_s"]
+        prompt = 64 if args.quick else 512  # the TTFT prompt _measure used
+        ratios["prefill_vs_llama_cpp"] = prompt / (kept["ttft_ms"] / 1e3) / llama["pp512_tok_s"]
         print(
             f"llama.cpp (llama-bench -t {args.threads}): tg{decode_tokens} "
             f"{llama['tg_tok_s']:.1f} tok/s, pp512 {llama['pp512_tok_s']:.1f} tok/s; deja kept / "

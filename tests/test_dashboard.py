@@ -99,13 +99,14 @@ class Prometheus:
             json.dumps({"global": {"scrape_interval": "1s"}, "scrape_configs": scrape})
         )
         self.log = workdir / "prometheus.log"
+        self._log_file = self.log.open("wb")
         argv = [
             binary,
             f"--config.file={config}",
             f"--storage.tsdb.path={workdir / 'tsdb'}",
             f"--web.listen-address=127.0.0.1:{self.port}",
         ]
-        self.proc = subprocess.Popen(argv, stdout=self.log.open("wb"), stderr=subprocess.STDOUT)
+        self.proc = subprocess.Popen(argv, stdout=self._log_file, stderr=subprocess.STDOUT)
 
     def api(self, path: str, **params: str) -> Any:
         url = f"http://127.0.0.1:{self.port}/api/v1/{path}?{urllib.parse.urlencode(params)}"
@@ -135,6 +136,8 @@ class Prometheus:
             self.proc.wait(10)
         except subprocess.TimeoutExpired:
             self.proc.kill()
+            self.proc.wait(10)
+        self._log_file.close()
 
 
 async def _turns(stub: pb_grpc.InferenceStub, session: int) -> None:
@@ -176,11 +179,11 @@ def services(
 ) -> Iterator[tuple[str, Prometheus]]:
     workdir = tmp_path_factory.mktemp("dashboard")
     redis = RedisProcess()
-    redis.start()
     group = ProcessGroup(workdir)
     port, router_port, replica_metrics, router_metrics = (free_port() for _ in range(4))
     prometheus: Prometheus | None = None
     try:
+        redis.start()
         # 48 device blocks of 16 tokens over a CPU tier: six sessions of ~300 tokens spill
         engine = ["--num-device-blocks", "48", "--block-size", "16", "--cpu-swap-gib", "0.05"]
         group.spawn(

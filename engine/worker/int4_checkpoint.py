@@ -14,7 +14,7 @@ group of `group_size` inputs (-1: one group for the whole input). They differ in
 Each linear becomes Int4Rows in Int4Linear's convention (layers/quantized.py): w = (q - 8) * s +
 (8 - z) * s, the scales and zeros repeated to groups of 32 (exact). `weights()` yields every
 tensor the model loads, each linear's weight dequantized to float32 (so the loader checks names
-and shapes as for any checkpoint); the rows to keep are then in `int4`.
+and shapes as for any checkpoint); `sources()` then unpacks the kept ones, one linear at a time.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from engine.worker.models.layers.quantized import GROUP, Int4Rows
+from engine.worker.models.layers.quantized import GROUP, Int4Rows, Int4Sources
 
 METHODS = ("awq", "gptq")
 SUPPORTED = (
@@ -94,11 +94,33 @@ def _nibbles(words: np.ndarray, order: np.ndarray, axis: int) -> np.ndarray:
     return np.moveaxis(vals, -1, axis)
 
 
-def unpack_linear(
-    fmt: Int4Format, parts: dict[str, np.ndarray], name: str
-) -> tuple[Int4Rows, torch.Tensor]:
-    """One linear's packed tensors -> its Int4Rows and its weight [out, in] dequantized in
-    float32 by the format's rule; ValueError naming what does not fit."""
+@dataclass(frozen=True)
+class Unpacked:
+    """One linear's values: q [out, in], z and s [groups, out] (float32), group size."""
+
+    q: np.ndarray
+    z: np.ndarray
+    s: np.ndarray
+    group: int
+
+    def rows(self) -> Int4Rows:
+        """In Int4Linear's convention: scale s, zero (8 - z) s, repeated to groups of 32."""
+        reps = self.group // GROUP
+        scale = np.repeat(self.s.T, reps, axis=1)  # [out, in / 32]
+        zero = np.repeat(((8 - self.z) * self.s).T, reps, axis=1)
+        return Int4Rows(self.q, np.ascontiguousarray(scale), np.ascontiguousarray(zero))
+
+    def dense(self) -> torch.Tensor:
+        """The weight [out, in] in float32 by the format's rule, (q - z) * s."""
+        n, k = self.q.shape
+        zs = (self.q.reshape(n, k // self.group, self.group) - self.z.T[..., None]).astype(
+            np.float32
+        )
+        return torch.from_numpy((zs * self.s.T[..., None]).reshape(n, k))
+
+
+def unpack_linear(fmt: Int4Format, parts: dict[str, np.ndarray], name: str) -> Unpacked:
+    """One linear's packed tensors -> its values; ValueError naming what does not fit."""
     in_order = np.arange(8)
     if fmt.method == "awq":
         q = _nibbles(parts["qweight"], AWQ_NIBBLE, axis=1).T  # [out, in]
@@ -117,16 +139,7 @@ def unpack_linear(
     g_idx = parts.get("g_idx")
     if g_idx is not None and not np.array_equal(g_idx, np.arange(k) // group):
         raise ValueError(f"{name}: g_idx is not in order (act-order checkpoints are not supported)")
-    if k % GROUP or n % 16:
-        raise ValueError(
-            f"{name}: a {n} x {k} int4 weight needs out % 16 == 0 and in % {GROUP} == 0"
-        )
-    scale = np.repeat(s.T, group // GROUP, axis=1)  # [out, in / 32]
-    zero = np.repeat(((8 - z) * s).T, group // GROUP, axis=1)
-    rows = Int4Rows(q, np.ascontiguousarray(scale), np.ascontiguousarray(zero))
-    zs = (q.reshape(n, k // group, group) - z.T[..., None]).astype(np.float32)
-    dense = (zs * s.T[..., None]).reshape(n, k)  # (q - z) * s
-    return rows, torch.from_numpy(dense)
+    return Unpacked(q, z, s, group)
 
 
 @dataclass
@@ -134,10 +147,24 @@ class Int4Checkpoint:
     """An AWQ or GPTQ folder's tensors (see the module docstring)."""
 
     fmt: Int4Format
-    int4: dict[str, Int4Rows] = field(default_factory=dict)
-    """transformers name of a linear's weight -> its rows (filled by weights())."""
+    keep: bool = True
+    """Keep each linear's packed parts for `sources` (False: the weights are expanded)."""
+    packed: dict[str, dict[str, np.ndarray]] = field(default_factory=dict)
+    """transformers name of a linear's weight -> its packed parts (filled by weights())."""
     packed_bytes: int = 0
     """Bytes of the packed tensors read (qweight, qzeros, scales, g_idx)."""
+
+    def sources(self) -> Int4Sources:
+        """The kept linears, each unpacked when its layer is built (layers/quantized.py)."""
+        shapes = {}
+        for name, parts in self.packed.items():
+            a, b = parts["qweight"].shape  # AWQ [in, out / 8], GPTQ [in / 8, out]
+            shapes[name] = (b * 8, a) if self.fmt.method == "awq" else (b, a * 8)
+
+        def rows(name: str) -> Int4Rows:
+            return unpack_linear(self.fmt, self.packed[name], name).rows()
+
+        return Int4Sources(shapes, rows)
 
     def weights(
         self, tensors: Iterable[tuple[str, torch.Tensor]]
@@ -160,6 +187,7 @@ class Int4Checkpoint:
                     f"{method} checkpoint: {prefix} lacks {', '.join(missing)} (a quantized linear "
                     "has qweight, qzeros and scales)"
                 )
-            rows, dense = unpack_linear(self.fmt, parts, prefix)
-            self.int4[f"{prefix}.weight"] = rows
-            yield f"{prefix}.weight", dense
+            values = unpack_linear(self.fmt, parts, prefix)
+            if self.keep and values.group % GROUP == 0:  # (a whole row of any width: expanded)
+                self.packed[f"{prefix}.weight"] = parts
+            yield f"{prefix}.weight", values.dense()

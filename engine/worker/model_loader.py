@@ -167,17 +167,16 @@ def load_model(
     with torch.no_grad():
         model = model_cls(hf_config, dtype, backend, tp)
         if int4 is not None:
-            _load_int4(model, model_config.path, Int4Checkpoint(int4), keep_quantized)
-            model.weight_quantization = int4.method if keep_quantized else "none"
+            kept = _load_int4(model, model_config.path, Int4Checkpoint(int4, keep_quantized))
+            model.weight_quantization = int4.method if kept else "none"
         elif gguf is None:
             slices = slice_map(model) if tp is not None else None
             model.load_weights(iter_weights(model_config.path, slices))
-            if keep_quantized:  # --quantization int4 | int8
-                _quantize_at_load(model, model_config.quantization)
+            if keep_quantized and _quantize_at_load(model, model_config.quantization):
                 model.weight_quantization = model_config.quantization
         else:
-            _load_gguf(model, GGUFCheckpoint(gguf, hf_config), keep_quantized)
-            model.weight_quantization = "gguf" if keep_quantized else "none"
+            kept = _load_gguf(model, GGUFCheckpoint(gguf, hf_config), keep_quantized)
+            model.weight_quantization = "gguf" if kept else "none"
         model = model.to(device)
         if device.type == "cpu":
             model.use_cpu_layout(load_kernel().ops)
@@ -227,7 +226,8 @@ def _keep_quantized(
     return mode != "none"
 
 
-def _quantize_at_load(model: CausalLM, kind: str) -> None:
+def _quantize_at_load(model: CausalLM, kind: str) -> int:
+    """--quantization int4 | int8 on the loaded model; how many projections it replaced."""
     before = resident_weight_bytes(model)
     replaced = quantize_loaded(model, kind)
     log.info(
@@ -238,14 +238,16 @@ def _quantize_at_load(model: CausalLM, kind: str) -> None:
         resident_weight_bytes(model) / 1e6,
         before / 1e6,
     )
+    return replaced
 
 
-def _load_int4(model: CausalLM, path: str, checkpoint: Int4Checkpoint, keep: bool) -> None:
-    """Loads an AWQ / GPTQ folder (each linear dequantized), then, with `keep`, swaps its linears
-    for Int4Linears; logs the format and the weights' resident bytes against the packed ones."""
+def _load_int4(model: CausalLM, path: str, checkpoint: Int4Checkpoint) -> int:
+    """Loads an AWQ / GPTQ folder (each linear dequantized), then, where the checkpoint keeps
+    them, swaps its linears for Int4Linears; logs the format and the weights' resident bytes
+    against the packed ones; returns how many it swapped."""
     model.load_weights(checkpoint.weights(iter_weights(path)))
-    replaced = quantize_linears(model, checkpoint.int4, model.checkpoint_renames) if keep else 0
-    checkpoint.int4.clear()
+    replaced = quantize_linears(model, checkpoint.sources(), model.checkpoint_renames)
+    checkpoint.packed.clear()
     fmt = checkpoint.fmt
     log.info(
         "%s int4 (group_size %d): %d layers kept quantized; weights resident %.1f MB "
@@ -256,11 +258,13 @@ def _load_int4(model: CausalLM, path: str, checkpoint: Int4Checkpoint, keep: boo
         resident_weight_bytes(model) / 1e6,
         checkpoint.packed_bytes / 1e6,
     )
+    return replaced
 
 
-def _load_gguf(model: CausalLM, checkpoint: GGUFCheckpoint, keep_quantized: bool) -> None:
+def _load_gguf(model: CausalLM, checkpoint: GGUFCheckpoint, keep_quantized: bool) -> int:
     """Loads a GGUF file's tensors (dequantized), then swaps the linears whose tensors were 4-bit
-    for quantized ones; logs the types and the weights' resident bytes against the file's."""
+    for quantized ones; logs the types and the weights' resident bytes against the file's;
+    returns how many layers it swapped."""
     model.load_weights(checkpoint.weights(keep_quantized))
     quantized = checkpoint.quantized
     embedding = quantized.get("model.embed_tokens.weight")
@@ -279,6 +283,7 @@ def _load_gguf(model: CausalLM, checkpoint: GGUFCheckpoint, keep_quantized: bool
         resident_weight_bytes(model) / 1e6,
         checkpoint.tensor_bytes() / 1e6,
     )
+    return replaced
 
 
 def resident_weight_bytes(model: torch.nn.Module) -> int:

@@ -38,7 +38,8 @@ after the model has loaded (CPU only).
 from __future__ import annotations
 
 import functools
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -118,9 +119,20 @@ INT4_TYPES = ("Q4_0", "Q4_1", "Q4_K")
 """GGUF types whose linears stay 4-bit (Int4Linear); the others are expanded to dtype."""
 
 
-def gguf_int4(quantized: Mapping[str, QuantizedRows]) -> dict[str, Int4Rows]:
-    """The 4-bit tensors (INT4_TYPES) of a GGUF file's kept ones, unpacked."""
-    return {name: unpack(r) for name, r in quantized.items() if r.kind.name in INT4_TYPES}
+@dataclass(frozen=True)
+class Int4Sources:
+    """Weights that can become Int4Linears: each one's shape [out, in] by transformers name, and
+    how to unpack it, called for the ones a linear takes, one at a time (an unpacked weight is
+    ~4 bytes a weight: never all of them at once)."""
+
+    shapes: Mapping[str, tuple[int, int]]
+    unpack: Callable[[str], Int4Rows]
+
+
+def gguf_int4(quantized: Mapping[str, QuantizedRows]) -> Int4Sources:
+    """The 4-bit tensors (INT4_TYPES) of a GGUF file's kept ones."""
+    shapes = {n: r.shape for n, r in quantized.items() if r.kind.name in INT4_TYPES}
+    return Int4Sources(shapes, lambda name: unpack(quantized[name]))
 
 
 class Int4Linear(nn.Module):
@@ -228,7 +240,8 @@ class Int8Linear(nn.Module):
         super().__init__()
         self.out_features, self.in_features = weight.shape
         w = weight.detach().float()
-        scale = (w.abs().amax(dim=1).clamp(min=1e-8) / 127).to(dtype).float()  # as stored
+        tiny = torch.finfo(dtype).tiny  # an all-zero row: a scale the dtype holds
+        scale = (w.abs().amax(dim=1) / 127).to(dtype).float().clamp(min=tiny)  # as stored
         q = torch.clamp(torch.round(w / scale[:, None]), -127, 127).to(torch.int8)
         self.register_buffer("weight_int8", q.contiguous(), persistent=False)
         self.register_buffer("scales", scale.to(dtype), persistent=False)
@@ -253,7 +266,7 @@ def rtn_int4(weight: torch.Tensor) -> Int4Rows:
     n, k = weight.shape
     g = weight.detach().float().reshape(n, k // GROUP, GROUP)
     lo, hi = g.amin(-1), g.amax(-1)
-    scale = ((hi - lo) / 15).clamp(min=1e-8).to(dtype).float()
+    scale = ((hi - lo) / 15).to(dtype).float().clamp(min=torch.finfo(dtype).tiny)
     zero = (lo + 8 * scale).to(dtype).float()
     q = torch.clamp(torch.round((g - zero[..., None]) / scale[..., None]) + 8, 0, 15)
     return Int4Rows(q.reshape(n, k).to(torch.int32).numpy(), scale.numpy(), zero.numpy())
@@ -323,39 +336,39 @@ def quantize_embedding(model: nn.Module, rows: QuantizedRows | None) -> bool:
     return True
 
 
-def quantize_linears(
-    model: nn.Module, quantized: Mapping[str, Int4Rows], rename: Mapping[str, str]
-) -> int:
-    """Replaces each nn.Linear of `model` whose weight rows all came from 4-bit tensors in
-    `quantized` (transformers names; `rename` as the model's load_checkpoint used) by an
+def quantize_linears(model: nn.Module, sources: Int4Sources, rename: Mapping[str, str]) -> int:
+    """Replaces each nn.Linear of `model` whose weight rows all came from 4-bit tensors of
+    `sources` (transformers names; `rename` as the model's load_checkpoint used) by an
     Int4Linear; returns how many it replaced. Call after loading, before packing for the CPU."""
-    sources = _weight_sources(model, quantized, rename)
     replaced = 0
-    for module_name, parts in sources.items():
+    for module_name, parts in _weight_sources(model, sources.shapes, rename).items():
         parent_name, _, attr = module_name.rpartition(".")
         parent = model.get_submodule(parent_name)
         linear = getattr(parent, attr)
-        rows = sum(r.shape[0] for _, r in parts)
-        if rows != linear.out_features or any(r.shape[1] != linear.in_features for _, r in parts):
+        rows = sum(sources.shapes[n][0] for _, n in parts)
+        if rows != linear.out_features or any(
+            sources.shapes[n][1] != linear.in_features for _, n in parts
+        ):
             continue  # not every row is quantized (or an expert's slice): stays dense
         if not fits(linear.out_features, linear.in_features):
             continue
-        ordered = [r for _, r in sorted(parts, key=lambda p: p[0])]
+        ordered = [sources.unpack(n) for _, n in sorted(parts)]
         q, scale, zero = (np.concatenate([u[i] for u in ordered]) for i in range(3))
+        del ordered
         setattr(parent, attr, Int4Linear(q, scale, zero, linear.bias, linear.weight.dtype))
         replaced += 1
     return replaced
 
 
 def _weight_sources(
-    model: nn.Module, quantized: Mapping[str, Int4Rows], rename: Mapping[str, str]
-) -> dict[str, list[tuple[int, Int4Rows]]]:
-    """nn.Linear module name -> [(first row, its 4-bit rows)] for every tensor of `quantized`
-    that fills (part of) that module's weight."""
+    model: nn.Module, shapes: Mapping[str, tuple[int, int]], rename: Mapping[str, str]
+) -> dict[str, list[tuple[int, str]]]:
+    """nn.Linear module name -> [(first row, the name of its 4-bit rows)] for every tensor of
+    `shapes` that fills (part of) that module's weight."""
     linears = {name for name, m in model.named_modules() if isinstance(m, nn.Linear)}
     shards = shard_map(model)
-    out: dict[str, list[tuple[int, Int4Rows]]] = {}
-    for name, rows in quantized.items():
+    out: dict[str, list[tuple[int, str]]] = {}
+    for name in shapes:
         target = renamed(name, dict(rename))
         shard = shards.get(target)
         if shard is not None and shard.expert is not None:
@@ -363,5 +376,5 @@ def _weight_sources(
         param, start = (shard.param, shard.start) if shard is not None else (target, 0)
         module = param.removesuffix(".weight")
         if param.endswith(".weight") and module in linears:
-            out.setdefault(module, []).append((start, rows))
+            out.setdefault(module, []).append((start, name))
     return out
