@@ -90,8 +90,8 @@ class CoreLoop:
         if eng.expire_pins():  # pinned blocks are released when their TTL passes
             self._stats_dirty = True
         eng.trim_host_memory()
-        if self._stats_dirty:
-            self._send_outputs([], force_stats=True)
+        if eng.publish_tier_writes() or self._stats_dirty:
+            self._send_outputs([], force_stats=self._stats_dirty)
         if not self.transport.front_end_alive():
             log.warning("the API server exited; engine core shutting down")
             self._stopping, self._flush_timeout_s = True, 10.0

@@ -351,6 +351,14 @@ class EngineCore:
         `step` does this; an idle step loop calls it too. True when it trimmed."""
         return self._trimmer.maybe_trim(now)
 
+    def publish_tier_writes(self) -> bool:
+        """Turns the remote tier's acknowledged writes into KV events; `step` does this, and an
+        idle step loop calls it too, or the blocks a finished request left in the shared tier
+        stay unannounced until the next request. True when KV events are waiting."""
+        if self.tiers is not None and self.tiers.remote is not None:
+            self.tiers.remote.publish_written()
+        return bool(self.kv_events)
+
     # -- the step ------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """One scheduling decision and one forward pass; returns deltas of requests with news.

@@ -129,6 +129,11 @@ class RemoteTier:
 
     def end_step(self) -> None:
         self.io.end_step()
+        self.publish_written()
+
+    def publish_written(self) -> None:
+        """Reports the values the store acknowledged since the last call as stored "remote";
+        each step does, and an idle engine too (acknowledgements arrive after the last step)."""
         if self.io.num_outages != self._outages:
             # NOTE: a store that failed may come back empty (a restart): blocks written
             # before are written again when they are next computed.

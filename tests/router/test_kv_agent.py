@@ -20,6 +20,7 @@ from service.replica.agent import ReplicaAgent
 from service.replica.kv_events import KvEventRing
 from service.router.cost import CostWeights, held_blocks
 from tests.support.redis_proc import RedisProcess
+from tests.support.thread_proxy import ThreadDelayProxy
 from tests.support.waiting import wait_until
 
 BS = 16
@@ -222,21 +223,35 @@ async def test_remote_tier_records_are_shared_and_outlive_the_replica(
 ) -> None:
     """A replica with a remote tier records what it stored there under REMOTE_HOLDER (its own
     records stay its own); its restart clears its records but not the shared ones, which the
-    router credits to every replica."""
+    router credits to every replica. The KV store answers through a delaying proxy, so its
+    acknowledgements arrive after the request's last step: an idle engine announces them."""
     store = RedisAffinityStore(redis_proc.url, key_prefix="rt:", op_timeout_s=1.0)
-    kv_url = redis_proc.url.removesuffix("/0") + "/1"  # the KV values in another database
-    engine = start_engine(tiny_llama_path, num_device_blocks=32, num_cpu_blocks=8, kv_remote=kv_url)
+    proxy = ThreadDelayProxy(redis_proc.port, delay_s=0.2)
+    kv_url = proxy.url.removesuffix("/0") + "/1"  # the KV values in another database
+    engine = start_engine(
+        tiny_llama_path,
+        num_device_blocks=32,
+        num_cpu_blocks=8,
+        kv_remote=kv_url,
+        kv_remote_timeout_s=5.0,
+    )
     try:
         agent, ring = await start_agent(engine, store, "r1")
         a = list(range(10, 90))  # 5 full blocks, 4 cached by a prompt that ends in the 5th
         chain = prompt_block_hashes(a, BS, engine.model_info.model_id, None)
         await generate(engine, a, "a")
 
+        seen: list[object] = []
+
         async def shared() -> bool:
             held = await store.longest_prefix_tiers(chain)
+            seen[:] = [held]
             return held.get(REMOTE_HOLDER) == (0, 0, 0, 5) and held.get("r1") == (5, 0, 0, 0)
 
-        await wait_until(shared, what="the blocks recorded for r1 and for the shared tier")
+        try:
+            await wait_until(shared, what="5 blocks recorded for r1 and for the shared tier")
+        except AssertionError as e:
+            raise AssertionError(f"{e}; the store last held {seen}") from None
         await agent.stop()  # closes its store
         ring.close()
         store = RedisAffinityStore(redis_proc.url, key_prefix="rt:", op_timeout_s=1.0)
@@ -247,3 +262,4 @@ async def test_remote_tier_records_are_shared_and_outlive_the_replica(
     finally:
         engine.shutdown(5.0)
         await store.close()
+        proxy.close()

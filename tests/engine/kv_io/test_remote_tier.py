@@ -184,6 +184,7 @@ def test_a_killed_store_fails_no_request_and_is_used_again(
     want = tokens(reference, prompts)
     a = make_llm(tiny_llama_path, redis_proc.url, kv_remote_retry_s=0.5, kv_remote_timeout_s=0.5)
     assert tokens(a, prompts[:2]) == want[:2]
+    flush(a)  # a write failing first would mark it down, and the lookups below would not fail
     redis_proc.stop()
     t0 = time.monotonic()
     assert tokens(a, prompts[2:]) == want[2:]  # lookups and writes fail: recompute
