@@ -219,10 +219,8 @@ def _keep_quantized(
             f"quantization {mode} runs on the CPU; on {device.type} use quantization none "
             "(the weights expanded to dtype)"
         )
-    if mode == "auto" and gguf is not None:
-        return device.type == "cpu" and model_config.dtype == "bfloat16"
     if mode == "auto":
-        return int4 is not None and device.type == "cpu"
+        return (gguf is not None or int4 is not None) and device.type == "cpu"
     return mode != "none"
 
 

@@ -176,9 +176,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> list[argparse.Action]:
             "--quantization",
             default="auto",
             choices=QUANTIZATIONS,
-            help="Quantized weights on the CPU. A GGUF file's Q4_0/Q4_1 linears and embedding: "
-            "gguf keeps them 4-bit, auto does so when --dtype is bfloat16. An AWQ or GPTQ int4 "
-            "folder's linears: awq / gptq (the folder's method) or auto keep them 4-bit. A 16- or "
+            help="Quantized weights on the CPU. A GGUF file's Q4_0/Q4_1/Q4_K and Q8_0 linears "
+            "and its embedding: gguf or auto keep them 4-bit and 8-bit (other types are expanded). "
+            "An AWQ or GPTQ int4 folder's linears: awq / gptq (the folder's method) or auto keep "
+            "them 4-bit. A 16- or "
             "32-bit folder: int4 (groups of 32) or int8 (per channel) quantizes its attention and "
             "MLP projections at load. none expands them to --dtype (what a GPU always does).",
         ),

@@ -16,10 +16,14 @@ from engine.testing.tiny_gguf import quantized_blocks, write_gguf
 from engine.testing.tiny_models import build_tiny_llama
 from engine.worker.gguf_checkpoint import QuantizedRows, find_gguf
 from engine.worker.models.layers.quantized import (
-    DENSE_ROWS,
+    GEMV_ROWS,
+    GroupedLinear,
+    HeadRowsEmbedding,
     Int4Linear,
+    Q8Linear,
     QuantizedEmbedding,
     unpack,
+    unpack_q8_0,
 )
 from tests.engine.test_parity import CONFIGS, shared_prefix_prompts
 from tests.support.reference import assert_config_took_effect, hf_reference
@@ -29,8 +33,8 @@ EMBEDDING_TYPES = ("Q4_0", "Q4_1", "Q8_0", "Q5_0")
 MAX_TOKENS = 12
 
 LLAMA_TYPES = {
-    # q / k / v in one 4-bit type: the fused qkv weight is kept; Q8_0 and Q5_0 linears are
-    # expanded at load; the Q8_0 embedding stays in its blocks
+    # q / k / v in one 4-bit type: the fused qkv weight is kept; Q8_0 linears are kept 8-bit;
+    # Q5_0 ones are expanded at load; the Q8_0 embedding stays in its blocks
     "q_proj": "Q4_0",
     "k_proj": "Q4_0",
     "v_proj": "Q4_0",
@@ -42,8 +46,9 @@ LLAMA_TYPES = {
     "embed_tokens": "Q8_0",
     "lm_head": "Q4_0",
 }
-QWEN2_TYPES = {"proj": "Q4_1", "embed_tokens": "Q4_1"}
-"""Tied embeddings: one Q4_1 tensor is the embedding and the LM head (an Int4Linear)."""
+QWEN2_TYPES = {"proj": "Q4_1", "embed_tokens": "Q8_0"}
+"""Tied embeddings, as in the demo's file: one Q8_0 tensor is the LM head (a Q8Linear) and the
+embedding reads its rows."""
 
 
 def _rows(kind: str, n: int, k: int, seed: int = 0) -> tuple[QuantizedRows, torch.Tensor]:
@@ -78,35 +83,47 @@ def test_quantized_embedding_rows_are_exact(kind: str) -> None:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_int4_linear_many_row_path_matches_dequantized_weight(dtype: torch.dtype) -> None:
-    """With the C++ expansion (its layout check passed), many rows (and every float32 call) go
-    through the expanded weight; the results agree with the dequantized weight either way."""
+@pytest.mark.parametrize("kind", ["Q4_1", "Q8_0"])
+def test_few_and_many_row_paths_match_the_dequantized_weight(kind: str, dtype: torch.dtype) -> None:
+    """With the C++ kernels, up to GEMV_ROWS rows multiply on the groups and more expand the
+    weight; without them torch ops expand it; each agrees with the dequantized weight."""
     from engine.worker.attention.cpu_kernel import load_kernel
 
     ops = load_kernel().ops
     if ops is None:
         pytest.skip("the C++ CPU kernels cannot be built here")
-    rows, dense = _rows("Q4_1", 128, 96, seed=2)
-    bias = torch.randn(128)
-    layer = Int4Linear(*unpack(rows), bias, dtype)
-    layer.use_kernel(ops)
-    assert layer._dequant is not None, "the expansion's layout check failed on this torch build"
-    tol = 1e-4 if dtype == torch.float32 else 0.02
-    for m in (1, DENSE_ROWS - 1, DENSE_ROWS, 40):
+    rows, dense = _rows(kind, 40, 96, seed=2)
+    bias = torch.randn(40)
+
+    def layer() -> GroupedLinear:
+        if kind == "Q8_0":
+            return Q8Linear(*unpack_q8_0(rows), bias, dtype)
+        return Int4Linear(*unpack(rows), bias, dtype)
+
+    fast, plain = layer(), layer()
+    fast.use_kernel(ops)
+    tol = 1e-5 if dtype == torch.float32 else 0.02
+    for m in (1, 3, 4, 5, GEMV_ROWS, GEMV_ROWS + 1, 100):
         x = torch.randn(m, 96)
         want = x @ dense.T + bias
-        got = layer(x.to(dtype)).float()
-        rel = ((got - want).norm() / want.norm()).item()
-        assert rel < tol, (m, rel)
-    small = Int4Linear(*unpack(_rows("Q4_0", 48, 64)[0]), None, dtype)
-    small.use_kernel(ops)
-    assert small._dequant is None  # 48 rows: not whole 64-row blocks, torch's kernel only
+        for which in (fast, plain):
+            got = which(x.to(dtype)).float()
+            rel = ((got - want).norm() / want.norm()).item()
+            assert rel < tol, (m, which is fast, rel)
 
 
-def test_int4_linear_refuses_shapes_the_op_cannot_take() -> None:
-    rows, _ = _rows("Q4_0", 24, 64)  # 24 rows: not a multiple of 16
-    with pytest.raises(ValueError, match="out_features % 16"):
-        Int4Linear(*unpack(rows), None, torch.float32)
+def test_q8_rows_and_head_rows_embedding_are_exact() -> None:
+    rows, dense = _rows("Q8_0", 40, 64, seed=5)
+    head = Q8Linear(*unpack_q8_0(rows), None, torch.float32)
+    ids = torch.tensor([[3, 0, 39], [7, 7, 1]])
+    assert torch.equal(HeadRowsEmbedding(head, torch.float32)(ids), dense[ids])
+
+
+def test_quantized_linear_refuses_shapes_it_cannot_take() -> None:
+    q = np.zeros((16, 48), dtype=np.int32)  # 48 inputs: not whole groups of 32
+    scale = np.ones((16, 1), dtype=np.float32)
+    with pytest.raises(ValueError, match="in_features % 32"):
+        Int4Linear(q, scale, scale, None, torch.float32)
 
 
 @pytest.fixture(scope="module")
@@ -121,7 +138,7 @@ def qwen2_gguf(tiny_qwen2_path: Path, tmp_path_factory: pytest.TempPathFactory) 
 
 def _quantized_layers(llm: LLM) -> list[str]:
     model = llm.engine.core.executor.driver.model
-    kinds = (Int4Linear, QuantizedEmbedding)
+    kinds = (GroupedLinear, QuantizedEmbedding, HeadRowsEmbedding)
     return [name for name, m in model.named_modules() if isinstance(m, kinds)]
 
 
@@ -137,11 +154,12 @@ def test_gguf_matches_transformers_dequantized(
     for name, cfg in CONFIGS.items():
         llm = LLM(str(file), dtype="float32", quantization="gguf", block_size=16, **cfg)  # type: ignore[arg-type]
         layers = _quantized_layers(llm)
-        if which == "llama":  # 2 x (qkv, o), layer 1's down, the head, the embedding
-            assert len(layers) == 7, layers
+        if which == "llama":  # 2 x (qkv, o, gate_up), layer 1's down, the head, the embedding
+            assert len(layers) == 9, layers
             assert "model.layers.0.mlp.down_proj" not in layers  # Q5_0: expanded
-        else:  # 2 layers x (qkv, o, gate_up, down) + the tied head + the embedding
+        else:  # 2 layers x (qkv, o, gate_up, down) + the tied Q8_0 head + the embedding
             assert len(layers) == 10, layers
+            assert isinstance(llm.engine.core.executor.driver.model.lm_head, Q8Linear)
         outs = llm.generate(
             prompts, SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
         )
@@ -153,10 +171,11 @@ def test_gguf_matches_transformers_dequantized(
         assert kv.num_free_blocks == kv.num_blocks
 
 
-def test_gguf_quantization_none_and_auto_expand_in_float32(llama_gguf: Path) -> None:
-    for mode in ("none", "auto"):
-        llm = LLM(str(llama_gguf), dtype="float32", quantization=mode, num_device_blocks=64)
-        assert _quantized_layers(llm) == []
+def test_gguf_quantization_none_expands_and_auto_keeps(llama_gguf: Path) -> None:
+    llm = LLM(str(llama_gguf), dtype="float32", quantization="none", num_device_blocks=64)
+    assert _quantized_layers(llm) == []
+    llm = LLM(str(llama_gguf), dtype="float32", num_device_blocks=64)  # auto
+    assert len(_quantized_layers(llm)) == 9
 
 
 def test_gguf_folder_is_found_and_tokenizer_read(llama_gguf: Path, tmp_path: Path) -> None:
@@ -164,8 +183,8 @@ def test_gguf_folder_is_found_and_tokenizer_read(llama_gguf: Path, tmp_path: Pat
     folder.mkdir()
     shutil.copy(llama_gguf, folder / "llama.gguf")
     assert find_gguf(folder) == folder / "llama.gguf"
-    llm = LLM(str(folder), dtype="bfloat16", num_device_blocks=64)  # auto: kept in bfloat16
-    assert len(_quantized_layers(llm)) == 7
+    llm = LLM(str(folder), dtype="bfloat16", num_device_blocks=64)  # auto: kept
+    assert len(_quantized_layers(llm)) == 9
     tok = llm.engine.core.tokenizer
     assert tok.eos_token_id == 2 and tok.chat_template
     out = llm.generate(
@@ -232,15 +251,19 @@ def test_q4_k_rows_are_exact() -> None:
 
 def test_q4_k_m_style_file_matches_transformers(tmp_path: Path) -> None:
     """A Q4_K_M-like file (Q4_K projections, a Q8_0 down projection and head): the Q4_K linears
-    stay 4-bit and greedy tokens equal transformers' GGUF loader in float32."""
+    stay 4-bit, the Q8_0 ones 8-bit, and greedy tokens equal transformers' GGUF loader in
+    float32."""
     src = build_tiny_llama(tmp_path / "m", hidden_size=256, intermediate_size=512)
     types = {"down_proj": "Q8_0", "_proj": "Q4_K", "lm_head": "Q8_0"}
     file = write_gguf(src, tmp_path / "q4km.gguf", types)
     prompts = shared_prefix_prompts(512, 8, 400, seed=7)
     want, _ = hf_reference(file.parent, prompts, MAX_TOKENS, gguf_file=file.name)
     llm = LLM(str(file), dtype="float32", quantization="gguf", block_size=16, num_device_blocks=256)
-    # 2 layers x (qkv, o, gate_up); the Q8_0 down projections and head are expanded
-    assert len([n for n in _quantized_layers(llm) if "embed" not in n]) == 6
+    # 2 layers x (qkv, o, gate_up) 4-bit, their down projections and the head 8-bit
+    layers = dict(llm.engine.core.executor.driver.model.named_modules())
+    kept = [n for n in _quantized_layers(llm) if "embed" not in n]
+    assert sum(isinstance(layers[n], Int4Linear) for n in kept) == 6
+    assert sum(isinstance(layers[n], Q8Linear) for n in kept) == 3
     outs = llm.generate(
         prompts, SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
     )

@@ -21,7 +21,7 @@ from engine.worker.models.layers.attention import Attention, AttentionSpec
 from engine.worker.models.layers.linear import new_linear, pack_linears
 from engine.worker.models.layers.mlp import GatedMLP
 from engine.worker.models.layers.norm import NormClass, RMSNorm
-from engine.worker.models.layers.quantized import Int4Linear
+from engine.worker.models.layers.quantized import GroupedLinear
 from engine.worker.models.layers.rotary import RotaryEmbedding
 from engine.worker.models.layers.weights import load_checkpoint, slice_map
 from engine.worker.models.sliding_window import layer_windows
@@ -261,10 +261,11 @@ class CausalLM(nn.Module):
     def use_kernels(self, ops: Any) -> None:
         """Runs every RMSNorm (the residual add fused in), RoPE and, where `ops` has it,
         SiLU-and-mul with `ops`: one call each instead of torch's composites of ~8, ~7 and 2 small
-        ops; a 4-bit linear expands its weight with `ops` for many rows (layers/quantized.py). On the CPU torch.ops.deja_cpu_attn (cpu_layers.cpp, through `use_cpu_layout`), on
+        ops; a quantized linear multiplies on its groups with `ops` (layers/quantized.py). On the
+        CPU torch.ops.deja_cpu_attn (cpu_layers.cpp, through `use_cpu_layout`), on
         CUDA cuda/layers.py (deja's kernels); call once, after loading."""
         for module in self.modules():
-            if isinstance(module, RMSNorm | Attention | GatedMLP | Int4Linear):
+            if isinstance(module, RMSNorm | Attention | GatedMLP | GroupedLinear):
                 module.use_kernel(ops)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:

@@ -1,89 +1,301 @@
-// A packed int4 weight expanded to a dense one, for the quantized linear's many-row path.
+// Quantized linears on the CPU: a weight kept in 4-bit or 8-bit groups of 32 inputs, multiplied
+// without a dense copy for a few rows (decode) and expanded once per call for many (prefill).
 //
 // Built into the same library as the paged-attention kernel (engine/worker/attention/cpu_kernel.py
-// compiles every source); registered as torch.ops.deja_cpu_attn.int4_dequant_t, which writes the
-// expanded weight transposed ([K, N]: the layout that lets it vectorize; x @ it is the product).
+// compiles every source with -march=native); registered as torch.ops.deja_cpu_attn.q4_linear,
+// q8_linear, q4_dequant and q8_dequant. layers/quantized.py owns the layouts:
+// - 4-bit: qs uint8 [N, K / 2], 16 bytes a group; byte j of a group holds weight j in its low
+//   nibble and weight j + 16 in its high one (GGUF's Q4_0 / Q4_1 block order); with scale and
+//   zero float32 [N, K / 32], a weight is (q - 8) * scale + zero.
+// - 8-bit: qs int8 [N, K], scale float32 [N, K / 32]; a weight is q * scale (GGUF's Q8_0).
 //
-// torch's _weight_int4pack_mm_for_cpu costs time in proportion to the rows (3.4x a dense bf16
-// linear from 32 rows on, on a 2-core EPYC); a dense product on the weight expanded once per call
-// costs the expansion (one pass over the packed bytes) plus the dense product. layers/quantized.py
-// takes this path above a row threshold and in float32 (where torch's int4 kernel is scalar).
-//
-// Layout read: the one _convert_weight_to_int4pack_for_cpu writes with blocks of B rows (64 on its
-// AVX-512 build, 32 on AVX2): packed uint8 [N / B, K, B / 2], byte j of (block b, column k) holds
-// row B b + j in its low nibble and row B b + j + B / 2 in its high nibble. layers/quantized.py
-// finds B on a probe weight before use and keeps torch's kernel where neither fits.
-// Each weight is (q - 8) * scale + zero with scales_and_zeros [K / group, N, 2].
+// The few-row product reads each weight byte once for all rows (at most 4 at a time) and
+// dequantizes nothing: per group and row it sums (q - 8) x in float32 vectors, then adds that
+// times the scale, and the zero times the group's sum of x (computed once per call). Integers
+// below 2^24 convert exactly, so it is the dequantized weight's product up to summation order.
+// Activations of any floating type are read as float32; the output takes their type.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include <immintrin.h>
+
+#include <algorithm>
 #include <cstdint>
+#include <cstring>
+#include <type_traits>
 
 namespace {
 
-template <int kHalf, typename out_t, typename sz_t>
-void dequant_columns(const uint8_t* packed, const sz_t* sz, out_t* out, int64_t N, int64_t K,
-                     int64_t group, int64_t first_k, int64_t last_k) {
-  // out is the transposed weight [K, N]: for one k every block's kHalf bytes expand into
-  // 2 kHalf contiguous outputs (rows j and j + kHalf), scales read along N: all of it vectorizes.
-  constexpr int64_t kBlockRows = 2 * kHalf;
-  float lo[kHalf], hi[kHalf];
-  for (int64_t k = first_k; k < last_k; ++k) {
-    const sz_t* szg = sz + (k / group) * N * 2;
-    out_t* o = out + k * N;
-    for (int64_t b = 0; b < N / kBlockRows; ++b) {
-      const uint8_t* bytes = packed + (b * K + k) * kHalf;
-      for (int j = 0; j < kHalf; ++j) {
-        lo[j] = static_cast<float>((bytes[j] & 15) - 8);
-        hi[j] = static_cast<float>((bytes[j] >> 4) - 8);
+constexpr int64_t kGroup = 32;
+constexpr int kMaxRows = 4;
+
+#if defined(__AVX512F__)
+using vec = __m512;
+constexpr int kLanes = 16;
+inline vec vzero() { return _mm512_setzero_ps(); }
+inline vec vload(const float* p) { return _mm512_loadu_ps(p); }
+inline vec vset(float v) { return _mm512_set1_ps(v); }
+inline vec vmul(vec a, vec b) { return _mm512_mul_ps(a, b); }
+inline vec vfma(vec a, vec b, vec c) { return _mm512_fmadd_ps(a, b, c); }
+inline float vsum(vec a) { return _mm512_reduce_add_ps(a); }
+// One group's 32 weights as two vectors of 16, minus 8 (4-bit) or as they are (8-bit).
+inline void q4_group(const uint8_t* p, vec w[2]) {
+  const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  const __m128i m = _mm_set1_epi8(15), eight = _mm_set1_epi8(8);
+  const __m128i lo = _mm_sub_epi8(_mm_and_si128(v, m), eight);
+  const __m128i hi = _mm_sub_epi8(_mm_and_si128(_mm_srli_epi16(v, 4), m), eight);
+  w[0] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(lo));
+  w[1] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(hi));
+}
+inline void q8_group(const int8_t* p, vec w[2]) {
+  w[0] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+  w[1] = _mm512_cvtepi32_ps(
+      _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16))));
+}
+#elif defined(__AVX2__) && defined(__FMA__)
+using vec = __m256;
+constexpr int kLanes = 8;
+inline vec vzero() { return _mm256_setzero_ps(); }
+inline vec vload(const float* p) { return _mm256_loadu_ps(p); }
+inline vec vset(float v) { return _mm256_set1_ps(v); }
+inline vec vmul(vec a, vec b) { return _mm256_mul_ps(a, b); }
+inline vec vfma(vec a, vec b, vec c) { return _mm256_fmadd_ps(a, b, c); }
+inline float vsum(vec a) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+inline vec cvt8(__m128i bytes) { return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes)); }
+inline void q4_group(const uint8_t* p, vec w[4]) {
+  const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  const __m128i m = _mm_set1_epi8(15), eight = _mm_set1_epi8(8);
+  const __m128i lo = _mm_sub_epi8(_mm_and_si128(v, m), eight);
+  const __m128i hi = _mm_sub_epi8(_mm_and_si128(_mm_srli_epi16(v, 4), m), eight);
+  w[0] = cvt8(lo);
+  w[1] = cvt8(_mm_srli_si128(lo, 8));
+  w[2] = cvt8(hi);
+  w[3] = cvt8(_mm_srli_si128(hi, 8));
+}
+inline void q8_group(const int8_t* p, vec w[4]) {
+  for (int i = 0; i < 4; ++i) {
+    w[i] = cvt8(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 8 * i)));
+  }
+}
+#else
+#define DEJA_SCALAR_QUANT 1
+#endif
+
+#ifndef DEJA_SCALAR_QUANT
+constexpr int kVecs = kGroup / kLanes;
+
+// out[m, n] for rows n0..n1 of the weight and kRows rows of x (x: float32 [rows, K]; xsum:
+// float32 [rows, K / 32], only read with zeros).
+template <int kRows, bool kQ4>
+void rows_product(const float* x, const float* xsum, int64_t K, const void* qs, const float* scale,
+                  const float* zero, float* out, int64_t ldo, int64_t n0, int64_t n1) {
+  const int64_t groups = K / kGroup;
+  for (int64_t n = n0; n < n1; ++n) {
+    const float* s = scale + n * groups;
+    vec acc[kRows];
+    for (int r = 0; r < kRows; ++r) acc[r] = vzero();
+    for (int64_t g = 0; g < groups; ++g) {
+      vec w[kVecs];
+      if constexpr (kQ4) {
+        q4_group(static_cast<const uint8_t*>(qs) + (n * groups + g) * (kGroup / 2), w);
+      } else {
+        q8_group(static_cast<const int8_t*>(qs) + (n * groups + g) * kGroup, w);
       }
-      const int64_t n0 = b * kBlockRows;
-      for (int j = 0; j < kHalf; ++j) {
-        const int64_t n = n0 + j;
-        o[n] = static_cast<out_t>(lo[j] * static_cast<float>(szg[2 * n]) +
-                                  static_cast<float>(szg[2 * n + 1]));
+      const vec sg = vset(s[g]);
+      for (int r = 0; r < kRows; ++r) {
+        const float* xg = x + r * K + g * kGroup;
+        vec t = vmul(w[0], vload(xg));
+        for (int i = 1; i < kVecs; ++i) t = vfma(w[i], vload(xg + i * kLanes), t);
+        acc[r] = vfma(t, sg, acc[r]);
       }
-      for (int j = 0; j < kHalf; ++j) {
-        const int64_t n = n0 + kHalf + j;
-        o[n] = static_cast<out_t>(hi[j] * static_cast<float>(szg[2 * n]) +
-                                  static_cast<float>(szg[2 * n + 1]));
+    }
+    for (int r = 0; r < kRows; ++r) {
+      float y = vsum(acc[r]);
+      if (zero != nullptr) {
+        const float* z = zero + n * groups;
+        const float* xs = xsum + r * groups;
+        for (int64_t g = 0; g < groups; ++g) y += z[g] * xs[g];
       }
+      out[r * ldo + n] = y;
     }
   }
 }
-
-at::Tensor int4_dequant_t(const at::Tensor& packed, const at::Tensor& scales_and_zeros,
-                          int64_t group, int64_t block_rows) {
-  TORCH_CHECK(packed.dim() == 2 && packed.scalar_type() == at::kByte && packed.is_contiguous(),
-              "packed must be a contiguous uint8 [N, K / 2]");
-  TORCH_CHECK(scales_and_zeros.dim() == 3 && scales_and_zeros.is_contiguous(),
-              "scales_and_zeros must be a contiguous [K / group, N, 2]");
-  const int64_t N = packed.size(0), K = packed.size(1) * 2;
-  TORCH_CHECK(block_rows == 32 || block_rows == 64, "block_rows must be 32 or 64");
-  TORCH_CHECK(N % block_rows == 0, "N must be a multiple of ", block_rows, ", got ", N);
-  TORCH_CHECK(group > 0 && K % group == 0, "K must be a multiple of the group");
-  TORCH_CHECK(scales_and_zeros.size(0) == K / group && scales_and_zeros.size(1) == N &&
-                  scales_and_zeros.size(2) == 2,
-              "scales_and_zeros must be [K / group, N, 2]");
-  auto out = at::empty({K, N}, scales_and_zeros.options());
-  const uint8_t* p = packed.data_ptr<uint8_t>();
-  AT_DISPATCH_FLOATING_TYPES_AND2(
-      at::kBFloat16, at::kHalf, scales_and_zeros.scalar_type(), "int4_dequant_t", [&] {
-        const scalar_t* sz = scales_and_zeros.data_ptr<scalar_t>();
-        scalar_t* o = out.data_ptr<scalar_t>();
-        at::parallel_for(0, K, 16, [&](int64_t begin, int64_t end) {
-          if (block_rows == 64) {
-            dequant_columns<32, scalar_t, scalar_t>(p, sz, o, N, K, group, begin, end);
+#else
+template <int kRows, bool kQ4>
+void rows_product(const float* x, const float* xsum, int64_t K, const void* qs, const float* scale,
+                  const float* zero, float* out, int64_t ldo, int64_t n0, int64_t n1) {
+  const int64_t groups = K / kGroup;
+  for (int64_t n = n0; n < n1; ++n) {
+    for (int r = 0; r < kRows; ++r) {
+      float y = 0.f;
+      for (int64_t g = 0; g < groups; ++g) {
+        float t = 0.f;
+        for (int64_t j = 0; j < kGroup; ++j) {
+          int q;
+          if constexpr (kQ4) {
+            const uint8_t b = static_cast<const uint8_t*>(qs)[(n * groups + g) * 16 + (j & 15)];
+            q = (j < 16 ? (b & 15) : (b >> 4)) - 8;
           } else {
-            dequant_columns<16, scalar_t, scalar_t>(p, sz, o, N, K, group, begin, end);
+            q = static_cast<const int8_t*>(qs)[(n * groups + g) * kGroup + j];
           }
-        });
-      });
+          t += static_cast<float>(q) * x[r * K + g * kGroup + j];
+        }
+        y += t * scale[n * groups + g];
+        if (zero != nullptr) y += zero[n * groups + g] * xsum[r * groups + g];
+      }
+      out[r * ldo + n] = y;
+    }
+  }
+}
+#endif
+
+template <bool kQ4>
+void product(const float* x, const float* xsum, int64_t M, int64_t K, const void* qs,
+             const float* scale, const float* zero, float* out, int64_t N) {
+  // Each thread takes a contiguous range of weight rows and streams it once per 4 input rows.
+  const int64_t grain = std::max<int64_t>(16, N / (4 * at::get_num_threads()));
+  at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {
+    for (int64_t m = 0; m < M; m += kMaxRows) {
+      const float* xm = x + m * K;
+      const float* sm = xsum == nullptr ? nullptr : xsum + m * (K / kGroup);
+      float* om = out + m * N;
+      switch (std::min<int64_t>(kMaxRows, M - m)) {
+        case 1: rows_product<1, kQ4>(xm, sm, K, qs, scale, zero, om, N, n0, n1); break;
+        case 2: rows_product<2, kQ4>(xm, sm, K, qs, scale, zero, om, N, n0, n1); break;
+        case 3: rows_product<3, kQ4>(xm, sm, K, qs, scale, zero, om, N, n0, n1); break;
+        default: rows_product<4, kQ4>(xm, sm, K, qs, scale, zero, om, N, n0, n1); break;
+      }
+    }
+  });
+}
+
+void check_groups(const at::Tensor& t, int64_t N, int64_t K, const char* what) {
+  TORCH_CHECK(t.scalar_type() == at::kFloat && t.is_contiguous() && t.dim() == 2 &&
+                  t.size(0) == N && t.size(1) == K / kGroup,
+              what, " must be a contiguous float32 [N, K / 32]");
+}
+
+at::Tensor as_float_rows(const at::Tensor& x, int64_t K) {
+  TORCH_CHECK(x.dim() == 2 && x.size(1) == K, "x must be [M, ", K, "], got ", x.sizes());
+  return x.to(at::kFloat).contiguous();
+}
+
+at::Tensor q4_linear(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& scale,
+                     const at::Tensor& zero) {
+  TORCH_CHECK(qs.dim() == 2 && qs.scalar_type() == at::kByte && qs.is_contiguous(),
+              "qs must be a contiguous uint8 [N, K / 2]");
+  const int64_t N = qs.size(0), K = qs.size(1) * 2;
+  TORCH_CHECK(K % kGroup == 0, "K must be a multiple of 32, got ", K);
+  check_groups(scale, N, K, "scale");
+  check_groups(zero, N, K, "zero");
+  const at::Tensor xf = as_float_rows(x, K);
+  const int64_t M = xf.size(0);
+  const at::Tensor xsum = xf.view({M, K / kGroup, kGroup}).sum(-1).contiguous();
+  at::Tensor out = at::empty({M, N}, xf.options());
+  product<true>(xf.data_ptr<float>(), xsum.data_ptr<float>(), M, K, qs.data_ptr<uint8_t>(),
+                scale.data_ptr<float>(), zero.data_ptr<float>(), out.data_ptr<float>(), N);
+  return x.scalar_type() == at::kFloat ? out : out.to(x.scalar_type());
+}
+
+at::Tensor q8_linear(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& scale) {
+  TORCH_CHECK(qs.dim() == 2 && qs.scalar_type() == at::kChar && qs.is_contiguous(),
+              "qs must be a contiguous int8 [N, K]");
+  const int64_t N = qs.size(0), K = qs.size(1);
+  TORCH_CHECK(K % kGroup == 0, "K must be a multiple of 32, got ", K);
+  check_groups(scale, N, K, "scale");
+  const at::Tensor xf = as_float_rows(x, K);
+  const int64_t M = xf.size(0);
+  at::Tensor out = at::empty({M, N}, xf.options());
+  product<false>(xf.data_ptr<float>(), nullptr, M, K, qs.data_ptr<int8_t>(),
+                 scale.data_ptr<float>(), nullptr, out.data_ptr<float>(), N);
+  return x.scalar_type() == at::kFloat ? out : out.to(x.scalar_type());
+}
+
+// The dense weight [N, K] in `dtype`, for many-row products.
+template <bool kQ4, typename out_t>
+void expand(const void* qs, const float* scale, const float* zero, out_t* out, int64_t N,
+            int64_t K) {
+  const int64_t groups = K / kGroup;
+  at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
+    for (int64_t n = n0; n < n1; ++n) {
+      for (int64_t g = 0; g < groups; ++g) {
+        const int64_t at_g = n * groups + g;
+        const float s = scale[at_g], z = zero == nullptr ? 0.f : zero[at_g];
+        out_t* o = out + n * K + g * kGroup;
+#ifndef DEJA_SCALAR_QUANT
+        if constexpr (std::is_same_v<out_t, float>) {
+          vec w[kVecs];
+          if constexpr (kQ4) {
+            q4_group(static_cast<const uint8_t*>(qs) + at_g * 16, w);
+          } else {
+            q8_group(static_cast<const int8_t*>(qs) + at_g * kGroup, w);
+          }
+          const vec sv = vset(s), zv = vset(z);
+          for (int i = 0; i < kVecs; ++i) {
+            const vec v = kQ4 ? vfma(w[i], sv, zv) : vmul(w[i], sv);
+            std::memcpy(o + i * kLanes, &v, sizeof(v));
+          }
+          continue;
+        }
+#endif
+        if constexpr (kQ4) {
+          const uint8_t* b = static_cast<const uint8_t*>(qs) + at_g * 16;
+          for (int j = 0; j < 16; ++j) {
+            o[j] = static_cast<out_t>(static_cast<float>((b[j] & 15) - 8) * s + z);
+            o[j + 16] = static_cast<out_t>(static_cast<float>((b[j] >> 4) - 8) * s + z);
+          }
+        } else {
+          const int8_t* q = static_cast<const int8_t*>(qs) + at_g * kGroup;
+          for (int j = 0; j < kGroup; ++j) o[j] = static_cast<out_t>(static_cast<float>(q[j]) * s);
+        }
+      }
+    }
+  });
+}
+
+template <bool kQ4>
+at::Tensor dequant(const at::Tensor& qs, const at::Tensor& scale, const c10::optional<at::Tensor>& zero,
+                   at::ScalarType dtype) {
+  TORCH_CHECK(qs.dim() == 2 && qs.is_contiguous() &&
+                  qs.scalar_type() == (kQ4 ? at::kByte : at::kChar),
+              kQ4 ? "qs must be a contiguous uint8 [N, K / 2]" : "qs must be a contiguous int8 [N, K]");
+  const int64_t N = qs.size(0), K = qs.size(1) * (kQ4 ? 2 : 1);
+  TORCH_CHECK(K % kGroup == 0, "K must be a multiple of 32, got ", K);
+  check_groups(scale, N, K, "scale");
+  const float* z = nullptr;
+  if (zero.has_value()) {
+    check_groups(*zero, N, K, "zero");
+    z = zero->data_ptr<float>();
+  }
+  at::Tensor out = at::empty({N, K}, qs.options().dtype(dtype));
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, dtype, "quant_dequant", [&] {
+    expand<kQ4, scalar_t>(qs.data_ptr(), scale.data_ptr<float>(), z, out.data_ptr<scalar_t>(), N,
+                          K);
+  });
   return out;
+}
+
+at::Tensor q4_dequant(const at::Tensor& qs, const at::Tensor& scale, const at::Tensor& zero,
+                      at::ScalarType dtype) {
+  return dequant<true>(qs, scale, zero, dtype);
+}
+
+at::Tensor q8_dequant(const at::Tensor& qs, const at::Tensor& scale, at::ScalarType dtype) {
+  return dequant<false>(qs, scale, c10::nullopt, dtype);
 }
 
 }  // namespace
 
-TORCH_LIBRARY_FRAGMENT(deja_cpu_attn, m) { m.def("int4_dequant_t", &int4_dequant_t); }
+TORCH_LIBRARY_FRAGMENT(deja_cpu_attn, m) {
+  m.def("q4_linear", &q4_linear);
+  m.def("q8_linear", &q8_linear);
+  m.def("q4_dequant", &q4_dequant);
+  m.def("q8_dequant", &q8_dequant);
+}

@@ -1,43 +1,40 @@
-"""Quantized linear layers: GGUF weights kept in 4-bit groups, multiplied without a 16-bit copy.
+"""Quantized linear layers: GGUF, AWQ / GPTQ and load-time int4 weights kept in groups of 32
+inputs, multiplied without a dense copy.
 
-`Int4Linear` holds a weight in torch's packed int4 layout and applies it with
-`torch.ops.aten._weight_int4pack_mm_for_cpu` (groups of 32 along the input, an int4 value q per
-weight dequantized as (q - 8) * scale + zero). GGUF blocks map onto it exactly:
+`Int4Linear` holds a weight as 4-bit q with a float32 scale and zero a group, w = (q - 8) * scale
++ zero; `Q8Linear` as int8 q with a float32 scale a group, w = q * scale. GGUF blocks map onto
+them exactly:
 
 - Q4_1 (fp16 d, fp16 m, 32 nibbles q): w = d * q + m, so scale = d, zero = m + 8d;
 - Q4_0 (fp16 d, 32 nibbles q): w = d * (q - 8), so scale = d, zero = 0;
 - Q4_K (256-weight super-blocks: fp16 d and dmin, eight 6-bit scales sc and mins m, 256 nibbles):
   sub-block j of 32 weights is w = d sc_j q - dmin m_j, so scale = d sc_j, zero = 8 scale -
-  dmin m_j (the type most of a Q4_K_M file's linears are in).
+  dmin m_j (the type most of a Q4_K_M file's linears are in);
+- Q8_0 (fp16 d, 32 int8 q): w = d * q (the demo file's tied embedding and LM head).
 
-The int4 kernel is vectorized for bfloat16 activations only (scales rounded to bf16: at most d/64
-a weight), and its time grows with the rows like a compute-bound loop. So an Int4Linear has two
-paths (`use_kernel` enables the second where the C++ kernels load and their layout check passes):
-- bf16 below DENSE_ROWS rows: torch's int4 kernel;
-- from DENSE_ROWS rows, and always in float32 (where torch's kernel is a scalar loop): the weight
-  expanded once per call by cpu_quant.cpp into a dense transposed weight, then a dense product
-  (it reads torch's packed layout of AVX-512 and AVX2 builds; a probe at start finds which).
-Either is exact to the summation order against the dequantized weight in float32 (the parity
-tests' mode). Resident bytes a weight (bf16): 0.625 (file: 0.5625 for Q4_0, 0.625 for Q4_1).
+Both layers take two paths where the C++ kernels are loaded (`use_kernel`; cpu_quant.cpp):
+- up to GEMV_ROWS rows (decode): a product on the groups that reads each weight byte once for
+  every row and dequantizes nothing (float32 sums, whatever the activations' dtype);
+- more rows (prefill): the weight expanded once per call to the activations' dtype, then a
+  dense product.
+Without the kernels, torch ops expand the weight. Every path is the dequantized weight's product
+up to summation order (the parity tests' float32 mode). Resident bytes a weight: 0.75 for 4-bit
+(a Q4_1 file: 0.625), 1.125 for 8-bit (Q8_0: 1.0625).
 
-NOTE: measured on a 2-core AMD EPYC (avx512_bf16), torch 2.13, bf16, a 960 x 576 weight, ms a
-call (int4 kernel / expanded path / oneDNN's packed dense bf16): 1 row 0.014 / 0.016 / 0.029;
-32 rows 0.115 / 0.137 / 0.071; 128 rows 0.434 / 0.258 / 0.168; 512 rows 1.705 / 0.696 / 0.599
-(the expansion alone 0.056). Hence DENSE_ROWS = 64: one stream decodes ~2x faster per layer than
-dense bf16, a long prefill costs ~1.2x, a batch of 16-48 rows ~1.6x.
-Q8_0 is not made a linear: as two int4 halves ([HI | LO] over [x | x], exact) the 49152 x 576
-LM head ran as fast as bf16 at one row (1.30 vs 1.28 ms) and 4x slower at 32 rows; a Q8_0
-weight is expanded to dtype. A Q8_0 (or any other type's) embedding stays in its blocks
-(QuantizedEmbedding): a lookup reads a few rows.
+NOTE: measured on a 2-core AMD EPYC (AVX-512), torch 2.13, float32, ms a call (product on the
+groups / expanded per call / dense float32 weight): a 3072 x 576 weight at 1 row 0.046 (8-bit
+0.031) / - / 0.094; 16 rows 0.318 / - / 0.435; 64 rows 1.38 / 1.51 / 1.16; the 49152 x 576 LM
+head in 8-bit at 1 row 0.48 against 6.4 dense, at 16 rows 4.7 against 12.9. Hence GEMV_ROWS = 64.
+The demo's file decodes one stream at 125 tok/s kept against 51 expanded to float32 and 88 to
+bfloat16 (`deja bench quant`).
 
 `quantize_linears` swaps every nn.Linear whose checkpoint tensors were all kept quantized (fused
-projections included: their shards' rows are concatenated before packing) for an Int4Linear,
-after the model has loaded (CPU only).
+projections included: their shards' rows are concatenated, all 4-bit or all 8-bit) for one of
+them, after the model has loaded (CPU only).
 """
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, NamedTuple
@@ -115,31 +112,106 @@ def _unpack_q4_k(rows: QuantizedRows) -> Int4Rows:
     return Int4Rows(q, scale.reshape(n, k // GROUP), zero.reshape(n, k // GROUP))
 
 
+class Q8Rows(NamedTuple):
+    """A weight in 8-bit groups of 32 inputs: w = q * scale (GGUF's Q8_0)."""
+
+    q: np.ndarray
+    """int8 [N, K]."""
+    scale: np.ndarray
+    """float32 [N, K / 32]."""
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        n, k = self.q.shape
+        return n, k
+
+
+def unpack_q8_0(rows: QuantizedRows) -> Q8Rows:
+    """A Q8_0 weight's rows (blocks of fp16 d and 32 int8)."""
+    n, k = rows.shape
+    blocks = rows.blocks.reshape(n, k // GROUP, 2 + GROUP)
+    q = blocks[..., 2:].copy().view(np.int8).reshape(n, k)
+    return Q8Rows(q, _fp16(blocks, 0))
+
+
 INT4_TYPES = ("Q4_0", "Q4_1", "Q4_K")
-"""GGUF types whose linears stay 4-bit (Int4Linear); the others are expanded to dtype."""
+"""GGUF types whose linears stay 4-bit (Int4Linear)."""
+KEPT_TYPES = (*INT4_TYPES, "Q8_0")
+"""GGUF types whose linears stay quantized (Q8_0 as a Q8Linear); the others are expanded."""
 
 
 @dataclass(frozen=True)
 class Int4Sources:
-    """Weights that can become Int4Linears: each one's shape [out, in] by transformers name, and
-    how to unpack it, called for the ones a linear takes, one at a time (an unpacked weight is
-    ~4 bytes a weight: never all of them at once)."""
+    """Weights that can become quantized linears: each one's shape [out, in] by transformers
+    name, and how to unpack it, called for the ones a linear takes, one at a time (an unpacked
+    weight is ~4 bytes a weight: never all of them at once)."""
 
     shapes: Mapping[str, tuple[int, int]]
-    unpack: Callable[[str], Int4Rows]
+    unpack: Callable[[str], Int4Rows | Q8Rows]
 
 
 def gguf_int4(quantized: Mapping[str, QuantizedRows]) -> Int4Sources:
-    """The 4-bit tensors (INT4_TYPES) of a GGUF file's kept ones."""
-    shapes = {n: r.shape for n, r in quantized.items() if r.kind.name in INT4_TYPES}
-    return Int4Sources(shapes, lambda name: unpack(quantized[name]))
+    """The kept tensors (KEPT_TYPES) of a GGUF file's quantized ones."""
+    shapes = {n: r.shape for n, r in quantized.items() if r.kind.name in KEPT_TYPES}
+
+    def rows(name: str) -> Int4Rows | Q8Rows:
+        r = quantized[name]
+        return unpack_q8_0(r) if r.kind.name == "Q8_0" else unpack(r)
+
+    return Int4Sources(shapes, rows)
 
 
-class Int4Linear(nn.Module):
-    """y = x W^T (+ b) with W [out, in] in packed int4 groups of 32; see the module docstring."""
+GEMV_ROWS = 64
+"""Rows up to which a quantized linear multiplies on its groups (cpu_quant.cpp's few-row
+product); from here on it expands the weight once per call and takes a dense product (see the
+module docstring's NOTE)."""
 
-    weight_packed: torch.Tensor
-    scales_and_zeros: torch.Tensor
+
+class GroupedLinear(nn.Module):
+    """y = x W^T (+ b) for a weight kept in groups of 32 inputs (Int4Linear, Q8Linear): few rows
+    through the C++ product on the groups, many through the weight expanded once per call; torch
+    ops expand it where the C++ kernels are not loaded."""
+
+    qs: torch.Tensor
+    scale: torch.Tensor
+
+    def __init__(self, shape: tuple[int, int], bias: torch.Tensor | None) -> None:
+        super().__init__()
+        self.out_features, self.in_features = shape
+        if not fits(*shape):
+            raise ValueError(
+                f"a quantized weight needs in_features % {GROUP} == 0, got {tuple(shape)}"
+            )
+        self.bias = None if bias is None else bias.detach()
+        self._ops: Any = None
+        """torch.ops.deja_cpu_attn once `use_kernel` handed it (None: torch ops only)."""
+
+    def use_kernel(self, ops: Any) -> None:
+        if hasattr(ops, "q4_linear"):
+            self._ops = ops
+
+    def _product(self, x: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def _dense(self, dtype: torch.dtype) -> torch.Tensor:
+        raise NotImplementedError
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, self.in_features).contiguous()  # [M, in]
+        if self._ops is not None and flat.shape[0] <= GEMV_ROWS:
+            out = self._product(flat)
+        else:
+            out = torch.nn.functional.linear(flat, self._dense(flat.dtype))
+        if self.bias is not None:
+            out = out + self.bias
+        return out.view(*x.shape[:-1], self.out_features)
+
+
+class Int4Linear(GroupedLinear):
+    """A weight in 4-bit groups of 32 inputs: w = (q - 8) * scale + zero (cpu_quant.cpp's layout:
+    16 bytes a group, byte j holding weights j and j + 16; float32 scale and zero a group)."""
+
+    zero: torch.Tensor
 
     def __init__(
         self,
@@ -149,83 +221,56 @@ class Int4Linear(nn.Module):
         bias: torch.Tensor | None,
         dtype: torch.dtype,
     ) -> None:
-        super().__init__()
-        self.out_features, self.in_features = q.shape
-        if not fits(self.out_features, self.in_features):
-            raise ValueError(
-                f"an int4 weight needs out_features % 16 == 0 and in_features % {GROUP} == 0, "
-                f"got {tuple(q.shape)}"
-            )
-        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(torch.from_numpy(q), 1)
-        self.register_buffer("weight_packed", packed, persistent=False)  # uint8 [out, in / 2]
-        scales_and_zeros = np.stack([scale.T, zero.T], axis=-1)  # [in / 32, out, 2]
-        sz = torch.from_numpy(np.ascontiguousarray(scales_and_zeros)).to(dtype)
-        self.register_buffer("scales_and_zeros", sz, persistent=False)
-        self.bias = None if bias is None else bias.detach()
+        super().__init__(q.shape, bias)
+        n, k = q.shape
+        nibbles = np.ascontiguousarray(q, dtype=np.uint8).reshape(n, k // GROUP, 2, GROUP // 2)
+        packed = np.ascontiguousarray(nibbles[:, :, 0] | (nibbles[:, :, 1] << 4))
+        self.register_buffer("qs", torch.from_numpy(packed.reshape(n, k // 2)), persistent=False)
+        self.register_buffer("scale", _groups(scale), persistent=False)
+        self.register_buffer("zero", _groups(zero), persistent=False)
 
-        self._dequant: Any = None
-        """torch.ops.deja_cpu_attn.int4_dequant_t once `use_kernel` has checked it (None: torch's
-        int4 kernel at every row count)."""
+    def _product(self, x: torch.Tensor) -> torch.Tensor:
+        return self._ops.q4_linear(x, self.qs, self.scale, self.zero)
 
-    def use_kernel(self, ops: Any) -> None:
-        """Takes the many-row path (the weight expanded by `ops.int4_dequant_t`, then a dense
-        product) where the layout probe finds torch's row blocks and the shape allows
-        (out_features a multiple of them)."""
-        block = _packed_block_rows(ops)
-        if block and self.out_features % block == 0:
-            self._dequant = functools.partial(_expand, ops.int4_dequant_t, block)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        flat = x.reshape(-1, self.in_features).contiguous()  # [M, in]
-        dense = self._dequant is not None and (
-            flat.shape[0] >= DENSE_ROWS or flat.dtype != torch.bfloat16
-        )
-        if dense:
-            w_t = self._dequant(self.weight_packed, self.scales_and_zeros, GROUP)  # [in, out]
-            out = torch.matmul(flat, w_t)
-            if self.bias is not None:
-                out = out + self.bias
-        else:
-            out = torch.ops.aten._weight_int4pack_mm_for_cpu(
-                flat, self.weight_packed, GROUP, self.scales_and_zeros
-            )  # [M, out]
-            if self.bias is not None:
-                out = out + self.bias
-        return out.view(*x.shape[:-1], self.out_features)
+    def _dense(self, dtype: torch.dtype) -> torch.Tensor:
+        if self._ops is not None:
+            return self._ops.q4_dequant(self.qs, self.scale, self.zero, dtype)
+        n, k = self.out_features, self.in_features
+        halves = torch.stack([self.qs & 15, self.qs >> 4], dim=1)  # [N, 2, K / 2]
+        q = halves.view(n, 2, k // GROUP, GROUP // 2).transpose(1, 2).reshape(n, k // GROUP, GROUP)
+        w = (q.float() - 8) * self.scale[..., None] + self.zero[..., None]
+        return w.view(n, k).to(dtype)
 
 
-def _expand(op: Any, block_rows: int, packed: torch.Tensor, sz: torch.Tensor, group: int) -> Any:
-    return op(packed, sz, group, block_rows)
+class Q8Linear(GroupedLinear):
+    """A weight in 8-bit groups of 32 inputs: w = q * scale (GGUF's Q8_0)."""
+
+    def __init__(
+        self, q: np.ndarray, scale: np.ndarray, bias: torch.Tensor | None, dtype: torch.dtype
+    ) -> None:
+        super().__init__(q.shape, bias)
+        self.register_buffer("qs", torch.from_numpy(np.ascontiguousarray(q)), persistent=False)
+        self.register_buffer("scale", _groups(scale), persistent=False)
+
+    def _product(self, x: torch.Tensor) -> torch.Tensor:
+        return self._ops.q8_linear(x, self.qs, self.scale)
+
+    def _dense(self, dtype: torch.dtype) -> torch.Tensor:
+        if self._ops is not None:
+            return self._ops.q8_dequant(self.qs, self.scale, dtype)
+        n, k = self.out_features, self.in_features
+        w = self.qs.view(n, k // GROUP, GROUP).float() * self.scale[..., None]
+        return w.view(n, k).to(dtype)
+
+    def rows(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """Rows `ids` of the dequantized weight [len(ids), in] (a tied embedding's lookup)."""
+        n = ids.numel()
+        q = self.qs[ids].view(n, -1, GROUP).float()
+        return (q * self.scale[ids][..., None]).view(n, self.in_features).to(dtype)
 
 
-DENSE_ROWS = 64
-"""Rows from which a bf16 Int4Linear expands its weight and takes a dense product (see the
-module docstring's NOTE); float32 always does (torch's int4 kernel is scalar there)."""
-
-_BLOCK_ROWS: dict[int, int] = {}
-
-
-def _packed_block_rows(ops: Any) -> int:
-    """The row blocks of this torch build's packed int4 layout that `ops.int4_dequant_t` reads
-    (64 on AVX-512 builds, 32 on AVX2), found once per process on a probe weight packed by
-    torch, expanded, against its values; 0 where neither reads it."""
-    key = id(ops)
-    if key not in _BLOCK_ROWS:
-        gen = torch.Generator().manual_seed(0)
-        q = torch.randint(0, 16, (128, 64), dtype=torch.int32, generator=gen)
-        sz = torch.randn(64 // GROUP, 128, 2, generator=gen)
-        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
-        want = (q.view(128, 2, GROUP) - 8) * sz[..., 0].T[..., None] + sz[..., 1].T[..., None]
-        _BLOCK_ROWS[key] = 0
-        for block in (64, 32):
-            try:
-                got = ops.int4_dequant_t(packed, sz, GROUP, block).T
-            except (RuntimeError, AttributeError):
-                continue
-            if torch.allclose(got, want.view(128, 64), rtol=1e-6, atol=1e-5):
-                _BLOCK_ROWS[key] = block
-                break
-    return _BLOCK_ROWS[key]
+def _groups(values: np.ndarray) -> torch.Tensor:
+    return torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32))
 
 
 class Int8Linear(nn.Module):
@@ -299,8 +344,8 @@ def quantize_loaded(model: nn.Module, kind: str) -> int:
 
 
 def fits(out_features: int, in_features: int) -> bool:
-    """Whether the int4 op takes a weight of this shape."""
-    return out_features % 16 == 0 and in_features % GROUP == 0
+    """Whether a quantized linear takes a weight of this shape (whole groups along the input)."""
+    return out_features > 0 and in_features % GROUP == 0
 
 
 class QuantizedEmbedding(nn.Module):
@@ -325,14 +370,36 @@ class QuantizedEmbedding(nn.Module):
         return out.to(self.dtype).view(*ids.shape, self.embedding_dim)
 
 
+class HeadRowsEmbedding(nn.Module):
+    """A tied embedding that reads its rows from the LM head's Q8Linear (one copy of the
+    vocabulary's weights, the one each step's logits read)."""
+
+    def __init__(self, head: Q8Linear, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.head = [head]  # not a submodule: the head is the model's, counted once
+        self.num_embeddings, self.embedding_dim = head.out_features, head.in_features
+        self.dtype = dtype
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        rows = self.head[0].rows(ids.reshape(-1), self.dtype)
+        return rows.view(*ids.shape, self.embedding_dim)
+
+
 def quantize_embedding(model: nn.Module, rows: QuantizedRows | None) -> bool:
-    """Replaces `model.model.embed_tokens` by a QuantizedEmbedding over `rows` (its checkpoint
-    tensor, kept quantized); False, leaving it, where there is none or it is not an nn.Embedding."""
+    """Replaces `model.model.embed_tokens` by an embedding over `rows` (its checkpoint tensor,
+    kept quantized): the tied LM head's rows where that head is a Q8Linear of them, else a
+    QuantizedEmbedding; False, leaving it, where there is none or it is not an nn.Embedding."""
     inner = getattr(model, "model", None)
     embedding = getattr(inner, "embed_tokens", None)
     if rows is None or not isinstance(embedding, nn.Embedding):
         return False
-    inner.embed_tokens = QuantizedEmbedding(rows, embedding.weight.dtype)  # type: ignore[union-attr]
+    dtype = embedding.weight.dtype
+    head = getattr(model, "lm_head", None)
+    tied = getattr(model, "tie_word_embeddings", False)
+    if tied and isinstance(head, Q8Linear) and rows.kind.name == "Q8_0":
+        inner.embed_tokens = HeadRowsEmbedding(head, dtype)  # type: ignore[union-attr]
+    else:
+        inner.embed_tokens = QuantizedEmbedding(rows, dtype)  # type: ignore[union-attr]
     return True
 
 
@@ -353,9 +420,16 @@ def quantize_linears(model: nn.Module, sources: Int4Sources, rename: Mapping[str
         if not fits(linear.out_features, linear.in_features):
             continue
         ordered = [sources.unpack(n) for _, n in sorted(parts)]
-        q, scale, zero = (np.concatenate([u[i] for u in ordered]) for i in range(3))
-        del ordered
-        setattr(parent, attr, Int4Linear(q, scale, zero, linear.bias, linear.weight.dtype))
+        f = [np.concatenate([u[i] for u in ordered]) for i in range(len(ordered[0]))]
+        dtype = linear.weight.dtype
+        if all(isinstance(u, Int4Rows) for u in ordered):
+            layer: GroupedLinear = Int4Linear(f[0], f[1], f[2], linear.bias, dtype)
+        elif all(isinstance(u, Q8Rows) for u in ordered):
+            layer = Q8Linear(f[0], f[1], linear.bias, dtype)
+        else:
+            continue  # 4-bit and 8-bit shards of one fused weight: stays dense
+        del ordered, f
+        setattr(parent, attr, layer)
         replaced += 1
     return replaced
 
