@@ -1,0 +1,79 @@
+"""cpu_quant.cpp built for each instruction set it has a path for (AVX2 and plain C++, besides
+the AVX-512 one this machine may build natively): the few-row products and the expansions
+against the dequantized weights, in a process of their own."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine.worker.attention import cpu_kernel
+
+SOURCE = Path(cpu_kernel.__file__).parents[1] / "models" / "layers" / "cpu_quant.cpp"
+
+CHECK = r"""
+import sys, numpy as np, torch
+torch.ops.load_library(sys.argv[1])
+ops = torch.ops.deja_cpu_attn
+rng = np.random.default_rng(0)
+for n, k in [(40, 96), (72, 576)]:
+    q4 = rng.integers(0, 16, (n, k)).astype(np.uint8)
+    packed = q4.reshape(n, k // 32, 2, 16)
+    qs4 = torch.from_numpy(np.ascontiguousarray(packed[:, :, 0] | (packed[:, :, 1] << 4)).reshape(n, k // 2))
+    q8 = torch.from_numpy(rng.integers(-127, 128, (n, k)).astype(np.int8))
+    scale = torch.from_numpy(rng.random((n, k // 32)).astype(np.float32))
+    zero = torch.from_numpy(rng.standard_normal((n, k // 32)).astype(np.float32))
+    w4 = (torch.from_numpy(q4.astype(np.float32)) - 8) * scale.repeat_interleave(32, 1) + zero.repeat_interleave(32, 1)
+    w8 = q8.float() * scale.repeat_interleave(32, 1)
+    torch.testing.assert_close(ops.q4_dequant(qs4, scale, zero, torch.float32), w4)
+    torch.testing.assert_close(ops.q8_dequant(q8, scale, torch.float32), w8)
+    torch.testing.assert_close(ops.q4_dequant(qs4, scale, zero, torch.bfloat16), w4.bfloat16())
+    def close(got, want):
+        err = ((got - want).abs().max() / want.abs().max()).item()
+        assert err < 1e-5, err
+    for m in (1, 2, 3, 4, 5, 9):
+        x = torch.randn(m, k)
+        close(ops.q4_linear(x, qs4, scale, zero), x @ w4.T)
+        close(ops.q8_linear(x, q8, scale), x @ w8.T)
+        y = ops.q4_linear(x.bfloat16(), qs4, scale, zero)
+        assert y.dtype == torch.bfloat16
+print("ok")
+"""
+
+
+@pytest.mark.parametrize("march", ["haswell", "x86-64"], ids=["avx2", "plain"])
+def test_each_instruction_set_path_matches_the_dequantized_weight(
+    march: str, tmp_path: Path
+) -> None:
+    cxx = shutil.which("g++") or shutil.which("c++")
+    if cxx is None:
+        pytest.skip("no C++ compiler")
+    from torch.utils import cpp_extension
+
+    lib = tmp_path / "quant.so"
+    flags = [f for f in cpu_kernel.CXX_FLAGS if not f.startswith("-march")]
+    abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
+    cmd = [
+        cxx,
+        *flags,
+        f"-march={march}",
+        f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
+        *(f"-I{p}" for p in cpp_extension.include_paths()),
+        str(SOURCE),
+        *(f"-L{p}" for p in cpp_extension.library_paths()),
+        "-lc10",
+        "-ltorch_cpu",
+        "-o",
+        str(lib),
+    ]
+    built = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert built.returncode == 0, built.stderr[-2000:]
+    ran = subprocess.run(
+        [sys.executable, "-c", CHECK, str(lib)], capture_output=True, text=True, timeout=300
+    )
+    assert ran.returncode == 0 and ran.stdout.strip() == "ok", ran.stderr[-3000:]
