@@ -1,6 +1,6 @@
-"""cpu_quant.cpp built for each instruction set it has a path for (AVX2 and plain C++, besides
-the AVX-512 one this machine may build natively): the few-row products and the expansions
-against the dequantized weights, in a process of their own."""
+"""cpu_quant.cpp built for each instruction set it has a path for (this machine's, which may be
+AVX-512, then AVX2 and plain C++): the few-row products against the dequantized weights, and the
+expansions to float32, bfloat16 and float16, in a process of their own."""
 
 from __future__ import annotations
 
@@ -32,7 +32,10 @@ for n, k in [(40, 96), (72, 576)]:
     w8 = q8.float() * scale.repeat_interleave(32, 1)
     torch.testing.assert_close(ops.q4_dequant(qs4, scale, zero, torch.float32), w4)
     torch.testing.assert_close(ops.q8_dequant(q8, scale, torch.float32), w8)
-    torch.testing.assert_close(ops.q4_dequant(qs4, scale, zero, torch.bfloat16), w4.bfloat16())
+    for dtype in (torch.bfloat16, torch.float16):  # rounded as torch rounds float32
+        want = ops.q4_dequant(qs4, scale, zero, torch.float32).to(dtype)
+        assert torch.equal(ops.q4_dequant(qs4, scale, zero, dtype), want)
+        assert torch.equal(ops.q8_dequant(q8, scale, dtype), ops.q8_dequant(q8, scale, torch.float32).to(dtype))
     def close(got, want):
         err = ((got - want).abs().max() / want.abs().max()).item()
         assert err < 1e-5, err
@@ -46,7 +49,7 @@ print("ok")
 """
 
 
-@pytest.mark.parametrize("march", ["haswell", "x86-64"], ids=["avx2", "plain"])
+@pytest.mark.parametrize("march", ["native", "haswell", "x86-64"], ids=["native", "avx2", "plain"])
 def test_each_instruction_set_path_matches_the_dequantized_weight(
     march: str, tmp_path: Path
 ) -> None:

@@ -23,7 +23,6 @@
 
 #include <algorithm>
 #include <cstdint>
-#include <cstring>
 #include <type_traits>
 
 namespace {
@@ -48,6 +47,14 @@ inline void q4_group(const uint8_t* p, vec w[2]) {
   const __m128i hi = _mm_sub_epi8(_mm_and_si128(_mm_srli_epi16(v, 4), m), eight);
   w[0] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(lo));
   w[1] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(hi));
+}
+inline void store(float* o, vec v) { _mm512_storeu_ps(o, v); }
+// bfloat16 rounded to nearest even, as c10::BFloat16 rounds a finite float
+inline void store(c10::BFloat16* o, vec v) {
+  __m512i bits = _mm512_castps_si512(v);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  bits = _mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF)));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(o), _mm512_cvtepi32_epi16(_mm512_srli_epi32(bits, 16)));
 }
 inline void q8_group(const int8_t* p, vec w[2]) {
   w[0] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
@@ -78,6 +85,14 @@ inline void q4_group(const uint8_t* p, vec w[4]) {
   w[1] = cvt8(_mm_srli_si128(lo, 8));
   w[2] = cvt8(hi);
   w[3] = cvt8(_mm_srli_si128(hi, 8));
+}
+inline void store(float* o, vec v) { _mm256_storeu_ps(o, v); }
+inline void store(c10::BFloat16* o, vec v) {
+  __m256i bits = _mm256_castps_si256(v);
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+  bits = _mm256_srli_epi32(_mm256_add_epi32(bits, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7FFF))), 16);
+  const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(bits, bits), 0b1000);
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(o), _mm256_castsi256_si128(packed));
 }
 inline void q8_group(const int8_t* p, vec w[4]) {
   for (int i = 0; i < 4; ++i) {
@@ -230,7 +245,7 @@ void expand(const void* qs, const float* scale, const float* zero, out_t* out, i
         const float s = scale[at_g], z = zero == nullptr ? 0.f : zero[at_g];
         out_t* o = out + n * K + g * kGroup;
 #ifndef DEJA_SCALAR_QUANT
-        if constexpr (std::is_same_v<out_t, float>) {
+        if constexpr (std::is_same_v<out_t, float> || std::is_same_v<out_t, c10::BFloat16>) {
           vec w[kVecs];
           if constexpr (kQ4) {
             q4_group(static_cast<const uint8_t*>(qs) + at_g * 16, w);
@@ -239,8 +254,7 @@ void expand(const void* qs, const float* scale, const float* zero, out_t* out, i
           }
           const vec sv = vset(s), zv = vset(z);
           for (int i = 0; i < kVecs; ++i) {
-            const vec v = kQ4 ? vfma(w[i], sv, zv) : vmul(w[i], sv);
-            std::memcpy(o + i * kLanes, &v, sizeof(v));
+            store(o + i * kLanes, kQ4 ? vfma(w[i], sv, zv) : vmul(w[i], sv));
           }
           continue;
         }
