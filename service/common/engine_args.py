@@ -35,7 +35,8 @@ from service.common.flags import (
     config_values,
 )
 
-DEFAULT_MODEL = "demo"
+DEFAULT_MODEL = "demo-gguf"
+"""deja serve's model: the demo's GGUF file as it is (its weights kept 4-bit and 8-bit on the CPU)."""
 DEFAULT_CACHE_DIR = "~/.cache/deja"
 _CACHE = CacheConfig()
 _SCHED = SchedulerConfig()

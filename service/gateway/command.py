@@ -39,7 +39,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from service.common.engine_args import DEFAULT_CACHE_DIR, DEFAULT_MODEL
+from service.common.engine_args import DEFAULT_CACHE_DIR
 from service.common.flags import add_flag, add_list_flag
 from service.common.ports import free_port
 from service.common.processes import stop_gracefully
@@ -53,7 +53,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_flag(parser, "--port", type=int, default=8000, help="HTTP port of the gateway.")
     add_flag(parser, "--metrics-host", default="127.0.0.1", help="Prometheus address of SMG.")
     add_flag(parser, "--metrics-port", type=int, default=29000, help="Prometheus port of SMG.")
-    add_flag(parser, "--model", default=DEFAULT_MODEL, help='Checkpoint folder or "demo".')
+    add_flag(
+        parser,
+        "--model",
+        default="demo",  # SMG reads a folder's tokenizer: the converted demo, not its GGUF file
+        help='Checkpoint folder or "demo".',
+    )
     add_flag(parser, "--cache-dir", default=DEFAULT_CACHE_DIR, help="Where converted models live.")
     add_list_flag(
         parser,

@@ -39,14 +39,14 @@ inline vec vset(float v) { return _mm512_set1_ps(v); }
 inline vec vmul(vec a, vec b) { return _mm512_mul_ps(a, b); }
 inline vec vfma(vec a, vec b, vec c) { return _mm512_fmadd_ps(a, b, c); }
 inline float vsum(vec a) { return _mm512_reduce_add_ps(a); }
-// One group's 32 weights as two vectors of 16, minus 8 (4-bit) or as they are (8-bit).
+// One group's 32 weights as two vectors of 16, minus 8 (4-bit) or as they are (8-bit). A 4-bit
+// value picks its float from a 16-entry table (a permute reads the low 4 bits of each lane).
 inline void q4_group(const uint8_t* p, vec w[2]) {
-  const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  const __m128i m = _mm_set1_epi8(15), eight = _mm_set1_epi8(8);
-  const __m128i lo = _mm_sub_epi8(_mm_and_si128(v, m), eight);
-  const __m128i hi = _mm_sub_epi8(_mm_and_si128(_mm_srli_epi16(v, 4), m), eight);
-  w[0] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(lo));
-  w[1] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(hi));
+  const __m512 table = _mm512_setr_ps(-8.f, -7.f, -6.f, -5.f, -4.f, -3.f, -2.f, -1.f, 0.f, 1.f,
+                                      2.f, 3.f, 4.f, 5.f, 6.f, 7.f);
+  const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  w[0] = _mm512_permutexvar_ps(bytes, table);
+  w[1] = _mm512_permutexvar_ps(_mm512_srli_epi32(bytes, 4), table);
 }
 inline void store(float* o, vec v) { _mm512_storeu_ps(o, v); }
 // bfloat16 rounded to nearest even, as c10::BFloat16 rounds a finite float
