@@ -51,10 +51,10 @@ class ModelConfig:
     model_id: str | None = None
     """Identity mixed into block hashes and reported by the API; None uses the folder name."""
     quantization: str = "auto"
-    """A GGUF file's quantized weights: gguf keeps its Q4_0 / Q4_1 linears and its embedding
-    quantized (CPU only; every other weight is expanded to dtype), none expands them all at load,
-    auto keeps them where the compute dtype is bfloat16 on the CPU (the int4 kernel's fast path;
-    in float32 they are exact but slower than expanded). Other checkpoints: auto only."""
+    """Quantized weights (CPU only): auto or gguf keeps a GGUF file's Q4_0 / Q4_1 / Q4_K linears
+    4-bit, its Q8_0 ones 8-bit and its embedding in its blocks (every other weight is expanded to
+    dtype); auto, awq or gptq keeps an AWQ / GPTQ folder's linears 4-bit; int4 / int8 quantize a
+    plain folder's projections at load; none expands everything to dtype."""
     generation_config: str = "auto"
     """auto: the sampling settings of the model's generation_config.json (temperature, top_p,
     top_k, min_p, repetition_penalty) are the defaults of a request that leaves them unset, as

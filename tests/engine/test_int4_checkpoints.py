@@ -16,6 +16,7 @@ from safetensors.numpy import load_file, save_file
 from engine import LLM, SamplingParams
 from engine.testing.tiny_int4 import is_quantized, write_int4
 from engine.testing.tiny_models import build_tiny_llama, build_tiny_qwen2
+from engine.worker.attention.cpu_kernel import load_kernel
 from engine.worker.model_loader import model_fingerprint
 from engine.worker.models.layers.quantized import Int4Linear, Int8Linear, rtn_int4
 from tests.engine.test_parity import CONFIGS, shared_prefix_prompts
@@ -214,7 +215,7 @@ def test_load_time_quantization_matches_transformers_dequantized(
 
 
 def test_load_time_layers_in_bf16_match_their_dequantized_weights() -> None:
-    """The bf16 paths (torch's int8 and int4 kernels, not the float32 expansion) compute with the
+    """The bf16 paths (torch's int8 kernel, the int4 product on the groups) compute with the
     weight the layer holds; each rounded weight is within half a step of the original."""
     gen = torch.Generator().manual_seed(0)
     w = torch.randn(128, 96, generator=gen)
@@ -228,6 +229,9 @@ def test_load_time_layers_in_bf16_match_their_dequantized_weights() -> None:
     w4 = ((q.view(128, 3, 32) - 8) * scale[..., None] + zero[..., None]).view(128, 96)
     assert (w4 - w).abs().max() <= scale.max() / 2 + 0.02  # bf16 input rounding on top
     int4 = Int4Linear(*rows, bias, torch.bfloat16)
+    ops = load_kernel().ops
+    if ops is not None:
+        int4.use_kernel(ops)  # 5 rows: the product on the groups
     for layer, dense in ((int8, w8), (int4, w4)):
         want = x @ dense.T + bias
         got = layer(x.to(torch.bfloat16)).float()
