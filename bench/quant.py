@@ -3,9 +3,9 @@
     deja bench quant [--model demo-gguf | FILE.gguf] [--dtype bfloat16] [--requests 48]
                      [--decode-tokens 128] [--threads 2] [--llama-bench PATH]
 
-Loads the file twice in one process (`--quantization gguf`: 4-bit linears and Q8_0 ones kept in
-their groups, the embedding in its blocks or the tied head's; `--quantization none`: every weight expanded to
---dtype, as a 16-bit checkpoint would be served) and, for each, measures offline:
+Loads the file twice in one process (`--quantization gguf`: 4-bit and Q8_0 linears kept in their
+groups, the embedding in its blocks or the tied head's; `--quantization none`: every weight
+expanded to --dtype, as a 16-bit checkpoint would be served) and, for each, measures offline:
 - batch-1 decode: one 64-token prompt, --decode-tokens greedy tokens, best of 3 (tok/s);
 - throughput: --requests prompts of 128 tokens, 64 output tokens each, one generate (output tok/s);
 - TTFT: one 512-token prompt, the time to its first token (best of 3);
