@@ -24,6 +24,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <type_traits>
+#include <vector>
 
 namespace {
 
@@ -132,13 +133,17 @@ void rows_product(const float* x, const float* xsum, int64_t K, const void* qs, 
       }
     }
     for (int r = 0; r < kRows; ++r) {
-      float y = vsum(acc[r]);
-      if (zero != nullptr) {
+      if (zero != nullptr) {  // + sum over groups of zero x sum(x): in vectors too
         const float* z = zero + n * groups;
         const float* xs = xsum + r * groups;
-        for (int64_t g = 0; g < groups; ++g) y += z[g] * xs[g];
+        int64_t g = 0;
+        for (; g + kLanes <= groups; g += kLanes) acc[r] = vfma(vload(z + g), vload(xs + g), acc[r]);
+        float y = vsum(acc[r]);
+        for (; g < groups; ++g) y += z[g] * xs[g];
+        out[r * ldo + n] = y;
+      } else {
+        out[r * ldo + n] = vsum(acc[r]);
       }
-      out[r * ldo + n] = y;
     }
   }
 }
@@ -197,40 +202,81 @@ void check_groups(const at::Tensor& t, int64_t N, int64_t K, const char* what) {
               what, " must be a contiguous float32 [N, K / 32]");
 }
 
-at::Tensor as_float_rows(const at::Tensor& x, int64_t K) {
+// x's rows as float32 (a copy unless x is contiguous float32) and, with `sums`, each group's sum
+// of them; a few small rows a call: plain loops, no torch op (each costs microseconds).
+struct FloatRows {
+  std::vector<float> copy, sums;
+  const float* x = nullptr;
+};
+
+FloatRows float_rows(const at::Tensor& x, int64_t K, bool sums) {
   TORCH_CHECK(x.dim() == 2 && x.size(1) == K, "x must be [M, ", K, "], got ", x.sizes());
-  return x.to(at::kFloat).contiguous();
+  FloatRows r;
+  const int64_t M = x.size(0);
+  if (x.scalar_type() == at::kFloat && x.is_contiguous()) {
+    r.x = x.data_ptr<float>();
+  } else {
+    const at::Tensor xc = x.contiguous();
+    r.copy.resize(M * K);
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "float_rows", [&] {
+      const scalar_t* src = xc.data_ptr<scalar_t>();
+      for (int64_t i = 0; i < M * K; ++i) r.copy[i] = static_cast<float>(src[i]);
+    });
+    r.x = r.copy.data();
+  }
+  if (sums) {
+    r.sums.resize(M * (K / kGroup));
+    for (int64_t g = 0; g < M * (K / kGroup); ++g) {
+      float t = 0.f;
+      for (int64_t j = 0; j < kGroup; ++j) t += r.x[g * kGroup + j];
+      r.sums[g] = t;
+    }
+  }
+  return r;
+}
+
+// out [M, N] in x's dtype from the float32 product written to `y`.
+at::Tensor finish(const at::Tensor& x, at::Tensor out, std::vector<float>& y) {
+  if (x.scalar_type() == at::kFloat) return out;
+  if (y.size() > 4096) {  // many values: torch's vectorized conversion pays for its dispatch
+    out.copy_(at::from_blob(y.data(), out.sizes(), at::TensorOptions().dtype(at::kFloat)));
+    return out;
+  }
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "finish", [&] {
+    scalar_t* o = out.data_ptr<scalar_t>();
+    for (size_t i = 0; i < y.size(); ++i) o[i] = static_cast<scalar_t>(y[i]);
+  });
+  return out;
+}
+
+template <bool kQ4>
+at::Tensor linear(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& scale,
+                  const at::Tensor* zero, int64_t N, int64_t K) {
+  TORCH_CHECK(K % kGroup == 0, "K must be a multiple of 32, got ", K);
+  check_groups(scale, N, K, "scale");
+  if (zero != nullptr) check_groups(*zero, N, K, "zero");
+  const FloatRows rows = float_rows(x, K, kQ4);
+  const int64_t M = x.size(0);
+  at::Tensor out = at::empty({M, N}, x.options());
+  std::vector<float> y(x.scalar_type() == at::kFloat ? 0 : M * N);
+  float* dst = y.empty() ? out.data_ptr<float>() : y.data();
+  product<kQ4>(rows.x, kQ4 ? rows.sums.data() : nullptr, M, K, qs.data_ptr(),
+               scale.data_ptr<float>(), zero != nullptr ? zero->data_ptr<float>() : nullptr, dst,
+               N);
+  return finish(x, out, y);
 }
 
 at::Tensor q4_linear(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& scale,
                      const at::Tensor& zero) {
   TORCH_CHECK(qs.dim() == 2 && qs.scalar_type() == at::kByte && qs.is_contiguous(),
               "qs must be a contiguous uint8 [N, K / 2]");
-  const int64_t N = qs.size(0), K = qs.size(1) * 2;
-  TORCH_CHECK(K % kGroup == 0, "K must be a multiple of 32, got ", K);
-  check_groups(scale, N, K, "scale");
-  check_groups(zero, N, K, "zero");
-  const at::Tensor xf = as_float_rows(x, K);
-  const int64_t M = xf.size(0);
-  const at::Tensor xsum = xf.view({M, K / kGroup, kGroup}).sum(-1).contiguous();
-  at::Tensor out = at::empty({M, N}, xf.options());
-  product<true>(xf.data_ptr<float>(), xsum.data_ptr<float>(), M, K, qs.data_ptr<uint8_t>(),
-                scale.data_ptr<float>(), zero.data_ptr<float>(), out.data_ptr<float>(), N);
-  return x.scalar_type() == at::kFloat ? out : out.to(x.scalar_type());
+  return linear<true>(x, qs, scale, &zero, qs.size(0), qs.size(1) * 2);
 }
 
 at::Tensor q8_linear(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& scale) {
   TORCH_CHECK(qs.dim() == 2 && qs.scalar_type() == at::kChar && qs.is_contiguous(),
               "qs must be a contiguous int8 [N, K]");
-  const int64_t N = qs.size(0), K = qs.size(1);
-  TORCH_CHECK(K % kGroup == 0, "K must be a multiple of 32, got ", K);
-  check_groups(scale, N, K, "scale");
-  const at::Tensor xf = as_float_rows(x, K);
-  const int64_t M = xf.size(0);
-  at::Tensor out = at::empty({M, N}, xf.options());
-  product<false>(xf.data_ptr<float>(), nullptr, M, K, qs.data_ptr<int8_t>(),
-                 scale.data_ptr<float>(), nullptr, out.data_ptr<float>(), N);
-  return x.scalar_type() == at::kFloat ? out : out.to(x.scalar_type());
+  return linear<false>(x, qs, scale, nullptr, qs.size(0), qs.size(1));
 }
 
 // The dense weight [N, K] in `dtype`, for many-row products.

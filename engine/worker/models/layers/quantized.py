@@ -213,14 +213,14 @@ class GroupedLinear(nn.Module):
         raise NotImplementedError
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        flat = x.reshape(-1, self.in_features).contiguous()  # [M, in]
+        flat = x if x.dim() == 2 else x.reshape(-1, self.in_features)  # [M, in]
         if self._ops is not None and flat.shape[0] <= self._gemv_rows[flat.dtype]:
-            out = self._product(flat)
+            out = self._product(flat)  # (the C++ op reads any strides)
         else:
             out = torch.nn.functional.linear(flat, self._dense(flat.dtype))
         if self.bias is not None:
             out = out + self.bias
-        return out.view(*x.shape[:-1], self.out_features)
+        return out if x.dim() == 2 else out.view(*x.shape[:-1], self.out_features)
 
 
 class Int4Linear(GroupedLinear):
