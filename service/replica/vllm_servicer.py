@@ -5,9 +5,10 @@ admission control, auth, cache salt, spans and metrics); only the messages diffe
 (service/replica/vllm_convert.py).
 
     HealthCheck        healthy while the engine lives and the replica is not draining
-    GetModelInfo       the checkpoint folder as tokenizer_path, max_model_len as the context limit
+    GetModelInfo       the tokenizer folder as tokenizer_path, max_model_len as the context limit
     GetServerInfo      uptime, open streams, block size, dtype
-    GetTokenizer       the folder's tokenizer files as a zip stream, sha256 on the last chunk
+    GetTokenizer       the tokenizer files as a zip stream, sha256 on the last chunk (a GGUF
+                       file's written out once)
     Generate           token ids in; streamed chunks of new ids, then one Complete per choice
     Abort              the caller's own requests (the tenant from its metadata)
     GetLoads           the engine's snapshot (running, waiting, KV usage, queued prefill tokens)
@@ -20,6 +21,10 @@ parents the request's span. Bad input: INVALID_ARGUMENT with what to fix.
 """
 
 from __future__ import annotations
+
+import atexit
+import shutil
+import tempfile
 
 import asyncio
 import contextlib
@@ -197,9 +202,18 @@ class VllmEngineServicer(vpb_grpc.VllmEngineServicer):
 
 
 def tokenizer_dir(engine: Engine) -> Path | None:
-    """The folder the engine's tokenizer was loaded from (None when that is not a folder)."""
-    path = Path(str(getattr(engine.tokenizer, "name_or_path", "") or ""))
-    return path if path.is_dir() else None
+    """The folder the engine's tokenizer was loaded from; for one read from elsewhere (a GGUF
+    file) a private folder its files are written to once, removed at exit; None when neither."""
+    tokenizer = engine.tokenizer
+    path = Path(str(getattr(tokenizer, "name_or_path", "") or ""))
+    if path.is_dir() and any(p.name.startswith("tokenizer") for p in path.iterdir()):
+        return path
+    if not hasattr(tokenizer, "save_pretrained"):
+        return None
+    out = Path(tempfile.mkdtemp(prefix="deja-tokenizer-"))
+    atexit.register(shutil.rmtree, out, True)
+    tokenizer.save_pretrained(str(out))
+    return out
 
 
 def _token_id(value: object) -> int:

@@ -9,6 +9,7 @@ import hashlib
 import io
 import zipfile
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -20,8 +21,9 @@ from smg_grpc_proto.generated import vllm_engine_pb2 as vpb
 from smg_grpc_proto.generated import vllm_engine_pb2_grpc as vpb_grpc
 
 from engine.frontend.prompt import prompt_block_hashes
+from engine.testing.tiny_gguf import write_gguf
 from service.replica.vllm_convert import block_hash_int64, tokenizer_chunks
-from tests.service.conftest import Harness, StartServer
+from tests.service.conftest import Harness, StartServer, make_engine
 from tests.support.waiting import wait_until
 
 PROMPT = list(range(100, 140))  # 40 tokens: 2 full blocks of 16
@@ -234,3 +236,35 @@ async def test_kv_events_stream_and_resume(server: Harness, stub: vpb_grpc.VllmE
         again.append(b)
         break
     assert again[0] == live
+
+
+async def test_a_gguf_replica_hands_out_its_tokenizer_files(
+    start_server: StartServer, tiny_llama_path: Path, tmp_path: Path
+) -> None:
+    """A GGUF file holds its tokenizer inside: the replica writes its files out once, so the
+    gateway gets the same tokenizer (and chat template) from GetTokenizer and GetModelInfo."""
+    from transformers import AutoTokenizer
+
+    file = write_gguf(tiny_llama_path, tmp_path / "model.gguf", {"proj": "Q4_0"})
+    engine = make_engine(file, in_process=True)
+    try:
+        h = await start_server(engine)
+        async with grpc.aio.insecure_channel(h.target) as ch:
+            stub = vpb_grpc.VllmEngineStub(ch)
+            chunks = [c async for c in stub.GetTokenizer(common_pb2.GetTokenizerRequest())]
+            info = await stub.GetModelInfo(vpb.GetModelInfoRequest())
+        data = b"".join(c.data for c in chunks)
+        assert chunks[-1].sha256 == hashlib.sha256(data).hexdigest()
+        out = tmp_path / "unzipped"
+        zipfile.ZipFile(io.BytesIO(data)).extractall(out)
+        assert (out / "tokenizer.json").is_file()
+        got = AutoTokenizer.from_pretrained(str(out))
+        text = "Hello there, how are you?"
+        assert got.encode(text) == engine.tokenizer.encode(text)
+        msgs = [{"role": "user", "content": "hi"}]
+        assert got.apply_chat_template(
+            msgs, tokenize=False
+        ) == engine.tokenizer.apply_chat_template(msgs, tokenize=False)
+        assert Path(info.tokenizer_path).is_dir() and info.tokenizer_path != str(tmp_path)
+    finally:
+        engine.shutdown()
