@@ -18,7 +18,9 @@ decode's fraction of the weight-read limit (read rate / resident weight bytes a 
 With --llama-bench (a llama.cpp build's `llama-bench`; llama-cpp-python's sdist vendors the
 tree: see the benchmarks page), llama.cpp runs on the same file with --threads in the same run:
 its tg (--decode-tokens generated) against deja's batch-1 decode with the weights kept, and its
-pp512 against deja's 512-token TTFT (prompt tokens per second).
+pp512 against deja's 512-token TTFT (prompt tokens per second). With --llama-server, the file is
+then served by both, deja behind its SMG gateway (bench/quant_served.py), under one streamed chat
+workload with shared prefixes at --served-concurrency (8): output throughput and TTFT.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ import argparse
 import time
 from typing import Any
 
-from bench import common, report
+from bench import common, quant_served, report
 from bench.kv_dtype import compare_forced, teacher_forced
 
 DECODE_TARGET = 2.0
@@ -44,6 +46,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--llama-bench", default=None, help="llama.cpp's llama-bench binary: run it on the file too"
     )
+    quant_served.add_arguments(parser)
 
 
 def llama_bench(binary: str, file: str, threads: int, tokens: int) -> dict[str, float]:
@@ -173,11 +176,17 @@ def run(args: argparse.Namespace) -> int:
             f"llama.cpp: decode {ratios['decode_vs_llama_cpp']:.2f}x (target >= 1.0x), prefill "
             f"{ratios['prefill_vs_llama_cpp']:.2f}x"
         )
+    served = None
+    if args.llama_server:
+        served = quant_served.compare(args, file, args.dtype)
+        ratios["served_vs_llama_cpp"] = served["ratio"]
+        quant_served.print_result(served)
     print(report.finish_line(info))
     report.write_json(
         args.json,
         {
             "runs": runs,
+            "served": served,
             "ratios": ratios,
             "teacher_forced": tf,
             "file_tensor_bytes": file_bytes,

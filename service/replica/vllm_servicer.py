@@ -22,13 +22,12 @@ parents the request's span. Bad input: INVALID_ARGUMENT with what to fix.
 
 from __future__ import annotations
 
-import atexit
-import shutil
-import tempfile
-
 import asyncio
+import atexit
 import contextlib
 import logging
+import shutil
+import tempfile
 import time
 from collections.abc import AsyncIterator
 from datetime import UTC, datetime

@@ -21,16 +21,16 @@ Without the kernels, torch ops expand the weight. Every path is the dequantized 
 up to summation order (the parity tests' float32 mode). Resident bytes a weight: 0.75 for 4-bit
 (a Q4_1 file: 0.625), 1.125 for 8-bit (Q8_0: 1.0625).
 
-NOTE: measured on a 2-core AMD EPYC (AVX-512), torch 2.13, float32, ms a call (product on the
-groups / expanded per call / dense float32 weight): a 3072 x 576 weight at 1 row 0.046 (8-bit
-0.031) / - / 0.094; 16 rows 0.318 / - / 0.435; 64 rows 1.38 / 1.51 / 1.16; the 49152 x 576 LM
-head in 8-bit at 1 row 0.48 against 6.4 dense, at 16 rows 4.7 against 12.9. Hence GEMV_ROWS = 64.
-In bfloat16 with bf16 units the dense product is ~3x faster and the expansion 0.06 ms: 3072 x 576
-at 16 rows 0.32 on the groups against 0.18 expanded, hence 8 rows there. Expanded in float32, the
-weight is packed for oneDNN per call (3072 x 576 at 512 rows: 4.2 ms against 8.5 for a plain
-product; in bfloat16 packing did not pay: 2.1 against 1.95).
-The demo's file decodes one stream at 125 tok/s kept against 51 expanded to float32 and 88 to
-bfloat16 (`deja bench quant`).
+NOTE: measured on a 2-core AMD EPYC (AVX-512), torch 2.13, float32, the weight in cache, ms a
+call (product on the groups / a dense float32 weight, plain product): a 3072 x 576 weight at 1 row
+0.028 (8-bit 0.025) / 0.091; 16 rows 0.22 / 0.43; 64 rows 0.86 / 1.51; the 49152 x 576 LM head
+in 8-bit at 1 row 0.33 against 6.4, at 16 rows 3.3 against 14.1. Hence GEMV_ROWS = 64. A call
+costs ~4.7 us besides its weights. In bfloat16 with bf16 units the dense product is ~3x faster
+and the expansion 0.06 ms: 3072 x 576 at 16 rows 0.30 on the groups against 0.18 expanded, hence
+8 rows there. Expanded in float32, the weight is packed for oneDNN per call (3072 x 576 at 512
+rows: 4.2 ms against 8.5 for a plain product; in bfloat16 packing did not pay: 2.1 against 1.95).
+In a model (weights streamed from memory, not cache) the 4-bit layers of the demo's file read
+~31 GB/s of a 45-50 GB/s machine; they are ~55% of a decode step (`deja bench quant`).
 
 `quantize_linears` swaps every nn.Linear whose checkpoint tensors were all kept quantized (fused
 projections included: their shards' rows are concatenated, all 4-bit or all 8-bit) for one of
