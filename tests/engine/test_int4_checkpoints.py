@@ -18,7 +18,13 @@ from engine.testing.tiny_int4 import is_quantized, write_int4
 from engine.testing.tiny_models import build_tiny_llama, build_tiny_qwen2
 from engine.worker.attention.cpu_kernel import load_kernel
 from engine.worker.model_loader import model_fingerprint
-from engine.worker.models.layers.quantized import Int4Linear, Int8Linear, rtn_int4
+from engine.worker.models.layers.quantized import (
+    Int4Linear,
+    Int8Linear,
+    Q8Linear,
+    rtn_int4,
+    rtn_int8,
+)
 from tests.engine.test_parity import CONFIGS, shared_prefix_prompts
 from tests.support.reference import assert_config_took_effect, hf_greedy
 
@@ -202,7 +208,7 @@ def test_load_time_quantization_matches_transformers_dequantized(
     reference = _rtn_reference(tiny_qwen2_path, tmp_path / "ref", kind)
     prompts = shared_prefix_prompts(512, 16, 600, seed=4)
     want = hf_greedy(reference, prompts, MAX_TOKENS)
-    kinds = (Int4Linear,) if kind == "int4" else (Int8Linear,)
+    kinds = (Int4Linear,) if kind == "int4" else (Q8Linear,)
     for name in ("cache-on", "preempt"):
         llm = LLM(str(tiny_qwen2_path), dtype="float32", quantization=kind, block_size=16,
                   **CONFIGS[name])  # type: ignore[arg-type]  # fmt: skip
@@ -215,8 +221,8 @@ def test_load_time_quantization_matches_transformers_dequantized(
 
 
 def test_load_time_layers_in_bf16_match_their_dequantized_weights() -> None:
-    """The bf16 paths (torch's int8 kernel, the int4 product on the groups) compute with the
-    weight the layer holds; each rounded weight is within half a step of the original."""
+    """The bf16 paths (torch's int8 kernel, the int4 and int8 products on the groups) compute with
+    the weight the layer holds; each rounded weight is within half a step of the original."""
     gen = torch.Generator().manual_seed(0)
     w = torch.randn(128, 96, generator=gen)
     bias = torch.randn(128, generator=gen)
@@ -229,10 +235,15 @@ def test_load_time_layers_in_bf16_match_their_dequantized_weights() -> None:
     w4 = ((q.view(128, 3, 32) - 8) * scale[..., None] + zero[..., None]).view(128, 96)
     assert (w4 - w).abs().max() <= scale.max() / 2 + 0.02  # bf16 input rounding on top
     int4 = Int4Linear(*rows, bias, torch.bfloat16)
+    rows8 = rtn_int8(w.to(torch.bfloat16))
+    q8 = Q8Linear(*rows8, bias, torch.bfloat16)
+    w8g = torch.from_numpy(rows8.q).float() * torch.from_numpy(rows8.scale).repeat_interleave(32, 1)
+    assert (w8g - w).abs().max() <= rows8.scale.max() / 2 + 0.02  # bf16 input rounding on top
     ops = load_kernel().ops
     if ops is not None:
         int4.use_kernel(ops)  # 5 rows: the product on the groups
-    for layer, dense in ((int8, w8), (int4, w4)):
+        q8.use_kernel(ops)
+    for layer, dense in ((int8, w8), (int4, w4), (q8, w8g)):
         want = x @ dense.T + bias
         got = layer(x.to(torch.bfloat16)).float()
         assert ((got - want).norm() / want.norm()).item() < 0.02, type(layer).__name__

@@ -300,10 +300,24 @@ def _groups(values: np.ndarray) -> torch.Tensor:
     return torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32))
 
 
+def rtn_int8(weight: torch.Tensor) -> Q8Rows:
+    """A weight [N, K] rounded to nearest per output channel (symmetric, scale absmax / 127
+    rounded to the weight's dtype first, as stored), its scale repeated to groups of 32 (a
+    Q8Linear's rows)."""
+    dtype = weight.dtype
+    w = weight.detach().float()
+    tiny = torch.finfo(dtype).tiny  # an all-zero row: a scale the dtype holds
+    scale = (w.abs().amax(dim=1) / 127).to(dtype).float().clamp(min=tiny)
+    q = torch.clamp(torch.round(w / scale[:, None]), -127, 127).to(torch.int8)
+    groups = scale[:, None].expand(-1, w.shape[1] // GROUP)
+    return Q8Rows(q.numpy(), groups.contiguous().numpy())
+
+
 class Int8Linear(nn.Module):
     """y = x W^T (+ b) with W int8 [out, in] and one scale a row (per channel, symmetric: w = q *
-    scale); torch's int8 weight-only kernel in bf16, the weight expanded per call in float32
-    (exact against the dequantized weight there)."""
+    scale), for a load-time int8 weight whose inputs are not whole groups of 32 (a Q8Linear
+    takes the others); torch's int8 weight-only kernel in bf16, the weight expanded per call in
+    float32 (exact against the dequantized weight there)."""
 
     weight_int8: torch.Tensor
     scales: torch.Tensor
@@ -347,7 +361,8 @@ def rtn_int4(weight: torch.Tensor) -> Int4Rows:
 def quantize_loaded(model: nn.Module, kind: str) -> int:
     """Load-time weight-only quantization (`--quantization int4|int8`): every attention and MLP
     projection (an nn.Linear named *_proj; not the LM head, the router or the experts) becomes an
-    Int4Linear (rtn_int4) or an Int8Linear; returns how many. Call after loading, on the CPU.
+    Int4Linear (rtn_int4) or a Q8Linear (rtn_int8; an Int8Linear where the inputs are not whole
+    groups); returns how many. Call after loading, on the CPU.
 
     Under tensor parallelism each rank quantizes its shard: int4 groups run along a row's inputs,
     so where a rank's share of a row-parallel layer's inputs is a multiple of 32 the groups are
@@ -358,7 +373,9 @@ def quantize_loaded(model: nn.Module, kind: str) -> int:
             continue
         dtype = module.weight.dtype
         layer: nn.Module
-        if kind == "int8":
+        if kind == "int8" and fits(module.out_features, module.in_features):
+            layer = Q8Linear(*rtn_int8(module.weight), module.bias, dtype)
+        elif kind == "int8":
             layer = Int8Linear(module.weight, module.bias, dtype)
         elif fits(module.out_features, module.in_features):
             layer = Int4Linear(*rtn_int4(module.weight), module.bias, dtype)
