@@ -300,16 +300,23 @@ def _groups(values: np.ndarray) -> torch.Tensor:
     return torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32))
 
 
-def rtn_int8(weight: torch.Tensor) -> Q8Rows:
-    """A weight [N, K] rounded to nearest per output channel (symmetric, scale absmax / 127
-    rounded to the weight's dtype first, as stored), its scale repeated to groups of 32 (a
-    Q8Linear's rows)."""
-    dtype = weight.dtype
+def _per_channel_int8(
+    weight: torch.Tensor, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """q int8 [N, K] and its float32 scale a row: symmetric, scale absmax / 127 rounded to
+    `dtype` first (as stored), q the nearest value given it."""
     w = weight.detach().float()
     tiny = torch.finfo(dtype).tiny  # an all-zero row: a scale the dtype holds
     scale = (w.abs().amax(dim=1) / 127).to(dtype).float().clamp(min=tiny)
     q = torch.clamp(torch.round(w / scale[:, None]), -127, 127).to(torch.int8)
-    groups = scale[:, None].expand(-1, w.shape[1] // GROUP)
+    return q, scale
+
+
+def rtn_int8(weight: torch.Tensor) -> Q8Rows:
+    """A weight [N, K] rounded to nearest per output channel (`_per_channel_int8` in the
+    weight's dtype), its scale repeated to groups of 32 (a Q8Linear's rows)."""
+    q, scale = _per_channel_int8(weight, weight.dtype)
+    groups = scale[:, None].expand(-1, q.shape[1] // GROUP)
     return Q8Rows(q.numpy(), groups.contiguous().numpy())
 
 
@@ -325,10 +332,7 @@ class Int8Linear(nn.Module):
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype) -> None:
         super().__init__()
         self.out_features, self.in_features = weight.shape
-        w = weight.detach().float()
-        tiny = torch.finfo(dtype).tiny  # an all-zero row: a scale the dtype holds
-        scale = (w.abs().amax(dim=1) / 127).to(dtype).float().clamp(min=tiny)  # as stored
-        q = torch.clamp(torch.round(w / scale[:, None]), -127, 127).to(torch.int8)
+        q, scale = _per_channel_int8(weight, dtype)
         self.register_buffer("weight_int8", q.contiguous(), persistent=False)
         self.register_buffer("scales", scale.to(dtype), persistent=False)
         self.bias = None if bias is None else bias.detach()
