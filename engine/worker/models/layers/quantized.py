@@ -49,7 +49,7 @@ from torch import nn
 
 from engine.worker.cpu_features import has_bf16_units
 from engine.worker.gguf_checkpoint import QuantizedRows
-from engine.worker.models.layers.linear import default_batch_hint
+from engine.worker.models.layers.linear import PackedLinear
 from engine.worker.models.layers.weights import renamed, shard_map
 
 GROUP = 32
@@ -221,12 +221,7 @@ class GroupedLinear(nn.Module):
             out = self._product(flat)  # (the C++ op reads any strides)
         elif self._ops is not None and flat.dtype == torch.float32:
             # oneDNN's packed product repays packing the expanded weight: ~2x a plain one
-            packed = torch.ops.mkldnn._reorder_linear_weight(
-                self._dense(flat.dtype), default_batch_hint(flat.dtype)
-            )
-            out = torch.ops.mkldnn._linear_pointwise(
-                flat.contiguous(), packed, None, "none", [], ""
-            )
+            out = PackedLinear(self._dense(flat.dtype)).apply_rows(flat.contiguous())
         else:
             out = torch.nn.functional.linear(flat, self._dense(flat.dtype))
         if self.bias is not None:
