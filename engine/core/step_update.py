@@ -10,6 +10,7 @@ common case (a running sample's next token) is written inline.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from engine.core.beam_step import advance_beams
@@ -26,24 +27,17 @@ if TYPE_CHECKING:
     from engine.core.spec.proposer import Proposer
 
 
+@dataclass(frozen=True, slots=True, eq=False)
 class StepUpdate:
     """The scheduler's update from a step's output."""
 
-    def __init__(
-        self,
-        scheduler: SequenceQueues,
-        kv: KVCacheManager,
-        outputs: OutputProcessor,
-        tiers: TieredCache | None,
-        proposer: Proposer | None = None,
-    ) -> None:
-        self.scheduler = scheduler
-        self.kv = kv
-        self.outputs = outputs
-        self.tiers = tiers
-        """Prompt pins reach the CPU tier too (best effort within its cap)."""
-        self.proposer = proposer
-        """Speculative decoding's: learns how each proposal fared."""
+    scheduler: SequenceQueues
+    kv: KVCacheManager
+    outputs: OutputProcessor
+    tiers: TieredCache | None
+    """Prompt pins reach the CPU tier too (best effort within its cap)."""
+    proposer: Proposer | None = None
+    """Speculative decoding's: learns how each proposal fared."""
 
     def apply(self, step: RecordedStep, out: StepOutput, now: float, deferred: bool) -> None:
         """The step `step` (advanced at launch) sampled `out`: every sequence follows.
