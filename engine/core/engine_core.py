@@ -116,9 +116,7 @@ class EngineCore:
         self.remote_loads = remote_loads(self.kv, self.tiers)  # requests awaiting their lookup
         self.grammars = GrammarCompilerPool(self.tokenizer, vocab, eos)
         matcher = self.grammars.new_matcher
-        self.outputs = OutputProcessor(
-            self.tokenizer, eos, self.max_model_len, cc.block_size, matcher
-        )
+        self.outputs = OutputProcessor(self.tokenizer, self.model_info, matcher)
         swap = cc.preemption_mode == "swap"
         self.proposer = None if config.speculative is None else Proposer(config.speculative)
         self.scheduler = Scheduler(

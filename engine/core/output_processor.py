@@ -31,6 +31,7 @@ from engine.outputs import CompletionOutput, RequestOutput, TokenLogprob
 
 if TYPE_CHECKING:
     from engine.sample.structured.compiler import Grammar
+    from engine.stats import ModelInfo
 
 
 class StopDecision(NamedTuple):
@@ -65,15 +66,12 @@ class OutputProcessor:
     def __init__(
         self,
         tokenizer: Any,
-        eos_token_ids: tuple[int, ...],
-        max_model_len: int,
-        block_size: int,
+        info: ModelInfo,
         new_matcher: Callable[[Grammar], Any],
     ) -> None:
         self.tokenizer = tokenizer
-        self.eos_token_ids = eos_token_ids
-        self.max_model_len = max_model_len
-        self.block_size = block_size
+        self.info = info
+        """The model's stop token ids, length limit and block size."""
         self._new_matcher = new_matcher
         """A fresh grammar matcher for a compiled response format (structured outputs)."""
         self.seq_ids = itertools.count()
@@ -88,7 +86,7 @@ class OutputProcessor:
     def new_sample(self, req: Request, index: int, token_ids: list[int]) -> Sequence:
         """Sample `index` of `req` (its first, or one forked after the first token), with its
         grammar matcher and its output state."""
-        seq = Sequence(next(self.seq_ids), req, index, token_ids, self.block_size)
+        seq = Sequence(next(self.seq_ids), req, index, token_ids, self.info.block_size)
         if req.compiled_grammar is not None:
             seq.grammar = self._new_matcher(req.compiled_grammar)
         if req.beam is None:
@@ -100,7 +98,7 @@ class OutputProcessor:
         req = seq.request
         params = req.params
         prompt = seq.num_prompt_tokens
-        max_total = self.max_model_len
+        max_total = self.info.max_model_len
         if params.max_tokens is not None:
             max_total = min(max_total, prompt + params.max_tokens)
         seq.max_len = max_total
@@ -129,7 +127,7 @@ class OutputProcessor:
         if length >= out.min_total:  # the outputs, this token included, reach min_tokens
             if token_id in seq.request.params.stop_token_ids:
                 return StopDecision("stop", token_id)
-            if out.stop_at_eos and token_id in self.eos_token_ids:
+            if out.stop_at_eos and token_id in self.info.eos_token_ids:
                 return StopDecision("stop", None)
         if grammar is not None and grammar.is_terminated():
             return StopDecision("stop", None)  # the grammar ended (with ignore_eos set)
