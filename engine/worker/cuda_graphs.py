@@ -84,7 +84,6 @@ class DecodeGraphs:
         self.model = model
         self.backend = backend
         self.kv_cache = kv_cache
-        self.block_size = block_size
         self.max_model_len = max_model_len
         self.sizes = sorted(sizes)
         self.device = kv_cache.device
