@@ -29,6 +29,25 @@ def _is_retryable(err: grpc.RpcError) -> bool:
     return False
 
 
+@dataclass(frozen=True, slots=True)
+class RetryPolicy:
+    """How often and how long apart a Generate call is retried (UNAVAILABLE only)."""
+
+    retries: int = 3
+    """Retries after the first attempt at most."""
+    backoff_s: float = 0.2
+    """Wait before the first retry; doubled before each later one."""
+
+    def wait(self, attempt: int, deadline: float | None) -> float | None:
+        """Seconds to wait before retry `attempt` (1-based), None when no retry is left."""
+        if attempt > self.retries:
+            return None
+        wait = self.backoff_s * 2 ** (attempt - 1)
+        if deadline is not None and time.monotonic() + wait >= deadline:
+            return None
+        return wait
+
+
 @dataclass(slots=True)
 class _GenerateCall:
     """One Generate stream across its attempts: span, deadline, the call in flight, the result."""
@@ -62,8 +81,7 @@ class ClientBase:
     ) -> None:
         self.target = target
         self.timeout = timeout
-        self.retries = retries
-        self.retry_backoff_s = retry_backoff_s
+        self.retry = RetryPolicy(retries, retry_backoff_s)
         self._token = token
         self._tracer = trace.get_tracer("deja.client", tracer_provider=tracer_provider)
         creds = grpc.ssl_channel_credentials(root_certificates) if tls else None
@@ -108,15 +126,6 @@ class ClientBase:
         t = self.timeout if timeout is None else timeout
         return None if t is None else time.monotonic() + t
 
-    def _backoff(self, attempt: int, deadline: float | None) -> float | None:
-        """Seconds to wait before retry `attempt` (1-based), None when no retry is left."""
-        if attempt > self.retries:
-            return None
-        wait = self.retry_backoff_s * 2 ** (attempt - 1)
-        if deadline is not None and time.monotonic() + wait >= deadline:
-            return None
-        return wait
-
     @contextmanager
     def _generate_call(
         self, req: pb.GenerateRequest, timeout: float | None
@@ -145,7 +154,7 @@ class ClientBase:
     def _retry_wait(self, err: BaseException, gen: _GenerateCall) -> float | None:
         """Seconds to wait before retrying after `err` (before the first message), None: give up."""
         gen.attempt += 1
-        return self._backoff(gen.attempt, gen.deadline) if _is_retryable(err) else None
+        return self.retry.wait(gen.attempt, gen.deadline) if _is_retryable(err) else None
 
 
 def _remaining(deadline: float | None) -> float | None:
