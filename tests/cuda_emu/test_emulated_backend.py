@@ -230,19 +230,32 @@ def test_copy_blocks(backend: CupyAttentionBackend) -> None:
     assert torch.equal(cache, expected)
 
 
+def _stem_prompts(seed: int, stem_len: int, shapes: list[tuple[int, int]]) -> list[list[int]]:
+    """Random prompts, each the first `n` tokens of one shared stem and `k` of its own, for each
+    `(n, k)` of `shapes`."""
+    rng = random.Random(seed)
+    stem = [rng.randrange(10, 500) for _ in range(stem_len)]
+    return [stem[:n] + [rng.randrange(10, 500) for _ in range(k)] for n, k in shapes]
+
+
 def _torch_and_emulated(
     path: Path,
     prompts: list[list[int]],
-    params: Any,
-    kwargs: dict[str, object],
+    max_tokens: int,
+    budget: int,
     emulator: Emulator,
     monkeypatch: pytest.MonkeyPatch,
 ) -> tuple[list[list[int]], list[list[int]], set[str], Any]:
     """(the torch backend's tokens, the emulated kernels' tokens, the kernels launched, the
-    emulated engine's LLM): the same engine twice, the second with the cupy backend's kernels
+    emulated engine's LLM): the same float32 CPU engine (128 blocks, `budget` tokens a step)
+    generating `max_tokens` greedy tokens twice, the second with the cupy backend's kernels
     emulated on the CPU (its factory patched in)."""
-    from engine import LLM
+    from engine import LLM, SamplingParams
 
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    kwargs: dict[str, Any] = dict(
+        device="cpu", dtype="float32", num_device_blocks=128, max_num_batched_tokens=budget
+    )
     torch_llm = LLM(model=str(path), attention_backend="torch", **kwargs)
     expected = [o.token_ids for o in torch_llm.generate(prompts, params)]
 
@@ -271,20 +284,8 @@ def test_engine_greedy_tokens_match_torch_backend(
     llama64: Path, emulator: Emulator, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Chunked prefill (budget 48), prefix caching and decode, 2 layers, float32."""
-    from engine import SamplingParams
-
-    rng = random.Random(0)
-    stem = [rng.randrange(10, 500) for _ in range(90)]
-    shapes = [(0, 5), (90, 3), (40, 30), (0, 70), (17, 1)]  # (shared stem tokens, own tokens)
-    prompts = [stem[:n] + [rng.randrange(10, 500) for _ in range(k)] for n, k in shapes]
-    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
-    kwargs: dict[str, object] = dict(
-        device="cpu", dtype="float32", num_device_blocks=128, max_num_batched_tokens=48
-    )
-
-    expected, got, used, _ = _torch_and_emulated(
-        llama64, prompts, params, kwargs, emulator, monkeypatch
-    )
+    prompts = _stem_prompts(0, 90, [(0, 5), (90, 3), (40, 30), (0, 70), (17, 1)])
+    expected, got, used, _ = _torch_and_emulated(llama64, prompts, 12, 48, emulator, monkeypatch)
     assert {"deja::paged_decode_kernel", "deja::paged_prefill_kernel"} <= used
     assert got == expected
 
@@ -301,18 +302,9 @@ def test_engine_sliding_window_tokens_match_torch_backend(
 ) -> None:
     """A Mistral with window 32 (every layer: the KV manager releases blocks): chunked prefill
     (budget 40), prefix caching and decode past the window, kernels against the torch backend."""
-    from engine import SamplingParams
-
-    rng = random.Random(1)
-    stem = [rng.randrange(10, 500) for _ in range(100)]
-    shapes = [(0, 5), (100, 3), (60, 30), (0, 90)]  # (shared stem tokens, own tokens)
-    prompts = [stem[:n] + [rng.randrange(10, 500) for _ in range(k)] for n, k in shapes]
-    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
-    kwargs: dict[str, object] = dict(
-        device="cpu", dtype="float32", num_device_blocks=128, max_num_batched_tokens=40
-    )
+    prompts = _stem_prompts(1, 100, [(0, 5), (100, 3), (60, 30), (0, 90)])
     expected, got, used, cupy_llm = _torch_and_emulated(
-        mistral64, prompts, params, kwargs, emulator, monkeypatch
+        mistral64, prompts, 20, 40, emulator, monkeypatch
     )
     assert cupy_llm.engine.core.kv.sliding_window == 32
     assert {"deja::paged_decode_kernel", "deja::paged_prefill_kernel"} <= used

@@ -19,25 +19,15 @@ from tests.cuda_emu.emulator import Emulator
 from tests.support import kernel_reference as kref
 
 BF16, F16, F32 = torch.bfloat16, torch.float16, torch.float32
-CONFIGS = [
-    (BF16, 128, 16, 8, 2),
-    (F16, 96, 32, 8, 1),
-    (F32, 64, 16, 2, 2),
-    (BF16, 64, 32, 6, 1),
-]
-"""(dtype, head_dim, block_size, num_heads, num_kv_heads)"""
+
+CONFIGS = kref.ATTN_CONFIGS[:4]
 K_SCALE, V_SCALE = 2.0**-5, 2.0**-6
 
 
 def _names() -> list[str]:
     names = [reshape_and_cache.fp8_kernel_name(t) for t in (BF16, F16, F32)]
     names += block_copy.instantiations()
-    for dtype, d, bs, hq, hkv in CONFIGS:
-        heads = paged_attention.heads_per_cta(hq // hkv)
-        names.append(paged_attention.decode_kernel_name(dtype, d, bs, heads, FP8_DTYPE))
-        names.append(paged_attention.reduce_kernel_name(dtype, d))
-        names.append(prefill_attention.kernel_name(dtype, d, bs, FP8_DTYPE))
-    return names
+    return names + kref.attention_kernel_names(CONFIGS, FP8_DTYPE)
 
 
 @pytest.fixture(scope="module")
@@ -88,13 +78,8 @@ def test_reshape_and_cache_quantizes_like_torch(
     assert [n for n, _, _ in emu.launches] == [reshape_and_cache.fp8_kernel_name(dtype)]
 
 
-def _config_id(cfg: tuple[torch.dtype, int, int, int, int]) -> str:
-    dtype, d, bs, hq, hkv = cfg
-    return f"{str(dtype).removeprefix('torch.')}-d{d}-bs{bs}-h{hq}/{hkv}"
-
-
-@pytest.mark.parametrize("cfg", CONFIGS, ids=_config_id)
-def test_decode_reads_fp8(emu: Emulator, cfg: tuple[torch.dtype, int, int, int, int]) -> None:
+@pytest.mark.parametrize("cfg", CONFIGS, ids=kref.config_id)
+def test_decode_reads_fp8(emu: Emulator, cfg: kref.AttnConfig) -> None:
     dtype, d, bs, hq, hkv = cfg
     case = kref.make_case([0, 16, 70, 31], [1, 1, 1, 1], hq, hkv, d, bs, dtype, seed=1)
     cache = _fp8_cache(case)
@@ -117,8 +102,8 @@ def test_decode_reads_fp8(emu: Emulator, cfg: tuple[torch.dtype, int, int, int, 
     assert emu.launches[0][0] == paged_attention.decode_kernel_name(dtype, d, bs, heads, FP8_DTYPE)
 
 
-@pytest.mark.parametrize("cfg", CONFIGS, ids=_config_id)
-def test_prefill_reads_fp8(emu: Emulator, cfg: tuple[torch.dtype, int, int, int, int]) -> None:
+@pytest.mark.parametrize("cfg", CONFIGS, ids=kref.config_id)
+def test_prefill_reads_fp8(emu: Emulator, cfg: kref.AttnConfig) -> None:
     dtype, d, bs, hq, hkv = cfg
     case = kref.make_case(
         [0, 21, 40, 3], [19, 12, 1, 40], hq, hkv, d, bs, dtype, num_padding_tokens=3, seed=4

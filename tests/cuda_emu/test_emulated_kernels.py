@@ -11,43 +11,21 @@ import math
 import pytest
 import torch
 
-from cuda import block_copy, paged_attention, prefill_attention, reshape_and_cache
+from cuda import block_copy, paged_attention, reshape_and_cache
 from tests.cuda_emu.emulator import Emulator
 from tests.support import kernel_reference as kref
 
 BF16, F16, F32 = torch.bfloat16, torch.float16, torch.float32
 
-# (dtype, head_dim, block_size, num_heads, num_kv_heads): GQA groups 1, 3, 4, 6, 8, 12 cover every
-# heads-per-CTA template (1, 2, 4, 8) and several CTAs per KV head.
-ATTN_CONFIGS = [
-    (BF16, 128, 16, 8, 2),
-    (F16, 96, 32, 8, 1),
-    (F32, 64, 16, 2, 2),
-    (BF16, 64, 32, 6, 1),
-    (F32, 128, 32, 12, 1),
-    (F16, 64, 16, 6, 2),
-    (F32, 96, 16, 4, 1),
-]
-
 
 def _names() -> list[str]:
     names = reshape_and_cache.instantiations() + block_copy.instantiations()
-    for dtype, d, bs, hq, hkv in ATTN_CONFIGS:
-        heads = paged_attention.heads_per_cta(hq // hkv)
-        names.append(paged_attention.decode_kernel_name(dtype, d, bs, heads))
-        names.append(paged_attention.reduce_kernel_name(dtype, d))
-        names.append(prefill_attention.kernel_name(dtype, d, bs))
-    return names
+    return names + kref.attention_kernel_names(kref.ATTN_CONFIGS)
 
 
 @pytest.fixture(scope="module")
 def emulator() -> Emulator:
     return Emulator(_names())
-
-
-def _config_id(cfg: tuple[torch.dtype, int, int, int, int]) -> str:
-    dtype, d, bs, hq, hkv = cfg
-    return f"{str(dtype).removeprefix('torch.')}-d{d}-bs{bs}-h{hq}/{hkv}"
 
 
 def test_reshape_and_cache_skips_padding_and_follows_strides(emu: Emulator) -> None:
@@ -68,10 +46,8 @@ def test_reshape_and_cache_skips_padding_and_follows_strides(emu: Emulator) -> N
     assert {name for name, _, _ in emu.launches} <= set(reshape_and_cache.instantiations())
 
 
-@pytest.mark.parametrize("cfg", ATTN_CONFIGS, ids=_config_id)
-def test_decode_matches_reference(
-    emu: Emulator, cfg: tuple[torch.dtype, int, int, int, int]
-) -> None:
+@pytest.mark.parametrize("cfg", kref.ATTN_CONFIGS, ids=kref.config_id)
+def test_decode_matches_reference(emu: Emulator, cfg: kref.AttnConfig) -> None:
     dtype, d, bs, hq, hkv = cfg
     case = kref.make_case([0, 16, 70, 31], [1, 1, 1, 1], hq, hkv, d, bs, dtype, seed=1)
     cache = kref.write_reference(case)
@@ -83,10 +59,8 @@ def test_decode_matches_reference(
     kref.assert_matches_reference(out, case, cache, scale)
 
 
-@pytest.mark.parametrize("cfg", ATTN_CONFIGS[:3], ids=_config_id)
-def test_split_k_decode_matches_reference(
-    emu: Emulator, cfg: tuple[torch.dtype, int, int, int, int]
-) -> None:
+@pytest.mark.parametrize("cfg", kref.ATTN_CONFIGS[:3], ids=kref.config_id)
+def test_split_k_decode_matches_reference(emu: Emulator, cfg: kref.AttnConfig) -> None:
     dtype, d, bs, hq, hkv = cfg
     # 1100 tokens: 3 partitions of 512; 4 tokens: one partition, its other CTAs exit at once.
     case = kref.make_case([1099, 3, 600], [1, 1, 1], hq, hkv, d, bs, dtype, seed=2)
@@ -115,10 +89,8 @@ def test_split_k_heuristic(emu: Emulator) -> None:
     assert (out.double() - ref).abs().max().item() < kref.tolerance(F32)
 
 
-@pytest.mark.parametrize("cfg", ATTN_CONFIGS, ids=_config_id)
-def test_prefill_matches_reference(
-    emu: Emulator, cfg: tuple[torch.dtype, int, int, int, int]
-) -> None:
+@pytest.mark.parametrize("cfg", kref.ATTN_CONFIGS, ids=kref.config_id)
+def test_prefill_matches_reference(emu: Emulator, cfg: kref.AttnConfig) -> None:
     dtype, d, bs, hq, hkv = cfg
     # fresh prompt, chunk over a cached prefix, a decode token, a chunk crossing tile edges
     case = kref.make_case(
@@ -162,10 +134,10 @@ OPTIONS = [(1, None), (13, None), (40, None), (None, 0.7), (24, 0.5)]
 
 
 @pytest.mark.parametrize("options", OPTIONS, ids=str)
-@pytest.mark.parametrize("cfg", ATTN_CONFIGS[:3], ids=_config_id)
+@pytest.mark.parametrize("cfg", kref.ATTN_CONFIGS[:3], ids=kref.config_id)
 def test_decode_window_and_soft_cap(
     emu: Emulator,
-    cfg: tuple[torch.dtype, int, int, int, int],
+    cfg: kref.AttnConfig,
     options: tuple[int | None, float | None],
 ) -> None:
     """Blocks wholly before each window hold NaN (released): the kernel must not read them."""
@@ -183,10 +155,8 @@ def test_decode_window_and_soft_cap(
         )
 
 
-@pytest.mark.parametrize("cfg", ATTN_CONFIGS[:3], ids=_config_id)
-def test_split_k_decode_window_skips_partitions(
-    emu: Emulator, cfg: tuple[torch.dtype, int, int, int, int]
-) -> None:
+@pytest.mark.parametrize("cfg", kref.ATTN_CONFIGS[:3], ids=kref.config_id)
+def test_split_k_decode_window_skips_partitions(emu: Emulator, cfg: kref.AttnConfig) -> None:
     """A 1,100-token context with a 600-token window: the grid spans the window (2 partitions,
     not 3), and the reduction combines only the partitions each sequence used."""
     dtype, d, bs, hq, hkv = cfg
@@ -199,10 +169,10 @@ def test_split_k_decode_window_skips_partitions(
 
 
 @pytest.mark.parametrize("options", OPTIONS, ids=str)
-@pytest.mark.parametrize("cfg", ATTN_CONFIGS[:4], ids=_config_id)
+@pytest.mark.parametrize("cfg", kref.ATTN_CONFIGS[:4], ids=kref.config_id)
 def test_prefill_window_and_soft_cap(
     emu: Emulator,
-    cfg: tuple[torch.dtype, int, int, int, int],
+    cfg: kref.AttnConfig,
     options: tuple[int | None, float | None],
 ) -> None:
     window, soft_cap = options

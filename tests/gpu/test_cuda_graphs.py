@@ -8,13 +8,11 @@ import random
 from pathlib import Path
 
 import pytest
-import torch
+
+from tests.support.gpu import GPU_MARKS
 
 pytest.importorskip("cupy")
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA is not available"),
-]
+pytestmark = GPU_MARKS
 
 from engine import LLM, SamplingParams  # noqa: E402
 from engine.testing.tiny_models import build_tiny_llama, build_tiny_qwen2_sliding  # noqa: E402

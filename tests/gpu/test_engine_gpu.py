@@ -17,11 +17,10 @@ from typing import Any
 import pytest
 import torch
 
+from tests.support.gpu import GPU_MARKS
+
 pytest.importorskip("cupy")
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA is not available"),
-]
+pytestmark = GPU_MARKS
 
 from engine import LLM, RequestOutput, SamplingParams  # noqa: E402
 from engine.testing.tiny_models import (  # noqa: E402

@@ -13,11 +13,10 @@ import math
 import pytest
 import torch
 
+from tests.support.gpu import GPU_MARKS
+
 pytest.importorskip("cupy")
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA is not available"),
-]
+pytestmark = GPU_MARKS
 
 from cuda import block_copy, paged_attention, reshape_and_cache  # noqa: E402
 from cuda.cupy_launch import DTYPES, attention_configs  # noqa: E402

@@ -13,11 +13,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from tests.support.gpu import GPU_MARKS
+
 pytest.importorskip("cupy")
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA is not available"),
-]
+pytestmark = GPU_MARKS
 
 import engine.core.engine_core as engine_core  # noqa: E402
 from engine import LLM, SamplingParams  # noqa: E402

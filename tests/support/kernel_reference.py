@@ -14,6 +14,40 @@ import torch
 
 from cuda import paged_attention, prefill_attention
 
+AttnConfig = tuple[torch.dtype, int, int, int, int]
+"""(dtype, head_dim, block_size, num_heads, num_kv_heads)"""
+
+# The emulated kernel tests' instantiations (tests/cuda_emu): GQA groups 1, 3, 4, 6, 8, 12 cover
+# every heads-per-CTA template (1, 2, 4, 8) and several CTAs per KV head.
+ATTN_CONFIGS: list[AttnConfig] = [
+    (torch.bfloat16, 128, 16, 8, 2),
+    (torch.float16, 96, 32, 8, 1),
+    (torch.float32, 64, 16, 2, 2),
+    (torch.bfloat16, 64, 32, 6, 1),
+    (torch.float32, 128, 32, 12, 1),
+    (torch.float16, 64, 16, 6, 2),
+    (torch.float32, 96, 16, 4, 1),
+]
+
+
+def config_id(cfg: AttnConfig) -> str:
+    dtype, d, bs, hq, hkv = cfg
+    return f"{str(dtype).removeprefix('torch.')}-d{d}-bs{bs}-h{hq}/{hkv}"
+
+
+def attention_kernel_names(
+    configs: list[AttnConfig], cache_dtype: torch.dtype | None = None
+) -> list[str]:
+    """The decode, split-K reduction and prefill kernels of `configs` over a `cache_dtype` cache
+    (None: the activations' dtype)."""
+    names = []
+    for dtype, d, bs, hq, hkv in configs:
+        heads = paged_attention.heads_per_cta(hq // hkv)
+        names.append(paged_attention.decode_kernel_name(dtype, d, bs, heads, cache_dtype))
+        names.append(paged_attention.reduce_kernel_name(dtype, d))
+        names.append(prefill_attention.kernel_name(dtype, d, bs, cache_dtype))
+    return names
+
 
 @dataclass
 class PagedCase:
