@@ -123,9 +123,11 @@ def sampling_params(
     return apply_defaults(p, unset, defaults or {})
 
 
-def response_format(s: pb.SamplingParams) -> ResponseFormat | None:
-    """The oneof response_format as the engine's ResponseFormat (None when unset)."""
-    which = s.WhichOneof("response_format")
+def response_format(s: Any, oneof: str = "response_format") -> ResponseFormat | None:
+    """The oneof `oneof` of sampling params `s` as the engine's ResponseFormat (None when unset):
+    its fields are named as the kinds (json_schema, json_object, regex, grammar, choice), as in
+    deja.v1's `response_format` and vLLM's `constraint`."""
+    which = s.WhichOneof(oneof)
     if which is None:
         return None
     if which == "json_object":

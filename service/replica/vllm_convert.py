@@ -20,10 +20,10 @@ from smg_grpc_proto.generated import vllm_engine_pb2 as vpb
 
 from engine.kv.events import AllBlocksCleared, BlockStored, KVEvent
 from engine.sample.sampling_params import SamplingParams, apply_defaults
-from engine.sample.structured.spec import ResponseFormat
+from engine.sample.structured.spec import RESPONSE_FORMAT_KINDS, ResponseFormat
 from engine.stats import EngineStats
 from service.api.deja.v1 import inference_pb2 as pb
-from service.replica.convert import FINISH_REASON_NAMES
+from service.replica.convert import FINISH_REASON_NAMES, response_format
 from service.replica.kv_events import KvBatch
 
 TOKENIZER_CHUNK_BYTES = 1 << 20
@@ -112,20 +112,10 @@ def sampling_params(
 
 def _constraint(s: vpb.SamplingParams) -> ResponseFormat | None:
     which = s.WhichOneof("constraint")
-    if which is None:
-        return None
-    if which == "json_schema":
-        return ResponseFormat.json_schema(s.json_schema)
-    if which == "json_object":
-        return ResponseFormat.json_object()
-    if which == "regex":
-        return ResponseFormat.regex(s.regex)
-    if which == "grammar":
-        return ResponseFormat.grammar(s.grammar)
-    if which == "choice":
-        return ResponseFormat.choice(list(s.choice.choices))
-    raise ValueError(f"constraint {which} is not supported by deja (json_schema, json_object, "
-                     "regex, grammar or choice)")  # fmt: skip
+    if which is not None and which not in RESPONSE_FORMAT_KINDS:
+        raise ValueError(f"constraint {which} is not supported by deja (json_schema, json_object, "
+                         "regex, grammar or choice)")  # fmt: skip
+    return response_format(s, "constraint")
 
 
 @dataclass(slots=True)
