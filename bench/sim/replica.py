@@ -119,20 +119,21 @@ class SimReplica:
                 ev.stored([h], None, [], "device")
             if h in self.cpu:
                 del self.cpu[h]
-                if ev is not None:
-                    ev.removed(h, "cpu")
+                self._removed(h, "cpu")
         while len(self.device) > self.m.device_blocks:
             h, _ = self.device.popitem(last=False)
-            if ev is not None:
-                ev.removed(h, "device")
+            self._removed(h, "device")
             if self.m.cpu_blocks > 0:
                 self.cpu[h] = None
                 if ev is not None:
                     ev.stored_one(h, "cpu")
                 while len(self.cpu) > self.m.cpu_blocks:
                     dropped, _ = self.cpu.popitem(last=False)
-                    if ev is not None:
-                        ev.removed(dropped, "cpu")
+                    self._removed(dropped, "cpu")
+
+    def _removed(self, h: BlockHash, tier: str) -> None:
+        if self.events is not None:
+            self.events.removed(h, tier)
 
     def _match(self, seq: SimSeq) -> tuple[int, int]:
         """Leading prompt blocks found on the device, then in the CPU tier after them."""
