@@ -19,6 +19,7 @@ string or an abort. Beam search sends whole beams once, at the end: each is deco
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from engine.core.detokenizer import IncrementalDetokenizer, make_decode
@@ -29,21 +30,15 @@ if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
 
+@dataclass(frozen=True, slots=True, eq=False)
 class RequestText:
     """One request's detokenizers, one per sample index, made as its samples first appear."""
 
-    __slots__ = ("_detoks", "params", "prompt_token_ids", "tokenizer")
-
-    def __init__(
-        self,
-        tokenizer: PreTrainedTokenizerBase,
-        prompt_token_ids: list[int],
-        params: SamplingParams,
-    ) -> None:
-        self.tokenizer = tokenizer
-        self.prompt_token_ids = prompt_token_ids
-        self.params = params
-        self._detoks: dict[int, IncrementalDetokenizer] = {}
+    tokenizer: PreTrainedTokenizerBase
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    _detoks: dict[int, IncrementalDetokenizer] = field(default_factory=dict, init=False)
+    """Sample index -> its detokenizer."""
 
     def apply(self, out: RequestOutput) -> None:
         """Fills in the text of every sample's delta in `out` (in place)."""
