@@ -112,12 +112,16 @@ def test_fp8_cache_matches_torch_backend(
     assert "deja::fp8e4m3" in kernels[1]
 
 
-@pytest.mark.parametrize("options", [(24, None), (None, 1.0), (40, 0.8)], ids=str)
-@pytest.mark.parametrize(
+DECODE_AND_MIXED = pytest.mark.parametrize(
     "context_lens,query_lens",
     [([5, 0, 70, 37], [1, 1, 1, 1]), ([5, 0, 70, 37], [1, 9, 1, 20])],
     ids=["decode", "mixed"],
 )
+"""Four sequences over the same contexts: decode only, and decode mixed with prefill chunks."""
+
+
+@pytest.mark.parametrize("options", [(24, None), (None, 1.0), (40, 0.8)], ids=str)
+@DECODE_AND_MIXED
 def test_window_and_soft_cap_match_torch_backend(
     backend: CupyAttentionBackend,
     context_lens: list[int],
@@ -150,11 +154,7 @@ def test_window_and_soft_cap_match_torch_backend(
 
 
 @pytest.mark.parametrize("options", [(24, None), (40, 0.8)], ids=str)
-@pytest.mark.parametrize(
-    "context_lens,query_lens",
-    [([5, 0, 70, 37], [1, 1, 1, 1]), ([5, 0, 70, 37], [1, 9, 1, 20])],
-    ids=["decode", "mixed"],
-)
+@DECODE_AND_MIXED
 def test_window_and_soft_cap_on_fp8_cache_match_torch_backend(
     backend: CupyAttentionBackend,
     emulator: Emulator,
