@@ -49,15 +49,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     quant_served.add_arguments(parser)
 
 
-def llama_bench(binary: str, file: str, threads: int, tokens: int) -> dict[str, float]:
-    """llama.cpp's pp512 and tg<tokens> on `file` (tokens per second, mean of 3 repetitions)."""
+def llama_bench(binary: str, file: str, threads: int, tokens: int) -> dict[str, float] | str:
+    """llama.cpp's pp512 and tg<tokens> on `file` (tokens per second, mean of 3 repetitions), or
+    why llama-bench gave none (e.g. a build for instructions this CPU refuses: SIGILL)."""
     import json
     import subprocess
 
     argv = [binary, "-m", file, "-t", str(threads), "-p", "512", "-n", str(tokens)]
-    out = subprocess.run(
-        [*argv, "-r", "3", "-o", "json"], capture_output=True, text=True, check=True
-    )
+    out = subprocess.run([*argv, "-r", "3", "-o", "json"], capture_output=True, text=True)
+    if out.returncode != 0:
+        status = f"signal {-out.returncode}" if out.returncode < 0 else f"exit {out.returncode}"
+        tail = out.stderr.strip().splitlines()[-1:] or [""]
+        return f"llama-bench failed ({status}) {tail[0]}".strip()
     rows = json.loads(out.stdout)
     pp = next(r["avg_ts"] for r in rows if r["n_prompt"] > 0 and r["n_gen"] == 0)
     tg = next(r["avg_ts"] for r in rows if r["n_gen"] > 0 and r["n_prompt"] == 0)
@@ -164,8 +167,14 @@ def run(args: argparse.Namespace) -> int:
         f"{100 * tf['top1_agreement']:.1f}% over {tf['positions']} positions (target >= "
         f"{100 * AGREEMENT_TARGET:.0f}%)"
     )
-    if args.llama_bench:
-        llama = llama_bench(args.llama_bench, str(file), args.threads, decode_tokens)
+    llama = (
+        llama_bench(args.llama_bench, str(file), args.threads, decode_tokens)
+        if args.llama_bench
+        else None
+    )
+    if isinstance(llama, str):
+        print(f"llama.cpp: no figures: {llama}")
+    elif llama is not None:
         runs["llama.cpp"] = llama
         ratios["decode_vs_llama_cpp"] = kept["decode_tok_s"] / llama["tg_tok_s"]
         prompt = 64 if args.quick else 512  # the TTFT prompt _measure used

@@ -149,6 +149,15 @@ def test_quant_quick_compares_kept_and_expanded_weights(
     assert re.search(r"^resident weights / file tensors: \d+\.\d+x", text, re.M), text
 
 
+def test_quant_reports_a_llama_bench_that_dies(tmp_path: Path) -> None:
+    """A llama.cpp build this CPU refuses (SIGILL) yields a reason to print, not a traceback."""
+    fake = tmp_path / "llama-bench"
+    fake.write_text("#!/bin/sh\necho 'illegal instruction' >&2\nkill -ILL $$\n")
+    fake.chmod(0o755)
+    why = quant.llama_bench(str(fake), str(tmp_path / "model.gguf"), 2, 8)
+    assert why == "llama-bench failed (signal 4) illegal instruction"
+
+
 def test_quant_refuses_a_folder(tiny_llama_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     args = common.parse_args(quant.add_arguments, ["--model", str(tiny_llama_path), "--quick"])
     assert quant.run(args) == 2
