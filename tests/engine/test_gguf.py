@@ -75,6 +75,30 @@ def test_int4_linear_matches_dequantized_weight(kind: str) -> None:
     assert rel < 0.02, rel
 
 
+@pytest.mark.parametrize(
+    ("kind", "stored"),
+    [("Q4_0", torch.float16), ("Q4_1", torch.float16), ("Q4_K", torch.float32)],
+)
+def test_group_scales_keep_the_files_fp16_pairs_where_exact(kind: str, stored: torch.dtype) -> None:
+    """Q4_0 / Q4_1 keep each block's fp16 (d, m): 20 bytes a group, as in the file; Q4_K's
+    scales (d times a 6-bit scale) are not fp16 values and stay float32. Either way the layer is
+    the dequantized weight's product."""
+    from gguf import GGMLQuantizationType, quants
+
+    qtype = GGMLQuantizationType[kind]
+    w = np.random.default_rng(3).standard_normal((48, 256)).astype(np.float32)
+    raw = quantized_blocks(w, qtype, np.random.default_rng(4))
+    dense = torch.from_numpy(quants.dequantize(raw, qtype).copy())
+    layer = Int4Linear(*unpack(QuantizedRows(qtype, raw, (48, 256))), None, torch.float32)
+    assert layer.scale.dtype == layer.zero.dtype == stored
+    group_bytes = layer.qs[0, :16].numel() + 2 * layer.scale.element_size()
+    assert group_bytes == (20 if stored == torch.float16 else 24)
+    x = torch.randn(3, 256)
+    assert (layer(x) - x @ dense.T).abs().max().item() < 1e-4
+    head = Q8Linear(*unpack_q8_0(_rows("Q8_0", 48, 256)[0]), None, torch.float32)
+    assert head.scale.dtype == torch.float16
+
+
 @pytest.mark.parametrize("kind", EMBEDDING_TYPES)
 def test_quantized_embedding_rows_are_exact(kind: str) -> None:
     rows, dense = _rows(kind, 40, 64, seed=1)

@@ -1,6 +1,7 @@
 """cpu_quant.cpp built for each instruction set it has a path for (this machine's, which may be
 AVX-512, then AVX2 and plain C++): the few-row products against the dequantized weights, and the
-expansions to float32, bfloat16 and float16, in a process of their own."""
+expansions to float32, bfloat16 and float16, with float32 or float16 group scales, in a process
+of their own."""
 
 from __future__ import annotations
 
@@ -45,6 +46,15 @@ for n, k in [(40, 96), (72, 576)]:
         close(ops.q8_linear(x, q8, scale), x @ w8.T)
         y = ops.q4_linear(x.bfloat16(), qs4, scale, zero)
         assert y.dtype == torch.bfloat16
+        # float16 pairs (d, m): the same bits as float32 scale d and zero m + 8d
+        d16, m16 = scale.half(), zero.half()
+        s32, z32 = d16.float(), m16.float() + 8 * d16.float()
+        for xx in (x, x.bfloat16()):
+            assert torch.equal(ops.q4_linear(xx, qs4, d16, m16), ops.q4_linear(xx, qs4, s32, z32))
+            assert torch.equal(ops.q8_linear(xx, q8, d16), ops.q8_linear(xx, q8, s32))
+    for dtype in (torch.float32, torch.bfloat16):
+        assert torch.equal(ops.q4_dequant(qs4, d16, m16, dtype), ops.q4_dequant(qs4, s32, z32, dtype))
+        assert torch.equal(ops.q8_dequant(q8, d16, dtype), ops.q8_dequant(q8, s32, dtype))
 print("ok")
 """
 

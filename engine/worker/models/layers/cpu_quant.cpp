@@ -6,8 +6,12 @@
 // q8_linear, q4_dequant and q8_dequant. layers/quantized.py owns the layouts:
 // - 4-bit: qs uint8 [N, K / 2], 16 bytes a group; byte j of a group holds weight j in its low
 //   nibble and weight j + 16 in its high one (GGUF's Q4_0 / Q4_1 block order); with scale and
-//   zero float32 [N, K / 32], a weight is (q - 8) * scale + zero.
-// - 8-bit: qs int8 [N, K], scale float32 [N, K / 32]; a weight is q * scale (GGUF's Q8_0).
+//   zero float32 [N, K / 32], a weight is (q - 8) * scale + zero. Where the file's own fp16 pair
+//   is exact, scale and zero are float16 d and m instead, and a weight is q * d + m: each row's
+//   pairs become scale = d, zero = m + 8d in float32 as the row is read (the same bits as that
+//   sum made at load), for 20 bytes a group instead of 24.
+// - 8-bit: qs int8 [N, K], scale float32 or float16 [N, K / 32]; a weight is q * scale (GGUF's
+//   Q8_0).
 //
 // The few-row product reads each weight byte once for all rows (at most 4 at a time) and
 // dequantizes nothing: per group and row it sums (q - 8) x in float32 vectors, then adds that
@@ -104,17 +108,56 @@ inline void q8_group(const int8_t* p, vec w[4]) {
 #define DEJA_SCALAR_QUANT 1
 #endif
 
+// A row's group scales (and zeros) as float32: `scale`'s own memory when float32, else the fp16
+// pairs (d, m) converted into `buf` as scale = d, zero = m + 8d.
+struct RowGroups {
+  const float* scale;
+  const float* zero;
+};
+
+inline void halves_to_float(const c10::Half* h, float* f, int64_t n) {
+  int64_t i = 0;
+#if defined(__AVX512F__)
+  for (; i + 16 <= n; i += 16) {
+    _mm512_storeu_ps(f + i, _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(h + i))));
+  }
+#elif defined(__F16C__)
+  for (; i + 8 <= n; i += 8) {
+    _mm256_storeu_ps(f + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(h + i))));
+  }
+#endif
+  for (; i < n; ++i) f[i] = static_cast<float>(h[i]);
+}
+
+template <typename sc_t>
+inline RowGroups row_groups(const sc_t* scale, const sc_t* zero, int64_t n, int64_t groups,
+                            float* buf) {
+  if constexpr (std::is_same_v<sc_t, float>) {
+    return {scale + n * groups, zero == nullptr ? nullptr : zero + n * groups};
+  } else {
+    float* s = buf;
+    halves_to_float(scale + n * groups, s, groups);
+    if (zero == nullptr) return {s, nullptr};
+    float* z = buf + groups;
+    halves_to_float(zero + n * groups, z, groups);
+    for (int64_t g = 0; g < groups; ++g) z[g] += 8.f * s[g];  // m + 8d, exact 8d
+    return {s, z};
+  }
+}
+
 #ifndef DEJA_SCALAR_QUANT
 constexpr int kVecs = kGroup / kLanes;
 
 // out[m, n] for rows n0..n1 of the weight and kRows rows of x (x: float32 [rows, K]; xsum:
 // float32 [rows, K / 32], only read with zeros).
-template <int kRows, bool kQ4>
-void rows_product(const float* x, const float* xsum, int64_t K, const void* qs, const float* scale,
-                  const float* zero, float* out, int64_t ldo, int64_t n0, int64_t n1) {
+template <int kRows, bool kQ4, typename sc_t>
+void rows_product(const float* x, const float* xsum, int64_t K, const void* qs, const sc_t* scale,
+                  const sc_t* zero, float* out, int64_t ldo, int64_t n0, int64_t n1) {
   const int64_t groups = K / kGroup;
+  std::vector<float> buf(std::is_same_v<sc_t, float> ? 0 : 2 * groups);
   for (int64_t n = n0; n < n1; ++n) {
-    const float* s = scale + n * groups;
+    const RowGroups rg = row_groups(scale, zero, n, groups, buf.data());
+    const float* s = rg.scale;
     vec acc[kRows];
     for (int r = 0; r < kRows; ++r) acc[r] = vzero();
     for (int64_t g = 0; g < groups; ++g) {
@@ -133,8 +176,8 @@ void rows_product(const float* x, const float* xsum, int64_t K, const void* qs, 
       }
     }
     for (int r = 0; r < kRows; ++r) {
-      if (zero != nullptr) {  // + sum over groups of zero x sum(x): in vectors too
-        const float* z = zero + n * groups;
+      if (rg.zero != nullptr) {  // + sum over groups of zero x sum(x): in vectors too
+        const float* z = rg.zero;
         const float* xs = xsum + r * groups;
         int64_t g = 0;
         for (; g + kLanes <= groups; g += kLanes) acc[r] = vfma(vload(z + g), vload(xs + g), acc[r]);
@@ -148,11 +191,13 @@ void rows_product(const float* x, const float* xsum, int64_t K, const void* qs, 
   }
 }
 #else
-template <int kRows, bool kQ4>
-void rows_product(const float* x, const float* xsum, int64_t K, const void* qs, const float* scale,
-                  const float* zero, float* out, int64_t ldo, int64_t n0, int64_t n1) {
+template <int kRows, bool kQ4, typename sc_t>
+void rows_product(const float* x, const float* xsum, int64_t K, const void* qs, const sc_t* scale,
+                  const sc_t* zero, float* out, int64_t ldo, int64_t n0, int64_t n1) {
   const int64_t groups = K / kGroup;
+  std::vector<float> buf(std::is_same_v<sc_t, float> ? 0 : 2 * groups);
   for (int64_t n = n0; n < n1; ++n) {
+    const RowGroups rg = row_groups(scale, zero, n, groups, buf.data());
     for (int r = 0; r < kRows; ++r) {
       float y = 0.f;
       for (int64_t g = 0; g < groups; ++g) {
@@ -167,8 +212,8 @@ void rows_product(const float* x, const float* xsum, int64_t K, const void* qs, 
           }
           t += static_cast<float>(q) * x[r * K + g * kGroup + j];
         }
-        y += t * scale[n * groups + g];
-        if (zero != nullptr) y += zero[n * groups + g] * xsum[r * groups + g];
+        y += t * rg.scale[g];
+        if (rg.zero != nullptr) y += rg.zero[g] * xsum[r * groups + g];
       }
       out[r * ldo + n] = y;
     }
@@ -176,9 +221,9 @@ void rows_product(const float* x, const float* xsum, int64_t K, const void* qs, 
 }
 #endif
 
-template <bool kQ4>
+template <bool kQ4, typename sc_t>
 void product(const float* x, const float* xsum, int64_t M, int64_t K, const void* qs,
-             const float* scale, const float* zero, float* out, int64_t N) {
+             const sc_t* scale, const sc_t* zero, float* out, int64_t N) {
   // Each thread takes a contiguous range of weight rows and streams it once per 4 input rows.
   const int64_t grain = std::max<int64_t>(16, N / (4 * at::get_num_threads()));
   at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {
@@ -187,19 +232,33 @@ void product(const float* x, const float* xsum, int64_t M, int64_t K, const void
       const float* sm = xsum == nullptr ? nullptr : xsum + m * (K / kGroup);
       float* om = out + m * N;
       switch (std::min<int64_t>(kMaxRows, M - m)) {
-        case 1: rows_product<1, kQ4>(xm, sm, K, qs, scale, zero, om, N, n0, n1); break;
-        case 2: rows_product<2, kQ4>(xm, sm, K, qs, scale, zero, om, N, n0, n1); break;
-        case 3: rows_product<3, kQ4>(xm, sm, K, qs, scale, zero, om, N, n0, n1); break;
-        default: rows_product<4, kQ4>(xm, sm, K, qs, scale, zero, om, N, n0, n1); break;
+        case 1: rows_product<1, kQ4, sc_t>(xm, sm, K, qs, scale, zero, om, N, n0, n1); break;
+        case 2: rows_product<2, kQ4, sc_t>(xm, sm, K, qs, scale, zero, om, N, n0, n1); break;
+        case 3: rows_product<3, kQ4, sc_t>(xm, sm, K, qs, scale, zero, om, N, n0, n1); break;
+        default: rows_product<4, kQ4, sc_t>(xm, sm, K, qs, scale, zero, om, N, n0, n1); break;
       }
     }
   });
 }
 
 void check_groups(const at::Tensor& t, int64_t N, int64_t K, const char* what) {
-  TORCH_CHECK(t.scalar_type() == at::kFloat && t.is_contiguous() && t.dim() == 2 &&
-                  t.size(0) == N && t.size(1) == K / kGroup,
-              what, " must be a contiguous float32 [N, K / 32]");
+  TORCH_CHECK((t.scalar_type() == at::kFloat || t.scalar_type() == at::kHalf) &&
+                  t.is_contiguous() && t.dim() == 2 && t.size(0) == N && t.size(1) == K / kGroup,
+              what, " must be a contiguous float32 or float16 [N, K / 32]");
+}
+
+void check_same(const at::Tensor& scale, const at::Tensor& zero) {
+  TORCH_CHECK(scale.scalar_type() == zero.scalar_type(), "scale and zero dtypes differ");
+}
+
+// f(const sc_t* scale, const sc_t* zero) with the groups' storage type (zero may be absent).
+template <typename F>
+void with_groups(const at::Tensor& scale, const at::Tensor* zero, F f) {
+  if (scale.scalar_type() == at::kHalf) {
+    f(scale.data_ptr<c10::Half>(), zero == nullptr ? nullptr : zero->data_ptr<c10::Half>());
+  } else {
+    f(scale.data_ptr<float>(), zero == nullptr ? nullptr : zero->data_ptr<float>());
+  }
 }
 
 // x's rows as float32 (a copy unless x is contiguous float32) and, with `sums`, each group's sum
@@ -254,15 +313,18 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& s
                   const at::Tensor* zero, int64_t N, int64_t K) {
   TORCH_CHECK(K % kGroup == 0, "K must be a multiple of 32, got ", K);
   check_groups(scale, N, K, "scale");
-  if (zero != nullptr) check_groups(*zero, N, K, "zero");
+  if (zero != nullptr) {
+    check_groups(*zero, N, K, "zero");
+    check_same(scale, *zero);
+  }
   const FloatRows rows = float_rows(x, K, kQ4);
   const int64_t M = x.size(0);
   at::Tensor out = at::empty({M, N}, x.options());
   std::vector<float> y(x.scalar_type() == at::kFloat ? 0 : M * N);
   float* dst = y.empty() ? out.data_ptr<float>() : y.data();
-  product<kQ4>(rows.x, kQ4 ? rows.sums.data() : nullptr, M, K, qs.data_ptr(),
-               scale.data_ptr<float>(), zero != nullptr ? zero->data_ptr<float>() : nullptr, dst,
-               N);
+  with_groups(scale, zero, [&](auto* s, auto* z) {
+    product<kQ4>(rows.x, kQ4 ? rows.sums.data() : nullptr, M, K, qs.data_ptr(), s, z, dst, N);
+  });
   return finish(x, out, y);
 }
 
@@ -280,15 +342,17 @@ at::Tensor q8_linear(const at::Tensor& x, const at::Tensor& qs, const at::Tensor
 }
 
 // The dense weight [N, K] in `dtype`, for many-row products.
-template <bool kQ4, typename out_t>
-void expand(const void* qs, const float* scale, const float* zero, out_t* out, int64_t N,
+template <bool kQ4, typename out_t, typename sc_t>
+void expand(const void* qs, const sc_t* scale, const sc_t* zero, out_t* out, int64_t N,
             int64_t K) {
   const int64_t groups = K / kGroup;
   at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
+    std::vector<float> buf(std::is_same_v<sc_t, float> ? 0 : 2 * groups);
     for (int64_t n = n0; n < n1; ++n) {
+      const RowGroups rg = row_groups(scale, zero, n, groups, buf.data());
       for (int64_t g = 0; g < groups; ++g) {
         const int64_t at_g = n * groups + g;
-        const float s = scale[at_g], z = zero == nullptr ? 0.f : zero[at_g];
+        const float s = rg.scale[g], z = rg.zero == nullptr ? 0.f : rg.zero[g];
         out_t* o = out + n * K + g * kGroup;
 #ifndef DEJA_SCALAR_QUANT
         if constexpr (std::is_same_v<out_t, float> || std::is_same_v<out_t, c10::BFloat16>) {
@@ -329,15 +393,15 @@ at::Tensor dequant(const at::Tensor& qs, const at::Tensor& scale, const c10::opt
   const int64_t N = qs.size(0), K = qs.size(1) * (kQ4 ? 2 : 1);
   TORCH_CHECK(K % kGroup == 0, "K must be a multiple of 32, got ", K);
   check_groups(scale, N, K, "scale");
-  const float* z = nullptr;
   if (zero.has_value()) {
     check_groups(*zero, N, K, "zero");
-    z = zero->data_ptr<float>();
+    check_same(scale, *zero);
   }
   at::Tensor out = at::empty({N, K}, qs.options().dtype(dtype));
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, dtype, "quant_dequant", [&] {
-    expand<kQ4, scalar_t>(qs.data_ptr(), scale.data_ptr<float>(), z, out.data_ptr<scalar_t>(), N,
-                          K);
+    with_groups(scale, zero.has_value() ? &*zero : nullptr, [&](auto* s, auto* z) {
+      expand<kQ4, scalar_t>(qs.data_ptr(), s, z, out.data_ptr<scalar_t>(), N, K);
+    });
   });
   return out;
 }

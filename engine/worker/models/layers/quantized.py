@@ -18,8 +18,10 @@ Both layers take two paths where the C++ kernels are loaded (`use_kernel`; cpu_q
 - more rows (prefill): the weight expanded once per call to the activations' dtype, then a
   dense product.
 Without the kernels, torch ops expand the weight. Every path is the dequantized weight's product
-up to summation order (the parity tests' float32 mode). Resident bytes a weight: 0.75 for 4-bit
-(a Q4_1 file: 0.625), 1.125 for 8-bit (Q8_0: 1.0625).
+up to summation order (the parity tests' float32 mode). A group's scale (and zero) stays the
+file's float16 pair where that is exact (Q4_0, Q4_1, Q8_0: `_fp16_pair`), else float32 (Q4_K,
+AWQ, GPTQ, load-time int4). Resident bytes a weight: 0.625 for 4-bit and 1.0625 for 8-bit with
+float16 pairs (the file's own), 0.75 and 1.125 with float32.
 
 NOTE: measured on a 2-core AMD EPYC (AVX-512), torch 2.13, float32, the weight in cache, ms a
 call (product on the groups / a dense float32 weight, plain product): a 3072 x 576 weight at 1 row
@@ -231,7 +233,8 @@ class GroupedLinear(nn.Module):
 
 class Int4Linear(GroupedLinear):
     """A weight in 4-bit groups of 32 inputs: w = (q - 8) * scale + zero (cpu_quant.cpp's layout:
-    16 bytes a group, byte j holding weights j and j + 16; float32 scale and zero a group)."""
+    16 bytes a group, byte j holding weights j and j + 16; float32 scale and zero a group, or
+    float16 d = scale and m = zero - 8 scale where those are exact)."""
 
     zero: torch.Tensor
 
@@ -248,8 +251,10 @@ class Int4Linear(GroupedLinear):
         nibbles = np.ascontiguousarray(q, dtype=np.uint8).reshape(n, k // GROUP, 2, GROUP // 2)
         packed = np.ascontiguousarray(nibbles[:, :, 0] | (nibbles[:, :, 1] << 4))
         self.register_buffer("qs", torch.from_numpy(packed.reshape(n, k // 2)), persistent=False)
-        self.register_buffer("scale", _groups(scale), persistent=False)
-        self.register_buffer("zero", _groups(zero), persistent=False)
+        pair = _fp16_pair(scale, zero)
+        scale_t, zero_t = (_groups(scale), _groups(zero)) if pair is None else pair
+        self.register_buffer("scale", scale_t, persistent=False)
+        self.register_buffer("zero", zero_t, persistent=False)
 
     def _product(self, x: torch.Tensor) -> torch.Tensor:
         return self._ops.q4_linear(x, self.qs, self.scale, self.zero)
@@ -260,7 +265,10 @@ class Int4Linear(GroupedLinear):
         n, k = self.out_features, self.in_features
         halves = torch.stack([self.qs & 15, self.qs >> 4], dim=1)  # [N, 2, K / 2]
         q = halves.view(n, 2, k // GROUP, GROUP // 2).transpose(1, 2).reshape(n, k // GROUP, GROUP)
-        w = (q.float() - 8) * self.scale[..., None] + self.zero[..., None]
+        scale, zero = self.scale.float(), self.zero.float()
+        if self.scale.dtype == torch.float16:  # (d, m): zero = m + 8d
+            zero = zero + 8 * scale
+        w = (q.float() - 8) * scale[..., None] + zero[..., None]
         return w.view(n, k).to(dtype)
 
 
@@ -272,7 +280,9 @@ class Q8Linear(GroupedLinear):
     ) -> None:
         super().__init__(q.shape, bias)
         self.register_buffer("qs", torch.from_numpy(np.ascontiguousarray(q)), persistent=False)
-        self.register_buffer("scale", _groups(scale), persistent=False)
+        half = _groups(scale).half()
+        exact = bool(torch.equal(half.float(), _groups(scale)))
+        self.register_buffer("scale", half if exact else _groups(scale), persistent=False)
 
     def _product(self, x: torch.Tensor) -> torch.Tensor:
         return self._ops.q8_linear(x, self.qs, self.scale)
@@ -281,18 +291,33 @@ class Q8Linear(GroupedLinear):
         if self._ops is not None:
             return self._ops.q8_dequant(self.qs, self.scale, dtype)
         n, k = self.out_features, self.in_features
-        w = self.qs.view(n, k // GROUP, GROUP).float() * self.scale[..., None]
+        w = self.qs.view(n, k // GROUP, GROUP).float() * self.scale.float()[..., None]
         return w.view(n, k).to(dtype)
 
     def rows(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """Rows `ids` of the dequantized weight [len(ids), in] (a tied embedding's lookup)."""
         n = ids.numel()
         q = self.qs[ids].view(n, -1, GROUP).float()
-        return (q * self.scale[ids][..., None]).view(n, self.in_features).to(dtype)
+        return (q * self.scale[ids].float()[..., None]).view(n, self.in_features).to(dtype)
 
 
 def _groups(values: np.ndarray) -> torch.Tensor:
     return torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32))
+
+
+def _fp16_pair(scale: np.ndarray, zero: np.ndarray) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """float16 d = scale and m = zero - 8 scale (a weight q d + m) where they give back scale and
+    zero exactly (m + 8d in float32 == zero, as cpu_quant.cpp sums it): GGUF's Q4_0 and Q4_1
+    pairs are; None where any group's is not (Q4_K, AWQ, GPTQ: float32 kept)."""
+    s = np.ascontiguousarray(scale, dtype=np.float32)
+    z = np.ascontiguousarray(zero, dtype=np.float32)
+    with np.errstate(over="ignore", invalid="ignore"):
+        d = s.astype(np.float16)
+        m = (z - np.float32(8) * s).astype(np.float16)
+        back = m.astype(np.float32) + np.float32(8) * d.astype(np.float32)
+    if not (np.array_equal(d.astype(np.float32), s) and np.array_equal(back, z)):
+        return None
+    return torch.from_numpy(d), torch.from_numpy(m)
 
 
 def _per_channel_int8(
