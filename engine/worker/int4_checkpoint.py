@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from engine.worker.models.layers.quantized import GROUP, Int4Rows, Int4Sources
+from engine.worker.models.layers.group_rows import GROUP, Int4Rows, Int4Sources
 
 METHODS = ("awq", "gptq")
 SUPPORTED = (

@@ -27,8 +27,8 @@ from engine.worker.gguf_checkpoint import read_config as gguf_config
 from engine.worker.int4_checkpoint import Int4Checkpoint, Int4Format, read_format
 from engine.worker.models import get_model_class
 from engine.worker.models.base import CausalLM
+from engine.worker.models.layers.group_rows import gguf_int4
 from engine.worker.models.layers.quantized import (
-    gguf_int4,
     quantize_embedding,
     quantize_linears,
     quantize_loaded,

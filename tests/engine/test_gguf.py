@@ -15,6 +15,7 @@ from engine import LLM, SamplingParams
 from engine.testing.tiny_gguf import quantized_blocks, write_gguf
 from engine.testing.tiny_models import build_tiny_llama
 from engine.worker.gguf_checkpoint import QuantizedRows, find_gguf
+from engine.worker.models.layers.group_rows import unpack, unpack_q8_0
 from engine.worker.models.layers.quantized import (
     GEMV_ROWS,
     GroupedLinear,
@@ -22,8 +23,6 @@ from engine.worker.models.layers.quantized import (
     Int4Linear,
     Q8Linear,
     QuantizedEmbedding,
-    unpack,
-    unpack_q8_0,
 )
 from tests.engine.test_parity import CONFIGS, shared_prefix_prompts
 from tests.support.reference import assert_config_took_effect, hf_reference
