@@ -3,12 +3,15 @@
     deja route --replicas 10.0.0.1:50051,10.0.0.2:50051 --model demo
     deja route --redis-url redis://redis:6379/0 --model /models/llama   # discover replicas
 
-Each Generate goes to the session's replica (session affinity), else to the replica holding the
-longest prefix of the prompt, else to the least loaded one; an overload guard keeps a hot session
-or prefix from swamping one replica. With --redis-url the affinity records and the replica
-registry are shared with the replicas (start them with the same --redis-url); without it the
-router keeps them in memory. If Redis is down or slow, requests are routed by rendezvous hashing
-of the session id and none fails. Every flag also reads a DEJA_* environment variable.
+Each Generate goes to the replica where its time to first token is estimated lowest (--policy cost,
+the default): the prompt tokens a replica would not have to compute (its session's and prefix's
+blocks, on the device or in a tier) against its queue and load, under a load bound. --policy
+affinity takes the session's replica, else the one holding the longest prefix, else the least
+loaded (round_robin and prefix_only are the other choices). Both skip overloaded replicas, so a hot
+session or prefix cannot swamp one. With --redis-url the affinity records and the replica registry
+are shared with the replicas (start them with the same --redis-url); without it the router keeps
+them in memory. If Redis is down or slow, requests are routed by rendezvous hashing of the session
+id and none fails. Every flag also reads a DEJA_* environment variable.
 """
 
 from __future__ import annotations
