@@ -158,9 +158,9 @@ class Q8Linear(GroupedLinear):
     ) -> None:
         super().__init__(q.shape, bias)
         self.register_buffer("qs", torch.from_numpy(np.ascontiguousarray(q)), persistent=False)
-        half = _groups(scale).half()
-        exact = bool(torch.equal(half.float(), _groups(scale)))
-        self.register_buffer("scale", half if exact else _groups(scale), persistent=False)
+        half = _fp16_exact(scale)
+        kept = _groups(scale) if half is None else torch.from_numpy(half)
+        self.register_buffer("scale", kept, persistent=False)
 
     def _product(self, x: torch.Tensor) -> torch.Tensor:
         return self._ops.q8_linear(x, self.qs, self.scale)
@@ -189,13 +189,23 @@ def _fp16_pair(scale: np.ndarray, zero: np.ndarray) -> tuple[torch.Tensor, torch
     pairs are; None where any group's is not (Q4_K, AWQ, GPTQ: float32 kept)."""
     s = np.ascontiguousarray(scale, dtype=np.float32)
     z = np.ascontiguousarray(zero, dtype=np.float32)
+    d = _fp16_exact(s)
+    if d is None:
+        return None
     with np.errstate(over="ignore", invalid="ignore"):
-        d = s.astype(np.float16)
         m = (z - np.float32(8) * s).astype(np.float16)
-        back = m.astype(np.float32) + np.float32(8) * d.astype(np.float32)
-    if not (np.array_equal(d.astype(np.float32), s) and np.array_equal(back, z)):
+        back = m.astype(np.float32) + np.float32(8) * s
+    if not np.array_equal(back, z):
         return None
     return torch.from_numpy(d), torch.from_numpy(m)
+
+
+def _fp16_exact(values: np.ndarray) -> np.ndarray | None:
+    """`values` as float16 where every one of them is a float16 value, else None."""
+    v = np.ascontiguousarray(values, dtype=np.float32)
+    with np.errstate(over="ignore"):
+        half = v.astype(np.float16)
+    return half if np.array_equal(half.astype(np.float32), v) else None
 
 
 def _per_channel_int8(
