@@ -247,8 +247,12 @@ void check_groups(const at::Tensor& t, int64_t N, int64_t K, const char* what) {
               what, " must be a contiguous float32 or float16 [N, K / 32]");
 }
 
-void check_same(const at::Tensor& scale, const at::Tensor& zero) {
-  TORCH_CHECK(scale.scalar_type() == zero.scalar_type(), "scale and zero dtypes differ");
+// A weight's group scales and (4-bit) zeros: each [N, K / 32], both of one dtype.
+void check_scales(const at::Tensor& scale, const at::Tensor* zero, int64_t N, int64_t K) {
+  check_groups(scale, N, K, "scale");
+  if (zero == nullptr) return;
+  check_groups(*zero, N, K, "zero");
+  TORCH_CHECK(scale.scalar_type() == zero->scalar_type(), "scale and zero dtypes differ");
 }
 
 // f(const sc_t* scale, const sc_t* zero) with the groups' storage type (zero may be absent).
@@ -312,11 +316,7 @@ template <bool kQ4>
 at::Tensor linear(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& scale,
                   const at::Tensor* zero, int64_t N, int64_t K) {
   TORCH_CHECK(K % kGroup == 0, "K must be a multiple of 32, got ", K);
-  check_groups(scale, N, K, "scale");
-  if (zero != nullptr) {
-    check_groups(*zero, N, K, "zero");
-    check_same(scale, *zero);
-  }
+  check_scales(scale, zero, N, K);
   const FloatRows rows = float_rows(x, K, kQ4);
   const int64_t M = x.size(0);
   at::Tensor out = at::empty({M, N}, x.options());
@@ -392,11 +392,7 @@ at::Tensor dequant(const at::Tensor& qs, const at::Tensor& scale, const c10::opt
               kQ4 ? "qs must be a contiguous uint8 [N, K / 2]" : "qs must be a contiguous int8 [N, K]");
   const int64_t N = qs.size(0), K = qs.size(1) * (kQ4 ? 2 : 1);
   TORCH_CHECK(K % kGroup == 0, "K must be a multiple of 32, got ", K);
-  check_groups(scale, N, K, "scale");
-  if (zero.has_value()) {
-    check_groups(*zero, N, K, "zero");
-    check_same(scale, *zero);
-  }
+  check_scales(scale, zero.has_value() ? &*zero : nullptr, N, K);
   at::Tensor out = at::empty({N, K}, qs.options().dtype(dtype));
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, dtype, "quant_dequant", [&] {
     with_groups(scale, zero.has_value() ? &*zero : nullptr, [&](auto* s, auto* z) {
