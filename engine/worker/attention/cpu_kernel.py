@@ -40,9 +40,11 @@ SOURCES = (
     SOURCE,
     Path(__file__).parents[1] / "models" / "layers" / "cpu_layers.cpp",
     Path(__file__).parents[1] / "models" / "layers" / "cpu_quant.cpp",
+    Path(__file__).parents[1] / "models" / "layers" / "cpu_decoder.cpp",
 )
-"""Compiled into one library: the paged attention, the decoder layers' small ops and the packed
-int4 weight's expansion."""
+"""Compiled into one library: the paged attention, the decoder layers' small ops, the quantized
+linears and the decoder stack that runs a step's layers over them."""
+HEADERS = (Path(__file__).parents[1] / "models" / "layers" / "cpu_ops.h",)
 CXX_FLAGS = ("-O3", "-march=native", "-fopenmp", "-std=c++17", "-shared", "-fPIC")
 LIBRARY = "deja_cpu_attn.so"
 
@@ -80,7 +82,7 @@ def build_key(cxx: str) -> str:
     """Hash of everything the library depends on (source, flags, torch, compiler, CPU)."""
     h = hashlib.sha256()
     for part in (
-        *(source.read_bytes() for source in SOURCES),
+        *(source.read_bytes() for source in (*SOURCES, *HEADERS)),
         " ".join(CXX_FLAGS).encode(),
         torch.__version__.encode(),
         _compiler_version(cxx).encode(),

@@ -105,6 +105,14 @@ class CpuPagedAttentionBackend(AttentionBackend):
         assert self._write_slots is not None
         return self._write_tokens, self._write_slots
 
+    def step_slots(self, meta: AttentionMetadata) -> torch.Tensor | None:
+        """The step's write slots [T] int64 when the kernel attends every token of it and none is
+        padding (a whole step the compiled decoder stack may run); None otherwise."""
+        tokens, slots = self._writes(meta)
+        if tokens is not None or self._kernel_seqs is not _EMPTY or self._fallback_in_use:
+            return None
+        return slots
+
     def write_kv(
         self, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata
     ) -> None:

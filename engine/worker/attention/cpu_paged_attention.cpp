@@ -14,6 +14,8 @@
 // an online softmax (float32) rescales the accumulators, each V row is converted once and added
 // to them, weighted. Nothing is copied out of the cache beyond one row at a time. Few long items (batch-1 decode) are split over key-block ranges (flash-decoding) and the
 // partial (max, sum, acc) are merged afterwards. OpenMP over items, torch's thread count.
+#include "../models/layers/cpu_ops.h"
+
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <c10/util/Float8_e4m3fn.h>
@@ -313,10 +315,10 @@ void plan_items(const Problem& p, const std::vector<int64_t>& seqs, std::vector<
 // q: [T, Hq, D]; kv_cache: [2, NB, BS, Hkv, D]; block_tables [S, MB], query_start_loc [S + 1],
 // seq_lens [S]: int32, CPU; seq_index [S'] int64: the sequences to attend (empty: all; the
 // others' rows are left as they are). window 0: none; soft_cap 0: none; k/v scales: fp8, else 1.
-void paged_attention(at::Tensor out, at::Tensor q, at::Tensor kv_cache, at::Tensor block_tables,
-                     at::Tensor query_start_loc, at::Tensor seq_lens, at::Tensor seq_index,
-                     double scale, int64_t window, double soft_cap, double k_scale,
-                     double v_scale) {
+void deja_cpu::paged_attention(at::Tensor out, at::Tensor q, at::Tensor kv_cache,
+                               at::Tensor block_tables, at::Tensor query_start_loc,
+                               at::Tensor seq_lens, at::Tensor seq_index, double scale,
+                               int64_t window, double soft_cap, double k_scale, double v_scale) {
   TORCH_CHECK(q.dim() == 3 && out.sizes() == q.sizes(), "q and out must be [T, Hq, D]");
   TORCH_CHECK(q.stride(2) == 1 && out.stride(2) == 1, "q/out rows must be dense");
   TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.size(0) == 2 && kv_cache.is_contiguous(),
@@ -388,5 +390,5 @@ void paged_attention(at::Tensor out, at::Tensor q, at::Tensor kv_cache, at::Tens
 }
 
 TORCH_LIBRARY(deja_cpu_attn, m) {
-  m.def("paged_attention", &paged_attention);
+  m.def("paged_attention", &deja_cpu::paged_attention);
 }

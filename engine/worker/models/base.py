@@ -10,6 +10,7 @@ final logit soft-capping and checkpoint renames.
 from __future__ import annotations
 
 import inspect
+import logging
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
@@ -17,6 +18,7 @@ import torch
 from torch import nn
 
 from engine.worker.attention.base import AttentionBackend, AttentionMetadata
+from engine.worker.models.compiled import CompiledStack
 from engine.worker.models.layers.attention import Attention, AttentionSpec
 from engine.worker.models.layers.linear import new_linear, pack_linears
 from engine.worker.models.layers.mlp import GatedMLP
@@ -28,6 +30,8 @@ from engine.worker.models.sliding_window import layer_windows
 
 if TYPE_CHECKING:
     from engine.worker.parallel.group import TPGroup
+
+logger = logging.getLogger(__name__)
 
 
 def head_dim(cfg: Any) -> int:
@@ -182,6 +186,8 @@ class CausalLM(nn.Module):
             "embed_scale", None if scale is None else torch.tensor(scale, dtype=dtype), False
         )
         self.final_soft_cap: float | None = getattr(cfg, "final_logit_softcapping", None)
+        self.compiled: CompiledStack | None = None
+        """The layers as one C++ call for decode steps, where `use_kernels` could build it."""
 
     # ---- hooks a family overrides ----
 
@@ -232,6 +238,10 @@ class CausalLM(nn.Module):
         h = self.model.embed_tokens(input_ids)  # [T, hidden]
         if self.embed_scale is not None:
             h = h * self.embed_scale
+        if self.compiled is not None:
+            slots = self.compiled.step_slots(h.shape[0], kv_cache, meta)
+            if slots is not None:  # the same bits in one C++ call (models/compiled.py)
+                return self.compiled.run(h, ropes["default"], kv_cache, meta, slots)
         for i, layer in enumerate(self.model.layers):
             h = layer(h, ropes[self.layer_rope[i]], kv_cache[i], meta)
         return self.model.norm(h)
@@ -267,6 +277,8 @@ class CausalLM(nn.Module):
         for module in self.modules():
             if isinstance(module, RMSNorm | Attention | GatedMLP | GroupedLinear):
                 module.use_kernel(ops)
+        self.compiled, reason = CompiledStack.build(self, ops)
+        logger.info("decoder stack: %s", "one C++ call a decode step" if self.compiled else reason)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copies Hugging Face checkpoint tensors (names as in transformers) into our layout.

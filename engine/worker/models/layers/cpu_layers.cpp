@@ -18,6 +18,8 @@
 // squares is accumulated in float32 in another order than torch's mean, so a row may differ from
 // torch's in the last bit; greedy parity with transformers is the tests' check.
 
+#include "cpu_ops.h"
+
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -56,6 +58,10 @@ void check(const at::Tensor& x, const at::Tensor& w) {
   TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16,
               "rms_norm: float32 or bfloat16 only");
 }
+
+}  // namespace
+
+namespace deja_cpu {
 
 // x: [..., H], weight: [H] -> [..., H]
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
@@ -149,10 +155,10 @@ at::Tensor rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& si
   return out;
 }
 
-}  // namespace
+}  // namespace deja_cpu
 
 TORCH_LIBRARY_FRAGMENT(deja_cpu_attn, m) {
-  m.def("rms_norm", &rms_norm);
-  m.def("add_rms_norm", &add_rms_norm);
-  m.def("rope", &rope);
+  m.def("rms_norm", &deja_cpu::rms_norm);
+  m.def("add_rms_norm", &deja_cpu::add_rms_norm);
+  m.def("rope", &deja_cpu::rope);
 }

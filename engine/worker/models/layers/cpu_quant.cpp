@@ -19,6 +19,8 @@
 // below 2^24 convert exactly, so it is the dequantized weight's product up to summation order.
 // Activations of any floating type are read as float32; the output takes their type.
 
+#include "cpu_ops.h"
+
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -328,6 +330,10 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& s
   return finish(x, out, y);
 }
 
+}  // namespace
+
+namespace deja_cpu {
+
 at::Tensor q4_linear(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& scale,
                      const at::Tensor& zero) {
   TORCH_CHECK(qs.dim() == 2 && qs.scalar_type() == at::kByte && qs.is_contiguous(),
@@ -340,6 +346,10 @@ at::Tensor q8_linear(const at::Tensor& x, const at::Tensor& qs, const at::Tensor
               "qs must be a contiguous int8 [N, K]");
   return linear<false>(x, qs, scale, nullptr, qs.size(0), qs.size(1));
 }
+
+}  // namespace deja_cpu
+
+namespace {
 
 // The dense weight [N, K] in `dtype`, for many-row products.
 template <bool kQ4, typename out_t, typename sc_t>
@@ -414,8 +424,8 @@ at::Tensor q8_dequant(const at::Tensor& qs, const at::Tensor& scale, at::ScalarT
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(deja_cpu_attn, m) {
-  m.def("q4_linear", &q4_linear);
-  m.def("q8_linear", &q8_linear);
+  m.def("q4_linear", &deja_cpu::q4_linear);
+  m.def("q8_linear", &deja_cpu::q8_linear);
   m.def("q4_dequant", &q4_dequant);
   m.def("q8_dequant", &q8_dequant);
 }

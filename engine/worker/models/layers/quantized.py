@@ -89,6 +89,15 @@ class GroupedLinear(nn.Module):
                     GEMV_ROWS_BF16_UNITS
                 )
 
+    @property
+    def has_kernel(self) -> bool:
+        """Multiplies with the C++ kernels (`use_kernel` was handed them)."""
+        return self._ops is not None
+
+    def gemv_rows(self, dtype: torch.dtype) -> int:
+        """Rows up to which activations of `dtype` take the product on the groups."""
+        return self._gemv_rows[dtype]
+
     def _product(self, x: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
 

@@ -1,0 +1,125 @@
+// A Llama-shaped decoder's layer stack in one call on the CPU, for steps of few tokens (decode):
+// the same kernels and torch ops, in the same order, as the Python forward of models/base.py
+// (DecoderLayer over Attention, GatedMLP, RMSNorm and the quantized linears), so every output
+// is the same bits; what goes is the Python between them, ~40 small calls a layer that cost
+// more than the layer's arithmetic on a small model.
+//
+// Registered as the class torch.classes.deja_cpu_attn.DecoderStack; layers/compiled.py builds it
+// from a loaded model (and says which models it takes) and calls `run` once a step.
+//
+// Per layer, with x the residual stream [T, hidden]:
+//   a = rms_norm(x); qkv = qkv_proj(a); q, k = rope(qkv's q and k heads); v = qkv's v heads
+//   K, V written to the layer's cache at the step's slots (index_copy_, as the CPU backend)
+//   o = o_proj(paged_attention(q)); x, n = add_rms_norm(x, o)
+//   g, u = gate_up_proj(n); x = x + down_proj(silu(g) * u)
+// and after the last layer the final norm. A linear is 4-bit (uint8 qs, scale, zero) or 8-bit
+// (int8 qs, scale) groups of 32 inputs (cpu_quant.cpp), with an optional bias.
+#include "cpu_ops.h"
+
+#include <ATen/ATen.h>
+#include <torch/custom_class.h>
+#include <torch/library.h>
+
+#include <cstdint>
+#include <vector>
+
+namespace {
+
+// A quantized linear: qs, scale, zero (4-bit only) and bias; an absent one is an empty tensor.
+struct Linear {
+  at::Tensor qs, scale, zero, bias;
+
+  at::Tensor operator()(const at::Tensor& x) const {
+    at::Tensor y = qs.scalar_type() == at::kByte ? deja_cpu::q4_linear(x, qs, scale, zero)
+                                                 : deja_cpu::q8_linear(x, qs, scale);
+    return bias.defined() ? y + bias : y;
+  }
+};
+
+struct Layer {
+  at::Tensor input_norm, post_norm;
+  Linear qkv, o, gate_up, down;
+};
+
+constexpr int64_t kPerLayer = 18;  // 2 norms and 4 linears of 4 tensors
+
+at::Tensor present(const at::Tensor& t) { return t.numel() == 0 ? at::Tensor() : t; }
+
+Linear linear_at(const std::vector<at::Tensor>& w, int64_t i) {
+  const Linear l{w[i], w[i + 1], present(w[i + 2]), present(w[i + 3])};
+  TORCH_CHECK(l.qs.dim() == 2 && l.qs.is_contiguous() &&
+                  (l.qs.scalar_type() == at::kChar ||
+                   (l.qs.scalar_type() == at::kByte && l.zero.defined())),
+              "a linear must be int8 qs, or uint8 qs with zeros");
+  return l;
+}
+
+class DecoderStack : public torch::CustomClassHolder {
+ public:
+  // weights: per layer input norm, (qs, scale, zero, bias) of qkv, o, gate_up and down, post
+  // norm (18 tensors; empty for an absent zero or bias), then the final norm's weight.
+  DecoderStack(std::vector<at::Tensor> weights, int64_t num_heads, int64_t num_kv_heads,
+               int64_t head_dim, double eps, double scale)
+      : num_heads_(num_heads), num_kv_heads_(num_kv_heads), head_dim_(head_dim), eps_(eps),
+        scale_(scale) {
+    TORCH_CHECK(weights.size() % kPerLayer == 1, "weights: 18 a layer and the final norm");
+    for (size_t i = 0; i + 1 < weights.size(); i += kPerLayer) {
+      layers_.push_back({weights[i], weights[i + 17], linear_at(weights, i + 1),
+                         linear_at(weights, i + 5), linear_at(weights, i + 9),
+                         linear_at(weights, i + 13)});
+    }
+    final_norm_ = weights.back();
+  }
+
+  int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
+
+  // h: [T, hidden] embedded tokens; cos, sin: [T, 1, R / 2]; kv_cache: [L, 2, NB, BS, Hkv, D];
+  // block_tables, query_start_loc, seq_lens: the step's attention metadata (every token attended
+  // by the kernel, none padding); slots: [T] int64 -> the final-norm hidden states [T, hidden].
+  at::Tensor run(const at::Tensor& h, const at::Tensor& cos, const at::Tensor& sin,
+                 const at::Tensor& kv_cache, const at::Tensor& block_tables,
+                 const at::Tensor& query_start_loc, const at::Tensor& seq_lens,
+                 const at::Tensor& slots) const {
+    TORCH_CHECK(h.dim() == 2 && kv_cache.dim() == 6 && kv_cache.size(0) == num_layers(),
+                "h must be [T, hidden] and kv_cache [layers, 2, NB, BS, Hkv, D]");
+    TORCH_CHECK(slots.scalar_type() == at::kLong && slots.numel() == h.size(0), "slots: [T]");
+    const int64_t T = h.size(0), D = head_dim_, Hq = num_heads_, Hkv = num_kv_heads_;
+    const int64_t q_size = Hq * D, kv_size = Hkv * D;
+    const at::Tensor all = at::empty({0}, slots.options());  // attend every sequence
+    at::Tensor x = h;
+    for (int64_t i = 0; i < num_layers(); ++i) {
+      const Layer& l = layers_[i];
+      const at::Tensor qkv = l.qkv(deja_cpu::rms_norm(x, l.input_norm, eps_));
+      const auto qk_v = qkv.split({q_size + kv_size, kv_size}, -1);
+      const at::Tensor rotated = deja_cpu::rope(qk_v[0].view({T, Hq + Hkv, D}), cos, sin);
+      const auto q_k = rotated.split({Hq, Hkv}, 1);
+      const at::Tensor cache = kv_cache[i];
+      const at::Tensor rows = cache.view({2, -1, Hkv, D});
+      rows[0].index_copy_(0, slots, q_k[1]);
+      rows[1].index_copy_(0, slots, qk_v[1].view({T, Hkv, D}));
+      at::Tensor attn = at::empty_like(q_k[0]);
+      deja_cpu::paged_attention(attn, q_k[0], cache, block_tables, query_start_loc, seq_lens, all,
+                                scale_, 0, 0.0, 1.0, 1.0);
+      const at::Tensor o = l.o(attn.reshape({T, q_size}));
+      const auto [sum, normed] = deja_cpu::add_rms_norm(x, o, l.post_norm, eps_);
+      const auto gate_up = l.gate_up(normed).chunk(2, -1);
+      x = sum + l.down(at::silu(gate_up[0]) * gate_up[1]);
+    }
+    return deja_cpu::rms_norm(x, final_norm_, eps_);
+  }
+
+ private:
+  std::vector<Layer> layers_;
+  at::Tensor final_norm_;
+  int64_t num_heads_, num_kv_heads_, head_dim_;
+  double eps_, scale_;
+};
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(deja_cpu_attn, m) {
+  m.class_<DecoderStack>("DecoderStack")
+      .def(torch::init<std::vector<at::Tensor>, int64_t, int64_t, int64_t, double, double>())
+      .def("num_layers", &DecoderStack::num_layers)
+      .def("run", &DecoderStack::run);
+}

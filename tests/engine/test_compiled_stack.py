@@ -1,0 +1,131 @@
+"""The compiled decoder stack (models/compiled.py, cpu_decoder.cpp): the steps it runs give the
+same bits as the modules' forward, hidden states and KV cache alike, and the models or steps it
+does not take go to the modules."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from engine import LLM, SamplingParams
+from engine.testing.tiny_gguf import write_gguf
+from engine.worker.attention.cpu_kernel import load_kernel
+from engine.worker.models.compiled import CompiledStack
+from tests.engine.test_parity import shared_prefix_prompts
+
+pytestmark = pytest.mark.skipif(load_kernel().ops is None, reason="no C++ CPU kernels")
+
+MIXED = {
+    # 4-bit attention, 8-bit gate / up, 4-bit down: both kinds of linear in every layer
+    "q_proj": "Q4_0",
+    "k_proj": "Q4_0",
+    "v_proj": "Q4_0",
+    "o_proj": "Q4_1",
+    "gate_proj": "Q8_0",
+    "up_proj": "Q8_0",
+    "down_proj": "Q4_1",
+    "embed_tokens": "Q8_0",
+    "lm_head": "Q4_0",
+}
+
+
+@pytest.fixture(scope="module")
+def llama_file(tiny_llama_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_gguf(tiny_llama_path, tmp_path_factory.mktemp("gguf") / "llama.gguf", MIXED)
+
+
+@pytest.fixture(scope="module")
+def qwen2_file(tiny_qwen2_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """q / k / v biases through the stack; a tied Q8_0 head."""
+    out = tmp_path_factory.mktemp("gguf") / "qwen2.gguf"
+    return write_gguf(tiny_qwen2_path, out, {"proj": "Q4_1", "embed_tokens": "Q8_0"})
+
+
+def _model(llm: LLM) -> Any:
+    return llm.engine.core.executor.driver.model
+
+
+class _Checked:
+    """Wraps a model's forward: each step runs as the model runs it (the stack where it takes
+    the step), then again through the modules on a copy of the cache from before the step; the
+    hidden states and the caches after must be equal, bit for bit."""
+
+    def __init__(self, model: Any) -> None:
+        self.model, self.stack = model, model.compiled
+        self.forward = model.forward
+        self.compiled_steps = self.module_steps = 0
+        real_run = self.stack.run
+
+        def counted(*args: Any) -> torch.Tensor:
+            self.compiled_steps += 1
+            out: torch.Tensor = real_run(*args)
+            return out
+
+        self.stack.run = counted
+
+    def __call__(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor, meta: Any
+    ) -> torch.Tensor:
+        before_steps, before = self.compiled_steps, kv_cache.clone()
+        got = self.forward(input_ids, positions, kv_cache, meta)
+        if self.compiled_steps == before_steps:
+            self.module_steps += 1
+            return got
+        after = kv_cache.clone()
+        kv_cache.copy_(before)
+        self.model.compiled = None
+        try:
+            want = self.forward(input_ids, positions, kv_cache, meta)
+        finally:
+            self.model.compiled = self.stack
+        assert torch.equal(got, want), f"hidden states differ at {input_ids.shape[0]} tokens"
+        assert torch.equal(kv_cache, after), "the stack wrote another cache than the modules"
+        return got
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("which", ["llama", "qwen2"])
+def test_stack_gives_the_modules_bits(
+    which: str, dtype: str, llama_file: Path, qwen2_file: Path
+) -> None:
+    """Decode steps of many sequences at once and short chunks, with a cached prefix and
+    chunked prefill: every step the stack runs equals the modules' step."""
+    file = llama_file if which == "llama" else qwen2_file
+    llm = LLM(
+        str(file),
+        dtype=dtype,
+        quantization="gguf",
+        block_size=16,
+        num_device_blocks=256,
+        max_num_batched_tokens=40,
+    )
+    model = _model(llm)
+    assert isinstance(model.compiled, CompiledStack)
+    check = _Checked(model)
+    model.forward = check
+    prompts = shared_prefix_prompts(512, 8, 128, seed=3)
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=10, ignore_eos=True))
+    assert all(len(o.outputs[0].token_ids) == 10 for o in outs)
+    assert check.compiled_steps >= 9  # every decode step
+    assert check.module_steps >= 1  # the prefill chunks of 40 tokens
+    kv = llm.engine.core.kv
+    assert kv.num_free_blocks == kv.num_blocks
+
+
+def test_models_the_stack_does_not_take_keep_the_modules(
+    tiny_llama_path: Path, tmp_path: Path
+) -> None:
+    """An expanded (16-bit) projection, or no quantization at all: no stack, and why."""
+    file = write_gguf(
+        tiny_llama_path, tmp_path / "half.gguf", {"layers.1.mlp.down_proj": "Q5_0", **MIXED}
+    )
+    model = _model(LLM(str(file), dtype="float32", quantization="gguf", num_device_blocks=64))
+    assert model.compiled is None
+    stack, reason = CompiledStack.build(model, load_kernel().ops)
+    assert stack is None and reason == "layer 1: a projection not kept quantized"
+    plain = _model(LLM(str(tiny_llama_path), dtype="float32", num_device_blocks=64))
+    assert plain.compiled is None
+    assert CompiledStack.build(plain, None)[1] == "the C++ CPU kernels are not loaded"
