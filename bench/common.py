@@ -28,8 +28,8 @@ def default_cache_dir() -> Path:
     return Path(os.environ.get("DEJA_CACHE_DIR") or Path.home() / ".cache" / "deja")
 
 
-def add_common_arguments(parser: argparse.ArgumentParser) -> None:
-    """Flags every benchmark takes."""
+def add_common_arguments(parser: argparse.ArgumentParser, dtype: str = "float32") -> None:
+    """Flags every benchmark takes (`dtype`: the benchmark's default --dtype)."""
     parser.add_argument(
         "--model",
         default="demo",
@@ -41,7 +41,7 @@ def add_common_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="folder of the converted demo model (default: $DEJA_CACHE_DIR or ~/.cache/deja)",
     )
-    parser.add_argument("--dtype", default="float32", choices=("float32", "float16", "bfloat16"))
+    parser.add_argument("--dtype", default=dtype, choices=("float32", "float16", "bfloat16"))
     parser.add_argument("--seed", type=int, default=0, help="seed of the random workload")
     parser.add_argument(
         "--threads", type=int, default=DEFAULT_THREADS, help="torch intra-op threads"

@@ -43,7 +43,7 @@ from pathlib import Path
 from typing import Any
 
 from bench import common, report
-from bench.http_sse import SseClient, greedy_chat_body
+from bench.http_sse import ChatStream, SseClient
 from bench.report import Check
 from bench.router_smg import wait_models
 from bench.served import GrpcBackend, MessagesOf, run_measured
@@ -138,20 +138,14 @@ TEXT_CHUNK_TOKEN = 0
 tokens (the runner's throughput and timings need only counts) and hold this in place of ids."""
 
 
-class GatewayBackend:
+class GatewayBackend(ChatStream):
     """Streamed `/v1/chat/completions` through the gateway (the runner's Backend)."""
-
-    def __init__(self, client: SseClient, model: str, messages_of: MessagesOf) -> None:
-        self.client = client
-        self.model = model
-        self.messages_of = messages_of
 
     async def stream(
         self, prompt: list[int], output_len: int, session_id: str
     ) -> AsyncIterator[tuple[list[int], int | None]]:
-        body = greedy_chat_body(self.model, self.messages_of(prompt), output_len)
         seen = 0
-        async for event in self.client.post("/v1/chat/completions", body):
+        async for event in self.events(prompt, output_len):
             usage = event.get("usage")
             if usage:
                 extra = max(0, usage["completion_tokens"] - seen)

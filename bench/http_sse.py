@@ -16,7 +16,10 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from bench.served import MessagesOf
 
 _Conn = tuple[asyncio.StreamReader, asyncio.StreamWriter]
 
@@ -33,6 +36,20 @@ def greedy_chat_body(model: str, messages: list[dict[str, str]], max_tokens: int
         "stream": True,
         "stream_options": {"include_usage": True},
     }
+
+
+class ChatStream:
+    """Token-id prompts streamed through an OpenAI-style `/v1/chat/completions` (greedy, exactly
+    `output_len` tokens): what the chat backends of the benchmarks share."""
+
+    def __init__(self, client: SseClient, model: str, messages_of: MessagesOf) -> None:
+        self.client = client
+        self.model = model
+        self.messages_of = messages_of
+
+    def events(self, prompt: list[int], output_len: int) -> AsyncIterator[dict[str, Any]]:
+        body = greedy_chat_body(self.model, self.messages_of(prompt), output_len)
+        return self.client.post("/v1/chat/completions", body)
 
 
 class HttpError(RuntimeError):

@@ -82,8 +82,7 @@ CHAT_QUESTIONS = (
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    common.add_common_arguments(parser)
-    parser.set_defaults(dtype="bfloat16")
+    common.add_common_arguments(parser, dtype="bfloat16")
     common.add_num_requests_argument(parser, FULL["num_requests"], QUICK["num_requests"])
     common.add_range_argument(parser, "--prompt-len", "offline prompt lengths", FULL["prompt_len"])
     common.add_range_argument(parser, "--output-len", "offline output lengths", FULL["output_len"])

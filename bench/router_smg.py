@@ -22,7 +22,7 @@ import urllib.request
 from collections.abc import AsyncIterator
 from typing import Any
 
-from bench.http_sse import SseClient, greedy_chat_body
+from bench.http_sse import ChatStream, SseClient
 from bench.served import MessagesOf, run_measured
 from bench.workload import Record, Workload
 from clients.client import AsyncDejaClient
@@ -88,22 +88,19 @@ def _completes(port: int, model: str) -> bool:
         return False
 
 
-class SmgChatBackend:
+class SmgChatBackend(ChatStream):
     """Streamed `/v1/chat/completions` through SMG (the runner's Backend)."""
 
     def __init__(
         self, client: SseClient, model: str, messages_of: MessagesOf, tokenizer: Any
     ) -> None:
-        self.client = client
-        self.model = model
-        self.messages_of = messages_of
+        super().__init__(client, model, messages_of)
         self.tokenizer = tokenizer
 
     async def stream(
         self, prompt: list[int], output_len: int, session_id: str
     ) -> AsyncIterator[tuple[list[int], int | None]]:
-        body = greedy_chat_body(self.model, self.messages_of(prompt), output_len)
-        async for event in self.client.post("/v1/chat/completions", body):
+        async for event in self.events(prompt, output_len):
             usage = event.get("usage")
             if usage:
                 details = usage.get("prompt_tokens_details") or {}

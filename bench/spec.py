@@ -57,8 +57,7 @@ CHANGES = [
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    common.add_common_arguments(parser)
-    parser.set_defaults(dtype="bfloat16")
+    common.add_common_arguments(parser, dtype="bfloat16")
     parser.add_argument("--method", default="ngram", choices=("ngram", "suffix"))
     parser.add_argument("--num-speculative-tokens", type=int, default=8)
     parser.add_argument("--max-tokens", type=int, default=256, help="per quoting/chat turn")

@@ -30,6 +30,7 @@ from clients.testing.cluster import (
     wait_healthy,
     wait_router_replicas,
 )
+from clients.testing.polling import poll_until
 from service.api.deja.v1 import inference_pb2 as pb
 from service.api.deja.v1 import inference_pb2_grpc as pb_grpc
 from service.common.ports import free_port
@@ -116,19 +117,17 @@ class Prometheus:
         return body["data"]
 
     def wait_targets_up(self, n: int, timeout_s: float = 60.0) -> None:
-        deadline = time.monotonic() + timeout_s
-        while True:
+        def check_alive() -> None:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"prometheus exited:\n{self.log.read_text()[-2000:]}")
-            try:
-                active = self.api("targets")["activeTargets"]
-                if sum(t["health"] == "up" for t in active) >= n:
-                    return
-            except OSError:
-                pass
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"prometheus scrapes fewer than {n} targets")
-            time.sleep(0.5)
+
+        poll_until(
+            lambda: sum(t["health"] == "up" for t in self.api("targets")["activeTargets"]) >= n,
+            timeout_s,
+            0.5,
+            check_alive=check_alive,
+            timeout_error=lambda: TimeoutError(f"prometheus scrapes fewer than {n} targets"),
+        )
 
     def stop(self) -> None:
         self.proc.terminate()

@@ -30,6 +30,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from clients.health import wait_serving
+from clients.testing.polling import poll_until
 from service.common.processes import stop_gracefully
 
 
@@ -219,18 +220,15 @@ def wait_router_replicas(
     group: ProcessGroup, name: str, metrics_port: int, n: int, timeout_s: float = 60.0
 ) -> None:
     """Waits until the router counts `n` healthy replicas."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        group.check_alive(name)
-        try:
-            text = scrape(metrics_port)
-            if metric_value(text, "deja_router_replicas", 'state="healthy"') >= n:
-                return
-        except OSError:
-            pass
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"{name} sees fewer than {n} healthy replicas:\n{group.tail(name)}")
-        time.sleep(0.25)
+    poll_until(
+        lambda: metric_value(scrape(metrics_port), "deja_router_replicas", 'state="healthy"') >= n,
+        timeout_s,
+        0.25,
+        check_alive=lambda: group.check_alive(name),
+        timeout_error=lambda: TimeoutError(
+            f"{name} sees fewer than {n} healthy replicas:\n{group.tail(name)}"
+        ),
+    )
 
 
 def engine_busy_seconds(metrics_ports: Sequence[int], timeout_s: float = 10.0) -> float:

@@ -29,7 +29,7 @@ import contextlib
 import logging
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from redis.asyncio import BlockingConnectionPool, Redis
 from redis.asyncio.client import Pipeline
@@ -324,6 +324,18 @@ class RedisAffinityStore(AffinityStore):
             if await self._call("clear_prefixes", run) < _CLEAR_BATCH:
                 return
 
+    async def _holders(
+        self, block_hashes: Sequence[BlockHash], now: float, *, with_tiers: bool
+    ) -> list[Any]:
+        """One round trip: each block's replicas whose hold is live at `now`, each followed by the
+        block's replica -> tier hash when `with_tiers`."""
+        pipe = self._redis.pipeline(transaction=False)
+        for h in block_hashes:
+            pipe.zrangebyscore(self._block_key(h), f"({now!r}", "+inf")
+            if with_tiers:
+                pipe.hgetall(self._tier_key(h))
+        return await pipe.execute()
+
     async def longest_prefix_tiers(
         self, block_hashes: Sequence[BlockHash]
     ) -> dict[str, TierBlocks]:
@@ -332,11 +344,7 @@ class RedisAffinityStore(AffinityStore):
         now = self._clock()
 
         async def run() -> dict[str, TierBlocks]:
-            pipe = self._redis.pipeline(transaction=False)
-            for h in block_hashes:
-                pipe.zrangebyscore(self._block_key(h), f"({now!r}", "+inf")
-                pipe.hgetall(self._tier_key(h))
-            rows = await pipe.execute()
+            rows = await self._holders(block_hashes, now, with_tiers=True)
             held: list[dict[str, int]] = []
             for i in range(0, len(rows), 2):
                 tiers = {k.decode(): v.decode() for k, v in rows[i + 1].items()}
@@ -352,10 +360,7 @@ class RedisAffinityStore(AffinityStore):
         now = self._clock()
 
         async def run() -> dict[str, int]:
-            pipe = self._redis.pipeline(transaction=False)
-            for h in block_hashes:
-                pipe.zrangebyscore(self._block_key(h), f"({now!r}", "+inf")
-            holders: list[list[bytes]] = await pipe.execute()
+            holders: list[list[bytes]] = await self._holders(block_hashes, now, with_tiers=False)
             out: dict[str, int] = {}
             for i in range(len(holders) - 1, -1, -1):
                 for rid in holders[i]:

@@ -9,12 +9,12 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.gpu import GPU_MARKS
+from tests.support.gpu import GPU_MARKS, cupy_llm
 
 pytest.importorskip("cupy")
 pytestmark = GPU_MARKS
 
-from engine import LLM, SamplingParams  # noqa: E402
+from engine import SamplingParams  # noqa: E402
 from engine.testing.tiny_models import build_tiny_llama, build_tiny_qwen2_sliding  # noqa: E402
 from tests.gpu.test_engine_gpu import (  # noqa: E402
     LOGPROB_TOL,
@@ -34,10 +34,8 @@ def _run(
     max_tokens: list[int],
     async_scheduling: bool = False,
 ) -> tuple[list[Greedy], int]:
-    llm = LLM(
-        model=str(path),
-        device="cuda",
-        attention_backend="cupy",
+    llm = cupy_llm(
+        path,
         dtype=dtype,
         num_device_blocks=512,
         max_num_seqs=64,
@@ -161,14 +159,7 @@ def test_async_scheduling_with_stops_and_sampling(llama: Path) -> None:
     ]
     results = []
     for mode in (False, True):
-        llm = LLM(
-            model=str(llama),
-            device="cuda",
-            attention_backend="cupy",
-            dtype="float32",
-            num_device_blocks=512,
-            async_scheduling=mode,
-        )
+        llm = cupy_llm(llama, num_device_blocks=512, async_scheduling=mode)
         outs = llm.generate(prompts, params)
         results.append([(o.token_ids, o.finish_reason) for o in outs])
         assert llm.engine.core.kv.num_free_blocks == llm.engine.core.kv.num_blocks

@@ -14,12 +14,12 @@ from typing import Any
 import pytest
 import torch
 
-from tests.support.gpu import GPU_MARKS
+from tests.support.gpu import GPU_MARKS, cupy_llm
 
 pytest.importorskip("cupy")
 pytestmark = GPU_MARKS
 
-from engine import LLM, SamplingParams  # noqa: E402
+from engine import SamplingParams  # noqa: E402
 from engine.testing.tiny_models import FAMILY_BUILDERS  # noqa: E402
 from tests.gpu.test_engine_gpu import (  # noqa: E402
     LOGPROB_TOL,
@@ -81,13 +81,8 @@ def family(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFact
 def test_family_cupy_matches_transformers_fp32(
     cuda_device: torch.device, family: Family, chunked: bool
 ) -> None:
-    llm = LLM(
-        model=str(family.path),
-        device="cuda",
-        attention_backend="cupy",
-        dtype="float32",
-        num_device_blocks=1024,
-        max_num_batched_tokens=128 if chunked else 2048,
+    llm = cupy_llm(
+        family.path, num_device_blocks=1024, max_num_batched_tokens=128 if chunked else 2048
     )
     assert llm.engine.core.backend.name == "cupy"
     moe = [m for m in llm.engine.core.model.modules() if hasattr(m, "grouped")]

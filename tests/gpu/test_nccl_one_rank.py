@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests.support.gpu import GPU_MARKS
+from tests.support.gpu import GPU_MARKS, cupy_llm
 
 pytest.importorskip("cupy")
 pytestmark = GPU_MARKS
@@ -30,15 +30,7 @@ MAX_TOKENS = 16
 
 
 def _run(path: Path, prompts: list[list[int]]) -> tuple[list[list[int]], list[list[float]], LLM]:
-    llm = LLM(
-        model=str(path),
-        device="cuda",
-        attention_backend="cupy",
-        dtype="float32",
-        num_device_blocks=1024,
-        max_num_batched_tokens=256,
-        enforce_eager=True,
-    )
+    llm = cupy_llm(path, num_device_blocks=1024, max_num_batched_tokens=256, enforce_eager=True)
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=0)
     outs = llm.generate(prompts, params)
     eng = llm.engine

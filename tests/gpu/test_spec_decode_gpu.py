@@ -8,12 +8,12 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.gpu import GPU_MARKS
+from tests.support.gpu import GPU_MARKS, cupy_llm
 
 pytest.importorskip("cupy")
 pytestmark = GPU_MARKS
 
-from engine import LLM, SamplingParams  # noqa: E402
+from engine import SamplingParams  # noqa: E402
 from engine.testing.tiny_models import build_tiny_llama  # noqa: E402
 from tests.engine.test_spec_decode import repeating_prompts  # noqa: E402
 from tests.support.reference import hf_greedy  # noqa: E402
@@ -29,10 +29,7 @@ def test_verification_under_cupy_matches_transformers(tmp_path: Path, method: st
     spec = {"method": method, "num_speculative_tokens": 4}
     if method == "draft_model":
         spec["model"] = str(path)
-    llm = LLM(
-        str(path), dtype="float32", device="cuda", attention_backend="cupy", block_size=16,
-        num_device_blocks=512, speculative_config=spec,
-    )  # fmt: skip
+    llm = cupy_llm(path, block_size=16, num_device_blocks=512, speculative_config=spec)
     assert llm.engine.core.backend.name == "cupy"
     outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True))
     assert [o.token_ids for o in outs] == expected

@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import shutil
 import signal
-import socket
 import subprocess
-import time
 from pathlib import Path
 
+from clients.testing.redis_server import redis_argv, wait_redis_ready
 from service.common.ports import free_port
 
 
@@ -33,28 +32,17 @@ class RedisProcess:
         return f"redis://127.0.0.1:{self.port}/0"
 
     def start(self, timeout_s: float = 10.0) -> None:
-        args = [self.binary, "--port", str(self.port), "--save", "", "--appendonly", "no"]
-        args += ["--bind", "127.0.0.1", *self.extra]
         self.proc = subprocess.Popen(
-            args,
+            redis_argv(self.binary, self.port, self.extra),
             cwd=self.workdir,
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
         )
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"redis-server exited with {self.proc.returncode}")
-            try:
-                with socket.create_connection(("127.0.0.1", self.port), timeout=0.2) as s:
-                    s.sendall(b"PING\r\n")
-                    if s.recv(16).startswith(b"+PONG"):
-                        return
-            except OSError:
-                pass
-            time.sleep(0.05)
-        self.stop()
-        raise RuntimeError("redis-server did not start")
+        try:
+            wait_redis_ready(self.proc, self.port, timeout_s)
+        except RuntimeError:
+            self.stop()
+            raise
 
     def stop(self) -> None:
         if self.proc is not None and self.proc.poll() is None:

@@ -8,8 +8,9 @@ wrong shape, tensor given twice or parameter left unfilled is refused with its n
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -49,17 +50,24 @@ def _checkpoint_name(name: str, rename: dict[str, str]) -> str:
     return name
 
 
-def shard_map(model: nn.Module) -> dict[str, Shard]:
-    """Full checkpoint name -> Shard (full parameter name), over every module that declares one."""
-    out: dict[str, Shard] = {}
+def _declared(model: nn.Module, method: str) -> Iterator[tuple[str, str, Any]]:
+    """(module prefix with its dot, name, value) for every entry of `method()`'s dict, over every
+    module that defines `method`."""
     for prefix, module in model.named_modules():
-        declare = getattr(module, "checkpoint_shards", None)
+        declare = getattr(module, method, None)
         if declare is None:
             continue
         base = f"{prefix}." if prefix else ""
         for name, value in declare().items():
-            shard = _as_shard(value)
-            out[base + name] = Shard(base + shard.param, shard.start, shard.rows, shard.expert)
+            yield base, name, value
+
+
+def shard_map(model: nn.Module) -> dict[str, Shard]:
+    """Full checkpoint name -> Shard (full parameter name), over every module that declares one."""
+    out: dict[str, Shard] = {}
+    for base, name, value in _declared(model, "checkpoint_shards"):
+        shard = _as_shard(value)
+        out[base + name] = Shard(base + shard.param, shard.start, shard.rows, shard.expert)
     return out
 
 
@@ -70,15 +78,7 @@ TPSlice = tuple[int, int, int]
 def slice_map(model: nn.Module) -> dict[str, TPSlice | None]:
     """Full (our) name -> the slice this rank reads, None for a tensor it holds no part of, over
     every module that declares `tp_slices()`; names absent are read whole (replicated)."""
-    out: dict[str, TPSlice | None] = {}
-    for prefix, module in model.named_modules():
-        declare = getattr(module, "tp_slices", None)
-        if declare is None:
-            continue
-        base = f"{prefix}." if prefix else ""
-        for name, value in declare().items():
-            out[base + name] = value
-    return out
+    return {base + name: value for base, name, value in _declared(model, "tp_slices")}
 
 
 def load_checkpoint(
