@@ -3,21 +3,24 @@
     deja bench quant [--model demo-gguf | FILE.gguf] [--dtype bfloat16] [--requests 48]
                      [--decode-tokens 128] [--threads 2] [--llama-bench PATH]
 
-Loads the file twice in one process (`--quantization gguf`: 4-bit and Q8_0 linears kept in their
-groups, the embedding in its blocks or the tied head's; `--quantization none`: every weight
-expanded to --dtype, as a 16-bit checkpoint would be served) and, for each, measures offline:
+Loads the file three times in one process (`--quantization none`: every weight expanded to
+--dtype, as a 16-bit checkpoint would be served; `--quantization gguf`: 4-bit and Q8_0 linears
+kept in their groups, the embedding in its blocks or the tied head's; the same with
+`--activations int8`: the kept linears multiply int8-quantized activations, as llama.cpp does)
+and, for each, measures offline:
 - batch-1 decode: one 64-token prompt, --decode-tokens greedy tokens, best of 3 (tok/s);
 - throughput: --requests prompts of 128 tokens, 64 output tokens each, one generate (output tok/s);
 - TTFT: one 512-token prompt, the time to its first token (best of 3);
 - resident weight bytes (parameters, buffers and packed weights) against the file's tensors.
-Then the teacher-forced agreement of the quantized engine with the expanded one (both score the
-expanded engine's greedy outputs: the share of positions where the quantized engine's top-1 is
-that token), the machine's memory read rate (a large tensor summed with --threads) and each
+Then the teacher-forced agreement of each kept run with the expanded one (both score the
+expanded engine's greedy outputs: the share of positions where the kept engine's top-1 is
+that token; the kept linears score every row with the product a decode step takes), the machine's memory read rate (a large tensor summed with --threads) and each
 decode's fraction of the weight-read limit (read rate / resident weight bytes a token).
 
 With --llama-bench (a llama.cpp build's `llama-bench`; llama-cpp-python's sdist vendors the
 tree: see the benchmarks page), llama.cpp runs on the same file with --threads in the same run:
-its tg (--decode-tokens generated) against deja's batch-1 decode with the weights kept, and its
+its tg (--decode-tokens generated) against deja's batch-1 decode with the weights kept (each
+activation mode), and its
 pp512 against deja's 512-token TTFT (prompt tokens per second). With --llama-server, the file is
 then served by both, deja behind its SMG gateway (bench/quant_served.py), under one streamed chat
 workload with shared prefixes at --served-concurrency (8): output throughput and TTFT.
@@ -27,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import time
+from contextlib import ExitStack
 from typing import Any
 
 from bench import common, quant_served, report
@@ -36,6 +40,10 @@ DECODE_TARGET = 2.0
 THROUGHPUT_TARGET = 1.3
 RESIDENT_TARGET = 1.25
 AGREEMENT_TARGET = 0.97
+MODES = {"none": ("none", "float"), "gguf": ("gguf", "float"), "gguf-int8": ("gguf", "int8")}
+"""Each run: (--quantization, --activations)."""
+KEPT = {"gguf": "quantized", "gguf-int8": "quantized, int8 activations"}
+"""The kept runs and how the report names them."""
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -111,6 +119,7 @@ def run(args: argparse.Namespace) -> int:
     from engine import SamplingParams
     from engine.worker.gguf_checkpoint import GGUFCheckpoint, find_gguf, read_config
     from engine.worker.model_loader import resident_weight_bytes
+    from engine.worker.models.layers.quantized import GroupedLinear
 
     file = find_gguf(model_path)
     if file is None:
@@ -125,8 +134,8 @@ def run(args: argparse.Namespace) -> int:
     forced: dict[str, Any] = {}
     seqs: list[list[int]] = []
     starts: list[int] = []
-    for mode in ("none", "gguf"):
-        llm = common.our_llm(model_path, args, quantization=mode)
+    for mode, (quantization, activations) in MODES.items():
+        llm = common.our_llm(model_path, args, quantization=quantization, activations=activations)
         model = llm.engine.core.executor.driver.model
         res = {**_measure(llm, decode_tokens, requests, args.quick)}
         res["resident_mb"] = resident_weight_bytes(model) / 1e6
@@ -138,7 +147,11 @@ def run(args: argparse.Namespace) -> int:
             outs = llm.generate(prompts, params)
             seqs = [p + o.outputs[0].token_ids for p, o in zip(prompts, outs, strict=True)]
             starts = [len(p) for p in prompts]
-        forced[mode] = teacher_forced(llm, seqs, starts)
+        with ExitStack() as every_row:  # kept: scored with the decode step's products
+            for linear in model.modules():
+                if isinstance(linear, GroupedLinear):
+                    every_row.enter_context(linear.products_on_every_row())
+            forced[mode] = teacher_forced(llm, seqs, starts)
         runs[mode] = res
         print(
             f"quantization={mode}: decode {res['decode_tok_s']:.1f} tok/s "
@@ -147,25 +160,29 @@ def run(args: argparse.Namespace) -> int:
             f"{res['ttft_ms']:.1f} ms, weights {res['resident_mb']:.1f} MB"
         )
         del llm, model
-    kept, dense = runs["gguf"], runs["none"]
+    dense = runs["none"]
     targets = [t for s, start in zip(seqs, starts, strict=True) for t in s[start:]]
-    tf = compare_forced(forced["none"], forced["gguf"], targets)
-    ratios = {
-        "decode": kept["decode_tok_s"] / dense["decode_tok_s"],
-        "throughput": kept["throughput_tok_s"] / dense["throughput_tok_s"],
-        "ttft": dense["ttft_ms"] / kept["ttft_ms"],
-        "resident_vs_file": kept["resident_mb"] * 1e6 / file_bytes,
-    }
-    print(
-        f"ratio quantized / expanded: decode {ratios['decode']:.2f}x (target >= "
-        f"{DECODE_TARGET}x), throughput {ratios['throughput']:.2f}x (target >= "
-        f"{THROUGHPUT_TARGET}x), TTFT {ratios['ttft']:.2f}x (above 1 is faster)"
-    )
+    tf = {mode: compare_forced(forced["none"], forced[mode], targets) for mode in KEPT}
+    ratios: dict[str, float] = {}
+    for mode in KEPT:
+        kept = runs[mode]
+        ratios |= {
+            f"decode_{mode}": kept["decode_tok_s"] / dense["decode_tok_s"],
+            f"throughput_{mode}": kept["throughput_tok_s"] / dense["throughput_tok_s"],
+            f"ttft_{mode}": dense["ttft_ms"] / kept["ttft_ms"],
+        }
+        print(
+            f"ratio {KEPT[mode]} / expanded: decode {ratios[f'decode_{mode}']:.2f}x (target >= "
+            f"{DECODE_TARGET}x), throughput {ratios[f'throughput_{mode}']:.2f}x (target >= "
+            f"{THROUGHPUT_TARGET}x), TTFT {ratios[f'ttft_{mode}']:.2f}x (above 1 is faster); "
+            f"teacher-forced agreement with the expanded model "
+            f"{100 * tf[mode]['top1_agreement']:.1f}% over {tf[mode]['positions']} positions "
+            f"(target >= {100 * AGREEMENT_TARGET:.0f}%)"
+        )
+    ratios["resident_vs_file"] = runs["gguf"]["resident_mb"] * 1e6 / file_bytes
     print(
         f"resident weights / file tensors: {ratios['resident_vs_file']:.2f}x (target <= "
-        f"{RESIDENT_TARGET}x); teacher-forced agreement with the expanded model "
-        f"{100 * tf['top1_agreement']:.1f}% over {tf['positions']} positions (target >= "
-        f"{100 * AGREEMENT_TARGET:.0f}%)"
+        f"{RESIDENT_TARGET}x)"
     )
     llama = (
         llama_bench(args.llama_bench, str(file), args.threads, decode_tokens)
@@ -176,15 +193,22 @@ def run(args: argparse.Namespace) -> int:
         print(f"llama.cpp: no figures: {llama}")
     elif llama is not None:
         runs["llama.cpp"] = llama
-        ratios["decode_vs_llama_cpp"] = kept["decode_tok_s"] / llama["tg_tok_s"]
         prompt = 64 if args.quick else 512  # the TTFT prompt _measure used
-        ratios["prefill_vs_llama_cpp"] = prompt / (kept["ttft_ms"] / 1e3) / llama["pp512_tok_s"]
         print(
             f"llama.cpp (llama-bench -t {args.threads}): tg{decode_tokens} "
-            f"{llama['tg_tok_s']:.1f} tok/s, pp512 {llama['pp512_tok_s']:.1f} tok/s; deja kept / "
-            f"llama.cpp: decode {ratios['decode_vs_llama_cpp']:.2f}x (target >= 1.0x), prefill "
-            f"{ratios['prefill_vs_llama_cpp']:.2f}x"
+            f"{llama['tg_tok_s']:.1f} tok/s, pp512 {llama['pp512_tok_s']:.1f} tok/s"
         )
+        for mode in KEPT:
+            kept = runs[mode]
+            decode = ratios[f"decode_vs_llama_cpp_{mode}"] = (
+                kept["decode_tok_s"] / llama["tg_tok_s"]
+            )
+            prefill = prompt / (kept["ttft_ms"] / 1e3) / llama["pp512_tok_s"]
+            ratios[f"prefill_vs_llama_cpp_{mode}"] = prefill
+            print(
+                f"deja {KEPT[mode]} / llama.cpp: decode {decode:.2f}x (target >= 1.0x), prefill "
+                f"{prefill:.2f}x"
+            )
     served = None
     if args.llama_server:
         served = quant_served.compare(args, file, args.dtype)
@@ -197,7 +221,8 @@ def run(args: argparse.Namespace) -> int:
             "runs": runs,
             "served": served,
             "ratios": ratios,
-            "teacher_forced": tf,
+            "teacher_forced": tf["gguf"],
+            "teacher_forced_int8": tf["gguf-int8"],
             "file_tensor_bytes": file_bytes,
             "read_rate_gb_s": rate,
             "machine": info,

@@ -18,6 +18,7 @@ DISK_WRITE_POLICIES = ("write-through", "selective", "write-back")
 REMOTE_WRITE_POLICIES = ("write-through", "selective")
 KV_CACHE_DTYPES = ("auto", "fp8_e4m3")
 QUANTIZATIONS = ("auto", "gguf", "awq", "gptq", "int4", "int8", "none")
+ACTIVATIONS = ("float", "int8")
 GENERATION_CONFIGS = ("auto", "vllm")
 SPECULATIVE_METHODS = ("ngram", "suffix", "draft_model")
 
@@ -55,6 +56,11 @@ class ModelConfig:
     4-bit, its Q8_0 ones 8-bit and its embedding in its blocks (every other weight is expanded to
     dtype); auto, awq or gptq keeps an AWQ / GPTQ folder's linears 4-bit; int4 / int8 quantize a
     plain folder's projections at load; none expands everything to dtype."""
+    activations: str = "float"
+    """What a linear kept 4- or 8-bit multiplies (CPU): float, the activations as they are (the
+    dequantized weight's product up to summation order, exact); int8, each row quantized to int8
+    in groups of 32 and multiplied with integer dot products, as llama.cpp does (faster, not
+    exact)."""
     generation_config: str = "auto"
     """auto: the sampling settings of the model's generation_config.json (temperature, top_p,
     top_k, min_p, repetition_penalty) are the defaults of a request that leaves them unset, as
@@ -64,6 +70,7 @@ class ModelConfig:
         check(bool(self.path), "model path must not be empty")
         check_one_of("dtype", self.dtype, DTYPES)
         check_one_of("quantization", self.quantization, QUANTIZATIONS)
+        check_one_of("activations", self.activations, ACTIVATIONS)
         check_one_of("generation_config", self.generation_config, GENERATION_CONFIGS)
         check(
             self.max_model_len is None or self.max_model_len > 0,

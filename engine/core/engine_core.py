@@ -150,7 +150,8 @@ class EngineCore:
     def _fingerprint(self) -> str | None:
         if not (self.config.cache.disk_dir or self.config.cache.kv_remote):
             return None
-        return model_fingerprint(self.config.model.path, self.config.model.quantization)
+        model = self.config.model
+        return model_fingerprint(model.path, model.quantization, model.activations)
 
     def _allocate_kv_cache(self, eos: tuple[int, ...]) -> TieredCache | None:
         """Every rank's device cache, rank 0's CPU and disk tiers (and their bookkeeping,

@@ -95,11 +95,15 @@ def safetensors_files(path: str | Path) -> list[Path]:
     return files
 
 
-def model_fingerprint(model_path: str | Path, quantization: str = "auto") -> str:
+def model_fingerprint(
+    model_path: str | Path, quantization: str = "auto", activations: str = "float"
+) -> str:
     """blake2b over config.json and each weight file's name, size and first MiB (cheap, stable);
     over a GGUF file's name, size, first MiB (its metadata) and `quantization`
     (ModelConfig.quantization: kept and expanded weights write KV that differs in the last bits,
-    so they do not share disk blocks)."""
+    so they do not share disk blocks); int8 `activations` mixed in too, for the same reason."""
+    if activations != "float":
+        quantization = f"{quantization}:{activations}"
     gguf = find_gguf(model_path)
     if gguf is not None:
         with open(gguf, "rb") as fh:
@@ -179,7 +183,7 @@ def load_model(
             model.weight_quantization = "gguf" if kept else "none"
         model = model.to(device)
         if device.type == "cpu":
-            model.use_cpu_layout(load_kernel().ops)
+            model.use_cpu_layout(load_kernel().ops, model_config.activations == "int8")
         elif backend.name == "cupy":  # deja's CUDA kernels for the small per-layer ops
             from cuda import layers
 

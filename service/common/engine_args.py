@@ -12,6 +12,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from engine.config import (
+    ACTIVATIONS,
     ATTENTION_BACKENDS,
     DEVICES,
     DISK_WRITE_POLICIES,
@@ -186,6 +187,16 @@ def add_engine_args(parser: argparse.ArgumentParser) -> list[argparse.Action]:
         ),
         add_flag(
             g,
+            "--activations",
+            default="float",
+            choices=ACTIVATIONS,
+            help="What linears kept 4- or 8-bit multiply on the CPU: float, the activations as "
+            "they are (exact against the dequantized weights); int8, each row quantized to int8 "
+            "in groups of 32 and integer dot products, as llama.cpp does (about 1.8x faster "
+            "products, not exact).",
+        ),
+        add_flag(
+            g,
             "--generation-config",
             default="auto",
             choices=GENERATION_CONFIGS,
@@ -274,6 +285,7 @@ def engine_config_from_args(
             max_model_len=args.max_model_len,
             model_id=args.model_id,
             quantization=args.quantization,
+            activations=args.activations,
             generation_config=args.generation_config,
         ),
         cache=CacheConfig(**config_values(args, _CACHE_FLAGS)),

@@ -14,22 +14,14 @@ from engine import LLM, SamplingParams
 from engine.testing.tiny_gguf import write_gguf
 from engine.worker.attention.cpu_kernel import load_kernel
 from engine.worker.models.compiled import CompiledStack
+from engine.worker.models.layers.quantized import GroupedLinear
+from tests.engine.test_gguf import LLAMA_TYPES
 from tests.engine.test_parity import shared_prefix_prompts
 
 pytestmark = pytest.mark.skipif(load_kernel().ops is None, reason="no C++ CPU kernels")
 
-MIXED = {
-    # 4-bit attention, 8-bit gate / up, 4-bit down: both kinds of linear in every layer
-    "q_proj": "Q4_0",
-    "k_proj": "Q4_0",
-    "v_proj": "Q4_0",
-    "o_proj": "Q4_1",
-    "gate_proj": "Q8_0",
-    "up_proj": "Q8_0",
-    "down_proj": "Q4_1",
-    "embed_tokens": "Q8_0",
-    "lm_head": "Q4_0",
-}
+MIXED = {name: kind for name, kind in LLAMA_TYPES.items() if not name.startswith("layers.")}
+"""4-bit attention, 8-bit gate / up, 4-bit down: both kinds of linear in every layer."""
 
 
 @pytest.fixture(scope="module")
@@ -86,18 +78,22 @@ class _Checked:
         return got
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize(
+    ("dtype", "activations"), [("float32", "float"), ("bfloat16", "float"), ("float32", "int8")]
+)
 @pytest.mark.parametrize("which", ["llama", "qwen2"])
 def test_stack_gives_the_modules_bits(
-    which: str, dtype: str, llama_file: Path, qwen2_file: Path
+    which: str, dtype: str, activations: str, llama_file: Path, qwen2_file: Path
 ) -> None:
     """Decode steps of many sequences at once and short chunks, with a cached prefix and
-    chunked prefill: every step the stack runs equals the modules' step."""
+    chunked prefill: every step the stack runs equals the modules' step (int8 activations
+    included: the same integer products either way)."""
     file = llama_file if which == "llama" else qwen2_file
     llm = LLM(
         str(file),
         dtype=dtype,
         quantization="gguf",
+        activations=activations,
         block_size=16,
         num_device_blocks=256,
         max_num_batched_tokens=40,
@@ -129,3 +125,23 @@ def test_models_the_stack_does_not_take_keep_the_modules(
     plain = _model(LLM(str(tiny_llama_path), dtype="float32", num_device_blocks=64))
     assert plain.compiled is None
     assert CompiledStack.build(plain, None)[1] == "the C++ CPU kernels are not loaded"
+
+
+def test_int8_activations_need_weights_kept_quantized(tiny_llama_path: Path) -> None:
+    with pytest.raises(ValueError, match=r"activations int8 .* keeps none"):
+        LLM(str(tiny_llama_path), dtype="float32", activations="int8", num_device_blocks=64)
+
+
+def test_int8_activations_take_the_integer_products(llama_file: Path) -> None:
+    """--activations int8 reaches every kept linear: close to the float products, not equal."""
+    model = _model(LLM(str(llama_file), dtype="float32", activations="int8", num_device_blocks=64))
+    kept = [m for m in model.modules() if isinstance(m, GroupedLinear)]
+    assert kept and all(m.int8_activations for m in kept)
+    for linear in kept:
+        x = torch.randn(3, linear.in_features)
+        got = linear(x)
+        linear.int8_activations = False
+        want = linear(x)
+        linear.int8_activations = True
+        err = ((got - want).norm() / want.norm()).item()
+        assert 0 < err < 0.05, err

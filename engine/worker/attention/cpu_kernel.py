@@ -40,6 +40,7 @@ SOURCES = (
     SOURCE,
     Path(__file__).parents[1] / "models" / "layers" / "cpu_layers.cpp",
     Path(__file__).parents[1] / "models" / "layers" / "cpu_quant.cpp",
+    Path(__file__).parents[1] / "models" / "layers" / "cpu_quant_i8.cpp",
     Path(__file__).parents[1] / "models" / "layers" / "cpu_decoder.cpp",
 )
 """Compiled into one library: the paged attention, the decoder layers' small ops, the quantized

@@ -257,14 +257,29 @@ class CausalLM(nn.Module):
             logits = torch.tanh(logits / self.final_soft_cap) * self.final_soft_cap
         return logits.float()
 
-    def use_cpu_layout(self, kernels: Any = None) -> None:
+    def use_cpu_layout(self, kernels: Any = None, int8_activations: bool = False) -> None:
         """Packs every projection for oneDNN (PackedLinear); call once, after loading, when the
         model runs on the CPU. A tied lm_head gets its own packed copy (the embedding keeps its
         rows): vocab x hidden more memory, for the largest product of every step.
 
         kernels: torch.ops.deja_cpu_attn (the C++ CPU kernels) when loaded: every RMSNorm and
-        RoPE then runs in one call (cpu_layers.cpp); None keeps torch's ops."""
+        RoPE then runs in one call (cpu_layers.cpp); None keeps torch's ops.
+        int8_activations: every linear kept 4- or 8-bit multiplies int8-quantized activations
+        (ModelConfig.activations); ValueError where the model keeps none on the kernels."""
         pack_linears(self)
+        kept = [m for m in self.modules() if isinstance(m, GroupedLinear)]
+        if int8_activations and (kernels is None or not kept):
+            raise ValueError(
+                "activations int8 multiplies weights kept 4- or 8-bit with the C++ CPU kernels; "
+                + (
+                    "they are not loaded"
+                    if kept
+                    else "this model keeps none (a 16-bit checkpoint, or quantization none)"
+                )
+                + ": use activations float"
+            )
+        for linear in kept:
+            linear.int8_activations = int8_activations
         if kernels is not None:
             self.use_kernels(kernels)
 

@@ -77,6 +77,7 @@ class CompiledStack:
             first.head_dim,
             float(model.config.rms_norm_eps),
             float(first.spec.scale),
+            linears[0].int8_activations,
         )
         max_tokens = min(linear.gemv_rows(model.dtype) for linear in linears)
         return CompiledStack(stack, model.dtype, max_tokens, model.backend), "compiled"

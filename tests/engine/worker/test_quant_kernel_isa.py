@@ -1,7 +1,8 @@
-"""cpu_quant.cpp built for each instruction set it has a path for (this machine's, which may be
-AVX-512, then AVX2 and plain C++): the few-row products against the dequantized weights, and the
-expansions to float32, bfloat16 and float16, with float32 or float16 group scales, in a process
-of their own."""
+"""cpu_quant.cpp and cpu_quant_i8.cpp built for each instruction set they have a path for (this
+machine's, which may be AVX-512 with VNNI, then AVX2 and plain C++): the few-row products against
+the dequantized weights, the int8-activation products against the same integer arithmetic in
+numpy, and the expansions to float32, bfloat16 and float16, with float32 or float16 group scales,
+in a process of their own."""
 
 from __future__ import annotations
 
@@ -15,7 +16,8 @@ import torch
 
 from engine.worker.attention import cpu_kernel
 
-SOURCE = Path(cpu_kernel.__file__).parents[1] / "models" / "layers" / "cpu_quant.cpp"
+LAYERS = Path(cpu_kernel.__file__).parents[1] / "models" / "layers"
+SOURCES = (LAYERS / "cpu_quant.cpp", LAYERS / "cpu_quant_i8.cpp")
 
 CHECK = r"""
 import sys, numpy as np, torch
@@ -55,6 +57,29 @@ for n, k in [(40, 96), (72, 576)]:
     for dtype in (torch.float32, torch.bfloat16):
         assert torch.equal(ops.q4_dequant(qs4, d16, m16, dtype), ops.q4_dequant(qs4, s32, z32, dtype))
         assert torch.equal(ops.q8_dequant(q8, d16, dtype), ops.q8_dequant(q8, s32, dtype))
+    # int8 activations: x rounded to int8 in groups of 32 (scale max|x| / 127), integer dots
+    g = k // 32
+    def int8_product(x, qw, d, m):
+        xf = x.float().numpy().reshape(len(x), g, 32)
+        amax = np.abs(xf).max(-1)
+        inv = np.where(amax > 0, np.float32(127) / np.maximum(amax, 1e-30), 0).astype(np.float32)
+        xq = np.rint(xf * inv[..., None]).astype(np.int64)
+        dx = (amax / np.float32(127)).astype(np.float64)
+        dot = np.einsum("agj,ngj->ang", xq, qw.reshape(n, g, 32).astype(np.int64))
+        y = (dot * d[None] * dx[:, None]).sum(-1) + (m[None] * (dx * xq.sum(-1))[:, None]).sum(-1)
+        return torch.from_numpy(y)
+    s64, z64 = scale.double().numpy(), zero.double().numpy()
+    for m in (1, 3, 4, 7):
+        x = torch.randn(m, k)
+        x[0, :32] = 0  # an all-zero group
+        close(ops.q4_linear_i8(x, qs4, scale, zero).double(), int8_product(x, q4, s64, z64 - 8 * s64))
+        close(ops.q8_linear_i8(x, q8, scale).double(), int8_product(x, q8.numpy(), s64, 0 * s64))
+        # float16 pairs (d, m): w = q d + m
+        close(
+            ops.q4_linear_i8(x, qs4, d16, m16).double(),
+            int8_product(x, q4, d16.double().numpy(), m16.double().numpy()),
+        )
+        assert ops.q4_linear_i8(x.bfloat16(), qs4, scale, zero).dtype == torch.bfloat16
 print("ok")
 """
 
@@ -77,7 +102,7 @@ def test_each_instruction_set_path_matches_the_dequantized_weight(
         f"-march={march}",
         f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
         *(f"-I{p}" for p in cpp_extension.include_paths()),
-        str(SOURCE),
+        *(str(source) for source in SOURCES),
         *(f"-L{p}" for p in cpp_extension.library_paths()),
         "-lc10",
         "-ltorch_cpu",

@@ -34,7 +34,8 @@ them, after the model has loaded (CPU only).
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from typing import Any
 
 import numpy as np
@@ -74,6 +75,9 @@ class GroupedLinear(nn.Module):
         self.bias = None if bias is None else bias.detach()
         self._ops: Any = None
         """torch.ops.deja_cpu_attn once `use_kernel` handed it (None: torch ops only)."""
+        self.int8_activations = False
+        """The few-row product quantizes x to int8 and takes integer dot products
+        (cpu_quant_i8.cpp; ModelConfig.activations int8); otherwise float32 sums, exact."""
         self._gemv_rows = {
             torch.float32: GEMV_ROWS,
             torch.bfloat16: GEMV_ROWS,
@@ -97,6 +101,17 @@ class GroupedLinear(nn.Module):
     def gemv_rows(self, dtype: torch.dtype) -> int:
         """Rows up to which activations of `dtype` take the product on the groups."""
         return self._gemv_rows[dtype]
+
+    @contextmanager
+    def products_on_every_row(self) -> Iterator[None]:
+        """Within: the product on the groups whatever the row count (scoring many rows with a
+        decode step's numerics, e.g. int8 activations, which the expanded path does not have)."""
+        saved = dict(self._gemv_rows)
+        self._gemv_rows = dict.fromkeys(saved, 1 << 62)
+        try:
+            yield
+        finally:
+            self._gemv_rows = saved
 
     def _product(self, x: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
@@ -144,6 +159,8 @@ class Int4Linear(GroupedLinear):
         self.register_buffer("zero", zero_t, persistent=False)
 
     def _product(self, x: torch.Tensor) -> torch.Tensor:
+        if self.int8_activations:
+            return self._ops.q4_linear_i8(x, self.qs, self.scale, self.zero)
         return self._ops.q4_linear(x, self.qs, self.scale, self.zero)
 
     def _dense(self, dtype: torch.dtype) -> torch.Tensor:
@@ -172,6 +189,8 @@ class Q8Linear(GroupedLinear):
         self.register_buffer("scale", kept, persistent=False)
 
     def _product(self, x: torch.Tensor) -> torch.Tensor:
+        if self.int8_activations:
+            return self._ops.q8_linear_i8(x, self.qs, self.scale)
         return self._ops.q8_linear(x, self.qs, self.scale)
 
     def _dense(self, dtype: torch.dtype) -> torch.Tensor:
