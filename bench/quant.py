@@ -40,6 +40,17 @@ DECODE_TARGET = 2.0
 THROUGHPUT_TARGET = 1.3
 RESIDENT_TARGET = 1.25
 AGREEMENT_TARGET = 0.97
+AGREEMENT_PROMPTS = (
+    "The capital of France is",
+    "Write a short poem about the sea.",
+    "Explain how a refrigerator keeps food cold.",
+    "def fibonacci(n):",
+    "The three primary colors are",
+    "Once upon a time, in a small village,",
+    "List three benefits of regular exercise:",
+    "Translate to French: Good morning, how are you?",
+)
+"""Text the expanded model continues greedily (32 tokens each); every run scores those tokens."""
 MODES = {"none": ("none", "float"), "gguf": ("gguf", "float"), "gguf-int8": ("gguf", "int8")}
 """Each run: (--quantization, --activations)."""
 KEPT = {"gguf": "quantized", "gguf-int8": "quantized, int8 activations"}
@@ -141,9 +152,8 @@ def run(args: argparse.Namespace) -> int:
         res["resident_mb"] = resident_weight_bytes(model) / 1e6
         res["read_limit_fraction"] = res["decode_tok_s"] * res["resident_mb"] / 1e3 / rate
         if mode == "none":  # the reference outputs both engines score
-            vocab = int(llm.engine.core.model_info.vocab_size)
-            prompts = [[(17 * i + j) % (vocab - 10) + 10 for j in range(32)] for i in range(4)]
-            params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+            prompts = [llm.tokenizer.encode(text) for text in AGREEMENT_PROMPTS]
+            params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
             outs = llm.generate(prompts, params)
             seqs = [p + o.outputs[0].token_ids for p, o in zip(prompts, outs, strict=True)]
             starts = [len(p) for p in prompts]

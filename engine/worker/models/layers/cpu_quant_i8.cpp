@@ -29,7 +29,7 @@
 namespace {
 
 constexpr int64_t kGroup = 32;
-constexpr int kMaxRows = 4;
+constexpr int kMaxRows = 8;  // rows of x a pass over the weight serves
 
 // x's rows quantized: xq int8 [M, K], per group dx and dx * sum(xq) [M, K / 32].
 struct Int8Rows {
@@ -63,15 +63,6 @@ Int8Rows quantize_rows(const at::Tensor& x, int64_t K) {
   return r;
 }
 
-template <typename sc_t>
-inline float as_float(sc_t v) {
-  return static_cast<float>(v);
-}
-
-// A 4-bit group's m (w = q d + m): zero - 8 scale for float32 (w = (q - 8) scale + zero); the
-// stored m itself for the file's float16 pair.
-inline float fp16_pair_m(float scale, float zero) { return zero - 8.f * scale; }
-inline float fp16_pair_m(c10::Half, c10::Half m) { return static_cast<float>(m); }
 
 #if defined(__AVX2__)
 // sum over the 32 products of u8 a and s8 b, as 8 int32 lanes
@@ -99,15 +90,55 @@ inline __m256i q4_bytes(const uint8_t* p) {
 }
 #endif
 
+// A row's group scales d and (4-bit) m as float32, into d and m (m: w = q d + m).
+template <bool kQ4, typename sc_t>
+inline void row_scales(const sc_t* scale, const sc_t* zero, int64_t groups, float* d, float* m) {
+  if constexpr (std::is_same_v<sc_t, float>) {
+    for (int64_t g = 0; g < groups; ++g) d[g] = scale[g];
+    if constexpr (kQ4) {
+      for (int64_t g = 0; g < groups; ++g) m[g] = zero[g] - 8.f * scale[g];
+    }
+  } else {
+    int64_t g = 0;
+#if defined(__F16C__)
+    for (; g + 8 <= groups; g += 8) {
+      _mm256_storeu_ps(d + g, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(scale + g))));
+      if constexpr (kQ4) {
+        _mm256_storeu_ps(m + g, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(zero + g))));
+      }
+    }
+#endif
+    for (; g < groups; ++g) {
+      d[g] = static_cast<float>(scale[g]);
+      if constexpr (kQ4) m[g] = static_cast<float>(zero[g]);
+    }
+  }
+}
+
+// sum over g of a[g] b[g]
+inline float dot(const float* a, const float* b, int64_t n) {
+  int64_t i = 0;
+  float y = 0.f;
+#if defined(__AVX2__)
+  __m256 acc = _mm256_setzero_ps();
+  for (; i + 8 <= n; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
+  y = hsum(acc);
+#endif
+  for (; i < n; ++i) y += a[i] * b[i];
+  return y;
+}
+
 // out[r, n] for weight rows n0..n1 and kRows rows of quantized x.
 template <int kRows, bool kQ4, typename sc_t>
 void rows_i8(const int8_t* xq, const float* xd, const float* xds, int64_t K, const void* qs,
              const sc_t* scale, const sc_t* zero, float* out, int64_t ldo, int64_t n0,
              int64_t n1) {
   const int64_t groups = K / kGroup;
+  std::vector<float> dm(2 * groups);
+  float* const d = dm.data();
+  float* const m = d + groups;
   for (int64_t n = n0; n < n1; ++n) {
-    const sc_t* s = scale + n * groups;
-    const sc_t* z = kQ4 ? zero + n * groups : nullptr;
+    row_scales<kQ4>(scale + n * groups, kQ4 ? zero + n * groups : nullptr, groups, d, m);
     float y[kRows] = {};
 #if defined(__AVX2__)
     __m256 acc[kRows];
@@ -120,29 +151,22 @@ void rows_i8(const int8_t* xq, const float* xd, const float* xds, int64_t K, con
         w = _mm256_loadu_si256(
             reinterpret_cast<const __m256i*>(static_cast<const int8_t*>(qs) + (n * groups + g) * kGroup));
       }
-      const float d = as_float(s[g]);
-      float m = 0.f;
-      if constexpr (kQ4) m = fp16_pair_m(s[g], z[g]);
       const __m256i wa = kQ4 ? w : _mm256_sign_epi8(w, w);  // |w| for 8-bit: unsigned operand
       for (int r = 0; r < kRows; ++r) {
         const int64_t at_g = r * groups + g;
         __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + at_g * kGroup));
         if constexpr (!kQ4) xv = _mm256_sign_epi8(xv, w);  // x's sign times w's
         const __m256 p = _mm256_cvtepi32_ps(dot_u8s8(wa, xv));
-        acc[r] = _mm256_fmadd_ps(p, _mm256_set1_ps(d * xd[at_g]), acc[r]);
-        if constexpr (kQ4) y[r] += m * xds[at_g];
+        acc[r] = _mm256_fmadd_ps(p, _mm256_set1_ps(d[g] * xd[at_g]), acc[r]);
       }
     }
-    for (int r = 0; r < kRows; ++r) out[r * ldo + n] = hsum(acc[r]) + y[r];
+    for (int r = 0; r < kRows; ++r) y[r] = hsum(acc[r]);
 #else
     for (int64_t g = 0; g < groups; ++g) {
-      const float d = as_float(s[g]);
-      float m = 0.f;
-      if constexpr (kQ4) m = fp16_pair_m(s[g], z[g]);
       for (int r = 0; r < kRows; ++r) {
         const int64_t at_g = r * groups + g;
         const int8_t* xg = xq + at_g * kGroup;
-        int dot = 0;
+        int sum = 0;
         for (int64_t j = 0; j < kGroup; ++j) {
           int q;
           if constexpr (kQ4) {
@@ -151,13 +175,16 @@ void rows_i8(const int8_t* xq, const float* xd, const float* xds, int64_t K, con
           } else {
             q = static_cast<const int8_t*>(qs)[(n * groups + g) * kGroup + j];
           }
-          dot += q * xg[j];
+          sum += q * xg[j];
         }
-        y[r] += d * xd[at_g] * static_cast<float>(dot) + m * xds[at_g];
+        y[r] += d[g] * xd[at_g] * static_cast<float>(sum);
       }
     }
-    for (int r = 0; r < kRows; ++r) out[r * ldo + n] = y[r];
 #endif
+    for (int r = 0; r < kRows; ++r) {
+      if constexpr (kQ4) y[r] += dot(m, xds + r * groups, groups);  // + sum of m dx sum(xq)
+      out[r * ldo + n] = y[r];
+    }
   }
 }
 
@@ -176,7 +203,11 @@ void product_i8(const Int8Rows& x, int64_t M, int64_t K, const void* qs, const s
         case 1: rows_i8<1, kQ4, sc_t>(xq, xd, xs, K, qs, scale, zero, om, N, n0, n1); break;
         case 2: rows_i8<2, kQ4, sc_t>(xq, xd, xs, K, qs, scale, zero, om, N, n0, n1); break;
         case 3: rows_i8<3, kQ4, sc_t>(xq, xd, xs, K, qs, scale, zero, om, N, n0, n1); break;
-        default: rows_i8<4, kQ4, sc_t>(xq, xd, xs, K, qs, scale, zero, om, N, n0, n1); break;
+        case 4: rows_i8<4, kQ4, sc_t>(xq, xd, xs, K, qs, scale, zero, om, N, n0, n1); break;
+        case 5: rows_i8<5, kQ4, sc_t>(xq, xd, xs, K, qs, scale, zero, om, N, n0, n1); break;
+        case 6: rows_i8<6, kQ4, sc_t>(xq, xd, xs, K, qs, scale, zero, om, N, n0, n1); break;
+        case 7: rows_i8<7, kQ4, sc_t>(xq, xd, xs, K, qs, scale, zero, om, N, n0, n1); break;
+        default: rows_i8<8, kQ4, sc_t>(xq, xd, xs, K, qs, scale, zero, om, N, n0, n1); break;
       }
     }
   });
