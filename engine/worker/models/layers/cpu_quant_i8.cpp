@@ -128,22 +128,66 @@ inline float dot(const float* a, const float* b, int64_t n) {
   return y;
 }
 
+#if defined(__AVX2__)
+// acc[r] += group g's weights w (32 bytes, x's order) dotted with row r's quantized group,
+// times dd[r, g] (the weight's d times the row's dx).
+template <int kRows, bool kQ4>
+inline void group_dot(__m256 (&acc)[kRows], __m256i w, const int8_t* xq, const float* dd,
+                      int64_t groups, int64_t g) {
+  const __m256i wa = kQ4 ? w : _mm256_sign_epi8(w, w);  // |w| for 8-bit: unsigned operand
+  for (int r = 0; r < kRows; ++r) {
+    const int64_t at_g = r * groups + g;
+    __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + at_g * kGroup));
+    if constexpr (!kQ4) xv = _mm256_sign_epi8(xv, w);  // x's sign times w's
+    const __m256 p = _mm256_cvtepi32_ps(dot_u8s8(wa, xv));
+    acc[r] = _mm256_fmadd_ps(p, _mm256_broadcast_ss(dd + at_g), acc[r]);
+  }
+}
+#endif
+
 // out[r, n] for weight rows n0..n1 and kRows rows of quantized x.
 template <int kRows, bool kQ4, typename sc_t>
 void rows_i8(const int8_t* xq, const float* xd, const float* xds, int64_t K, const void* qs,
              const sc_t* scale, const sc_t* zero, float* out, int64_t ldo, int64_t n0,
              int64_t n1) {
   const int64_t groups = K / kGroup;
-  std::vector<float> dm(2 * groups);
+  std::vector<float> dm(2 * groups), dd(kRows * groups);
   float* const d = dm.data();
   float* const m = d + groups;
   for (int64_t n = n0; n < n1; ++n) {
     row_scales<kQ4>(scale + n * groups, kQ4 ? zero + n * groups : nullptr, groups, d, m);
+    for (int r = 0; r < kRows; ++r) {
+      for (int64_t g = 0; g < groups; ++g) dd[r * groups + g] = d[g] * xd[r * groups + g];
+    }
     float y[kRows] = {};
 #if defined(__AVX2__)
-    __m256 acc[kRows];
-    for (int r = 0; r < kRows; ++r) acc[r] = _mm256_setzero_ps();
-    for (int64_t g = 0; g < groups; ++g) {
+    // Two sets of sums (even and odd groups) where there are few rows: one set alone would
+    // wait on its FMA's latency every group.
+    constexpr bool kTwo = kRows <= 4;
+    __m256 acc[kRows], acc2[kRows];
+    for (int r = 0; r < kRows; ++r) acc[r] = acc2[r] = _mm256_setzero_ps();
+    auto& odd = kTwo ? acc2 : acc;
+    int64_t g = 0;
+    if constexpr (kQ4) {  // two groups a load: their 32 bytes of nibbles unpacked at once
+      const uint8_t* row = static_cast<const uint8_t*>(qs) + n * groups * (kGroup / 2);
+      const __m256i m15 = _mm256_set1_epi8(15);
+      for (; g + 2 <= groups; g += 2) {
+        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + g * 16));
+        const __m256i lo = _mm256_and_si256(v, m15);
+        const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m15);
+        group_dot<kRows, kQ4>(acc, _mm256_permute2x128_si256(lo, hi, 0x20), xq, dd.data(), groups, g);
+        group_dot<kRows, kQ4>(odd, _mm256_permute2x128_si256(lo, hi, 0x31), xq, dd.data(), groups,
+                              g + 1);
+      }
+    } else {
+      const int8_t* row = static_cast<const int8_t*>(qs) + n * groups * kGroup;
+      for (; g + 2 <= groups; g += 2) {
+        const auto* p = reinterpret_cast<const __m256i*>(row + g * kGroup);
+        group_dot<kRows, kQ4>(acc, _mm256_loadu_si256(p), xq, dd.data(), groups, g);
+        group_dot<kRows, kQ4>(odd, _mm256_loadu_si256(p + 1), xq, dd.data(), groups, g + 1);
+      }
+    }
+    for (; g < groups; ++g) {
       __m256i w;
       if constexpr (kQ4) {
         w = q4_bytes(static_cast<const uint8_t*>(qs) + (n * groups + g) * (kGroup / 2));
@@ -151,16 +195,9 @@ void rows_i8(const int8_t* xq, const float* xd, const float* xds, int64_t K, con
         w = _mm256_loadu_si256(
             reinterpret_cast<const __m256i*>(static_cast<const int8_t*>(qs) + (n * groups + g) * kGroup));
       }
-      const __m256i wa = kQ4 ? w : _mm256_sign_epi8(w, w);  // |w| for 8-bit: unsigned operand
-      for (int r = 0; r < kRows; ++r) {
-        const int64_t at_g = r * groups + g;
-        __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + at_g * kGroup));
-        if constexpr (!kQ4) xv = _mm256_sign_epi8(xv, w);  // x's sign times w's
-        const __m256 p = _mm256_cvtepi32_ps(dot_u8s8(wa, xv));
-        acc[r] = _mm256_fmadd_ps(p, _mm256_set1_ps(d[g] * xd[at_g]), acc[r]);
-      }
+      group_dot<kRows, kQ4>(acc, w, xq, dd.data(), groups, g);
     }
-    for (int r = 0; r < kRows; ++r) y[r] = hsum(acc[r]);
+    for (int r = 0; r < kRows; ++r) y[r] = hsum(kTwo ? _mm256_add_ps(acc[r], acc2[r]) : acc[r]);
 #else
     for (int64_t g = 0; g < groups; ++g) {
       for (int r = 0; r < kRows; ++r) {
