@@ -13,6 +13,7 @@ import torch
 from engine import LLM, SamplingParams
 from engine.testing.tiny_gguf import write_gguf
 from engine.worker.attention.cpu_kernel import load_kernel
+from engine.worker.model_loader import model_fingerprint
 from engine.worker.models.compiled import CompiledStack
 from engine.worker.models.layers.quantized import GroupedLinear
 from tests.engine.test_gguf import LLAMA_TYPES
@@ -145,3 +146,9 @@ def test_int8_activations_take_the_integer_products(llama_file: Path) -> None:
         linear.int8_activations = True
         err = ((got - want).norm() / want.norm()).item()
         assert 0 < err < 0.05, err
+
+
+def test_int8_activations_get_their_own_fingerprint(llama_file: Path) -> None:
+    """KV written with int8 activations is not shared (disk, remote tiers) with float's."""
+    assert model_fingerprint(llama_file, "auto", "int8") != model_fingerprint(llama_file, "auto")
+    assert model_fingerprint(llama_file, "auto", "float") == model_fingerprint(llama_file, "auto")

@@ -77,6 +77,16 @@ def test_engine_config_from_args_and_to_argv(monkeypatch: pytest.MonkeyPatch) ->
         engine_config_from_args(bad, model_path="/models/x")
 
 
+def test_activations_flag_reaches_the_model_config() -> None:
+    p = argparse.ArgumentParser()
+    add_engine_args(p)
+    assert engine_config_from_args(p.parse_args([]), model_path="/m").model.activations == "float"
+    cfg = engine_config_from_args(p.parse_args(["--activations", "int8"]), model_path="/m")
+    assert cfg.model.activations == "int8"
+    with pytest.raises(SystemExit):
+        p.parse_args(["--activations", "int4"])
+
+
 def test_service_config() -> None:
     assert parse_auth_token("tok:acme") == ("tok", "acme")
     token, tenant = parse_auth_token("tok")

@@ -316,9 +316,8 @@ at::Tensor finish(const at::Tensor& x, at::Tensor out, std::vector<float>& y) {
 
 template <bool kQ4>
 at::Tensor linear(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& scale,
-                  const at::Tensor* zero, int64_t N, int64_t K) {
-  TORCH_CHECK(K % kGroup == 0, "K must be a multiple of 32, got ", K);
-  check_scales(scale, zero, N, K);
+                  const at::Tensor* zero) {
+  const auto [N, K] = deja_cpu::check_weight(qs, kQ4, scale, zero);
   const FloatRows rows = float_rows(x, K, kQ4);
   const int64_t M = x.size(0);
   at::Tensor out = at::empty({M, N}, x.options());
@@ -334,17 +333,23 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& s
 
 namespace deja_cpu {
 
+std::pair<int64_t, int64_t> check_weight(const at::Tensor& qs, bool q4, const at::Tensor& scale,
+                                         const at::Tensor* zero) {
+  TORCH_CHECK(qs.dim() == 2 && qs.is_contiguous() && qs.scalar_type() == (q4 ? at::kByte : at::kChar),
+              q4 ? "qs must be a contiguous uint8 [N, K / 2]" : "qs must be a contiguous int8 [N, K]");
+  const int64_t N = qs.size(0), K = qs.size(1) * (q4 ? 2 : 1);
+  TORCH_CHECK(K % kGroup == 0, "K must be a multiple of 32, got ", K);
+  check_scales(scale, zero, N, K);
+  return {N, K};
+}
+
 at::Tensor q4_linear(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& scale,
                      const at::Tensor& zero) {
-  TORCH_CHECK(qs.dim() == 2 && qs.scalar_type() == at::kByte && qs.is_contiguous(),
-              "qs must be a contiguous uint8 [N, K / 2]");
-  return linear<true>(x, qs, scale, &zero, qs.size(0), qs.size(1) * 2);
+  return linear<true>(x, qs, scale, &zero);
 }
 
 at::Tensor q8_linear(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& scale) {
-  TORCH_CHECK(qs.dim() == 2 && qs.scalar_type() == at::kChar && qs.is_contiguous(),
-              "qs must be a contiguous int8 [N, K]");
-  return linear<false>(x, qs, scale, nullptr, qs.size(0), qs.size(1));
+  return linear<false>(x, qs, scale, nullptr);
 }
 
 }  // namespace deja_cpu
@@ -397,12 +402,7 @@ void expand(const void* qs, const sc_t* scale, const sc_t* zero, out_t* out, int
 template <bool kQ4>
 at::Tensor dequant(const at::Tensor& qs, const at::Tensor& scale, const c10::optional<at::Tensor>& zero,
                    at::ScalarType dtype) {
-  TORCH_CHECK(qs.dim() == 2 && qs.is_contiguous() &&
-                  qs.scalar_type() == (kQ4 ? at::kByte : at::kChar),
-              kQ4 ? "qs must be a contiguous uint8 [N, K / 2]" : "qs must be a contiguous int8 [N, K]");
-  const int64_t N = qs.size(0), K = qs.size(1) * (kQ4 ? 2 : 1);
-  TORCH_CHECK(K % kGroup == 0, "K must be a multiple of 32, got ", K);
-  check_scales(scale, zero.has_value() ? &*zero : nullptr, N, K);
+  const auto [N, K] = deja_cpu::check_weight(qs, kQ4, scale, zero.has_value() ? &*zero : nullptr);
   at::Tensor out = at::empty({N, K}, qs.options().dtype(dtype));
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, dtype, "quant_dequant", [&] {
     with_groups(scale, zero.has_value() ? &*zero : nullptr, [&](auto* s, auto* z) {

@@ -252,17 +252,8 @@ void product_i8(const Int8Rows& x, int64_t M, int64_t K, const void* qs, const s
 
 template <bool kQ4>
 at::Tensor linear_i8(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& scale,
-                     const at::Tensor* zero, int64_t N, int64_t K) {
-  TORCH_CHECK(K % kGroup == 0, "K must be a multiple of 32, got ", K);
-  TORCH_CHECK(scale.dim() == 2 && scale.size(0) == N && scale.size(1) == K / kGroup &&
-                  scale.is_contiguous() &&
-                  (scale.scalar_type() == at::kFloat || scale.scalar_type() == at::kHalf),
-              "scale must be a contiguous float32 or float16 [N, K / 32]");
-  if (zero != nullptr) {
-    TORCH_CHECK(zero->sizes() == scale.sizes() && zero->scalar_type() == scale.scalar_type() &&
-                    zero->is_contiguous(),
-                "zero must be like scale");
-  }
+                     const at::Tensor* zero) {
+  const auto [N, K] = deja_cpu::check_weight(qs, kQ4, scale, zero);
   const Int8Rows rows = quantize_rows(x, K);
   const int64_t M = x.size(0);
   at::Tensor out = at::empty({M, N}, x.options().dtype(at::kFloat));
@@ -283,15 +274,11 @@ namespace deja_cpu {
 
 at::Tensor q4_linear_i8(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& scale,
                         const at::Tensor& zero) {
-  TORCH_CHECK(qs.dim() == 2 && qs.scalar_type() == at::kByte && qs.is_contiguous(),
-              "qs must be a contiguous uint8 [N, K / 2]");
-  return linear_i8<true>(x, qs, scale, &zero, qs.size(0), qs.size(1) * 2);
+  return linear_i8<true>(x, qs, scale, &zero);
 }
 
 at::Tensor q8_linear_i8(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& scale) {
-  TORCH_CHECK(qs.dim() == 2 && qs.scalar_type() == at::kChar && qs.is_contiguous(),
-              "qs must be a contiguous int8 [N, K]");
-  return linear_i8<false>(x, qs, scale, nullptr, qs.size(0), qs.size(1));
+  return linear_i8<false>(x, qs, scale, nullptr);
 }
 
 }  // namespace deja_cpu
