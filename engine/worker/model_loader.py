@@ -182,8 +182,10 @@ def load_model(
             kept = _load_gguf(model, GGUFCheckpoint(gguf, hf_config), keep_quantized)
             model.weight_quantization = "gguf" if kept else "none"
         model = model.to(device)
+        if model_config.activations == "int8":
+            model.quantize_activations(load_kernel().ops if device.type == "cpu" else None)
         if device.type == "cpu":
-            model.use_cpu_layout(load_kernel().ops, model_config.activations == "int8")
+            model.use_cpu_layout(load_kernel().ops)
         elif backend.name == "cupy":  # deja's CUDA kernels for the small per-layer ops
             from cuda import layers
 

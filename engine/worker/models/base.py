@@ -257,31 +257,34 @@ class CausalLM(nn.Module):
             logits = torch.tanh(logits / self.final_soft_cap) * self.final_soft_cap
         return logits.float()
 
-    def use_cpu_layout(self, kernels: Any = None, int8_activations: bool = False) -> None:
+    def use_cpu_layout(self, kernels: Any = None) -> None:
         """Packs every projection for oneDNN (PackedLinear); call once, after loading, when the
         model runs on the CPU. A tied lm_head gets its own packed copy (the embedding keeps its
         rows): vocab x hidden more memory, for the largest product of every step.
 
         kernels: torch.ops.deja_cpu_attn (the C++ CPU kernels) when loaded: every RMSNorm and
-        RoPE then runs in one call (cpu_layers.cpp); None keeps torch's ops.
-        int8_activations: every linear kept 4- or 8-bit multiplies int8-quantized activations
-        (ModelConfig.activations); ValueError where the model keeps none on the kernels."""
+        RoPE then runs in one call (cpu_layers.cpp); None keeps torch's ops."""
         pack_linears(self)
-        kept = [m for m in self.modules() if isinstance(m, GroupedLinear)]
-        if int8_activations and (kernels is None or not kept):
-            raise ValueError(
-                "activations int8 multiplies weights kept 4- or 8-bit with the C++ CPU kernels; "
-                + (
-                    "they are not loaded"
-                    if kept
-                    else "this model keeps none (a 16-bit checkpoint, or quantization none)"
-                )
-                + ": use activations float"
-            )
-        for linear in kept:
-            linear.int8_activations = int8_activations
         if kernels is not None:
             self.use_kernels(kernels)
+
+    def quantize_activations(self, kernels: Any) -> None:
+        """Every linear kept 4- or 8-bit multiplies int8-quantized activations from now on
+        (ModelConfig.activations int8); call before `use_cpu_layout`. ValueError where the model
+        keeps none, or the C++ CPU kernels (`kernels`) are not loaded."""
+        kept = [m for m in self.modules() if isinstance(m, GroupedLinear)]
+        if kernels is None or not kept:
+            why = (
+                "they are not loaded"
+                if kept
+                else "this model keeps none (a 16-bit checkpoint, quantization none, or a GPU)"
+            )
+            raise ValueError(
+                "activations int8 multiplies weights kept 4- or 8-bit with the C++ CPU "
+                f"kernels; {why}: use activations float"
+            )
+        for linear in kept:
+            linear.int8_activations = True
 
     def use_kernels(self, ops: Any) -> None:
         """Runs every RMSNorm (the residual add fused in), RoPE and, where `ops` has it,
