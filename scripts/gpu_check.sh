@@ -61,7 +61,8 @@ run_step() {
     tests-all)  # the engine-level tests first, the kernel sweep (454 launches' worth) last
       "$PY" -m pytest tests/gpu/test_cuda_graphs.py tests/gpu/test_engine_gpu.py \
         tests/gpu/test_families_gpu.py tests/gpu/test_nccl_one_rank.py tests/gpu/test_tiers_gpu.py \
-        tests/gpu/test_spec_decode_gpu.py tests/gpu/test_kernels.py -q -rs --durations=12 -p no:cacheprovider ;;
+        tests/gpu/test_spec_decode_gpu.py tests/gpu/test_quant_gpu.py tests/gpu/test_kernels.py \
+        -q -rs --durations=12 -p no:cacheprovider ;;
     graphs) "$PY" -m pytest tests/gpu/test_cuda_graphs.py -v -s -p no:cacheprovider ;;
     sanitize)
       for tool in memcheck racecheck; do

@@ -21,7 +21,14 @@ from types import ModuleType
 import pytest
 import torch
 
-from cuda import block_copy, layers, paged_attention, prefill_attention, reshape_and_cache
+from cuda import (
+    block_copy,
+    layers,
+    paged_attention,
+    prefill_attention,
+    quant_linear,
+    reshape_and_cache,
+)
 from cuda.cupy_launch import CUDA_DIR, kernel_source
 
 LOADERS: tuple[ModuleType, ...] = (
@@ -30,6 +37,7 @@ LOADERS: tuple[ModuleType, ...] = (
     paged_attention,
     prefill_attention,
     layers,
+    quant_linear,
 )
 
 

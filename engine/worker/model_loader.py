@@ -159,7 +159,7 @@ def load_model(
     model_cls = get_model_class(hf_config)
     gguf = find_gguf(model_config.path)
     int4 = None if gguf is not None else read_format(hf_config)
-    keep_quantized = _keep_quantized(model_config, gguf, int4, device)
+    keep_quantized = _keep_quantized(model_config, gguf, int4, device, backend.name)
     if gguf is not None and tp is not None:
         raise ValueError("a GGUF model runs on one rank: use tensor_parallel_size 1")
     if int4 is not None and tp is not None:
@@ -179,17 +179,19 @@ def load_model(
             if keep_quantized and _quantize_at_load(model, model_config.quantization):
                 model.weight_quantization = model_config.quantization
         else:
-            kept = _load_gguf(model, GGUFCheckpoint(gguf, hf_config), keep_quantized)
+            kept = _load_gguf(
+                model, GGUFCheckpoint(gguf, hf_config), keep_quantized, device.type == "cpu"
+            )
             model.weight_quantization = "gguf" if kept else "none"
         model = model.to(device)
         if model_config.activations == "int8":
             model.quantize_activations(load_kernel().ops if device.type == "cpu" else None)
         if device.type == "cpu":
             model.use_cpu_layout(load_kernel().ops)
-        elif backend.name == "cupy":  # deja's CUDA kernels for the small per-layer ops
-            from cuda import layers
+        elif backend.name == "cupy":  # deja's CUDA kernels: the small per-layer ops, kept linears
+            from cuda import layers, quant_linear
 
-            model.use_kernels(layers)
+            model.use_kernels(layers, quant_linear)
     if tp is not None:  # the checkpoint slices read and the unpacked weights, back to the OS
         HostMemoryTrimmer(every_s=0.0).maybe_trim()
     model.eval()
@@ -207,10 +209,17 @@ _NEEDS = {
 
 
 def _keep_quantized(
-    model_config: ModelConfig, gguf: Path | None, int4: Int4Format | None, device: torch.device
+    model_config: ModelConfig,
+    gguf: Path | None,
+    int4: Int4Format | None,
+    device: torch.device,
+    backend: str,
 ) -> bool:
     """Whether a GGUF file's or an AWQ / GPTQ folder's quantized weights stay quantized
-    (ModelConfig.quantization); ValueError where a format is asked for and cannot be."""
+    (ModelConfig.quantization): on the CPU, and on CUDA with deja's kernels (the cupy attention
+    backend, which brings cuda/quant_linear.py); ValueError where a format is asked for and
+    cannot be."""
+    kernels = device.type == "cpu" or (device.type == "cuda" and backend == "cupy")
     mode = model_config.quantization
     source = "gguf" if gguf is not None else int4.method if int4 is not None else None
     if mode in _NEEDS and mode != source:
@@ -220,13 +229,14 @@ def _keep_quantized(
             f"quantization {mode} quantizes a 16- or 32-bit checkpoint at load; this model is "
             f"{source.upper()} already: use quantization auto (kept) or none (expanded)"
         )
-    if (mode in _NEEDS or mode in LOAD_TIME) and device.type != "cpu":
+    if (mode in _NEEDS or mode in LOAD_TIME) and not kernels:
         raise ValueError(
-            f"quantization {mode} runs on the CPU; on {device.type} use quantization none "
-            "(the weights expanded to dtype)"
+            f"quantization {mode} runs on the CPU, or on CUDA with attention_backend cupy "
+            f"(deja's kernels); on {device.type} with {backend} use quantization none (the "
+            "weights expanded to dtype)"
         )
     if mode == "auto":
-        return (gguf is not None or int4 is not None) and device.type == "cpu"
+        return (gguf is not None or int4 is not None) and kernels
     return mode != "none"
 
 
@@ -265,17 +275,20 @@ def _load_int4(model: CausalLM, path: str, checkpoint: Int4Checkpoint) -> int:
     return replaced
 
 
-def _load_gguf(model: CausalLM, checkpoint: GGUFCheckpoint, keep_quantized: bool) -> int:
+def _load_gguf(
+    model: CausalLM, checkpoint: GGUFCheckpoint, keep_quantized: bool, on_cpu: bool
+) -> int:
     """Loads a GGUF file's tensors (dequantized), then swaps the linears whose tensors were 4-bit
-    for quantized ones; logs the types and the weights' resident bytes against the file's;
-    returns how many layers it swapped."""
+    for quantized ones (and, on the CPU, a quantized embedding for one over its blocks); logs
+    the types and the weights' resident bytes against the file's; returns how many layers it
+    swapped."""
     model.load_weights(checkpoint.weights(keep_quantized))
     quantized = checkpoint.quantized
     embedding = quantized.get("model.embed_tokens.weight")
     if model.tie_word_embeddings and embedding is not None:
         quantized.setdefault("lm_head.weight", embedding)  # a 4-bit one becomes an Int4Linear
     replaced = quantize_linears(model, gguf_int4(quantized), model.checkpoint_renames)
-    replaced += quantize_embedding(model, embedding)
+    replaced += quantize_embedding(model, embedding, blocks=on_cpu)
     quantized.clear()
     types = sorted(set(checkpoint.types.values()))
     log.info(

@@ -20,11 +20,18 @@ import numpy as np
 import pytest
 import torch
 
-from cuda import block_copy, layers, paged_attention, prefill_attention, reshape_and_cache
+from cuda import (
+    block_copy,
+    layers,
+    paged_attention,
+    prefill_attention,
+    quant_linear,
+    reshape_and_cache,
+)
 from cuda.cupy_launch import CUDA_DIR
 
 HERE = Path(__file__).resolve().parent
-LOADERS = (reshape_and_cache, block_copy, paged_attention, prefill_attention, layers)
+LOADERS = (reshape_and_cache, block_copy, paged_attention, prefill_attention, layers, quant_linear)
 CU_FILES = tuple(m.CU_FILE for m in LOADERS)
 _CTYPES: dict[np.dtype[Any], type[ctypes._SimpleCData[Any]]] = {
     np.dtype(np.uint64): ctypes.c_uint64,

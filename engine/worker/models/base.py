@@ -286,14 +286,17 @@ class CausalLM(nn.Module):
         for linear in kept:
             linear.int8_activations = True
 
-    def use_kernels(self, ops: Any) -> None:
+    def use_kernels(self, ops: Any, quant_ops: Any = None) -> None:
         """Runs every RMSNorm (the residual add fused in), RoPE and, where `ops` has it,
         SiLU-and-mul with `ops`: one call each instead of torch's composites of ~8, ~7 and 2 small
-        ops; a quantized linear multiplies on its groups with `ops` (layers/quantized.py). On the
-        CPU torch.ops.deja_cpu_attn (cpu_layers.cpp, through `use_cpu_layout`), on
-        CUDA cuda/layers.py (deja's kernels); call once, after loading."""
+        ops; a quantized linear multiplies on its groups with `quant_ops`, or `ops` where that
+        has the products (layers/quantized.py). On the CPU torch.ops.deja_cpu_attn for both
+        (cpu_layers.cpp, cpu_quant.cpp, through `use_cpu_layout`), on CUDA cuda/layers.py and
+        cuda/quant_linear.py (deja's kernels); call once, after loading."""
         for module in self.modules():
-            if isinstance(module, RMSNorm | Attention | GatedMLP | GroupedLinear):
+            if isinstance(module, GroupedLinear):
+                module.use_kernel(ops if quant_ops is None else quant_ops)
+            elif isinstance(module, RMSNorm | Attention | GatedMLP):
                 module.use_kernel(ops)
         self.compiled, reason = CompiledStack.build(self, ops)
         logger.info("decoder stack: %s", "one C++ call a decode step" if self.compiled else reason)

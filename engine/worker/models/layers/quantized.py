@@ -64,6 +64,7 @@ class GroupedLinear(nn.Module):
 
     qs: torch.Tensor
     scale: torch.Tensor
+    bias: torch.Tensor | None
 
     def __init__(self, shape: tuple[int, int], bias: torch.Tensor | None) -> None:
         super().__init__()
@@ -72,9 +73,10 @@ class GroupedLinear(nn.Module):
             raise ValueError(
                 f"a quantized weight needs in_features % {GROUP} == 0, got {tuple(shape)}"
             )
-        self.bias = None if bias is None else bias.detach()
+        self.register_buffer("bias", None if bias is None else bias.detach(), persistent=False)
         self._ops: Any = None
-        """torch.ops.deja_cpu_attn once `use_kernel` handed it (None: torch ops only)."""
+        """The products' kernels once `use_kernel` handed them: torch.ops.deja_cpu_attn on the
+        CPU, cuda/quant_linear.py on CUDA (None: torch ops only)."""
         self.int8_activations = False
         """The few-row product quantizes x to int8 and takes integer dot products
         (cpu_quant_i8.cpp; ModelConfig.activations int8); otherwise float32 sums, exact."""
@@ -86,12 +88,14 @@ class GroupedLinear(nn.Module):
         """Rows up to which each activation dtype takes the product on the groups."""
 
     def use_kernel(self, ops: Any) -> None:
-        if hasattr(ops, "q4_linear"):
-            self._ops = ops
-            if has_bf16_units():
-                self._gemv_rows[torch.bfloat16] = self._gemv_rows[torch.float16] = (
-                    GEMV_ROWS_BF16_UNITS
-                )
+        if not hasattr(ops, "q4_linear"):
+            return
+        self._ops = ops
+        bound = getattr(ops, "GEMV_ROWS", None)  # cuda/quant_linear.py's own few-row bound
+        if bound is not None:
+            self._gemv_rows = dict.fromkeys(self._gemv_rows, int(bound))
+        elif has_bf16_units():
+            self._gemv_rows[torch.bfloat16] = self._gemv_rows[torch.float16] = GEMV_ROWS_BF16_UNITS
 
     @property
     def has_kernel(self) -> bool:
@@ -123,7 +127,7 @@ class GroupedLinear(nn.Module):
         flat = x if x.dim() == 2 else x.reshape(-1, self.in_features)  # [M, in]
         if self._ops is not None and flat.shape[0] <= self._gemv_rows[flat.dtype]:
             out = self._product(flat)  # (the C++ op reads any strides)
-        elif self._ops is not None and flat.dtype == torch.float32:
+        elif self._ops is not None and flat.dtype == torch.float32 and flat.device.type == "cpu":
             # oneDNN's packed product repays packing the expanded weight: ~2x a plain one
             out = PackedLinear(self._dense(flat.dtype)).apply_rows(flat.contiguous())
         else:
@@ -259,11 +263,12 @@ def rtn_int8(weight: torch.Tensor) -> Q8Rows:
 class Int8Linear(nn.Module):
     """y = x W^T (+ b) with W int8 [out, in] and one scale a row (per channel, symmetric: w = q *
     scale), for a load-time int8 weight whose inputs are not whole groups of 32 (a Q8Linear
-    takes the others); torch's int8 weight-only kernel in bf16, the weight expanded per call in
-    float32 (exact against the dequantized weight there)."""
+    takes the others); torch's int8 weight-only kernel in 16 bits on the CPU, the weight expanded
+    per call in float32 and on CUDA (exact against the dequantized weight in float32)."""
 
     weight_int8: torch.Tensor
     scales: torch.Tensor
+    bias: torch.Tensor | None
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype) -> None:
         super().__init__()
@@ -271,12 +276,13 @@ class Int8Linear(nn.Module):
         q, scale = _per_channel_int8(weight, dtype)
         self.register_buffer("weight_int8", q.contiguous(), persistent=False)
         self.register_buffer("scales", scale.to(dtype), persistent=False)
-        self.bias = None if bias is None else bias.detach()
+        self.register_buffer("bias", None if bias is None else bias.detach(), persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features).contiguous()
-        if flat.dtype == torch.float32:
-            out = flat @ (self.weight_int8.float() * self.scales[:, None]).T
+        if flat.dtype == torch.float32 or flat.device.type != "cpu":
+            w = self.weight_int8.to(flat.dtype) * self.scales.to(flat.dtype)[:, None]
+            out = flat @ w.T
         else:
             out = torch.ops.aten._weight_int8pack_mm(flat, self.weight_int8, self.scales)
         if self.bias is not None:
@@ -369,10 +375,12 @@ class HeadRowsEmbedding(nn.Module):
         return rows.view(*ids.shape, self.embedding_dim)
 
 
-def quantize_embedding(model: nn.Module, rows: QuantizedRows | None) -> bool:
+def quantize_embedding(model: nn.Module, rows: QuantizedRows | None, blocks: bool = True) -> bool:
     """Replaces `model.model.embed_tokens` by an embedding over `rows` (its checkpoint tensor,
-    kept quantized): the tied LM head's rows where that head is a Q8Linear of them, else a
-    QuantizedEmbedding; False, leaving it, where there is none or it is not an nn.Embedding."""
+    kept quantized): the tied LM head's rows where that head is a Q8Linear of them, else (with
+    `blocks`) a QuantizedEmbedding; False, leaving it, where there is none or it is not an
+    nn.Embedding. Without `blocks` (CUDA: a lookup through gguf's numpy dequantization would
+    wait on the device every step) the expanded embedding stays."""
     inner = getattr(model, "model", None)
     embedding = getattr(inner, "embed_tokens", None)
     if rows is None or not isinstance(embedding, nn.Embedding):
@@ -382,6 +390,8 @@ def quantize_embedding(model: nn.Module, rows: QuantizedRows | None) -> bool:
     tied = getattr(model, "tie_word_embeddings", False)
     if tied and isinstance(head, Q8Linear) and rows.kind.name == "Q8_0":
         inner.embed_tokens = HeadRowsEmbedding(head, dtype)  # type: ignore[union-attr]
+    elif not blocks:
+        return False
     else:
         inner.embed_tokens = QuantizedEmbedding(rows, dtype)  # type: ignore[union-attr]
     return True
