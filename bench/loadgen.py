@@ -43,40 +43,38 @@ from bench.served import (
     spawned_variant,
 )
 from bench.sweep import run_sweep
-from bench.workload import DATASETS, Workload, summarize_by_turn
+from bench.workload import DATASETS, DatasetSpec, Workload, summarize_by_turn
 from clients.client import add_connection_args
 from clients.testing.redis_server import redis_server
 from service.common.engine_args import add_engine_args
-from service.common.flags import add_bool_flag, add_flag
+from service.common.flags import ConfigFlag, add_bool_flag, add_config_flags, add_flag
 
 if TYPE_CHECKING:
     from engine.frontend.async_engine import AsyncEngine
 
 
+_DATASET_FLAGS = (
+    ConfigFlag("name", str, "What to send.", DATASETS, flag="--dataset"),
+    ConfigFlag("num_prompts", int, "random / shared-prefix requests."),
+    ConfigFlag(
+        "input_len", int, "Prompt tokens (shared-prefix: suffix; multi-turn: user message)."
+    ),
+    ConfigFlag("output_len", int, "Generated tokens per request."),
+    ConfigFlag("range_ratio", float, "Input length spread (0-1)."),
+    ConfigFlag(
+        "prefix_len", int, "Shared prefix (shared-prefix) or system prompt (multi-turn) tokens."
+    ),
+    ConfigFlag("num_groups", int, "shared-prefix: distinct prefixes."),
+    ConfigFlag("num_sessions", int, "multi-turn: conversations."),
+    ConfigFlag("num_turns", int, "multi-turn: turns per conversation."),
+)
+"""The DatasetSpec fields set by flags (their defaults: DatasetSpec's), in --help order."""
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_connection_args(parser)
     g = parser.add_argument_group("workload")
-    add_flag(g, "--dataset", default="random", choices=DATASETS, help="What to send.")
-    add_flag(g, "--num-prompts", type=int, default=64, help="random / shared-prefix requests.")
-    add_flag(
-        g,
-        "--input-len",
-        type=int,
-        default=256,
-        help="Prompt tokens (shared-prefix: suffix; multi-turn: user message).",
-    )
-    add_flag(g, "--output-len", type=int, default=32, help="Generated tokens per request.")
-    add_flag(g, "--range-ratio", type=float, default=0.0, help="Input length spread (0-1).")
-    add_flag(
-        g,
-        "--prefix-len",
-        type=int,
-        default=512,
-        help="Shared prefix (shared-prefix) or system prompt (multi-turn) tokens.",
-    )
-    add_flag(g, "--num-groups", type=int, default=4, help="shared-prefix: distinct prefixes.")
-    add_flag(g, "--num-sessions", type=int, default=16, help="multi-turn: conversations.")
-    add_flag(g, "--num-turns", type=int, default=4, help="multi-turn: turns per conversation.")
+    add_config_flags(g, DatasetSpec(), _DATASET_FLAGS)
     add_run_flags(g)
     s = parser.add_argument_group("spawned servers / in-process engine")
     add_flag(

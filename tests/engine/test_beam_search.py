@@ -11,6 +11,7 @@ run every block is free.
 from __future__ import annotations
 
 from collections import Counter
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -37,15 +38,20 @@ CONFIGS = {
 }
 
 
+@dataclass(frozen=True, slots=True)
+class BeamOptions:
+    """The search settings both sides get (transformers' generate and the engine's
+    SamplingParams)."""
+
+    early_stopping: bool | str
+    max_tokens: int = MAX_TOKENS
+    length_penalty: float = 1.0
+    min_tokens: int = 0
+    """transformers' min_new_tokens (0: none)."""
+
+
 def hf_beams(
-    path: Path,
-    prompts: list[list[int]],
-    finishing: list[int],
-    early_stopping: bool | str,
-    *,
-    max_tokens: int = MAX_TOKENS,
-    length_penalty: float = 1.0,
-    min_tokens: int = 0,
+    path: Path, prompts: list[list[int]], finishing: list[int], opts: BeamOptions
 ) -> tuple[Outputs, list[list[float]]]:
     """transformers' returned beams (generated tokens, cut at each beam's own length) and scores."""
     from transformers import AutoModelForCausalLM
@@ -62,10 +68,10 @@ def hf_beams(
                 num_beams=WIDTH,
                 num_return_sequences=WIDTH,
                 do_sample=False,
-                max_new_tokens=max_tokens,
-                early_stopping=early_stopping,
-                length_penalty=length_penalty,
-                min_new_tokens=min_tokens or None,
+                max_new_tokens=opts.max_tokens,
+                early_stopping=opts.early_stopping,
+                length_penalty=opts.length_penalty,
+                min_new_tokens=opts.min_tokens or None,
                 eos_token_id=finishing,
                 pad_token_id=0,
                 return_dict_in_generate=True,
@@ -81,24 +87,17 @@ def hf_beams(
 
 
 def engine_beams(
-    llm: LLM,
-    prompts: list[list[int]],
-    stop: list[int],
-    early_stopping: bool | str,
-    *,
-    max_tokens: int = MAX_TOKENS,
-    length_penalty: float = 1.0,
-    min_tokens: int = 0,
+    llm: LLM, prompts: list[list[int]], stop: list[int], opts: BeamOptions
 ) -> tuple[Outputs, list[list[float]]]:
     """The engine's returned beams and their scores (cumulative logprob / length ** penalty)."""
     params = SamplingParams(
         n=WIDTH,
         temperature=0.0,
         use_beam_search=True,
-        early_stopping=early_stopping,
-        length_penalty=length_penalty,
-        max_tokens=max_tokens,
-        min_tokens=min_tokens,
+        early_stopping=opts.early_stopping,
+        length_penalty=opts.length_penalty,
+        max_tokens=opts.max_tokens,
+        min_tokens=opts.min_tokens,
         stop_token_ids=stop,
     )
     outs = llm.generate(prompts, params)
@@ -111,7 +110,7 @@ def engine_beams(
             assert c.cumulative_logprob is not None
     tokens = [[c.token_ids for c in o.outputs] for o in outs]
     scores = [
-        [c.cumulative_logprob / len(c.token_ids) ** length_penalty for c in o.outputs]  # type: ignore[operator]
+        [c.cumulative_logprob / len(c.token_ids) ** opts.length_penalty for c in o.outputs]  # type: ignore[operator]
         for o in outs
     ]
     return tokens, scores
@@ -132,13 +131,13 @@ def check_beam_parity(
     stop = frequent_token(probe, prompts)
     assert stop != eos
     for early in settings:
-        expected, _ = hf_beams(path, prompts, [eos, stop], early)
+        expected, _ = hf_beams(path, prompts, [eos, stop], BeamOptions(early))
         ended = sum(1 for beams in expected for b in beams if b[-1] == stop)
         assert ended > 0, "no beam finished on the stop token: the finishing paths went untested"
         for name, cfg in CONFIGS.items():
             llm = probe if name == "cache-on" else None
             llm = llm or LLM(str(path), dtype="float32", block_size=16, **cfg)  # type: ignore[arg-type]
-            got, _ = engine_beams(llm, prompts, [stop], early)
+            got, _ = engine_beams(llm, prompts, [stop], BeamOptions(early))
             for i, (g, e) in enumerate(zip(got, expected, strict=True)):
                 assert g == e, f"{name} early_stopping={early}: prompt {i} differs: {g} != {e}"
             assert_config_took_effect(name, llm.engine.get_stats())
@@ -173,10 +172,9 @@ def test_beam_never_and_length_penalty(tiny_llama_path: Path) -> None:
     stop = frequent_token(llm, prompts)
     for early, lp, least in (("never", 2.0, 0), (False, 0.5, 0), (True, -1.0, 0), (True, 1.0, 4)):
         finishing = [cfg.eos_token_id, stop]
-        expected, want = hf_beams(
-            tiny_llama_path, prompts, finishing, early, length_penalty=lp, min_tokens=least
-        )
-        got, scores = engine_beams(llm, prompts, [stop], early, length_penalty=lp, min_tokens=least)
+        opts = BeamOptions(early, length_penalty=lp, min_tokens=least)
+        expected, want = hf_beams(tiny_llama_path, prompts, finishing, opts)
+        got, scores = engine_beams(llm, prompts, [stop], opts)
         assert got == expected, f"early_stopping={early} length_penalty={lp} min_tokens={least}"
         if least:
             assert min(len(b) for beams in got for b in beams) >= least
@@ -185,7 +183,7 @@ def test_beam_never_and_length_penalty(tiny_llama_path: Path) -> None:
     two = SamplingParams(
         n=2, best_of=WIDTH, temperature=0.0, use_beam_search=True, max_tokens=MAX_TOKENS
     )
-    expected, _ = hf_beams(tiny_llama_path, prompts, [cfg.eos_token_id], False)
+    expected, _ = hf_beams(tiny_llama_path, prompts, [cfg.eos_token_id], BeamOptions(False))
     for o, e in zip(llm.generate(prompts, two), expected, strict=True):
         assert [c.token_ids for c in o.outputs] == e[:2]
         assert [c.index for c in o.outputs] == [0, 1]
@@ -199,8 +197,9 @@ def test_beam_parity_demo_model(demo_model_path: Path) -> None:
     questions = ["What is the capital of France?", "Name a prime number.", "Say hi."]
     prompts = [llm.engine.tokenize(messages=[{"role": "user", "content": q}]) for q in questions]
     eos = list(llm.engine.model_info.eos_token_ids)
-    expected, _ = hf_beams(demo_model_path, prompts, eos, True, max_tokens=24)
-    got, _ = engine_beams(llm, prompts, [], True, max_tokens=24)
+    opts = BeamOptions(True, max_tokens=24)
+    expected, _ = hf_beams(demo_model_path, prompts, eos, opts)
+    got, _ = engine_beams(llm, prompts, [], opts)
     assert got == expected
 
 

@@ -37,6 +37,14 @@ def run_prefill(kv: KVCacheManager, seq: FakeSeq) -> bool:
     return ok
 
 
+def free_all(kv: KVCacheManager, *seqs: FakeSeq) -> None:
+    """Frees `seqs`, then checks that every block of the pool is free and the pool is whole."""
+    for seq in seqs:
+        kv.free(seq)
+    assert kv.num_free_blocks == kv.num_blocks
+    kv.check_integrity()
+
+
 def test_hash_is_stable_and_chained() -> None:
     h1 = hash_block(None, [1, 2, 3, 4], EXTRA)
     # A fixed value: the same in every process and on every machine (no salted `hash()`).
@@ -165,10 +173,7 @@ def test_fork_copy_on_write() -> None:
     assert kv.block_ids(0) == [0, 1]
     assert not kv.take_plan().cow
     kv.check_integrity()
-    kv.free(parent)
-    kv.free(child)
-    assert kv.num_free_blocks == 8
-    kv.check_integrity()
+    free_all(kv, parent, child)
 
 
 def test_counters_and_reset() -> None:
@@ -204,9 +209,7 @@ def test_pins_hold_blocks_until_ttl_and_respect_cap() -> None:
     assert len(kv.pins) == 2
     kv.expire_pins(10.0)
     assert not kv.pins
-    kv.free(b)
-    assert kv.num_free_blocks == 8
-    kv.check_integrity()
+    free_all(kv, b)
 
 
 def test_double_free_is_refused() -> None:

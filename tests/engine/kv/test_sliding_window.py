@@ -8,7 +8,7 @@ import pytest
 
 from engine.kv.manager import NULL_BLOCK_ID, KVCacheManager
 from engine.kv.tiers import TieredCache
-from tests.engine.kv.test_manager import BS, FakeSeq, run_prefill
+from tests.engine.kv.test_manager import BS, FakeSeq, free_all, run_prefill
 
 W = 6  # a query at p sees keys p - 5 .. p
 
@@ -140,10 +140,7 @@ def test_fork_and_free_with_released_entries() -> None:
     assert kv.take_plan().cow == [(4, 5)]
     assert [kv.pool.blocks[i].ref_cnt for i in (2, 3, 4)] == [1, 2, 1]
     kv.check_integrity()
-    kv.free(a)
-    kv.free(child)
-    assert kv.num_free_blocks == 16
-    kv.check_integrity()
+    free_all(kv, a, child)
 
 
 def test_window_match_through_the_cpu_tier() -> None:
