@@ -10,6 +10,8 @@ float16.
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import torch
 
@@ -77,7 +79,11 @@ def _check_groups(name: str, t: torch.Tensor, dtype: torch.dtype, n: int, k: int
 
 
 def _linear(
-    kind: str, x: torch.Tensor, qs: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None
+    kind: str,
+    x: torch.Tensor,
+    qs: torch.Tensor,
+    scale: torch.Tensor,
+    zero: torch.Tensor | None = None,
 ) -> torch.Tensor:
     n, k = _weight(kind, qs, scale, zero)
     check(
@@ -128,16 +134,11 @@ def _dequant(
     return out
 
 
-def q4_linear(
-    x: torch.Tensor, qs: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor
-) -> torch.Tensor:
-    """x [rows <= GEMV_ROWS, K] times a 4-bit weight's transpose: [rows, N] in x's dtype."""
-    return _linear("q4", x, qs, scale, zero)
-
-
-def q8_linear(x: torch.Tensor, qs: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """x [rows <= GEMV_ROWS, K] times an 8-bit weight's transpose: [rows, N] in x's dtype."""
-    return _linear("q8", x, qs, scale, None)
+q4_linear = functools.partial(_linear, "q4")
+"""q4_linear(x, qs, scale, zero): x [rows <= GEMV_ROWS, K] times a 4-bit weight's transpose,
+[rows, N] in x's dtype."""
+q8_linear = functools.partial(_linear, "q8")
+"""q8_linear(x, qs, scale): the same for an 8-bit weight."""
 
 
 def q4_dequant(

@@ -16,29 +16,13 @@ import subprocess
 import sys
 from collections.abc import Callable
 from pathlib import Path
-from types import ModuleType
 
 import pytest
 import torch
 
-from cuda import (
-    block_copy,
-    layers,
-    paged_attention,
-    prefill_attention,
-    quant_linear,
-    reshape_and_cache,
-)
+from cuda import block_copy, paged_attention, prefill_attention, reshape_and_cache
 from cuda.cupy_launch import CUDA_DIR, kernel_source
-
-LOADERS: tuple[ModuleType, ...] = (
-    reshape_and_cache,
-    block_copy,
-    paged_attention,
-    prefill_attention,
-    layers,
-    quant_linear,
-)
+from tests.cuda_emu.emulator import LOADERS
 
 
 def find_nvcc() -> str | None:

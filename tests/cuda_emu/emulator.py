@@ -32,6 +32,7 @@ from cuda.cupy_launch import CUDA_DIR
 
 HERE = Path(__file__).resolve().parent
 LOADERS = (reshape_and_cache, block_copy, paged_attention, prefill_attention, layers, quant_linear)
+"""Every cuda/*.cu file's loader (tests/test_cuda_compile.py checks that none is missing)."""
 CU_FILES = tuple(m.CU_FILE for m in LOADERS)
 _CTYPES: dict[np.dtype[Any], type[ctypes._SimpleCData[Any]]] = {
     np.dtype(np.uint64): ctypes.c_uint64,

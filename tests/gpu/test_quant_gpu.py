@@ -21,16 +21,7 @@ from engine.testing.tiny_gguf import write_gguf  # noqa: E402
 from engine.testing.tiny_models import build_tiny_llama, build_tiny_qwen2  # noqa: E402
 from engine.worker.models.layers.quantized import GroupedLinear  # noqa: E402
 from tests.engine.test_gguf import LLAMA_TYPES, QWEN2_TYPES  # noqa: E402
-from tests.gpu.test_engine_gpu import (  # noqa: E402
-    LOGPROB_TOL,
-    MAX_TOKENS,
-    TOP,
-    Greedy,
-    assert_greedy_close,
-    greedy_of,
-    hf_greedy,
-    shared_prefix_prompts,
-)
+from tests.gpu import test_engine_gpu as eng  # noqa: E402
 
 FILES = {
     "llama-d64": (
@@ -51,7 +42,7 @@ def gguf_file(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathF
     return write_gguf(src, tmp_path_factory.mktemp("gguf") / f"{request.param}.gguf", types)
 
 
-def _generate(file: Path, dtype: str, quantization: str) -> tuple[list[Greedy], int]:
+def _generate(file: Path, dtype: str, quantization: str) -> tuple[list[eng.Greedy], int]:
     """Greedy outputs on shared-prefix prompts, and how many layers were kept quantized."""
     llm = LLM(
         model=str(file),
@@ -65,10 +56,11 @@ def _generate(file: Path, dtype: str, quantization: str) -> tuple[list[Greedy], 
     model = llm.engine.core.executor.driver.model
     kept = [m for m in model.modules() if isinstance(m, GroupedLinear)]
     assert all(m.qs.is_cuda and m.has_kernel for m in kept)
-    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=TOP)
-    return greedy_of(llm.generate(shared_prefix_prompts(llm.engine.core.vocab_size), params)), len(
-        kept
+    params = SamplingParams(
+        temperature=0, max_tokens=eng.MAX_TOKENS, ignore_eos=True, logprobs=eng.TOP
     )
+    prompts = eng.shared_prefix_prompts(llm.engine.core.vocab_size)
+    return eng.greedy_of(llm.generate(prompts, params)), len(kept)
 
 
 def test_kept_gguf_matches_transformers_fp32(cuda_device: torch.device, gguf_file: Path) -> None:
@@ -77,12 +69,14 @@ def test_kept_gguf_matches_transformers_fp32(cuda_device: torch.device, gguf_fil
     from transformers import AutoConfig
 
     vocab = AutoConfig.from_pretrained(str(gguf_file.parent), gguf_file=gguf_file.name).vocab_size
-    ref = hf_greedy(gguf_file.parent, shared_prefix_prompts(vocab), gguf_file=gguf_file.name)
-    assert_greedy_close(ours, ref, LOGPROB_TOL["float32"])
+    want = eng.hf_greedy(
+        gguf_file.parent, eng.shared_prefix_prompts(vocab), gguf_file=gguf_file.name
+    )
+    eng.assert_greedy_close(ours, want, eng.LOGPROB_TOL["float32"])
 
 
 def test_kept_gguf_matches_expanded_bf16(cuda_device: torch.device, gguf_file: Path) -> None:
     kept, n = _generate(gguf_file, "bfloat16", "gguf")
     expanded, none = _generate(gguf_file, "bfloat16", "none")
     assert n >= 7 and none == 0
-    assert_greedy_close(kept, expanded, LOGPROB_TOL["bfloat16"])
+    eng.assert_greedy_close(kept, expanded, eng.LOGPROB_TOL["bfloat16"])
