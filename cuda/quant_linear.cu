@@ -5,7 +5,8 @@
 //       w = (q - 8) * scale + zero with float scale and zero a group, or q * d + m with the
 //       file's float16 pair (d, m) a group (S = f16: scale holds d, zero holds m; taken as
 //       scale = d, zero = m + 8d in float32, as the CPU kernel does);
-// - q8: 32 int8 a group, w = q * scale (float or float16 scale).
+// - q8: 32 int8 a group, w = q * scale (float or float16 scale), one scale a group or one every
+//       16 weights (sub = 2: GGUF's Q6_K).
 // Two kernels a kind:
 // - gemv (decode, up to GEMV_MAX_ROWS rows of x): one warp an output feature, each lane a group
 //   at a time; every weight byte is read once for all rows, nothing is expanded; float32 sums,
@@ -51,8 +52,8 @@ __device__ __forceinline__ void unpack_q8(uint4 lo, uint4 hi, float* q) {
   }
 }
 
-// acc[m] += sum_j (q[j] * s + z) * x[m][j] over a group, for rows m < rows.
-template <typename T>
+// acc[m] += sum_j (q[j] * s + z) * x[m][j] over kLen weights, for rows m < rows.
+template <int kLen, typename T>
 __device__ __forceinline__ void group_dot(float* acc, const float* q, float s, float z,
                                           const T* x, long long x_stride, int rows) {
 #pragma unroll
@@ -61,7 +62,7 @@ __device__ __forceinline__ void group_dot(float* acc, const float* q, float s, f
       const T* xm = x + m * x_stride;
       float qx = 0.f, sx = 0.f;
 #pragma unroll
-      for (int j = 0; j < QUANT_GROUP; ++j) {
+      for (int j = 0; j < kLen; ++j) {
         const float v = to_float(xm[j]);
         qx += q[j] * v;
         sx += v;
@@ -103,18 +104,19 @@ __global__ void __launch_bounds__(GEMV_WARPS * 32)
       float q[QUANT_GROUP];
       unpack_q4(load_vec16(qs + (row + g) * (QUANT_GROUP / 2)), q);
       const float2 sz = q4_scale_zero(scale[row + g], zero[row + g]);
-      group_dot(acc, q, sz.x, sz.y, x + g * QUANT_GROUP, x_stride, rows);
+      group_dot<QUANT_GROUP>(acc, q, sz.x, sz.y, x + g * QUANT_GROUP, x_stride, rows);
     }
   }
   write_rows(out, acc, rows, n, out_features);
 }
 
-// The same for an 8-bit weight: qs [out_features, in_features] int8, scale [.., groups] of S.
+// The same for an 8-bit weight: qs [out_features, in_features] int8, scale [.., groups * sub]
+// of S (sub 1 or 2 scales a group).
 template <typename T, typename S>
 __global__ void __launch_bounds__(GEMV_WARPS * 32)
     q8_gemv_kernel(T* __restrict__ out, const T* __restrict__ x, const unsigned char* __restrict__ qs,
-                   const S* __restrict__ scale, int rows, int out_features, int in_features,
-                   long long x_stride) {
+                   const S* __restrict__ scale, int sub, int rows, int out_features,
+                   int in_features, long long x_stride) {
   const int n = blockIdx.x * GEMV_WARPS + threadIdx.x / 32;
   const int lane = threadIdx.x % 32;
   const int groups = in_features / QUANT_GROUP;
@@ -125,7 +127,14 @@ __global__ void __launch_bounds__(GEMV_WARPS * 32)
       float q[QUANT_GROUP];
       const unsigned char* p = qs + (row + g) * QUANT_GROUP;
       unpack_q8(load_vec16(p), load_vec16(p + 16), q);
-      group_dot(acc, q, to_float(scale[row + g]), 0.f, x + g * QUANT_GROUP, x_stride, rows);
+      const T* xg = x + g * QUANT_GROUP;
+      if (sub == 2) {
+        const S* s = scale + (row + g) * 2;
+        group_dot<QUANT_GROUP / 2>(acc, q, to_float(s[0]), 0.f, xg, x_stride, rows);
+        group_dot<QUANT_GROUP / 2>(acc, q + 16, to_float(s[1]), 0.f, xg + 16, x_stride, rows);
+      } else {
+        group_dot<QUANT_GROUP>(acc, q, to_float(scale[row + g]), 0.f, xg, x_stride, rows);
+      }
     }
   }
   write_rows(out, acc, rows, n, out_features);
@@ -150,16 +159,16 @@ __global__ void __launch_bounds__(DEQUANT_THREADS)
 template <typename T, typename S>
 __global__ void __launch_bounds__(DEQUANT_THREADS)
     q8_dequant_kernel(T* __restrict__ w, const unsigned char* __restrict__ qs,
-                      const S* __restrict__ scale, long long num_groups) {
+                      const S* __restrict__ scale, int sub, long long num_groups) {
   const long long g = static_cast<long long>(blockIdx.x) * DEQUANT_THREADS + threadIdx.x;
   if (g >= num_groups) return;
   float q[QUANT_GROUP];
   const unsigned char* p = qs + g * QUANT_GROUP;
   unpack_q8(load_vec16(p), load_vec16(p + 16), q);
-  const float s = to_float(scale[g]);
+  const S* s = scale + g * sub;
   T* dst = w + g * QUANT_GROUP;
 #pragma unroll
-  for (int j = 0; j < QUANT_GROUP; ++j) dst[j] = from_float<T>(q[j] * s);
+  for (int j = 0; j < QUANT_GROUP; ++j) dst[j] = from_float<T>(q[j] * to_float(s[j * sub / QUANT_GROUP]));
 }
 
 }  // namespace deja

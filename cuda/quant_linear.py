@@ -4,8 +4,8 @@ The functions take what the CPU kernels (engine/worker/models/layers/cpu_quant.c
 GroupedLinear uses either through one hook (`use_kernel`): `q4_linear(x, qs, scale, zero)`,
 `q8_linear(x, qs, scale)` for up to GEMV_ROWS rows (decode), and `q4_dequant(qs, scale, zero,
 dtype)`, `q8_dequant(qs, scale, dtype)` that expand the weight for a dense product (prefill).
-Scales are float32, or float16 (a GGUF file's own pair, exact); activations float32, bfloat16 or
-float16.
+Scales are float32, or float16 (a GGUF file's own pair, exact), one a group of 32 inputs or
+(8-bit) one every 16 (GGUF's Q6_K); activations float32, bfloat16 or float16.
 """
 
 from __future__ import annotations
@@ -46,9 +46,9 @@ def instantiations() -> list[str]:
 
 def _weight(
     kind: str, qs: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None
-) -> tuple[int, int]:
-    """(out_features, in_features) of a kept weight; ValueError on a layout the kernels do not
-    take (cpu_quant.cpp's deja_cpu::check_weight, the same rules)."""
+) -> tuple[int, int, int]:
+    """(out_features, in_features, scales a group) of a kept weight; ValueError on a layout the
+    kernels do not take (cpu_quant.cpp's deja_cpu::check_weight, the same rules)."""
     check(
         qs.dim() == 2 and qs.dtype == (torch.uint8 if kind == "q4" else torch.int8),
         lambda: (
@@ -59,20 +59,21 @@ def _weight(
     n = int(qs.shape[0])
     k = int(qs.shape[1]) * (2 if kind == "q4" else 1)
     check(k % GROUP == 0, lambda: f"in_features must be a multiple of {GROUP}, got {k}")
+    sub = 2 if kind == "q8" and scale.dim() == 2 and scale.shape[1] * GROUP == 2 * k else 1
     for name, t in (("scale", scale), ("zero", zero)):
         if t is not None:
-            _check_groups(name, t, scale.dtype, n, k)
+            _check_groups(name, t, scale.dtype, n, k // GROUP * sub)
     tensors = [qs, scale] + ([] if zero is None else [zero])
     check(all(t.is_contiguous() for t in tensors), lambda: "qs, scale and zero must be contiguous")
     check(qs.data_ptr() % 16 == 0, lambda: "qs must be 16-byte aligned")
-    return n, k
+    return n, k, sub
 
 
-def _check_groups(name: str, t: torch.Tensor, dtype: torch.dtype, n: int, k: int) -> None:
+def _check_groups(name: str, t: torch.Tensor, dtype: torch.dtype, n: int, groups: int) -> None:
     check(
-        t.shape == (n, k // GROUP) and t.dtype == dtype and t.dtype in SCALE_NAMES,
+        t.shape == (n, groups) and t.dtype == dtype and t.dtype in SCALE_NAMES,
         lambda: (
-            f"{name} must be [{n}, {k // GROUP}] float32 or float16 like scale, got "
+            f"{name} must be [{n}, {groups}] float32 or float16 like scale, got "
             f"{tuple(t.shape)} {t.dtype}"
         ),
     )
@@ -85,7 +86,7 @@ def _linear(
     scale: torch.Tensor,
     zero: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    n, k = _weight(kind, qs, scale, zero)
+    n, k, sub = _weight(kind, qs, scale, zero)
     check(
         x.dim() == 2 and x.shape[1] == k and x.stride(1) == 1 and x.dtype in DTYPE_NAMES,
         lambda: (
@@ -95,7 +96,7 @@ def _linear(
     )
     rows = int(x.shape[0])
     check(rows <= GEMV_ROWS, lambda: f"{kind}_linear takes up to {GEMV_ROWS} rows, got {rows}")
-    extra = () if zero is None else (ptr(zero),)
+    extra = (np.int32(sub),) if zero is None else (ptr(zero),)
     device = check_cuda(x=x, qs=qs, scale=scale)
     out = torch.empty((rows, n), dtype=x.dtype, device=x.device)
     if rows:
@@ -116,13 +117,13 @@ def _linear(
 def _dequant(
     kind: str, qs: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, dtype: torch.dtype
 ) -> torch.Tensor:
-    n, k = _weight(kind, qs, scale, zero)
+    n, k, sub = _weight(kind, qs, scale, zero)
     check(dtype in DTYPE_NAMES, lambda: f"dtype must be one of {DTYPES}, got {dtype}")
     device = check_cuda(qs=qs, scale=scale)
     out = torch.empty((n, k), dtype=dtype, device=qs.device)
     groups = n * (k // GROUP)
     if groups:
-        extra = () if zero is None else (ptr(zero),)
+        extra = (np.int32(sub),) if zero is None else (ptr(zero),)
         launch(
             CU_FILE,
             kernel_name(kind, "dequant", dtype, scale.dtype),

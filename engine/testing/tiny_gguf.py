@@ -95,14 +95,19 @@ def write_gguf(folder: str | Path, file: str | Path, types: Mapping[str, str]) -
 
 def quantized_blocks(w: np.ndarray, qtype: object, rng: np.random.Generator) -> np.ndarray:
     """w in `qtype`'s blocks: gguf's own quantizer where it has one; a type it can only
-    dequantize (Q4_K) gets random blocks of w's magnitude instead (the tensor's values are then
-    whatever the file says: transformers reads the same file)."""
+    dequantize (Q4_K, Q6_K) gets random blocks of w's magnitude instead (the tensor's values are
+    then whatever the file says: transformers reads the same file)."""
     import gguf
 
     assert isinstance(qtype, gguf.GGMLQuantizationType)
+    n, k = w.shape
+    if qtype == gguf.GGMLQuantizationType.Q6_K:  # d sc (q - 32): |sc| and |q - 32| average 32, 16
+        blocks = rng.integers(0, 256, size=(n * k // 256, 210), dtype=np.uint8)
+        d = float(np.abs(w).mean()) / 512
+        blocks[:, 208:210] = np.full((len(blocks), 1), d, dtype=np.float16).view(np.uint8)
+        return blocks.reshape(n, k // 256 * 210)
     if qtype != gguf.GGMLQuantizationType.Q4_K:
         return np.asarray(gguf.quants.quantize(w, qtype))
-    n, k = w.shape
     blocks = rng.integers(0, 256, size=(n * k // 256, 144), dtype=np.uint8)
     d = float(np.abs(w).mean()) / 240  # d sc q - dmin m: sc, m and q average 31, 31 and 7.5
     blocks[:, 0:2] = np.full((len(blocks), 1), d, dtype=np.float16).view(np.uint8)

@@ -15,15 +15,16 @@ from cuda import layers, quant_linear
 from engine import LLM, SamplingParams
 from engine.testing.tiny_gguf import quantized_blocks, write_gguf
 from engine.worker.gguf_checkpoint import QuantizedRows
-from engine.worker.models.layers.group_rows import unpack, unpack_q8_0
+from engine.worker.models.layers.group_rows import unpack, unpack_q6_k, unpack_q8_0
 from engine.worker.models.layers.quantized import GroupedLinear, Int4Linear, Q8Linear
 from tests.cuda_emu.emulator import Emulator
 from tests.engine.test_gguf import LLAMA_TYPES, QWEN2_TYPES
 from tests.support.reference import hf_reference
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
-KINDS = ["Q4_0", "Q4_1", "Q4_K", "Q8_0"]
-"""Q4_0 / Q4_1 keep the file's fp16 pairs, Q4_K float32 scales and zeros, Q8_0 fp16 scales."""
+KINDS = ["Q4_0", "Q4_1", "Q4_K", "Q8_0", "Q6_K"]
+"""Q4_0 / Q4_1 keep the file's fp16 pairs, Q4_K float32 scales and zeros, Q8_0 fp16 scales,
+Q6_K float32 scales every 16 inputs."""
 
 
 @pytest.fixture(scope="module")
@@ -40,6 +41,8 @@ def _layer(kind: str, n: int, k: int, dtype: torch.dtype, bias: bool = False) ->
     b = torch.randn(n, generator=torch.Generator().manual_seed(n)).to(dtype) if bias else None
     if kind == "Q8_0":
         return Q8Linear(*unpack_q8_0(rows), b, dtype)
+    if kind == "Q6_K":
+        return Q8Linear(*unpack_q6_k(rows), b, dtype)
     return Int4Linear(*unpack(rows), b, dtype)
 
 
@@ -58,11 +61,11 @@ def test_expansion_gives_the_cpu_kernels_bits(emu: Emulator, kind: str, dtype: t
     if cpu is None:
         pytest.skip("the C++ CPU kernels cannot be built here")
     layer = _layer(kind, 24, 256, torch.float32)
-    assert layer.scale.dtype == (torch.float32 if kind == "Q4_K" else torch.float16)
+    assert layer.scale.dtype == (torch.float32 if kind in ("Q4_K", "Q6_K") else torch.float16)
     ours = _expand(layer, dtype, quant_linear)
     want = _expand(layer, torch.float32, cpu).to(dtype)  # one rounding from float32, as ours
     assert ours.dtype == dtype and torch.equal(ours, want)
-    name = "q4" if kind != "Q8_0" else "q8"
+    name = "q8" if kind in ("Q8_0", "Q6_K") else "q4"
     assert [n for n, _, _ in emu.launches] == [
         quant_linear.kernel_name(name, "dequant", dtype, layer.scale.dtype)
     ]

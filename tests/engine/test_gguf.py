@@ -15,7 +15,7 @@ from engine import LLM, SamplingParams
 from engine.testing.tiny_gguf import quantized_blocks, write_gguf
 from engine.testing.tiny_models import build_tiny_llama
 from engine.worker.gguf_checkpoint import QuantizedRows, find_gguf
-from engine.worker.models.layers.group_rows import unpack, unpack_q8_0
+from engine.worker.models.layers.group_rows import unpack, unpack_q6_k, unpack_q8_0
 from engine.worker.models.layers.quantized import (
     GEMV_ROWS,
     GroupedLinear,
@@ -287,6 +287,69 @@ def test_q4_k_m_style_file_matches_transformers(tmp_path: Path) -> None:
     kept = [n for n in _quantized_layers(llm) if "embed" not in n]
     assert sum(isinstance(layers[n], Int4Linear) for n in kept) == 6
     assert sum(isinstance(layers[n], Q8Linear) for n in kept) == 3
+    outs = llm.generate(
+        prompts, SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    )
+    assert [o.outputs[0].token_ids for o in outs] == want
+
+
+def test_q6_k_rows_are_exact() -> None:
+    """Q6_K's 6-bit values minus 32 in int8, a scale d sc_j every 16 inputs: the dequantized
+    weight exactly; its products (few rows on the groups, many expanded) agree with it."""
+    from gguf import GGMLQuantizationType, quants
+
+    from engine.worker.attention.cpu_kernel import load_kernel
+
+    qtype = GGMLQuantizationType.Q6_K
+    w = np.random.default_rng(8).standard_normal((40, 512)).astype(np.float32)
+    raw = quantized_blocks(w, qtype, np.random.default_rng(9))
+    dense = torch.from_numpy(quants.dequantize(raw, qtype).copy())
+    rows = unpack_q6_k(QuantizedRows(qtype, raw, (40, 512)))
+    assert rows.scale.shape == (40, 32) and rows.q.dtype == np.int8
+    layer = Q8Linear(*rows, None, torch.float32)
+    assert torch.equal(layer._dense(torch.float32), dense)
+    ids = torch.tensor([3, 39])
+    assert torch.equal(layer.rows(ids, torch.float32), dense[ids])
+    ops = load_kernel().ops
+    if ops is not None:
+        layer.use_kernel(ops)
+    for m in (1, 5, 100):
+        x = torch.randn(m, 512)
+        torch.testing.assert_close(layer(x), x @ dense.T, rtol=1e-5, atol=1e-4)
+
+
+def test_q4_k_m_file_with_q6_k_matches_transformers(tmp_path: Path) -> None:
+    """A file laid out as llama.cpp's Q4_K_M: Q4_K projections, Q6_K for the head, a v and a down
+    projection, and a gate / up pair of Q8_0 and Q6_K (one 8-bit weight with a scale every 16
+    inputs). The Q6_K and Q8_0 linears stay 8-bit, a q / k / v of Q4_K and Q6_K is expanded, and
+    greedy tokens equal transformers' GGUF loader in float32."""
+    src = build_tiny_llama(tmp_path / "m", hidden_size=256, intermediate_size=512)
+    types = {
+        "layers.0.self_attn.v_proj": "Q6_K",
+        "layers.0.mlp.down_proj": "Q6_K",
+        "layers.1.mlp.gate_proj": "Q8_0",
+        "layers.1.mlp.up_proj": "Q6_K",
+        "_proj": "Q4_K",
+        "lm_head": "Q6_K",
+    }
+    file = write_gguf(src, tmp_path / "q4km.gguf", types)
+    prompts = shared_prefix_prompts(
+        512, 8, 400, seed=12
+    )  # no greedy path meets EOS (masked by the reference)
+    want, _ = hf_reference(file.parent, prompts, MAX_TOKENS, gguf_file=file.name)
+    llm = LLM(str(file), dtype="float32", quantization="gguf", block_size=16, num_device_blocks=256)
+    model = llm.engine.core.executor.driver.model
+    layers = dict(model.named_modules())
+    kept = [n for n in _quantized_layers(llm) if "embed" not in n]
+    assert "model.layers.0.self_attn.qkv_proj" not in kept  # 4-bit and 8-bit shards: expanded
+    assert sum(isinstance(layers[n], Int4Linear) for n in kept) == 5
+    eight = [n for n in kept if isinstance(layers[n], Q8Linear)]
+    assert sorted(eight) == [
+        "lm_head",
+        "model.layers.0.mlp.down_proj",
+        "model.layers.1.mlp.gate_up_proj",
+    ]
+    assert all(layers[n].scale.shape[1] == layers[n].in_features // 16 for n in eight)
     outs = llm.generate(
         prompts, SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
     )

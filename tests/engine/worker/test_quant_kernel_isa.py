@@ -1,8 +1,8 @@
 """cpu_quant.cpp and cpu_quant_i8.cpp built for each instruction set they have a path for (this
 machine's, which may be AVX-512 with VNNI, then AVX2 and plain C++): the few-row products against
 the dequantized weights, the int8-activation products against the same integer arithmetic in
-numpy, and the expansions to float32, bfloat16 and float16, with float32 or float16 group scales,
-in a process of their own."""
+numpy, and the expansions to float32, bfloat16 and float16, with float32 or float16 group scales
+(8-bit ones also a scale every 16 weights), in a process of their own."""
 
 from __future__ import annotations
 
@@ -80,6 +80,19 @@ for n, k in [(40, 96), (72, 576)]:
             int8_product(x, q4, d16.double().numpy(), m16.double().numpy()),
         )
         assert ops.q4_linear_i8(x.bfloat16(), qs4, scale, zero).dtype == torch.bfloat16
+    # 8-bit with a scale every 16 weights (Q6_K): products, expansions, and the int8-activation
+    # entry taking the float product
+    s16 = torch.from_numpy(rng.random((n, k // 16)).astype(np.float32))
+    w16 = q8.float() * s16.repeat_interleave(16, 1)
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        assert torch.equal(ops.q8_dequant(q8, s16, dtype), w16.to(dtype))
+    h16 = s16.half()
+    assert torch.equal(ops.q8_dequant(q8, h16, torch.float32), q8.float() * h16.float().repeat_interleave(16, 1))
+    for m in (1, 2, 4, 5, 9):
+        x = torch.randn(m, k)
+        close(ops.q8_linear(x, q8, s16), x @ w16.T)
+        assert torch.equal(ops.q8_linear(x, q8, h16), ops.q8_linear(x, q8, h16.float()))
+        assert torch.equal(ops.q8_linear_i8(x, q8, s16), ops.q8_linear(x, q8, s16))
 print("ok")
 """
 

@@ -16,7 +16,8 @@ std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::T
 at::Tensor rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin);
 // A kept weight's (N, K), after checking its qs (4-bit: contiguous uint8 [N, K / 2]; 8-bit:
 // contiguous int8 [N, K]; K a multiple of 32) and its group scales and zeros (each a contiguous
-// [N, K / 32], float32 or float16, both of one dtype; zero null for 8-bit).
+// [N, K / 32], float32 or float16, both of one dtype; zero null for 8-bit, whose scales may cover
+// 16 weights each instead: [N, K / 16]).
 std::pair<int64_t, int64_t> check_weight(const at::Tensor& qs, bool q4, const at::Tensor& scale,
                                          const at::Tensor* zero);
 at::Tensor q4_linear(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& scale,

@@ -11,7 +11,8 @@
 //   pairs become scale = d, zero = m + 8d in float32 as the row is read (the same bits as that
 //   sum made at load), for 20 bytes a group instead of 24.
 // - 8-bit: qs int8 [N, K], scale float32 or float16 [N, K / 32]; a weight is q * scale (GGUF's
-//   Q8_0).
+//   Q8_0). A scale may instead cover 16 weights ([N, K / 16]: GGUF's Q6_K, whose sub-blocks of
+//   16 each have their own; q is the 6-bit value minus 32).
 //
 // The few-row product reads each weight byte once for all rows (at most 4 at a time) and
 // dequantizes nothing: per group and row it sums (q - 8) x in float32 vectors, then adds that
@@ -152,13 +153,15 @@ constexpr int kVecs = kGroup / kLanes;
 
 // out[m, n] for rows n0..n1 of the weight and kRows rows of x (x: float32 [rows, K]; xsum:
 // float32 [rows, K / 32], only read with zeros).
-template <int kRows, bool kQ4, typename sc_t>
+// kSub: scales a group of 32 has (1; 2 for an 8-bit weight with 16-weight scales).
+template <int kRows, bool kQ4, int kSub, typename sc_t>
 void rows_product(const float* x, const float* xsum, int64_t K, const void* qs, const sc_t* scale,
                   const sc_t* zero, float* out, int64_t ldo, int64_t n0, int64_t n1) {
+  static_assert(kSub == 1 || (!kQ4 && kSub == 2 && kVecs % 2 == 0));
   const int64_t groups = K / kGroup;
-  std::vector<float> buf(std::is_same_v<sc_t, float> ? 0 : 2 * groups);
+  std::vector<float> buf(std::is_same_v<sc_t, float> ? 0 : 2 * groups * kSub);
   for (int64_t n = n0; n < n1; ++n) {
-    const RowGroups rg = row_groups(scale, zero, n, groups, buf.data());
+    const RowGroups rg = row_groups(scale, zero, n, groups * kSub, buf.data());
     const float* s = rg.scale;
     vec acc[kRows];
     for (int r = 0; r < kRows; ++r) acc[r] = vzero();
@@ -169,12 +172,15 @@ void rows_product(const float* x, const float* xsum, int64_t K, const void* qs, 
       } else {
         q8_group(static_cast<const int8_t*>(qs) + (n * groups + g) * kGroup, w);
       }
-      const vec sg = vset(s[g]);
-      for (int r = 0; r < kRows; ++r) {
-        const float* xg = x + r * K + g * kGroup;
-        vec t = vmul(w[0], vload(xg));
-        for (int i = 1; i < kVecs; ++i) t = vfma(w[i], vload(xg + i * kLanes), t);
-        acc[r] = vfma(t, sg, acc[r]);
+      constexpr int kPart = kVecs / kSub;  // vectors under one scale
+      for (int h = 0; h < kSub; ++h) {
+        const vec sg = vset(s[g * kSub + h]);
+        for (int r = 0; r < kRows; ++r) {
+          const float* xg = x + r * K + g * kGroup + h * kPart * kLanes;
+          vec t = vmul(w[h * kPart], vload(xg));
+          for (int i = 1; i < kPart; ++i) t = vfma(w[h * kPart + i], vload(xg + i * kLanes), t);
+          acc[r] = vfma(t, sg, acc[r]);
+        }
       }
     }
     for (int r = 0; r < kRows; ++r) {
@@ -193,26 +199,26 @@ void rows_product(const float* x, const float* xsum, int64_t K, const void* qs, 
   }
 }
 #else
-template <int kRows, bool kQ4, typename sc_t>
+template <int kRows, bool kQ4, int kSub, typename sc_t>
 void rows_product(const float* x, const float* xsum, int64_t K, const void* qs, const sc_t* scale,
                   const sc_t* zero, float* out, int64_t ldo, int64_t n0, int64_t n1) {
   const int64_t groups = K / kGroup;
-  std::vector<float> buf(std::is_same_v<sc_t, float> ? 0 : 2 * groups);
+  std::vector<float> buf(std::is_same_v<sc_t, float> ? 0 : 2 * groups * kSub);
   for (int64_t n = n0; n < n1; ++n) {
-    const RowGroups rg = row_groups(scale, zero, n, groups, buf.data());
+    const RowGroups rg = row_groups(scale, zero, n, groups * kSub, buf.data());
     for (int r = 0; r < kRows; ++r) {
       float y = 0.f;
-      for (int64_t g = 0; g < groups; ++g) {
+      for (int64_t g = 0; g < groups * kSub; ++g) {  // each scale's weights
         float t = 0.f;
-        for (int64_t j = 0; j < kGroup; ++j) {
+        for (int64_t j = 0; j < kGroup / kSub; ++j) {
           int q;
           if constexpr (kQ4) {
             const uint8_t b = static_cast<const uint8_t*>(qs)[(n * groups + g) * 16 + (j & 15)];
             q = (j < 16 ? (b & 15) : (b >> 4)) - 8;
           } else {
-            q = static_cast<const int8_t*>(qs)[(n * groups + g) * kGroup + j];
+            q = static_cast<const int8_t*>(qs)[n * K + g * (kGroup / kSub) + j];
           }
-          t += static_cast<float>(q) * x[r * K + g * kGroup + j];
+          t += static_cast<float>(q) * x[r * K + g * (kGroup / kSub) + j];
         }
         y += t * rg.scale[g];
         if (rg.zero != nullptr) y += rg.zero[g] * xsum[r * groups + g];
@@ -223,7 +229,7 @@ void rows_product(const float* x, const float* xsum, int64_t K, const void* qs, 
 }
 #endif
 
-template <bool kQ4, typename sc_t>
+template <bool kQ4, int kSub, typename sc_t>
 void product(const float* x, const float* xsum, int64_t M, int64_t K, const void* qs,
              const sc_t* scale, const sc_t* zero, float* out, int64_t N) {
   // Each thread takes a contiguous range of weight rows and streams it once per 4 input rows.
@@ -234,26 +240,29 @@ void product(const float* x, const float* xsum, int64_t M, int64_t K, const void
       const float* sm = xsum == nullptr ? nullptr : xsum + m * (K / kGroup);
       float* om = out + m * N;
       switch (std::min<int64_t>(kMaxRows, M - m)) {
-        case 1: rows_product<1, kQ4, sc_t>(xm, sm, K, qs, scale, zero, om, N, n0, n1); break;
-        case 2: rows_product<2, kQ4, sc_t>(xm, sm, K, qs, scale, zero, om, N, n0, n1); break;
-        case 3: rows_product<3, kQ4, sc_t>(xm, sm, K, qs, scale, zero, om, N, n0, n1); break;
-        default: rows_product<4, kQ4, sc_t>(xm, sm, K, qs, scale, zero, om, N, n0, n1); break;
+        case 1: rows_product<1, kQ4, kSub, sc_t>(xm, sm, K, qs, scale, zero, om, N, n0, n1); break;
+        case 2: rows_product<2, kQ4, kSub, sc_t>(xm, sm, K, qs, scale, zero, om, N, n0, n1); break;
+        case 3: rows_product<3, kQ4, kSub, sc_t>(xm, sm, K, qs, scale, zero, om, N, n0, n1); break;
+        default: rows_product<4, kQ4, kSub, sc_t>(xm, sm, K, qs, scale, zero, om, N, n0, n1); break;
       }
     }
   });
 }
 
-void check_groups(const at::Tensor& t, int64_t N, int64_t K, const char* what) {
+void check_groups(const at::Tensor& t, int64_t N, int64_t K, bool sixteens, const char* what) {
   TORCH_CHECK((t.scalar_type() == at::kFloat || t.scalar_type() == at::kHalf) &&
-                  t.is_contiguous() && t.dim() == 2 && t.size(0) == N && t.size(1) == K / kGroup,
-              what, " must be a contiguous float32 or float16 [N, K / 32]");
+                  t.is_contiguous() && t.dim() == 2 && t.size(0) == N &&
+                  (t.size(1) == K / kGroup || (sixteens && t.size(1) == K / 16)),
+              what, sixteens ? " must be a contiguous float32 or float16 [N, K / 32] or [N, K / 16]"
+                             : " must be a contiguous float32 or float16 [N, K / 32]");
 }
 
-// A weight's group scales and (4-bit) zeros: each [N, K / 32], both of one dtype.
+// A weight's group scales and (4-bit) zeros: each [N, K / 32], both of one dtype; an 8-bit
+// weight's scales may cover 16 weights each ([N, K / 16]).
 void check_scales(const at::Tensor& scale, const at::Tensor* zero, int64_t N, int64_t K) {
-  check_groups(scale, N, K, "scale");
+  check_groups(scale, N, K, zero == nullptr, "scale");
   if (zero == nullptr) return;
-  check_groups(*zero, N, K, "zero");
+  check_groups(*zero, N, K, false, "zero");
   TORCH_CHECK(scale.scalar_type() == zero->scalar_type(), "scale and zero dtypes differ");
 }
 
@@ -324,7 +333,13 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& s
   std::vector<float> y(x.scalar_type() == at::kFloat ? 0 : M * N);
   float* dst = y.empty() ? out.data_ptr<float>() : y.data();
   with_groups(scale, zero, [&](auto* s, auto* z) {
-    product<kQ4>(rows.x, kQ4 ? rows.sums.data() : nullptr, M, K, qs.data_ptr(), s, z, dst, N);
+    if constexpr (kQ4) {
+      product<true, 1>(rows.x, rows.sums.data(), M, K, qs.data_ptr(), s, z, dst, N);
+    } else if (scale.size(1) * kGroup == 2 * K) {
+      product<false, 2>(rows.x, nullptr, M, K, qs.data_ptr(), s, z, dst, N);
+    } else {
+      product<false, 1>(rows.x, nullptr, M, K, qs.data_ptr(), s, z, dst, N);
+    }
   });
   return finish(x, out, y);
 }
@@ -357,17 +372,18 @@ at::Tensor q8_linear(const at::Tensor& x, const at::Tensor& qs, const at::Tensor
 namespace {
 
 // The dense weight [N, K] in `dtype`, for many-row products.
-template <bool kQ4, typename out_t, typename sc_t>
+template <bool kQ4, int kSub, typename out_t, typename sc_t>
 void expand(const void* qs, const sc_t* scale, const sc_t* zero, out_t* out, int64_t N,
             int64_t K) {
   const int64_t groups = K / kGroup;
   at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
-    std::vector<float> buf(std::is_same_v<sc_t, float> ? 0 : 2 * groups);
+    std::vector<float> buf(std::is_same_v<sc_t, float> ? 0 : 2 * groups * kSub);
     for (int64_t n = n0; n < n1; ++n) {
-      const RowGroups rg = row_groups(scale, zero, n, groups, buf.data());
+      const RowGroups rg = row_groups(scale, zero, n, groups * kSub, buf.data());
       for (int64_t g = 0; g < groups; ++g) {
         const int64_t at_g = n * groups + g;
-        const float s = rg.scale[g], z = rg.zero == nullptr ? 0.f : rg.zero[g];
+        const float* sg = rg.scale + g * kSub;  // the group's scale, or its two 16-weight ones
+        const float s = sg[0], z = rg.zero == nullptr ? 0.f : rg.zero[g];
         out_t* o = out + n * K + g * kGroup;
 #ifndef DEJA_SCALAR_QUANT
         if constexpr (std::is_same_v<out_t, float> || std::is_same_v<out_t, c10::BFloat16>) {
@@ -377,8 +393,9 @@ void expand(const void* qs, const sc_t* scale, const sc_t* zero, out_t* out, int
           } else {
             q8_group(static_cast<const int8_t*>(qs) + at_g * kGroup, w);
           }
-          const vec sv = vset(s), zv = vset(z);
+          const vec zv = vset(z);
           for (int i = 0; i < kVecs; ++i) {
+            const vec sv = vset(sg[i * kSub / kVecs]);
             store(o + i * kLanes, kQ4 ? vfma(w[i], sv, zv) : vmul(w[i], sv));
           }
           continue;
@@ -392,7 +409,9 @@ void expand(const void* qs, const sc_t* scale, const sc_t* zero, out_t* out, int
           }
         } else {
           const int8_t* q = static_cast<const int8_t*>(qs) + at_g * kGroup;
-          for (int j = 0; j < kGroup; ++j) o[j] = static_cast<out_t>(static_cast<float>(q[j]) * s);
+          for (int j = 0; j < kGroup; ++j) {
+            o[j] = static_cast<out_t>(static_cast<float>(q[j]) * sg[j * kSub / kGroup]);
+          }
         }
       }
     }
@@ -406,7 +425,13 @@ at::Tensor dequant(const at::Tensor& qs, const at::Tensor& scale, const c10::opt
   at::Tensor out = at::empty({N, K}, qs.options().dtype(dtype));
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, dtype, "quant_dequant", [&] {
     with_groups(scale, zero.has_value() ? &*zero : nullptr, [&](auto* s, auto* z) {
-      expand<kQ4, scalar_t>(qs.data_ptr(), s, z, out.data_ptr<scalar_t>(), N, K);
+      if constexpr (kQ4) {
+        expand<true, 1, scalar_t>(qs.data_ptr(), s, z, out.data_ptr<scalar_t>(), N, K);
+      } else if (scale.size(1) * kGroup == 2 * K) {
+        expand<false, 2, scalar_t>(qs.data_ptr(), s, z, out.data_ptr<scalar_t>(), N, K);
+      } else {
+        expand<false, 1, scalar_t>(qs.data_ptr(), s, z, out.data_ptr<scalar_t>(), N, K);
+      }
     });
   });
   return out;

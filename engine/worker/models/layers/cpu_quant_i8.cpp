@@ -277,7 +277,11 @@ at::Tensor q4_linear_i8(const at::Tensor& x, const at::Tensor& qs, const at::Ten
   return linear_i8<true>(x, qs, scale, &zero);
 }
 
+// A weight whose scales cover 16 weights each (Q6_K) takes the float product.
 at::Tensor q8_linear_i8(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& scale) {
+  if (scale.dim() == 2 && qs.dim() == 2 && scale.size(1) * kGroup == 2 * qs.size(1)) {
+    return q8_linear(x, qs, scale);
+  }
   return linear_i8<false>(x, qs, scale, nullptr);
 }
 

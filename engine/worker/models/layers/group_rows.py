@@ -9,7 +9,10 @@ exactly:
 - Q4_K (256-weight super-blocks: fp16 d and dmin, eight 6-bit scales sc and mins m, 256 nibbles):
   sub-block j of 32 weights is w = d sc_j q - dmin m_j, so scale = d sc_j, zero = 8 scale -
   dmin m_j (the type most of a Q4_K_M file's linears are in);
-- Q8_0 (fp16 d, 32 int8 q): w = d * q (the demo file's tied embedding and LM head).
+- Q8_0 (fp16 d, 32 int8 q): w = d * q (the demo file's tied embedding and LM head);
+- Q6_K (256-weight super-blocks: fp16 d, sixteen int8 scales sc, 6-bit q): sub-block j of 16
+  weights is w = d sc_j (q - 32), so an 8-bit q - 32 with scale = d sc_j every 16 inputs (the type
+  of a Q4_K_M file's LM head and of some of its v and down projections).
 """
 
 from __future__ import annotations
@@ -89,12 +92,13 @@ def _unpack_q4_k(rows: QuantizedRows) -> Int4Rows:
 
 
 class Q8Rows(NamedTuple):
-    """A weight in 8-bit groups of 32 inputs: w = q * scale (GGUF's Q8_0)."""
+    """A weight in 8-bit groups of 32 inputs: w = q * scale (GGUF's Q8_0); or with a scale every
+    16 inputs (Q6_K)."""
 
     q: np.ndarray
     """int8 [N, K]."""
     scale: np.ndarray
-    """float32 [N, K / 32]."""
+    """float32 [N, K / 32], or [N, K / 16]."""
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -110,10 +114,29 @@ def unpack_q8_0(rows: QuantizedRows) -> Q8Rows:
     return Q8Rows(q, _fp16(blocks, 0))
 
 
+def unpack_q6_k(rows: QuantizedRows) -> Q8Rows:
+    """A Q6_K weight (super-blocks of 256: 128 bytes of low 4 bits, 64 of high 2 bits, sixteen
+    int8 scales, fp16 d; 210 bytes) as q - 32 in int8 with scale d sc_j every 16 inputs. The q
+    values come from gguf's own dequantization of the blocks with every scale and d set to 1."""
+    from gguf import GGMLQuantizationType as T
+    from gguf import quants
+
+    n, k = rows.shape
+    blocks = rows.blocks.reshape(n * k // 256, 210)
+    sc = blocks[:, 192:208].copy().view(np.int8).astype(np.float32)  # [blocks, 16]
+    d = _fp16(blocks, 208)[:, None]
+    ones = blocks.copy()
+    ones[:, 192:208] = 1
+    ones[:, 208:210] = np.array([1.0], dtype=np.float16).view(np.uint8)
+    q = quants.dequantize(ones, T.Q6_K).reshape(n, k)  # q - 32, exact in float32
+    return Q8Rows(q.astype(np.int8), (d * sc).reshape(n, k // 16))
+
+
 INT4_TYPES = ("Q4_0", "Q4_1", "Q4_K")
 """GGUF types whose linears stay 4-bit (Int4Linear)."""
-KEPT_TYPES = (*INT4_TYPES, "Q8_0")
-"""GGUF types whose linears stay quantized (Q8_0 as a Q8Linear); the others are expanded."""
+KEPT_TYPES = (*INT4_TYPES, "Q8_0", "Q6_K")
+"""GGUF types whose linears stay quantized (Q8_0 and Q6_K as a Q8Linear); the others are
+expanded."""
 
 
 @dataclass(frozen=True)
@@ -132,6 +155,8 @@ def gguf_int4(quantized: Mapping[str, QuantizedRows]) -> Int4Sources:
 
     def rows(name: str) -> Int4Rows | Q8Rows:
         r = quantized[name]
+        if r.kind.name == "Q6_K":
+            return unpack_q6_k(r)
         return unpack_q8_0(r) if r.kind.name == "Q8_0" else unpack(r)
 
     return Int4Sources(shapes, rows)

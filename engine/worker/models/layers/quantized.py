@@ -181,7 +181,8 @@ class Int4Linear(GroupedLinear):
 
 
 class Q8Linear(GroupedLinear):
-    """A weight in 8-bit groups of 32 inputs: w = q * scale (GGUF's Q8_0)."""
+    """A weight in 8-bit groups of 32 inputs: w = q * scale (GGUF's Q8_0), or with a scale every
+    16 inputs (GGUF's Q6_K, q its 6-bit value minus 32)."""
 
     def __init__(
         self, q: np.ndarray, scale: np.ndarray, bias: torch.Tensor | None, dtype: torch.dtype
@@ -201,13 +202,14 @@ class Q8Linear(GroupedLinear):
         if self._ops is not None:
             return self._ops.q8_dequant(self.qs, self.scale, dtype)
         n, k = self.out_features, self.in_features
-        w = self.qs.view(n, k // GROUP, GROUP).float() * self.scale.float()[..., None]
+        groups = self.scale.shape[1]
+        w = self.qs.view(n, groups, k // groups).float() * self.scale.float()[..., None]
         return w.view(n, k).to(dtype)
 
     def rows(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """Rows `ids` of the dequantized weight [len(ids), in] (a tied embedding's lookup)."""
-        n = ids.numel()
-        q = self.qs[ids].view(n, -1, GROUP).float()
+        n, groups = ids.numel(), self.scale.shape[1]
+        q = self.qs[ids].view(n, groups, -1).float()
         return (q * self.scale[ids].float()[..., None]).view(n, self.in_features).to(dtype)
 
 
@@ -388,7 +390,7 @@ def quantize_embedding(model: nn.Module, rows: QuantizedRows | None, blocks: boo
     dtype = embedding.weight.dtype
     head = getattr(model, "lm_head", None)
     tied = getattr(model, "tie_word_embeddings", False)
-    if tied and isinstance(head, Q8Linear) and rows.kind.name == "Q8_0":
+    if tied and isinstance(head, Q8Linear) and rows.kind.name in ("Q8_0", "Q6_K"):
         inner.embed_tokens = HeadRowsEmbedding(head, dtype)  # type: ignore[union-attr]
     elif not blocks:
         return False
@@ -414,18 +416,35 @@ def quantize_linears(model: nn.Module, sources: Int4Sources, rename: Mapping[str
         if not fits(linear.out_features, linear.in_features):
             continue
         ordered = [sources.unpack(n) for _, n in sorted(parts)]
+        if len({type(u) for u in ordered}) > 1:
+            continue  # 4-bit and 8-bit shards of one fused weight: stays dense
+        ordered = _common_groups(ordered)
         f = [np.concatenate([u[i] for u in ordered]) for i in range(len(ordered[0]))]
         dtype = linear.weight.dtype
-        if all(isinstance(u, Int4Rows) for u in ordered):
-            layer: GroupedLinear = Int4Linear(f[0], f[1], f[2], linear.bias, dtype)
-        elif all(isinstance(u, Q8Rows) for u in ordered):
-            layer = Q8Linear(f[0], f[1], linear.bias, dtype)
+        layer: GroupedLinear
+        if isinstance(ordered[0], Int4Rows):
+            layer = Int4Linear(f[0], f[1], f[2], linear.bias, dtype)
         else:
-            continue  # 4-bit and 8-bit shards of one fused weight: stays dense
+            layer = Q8Linear(f[0], f[1], linear.bias, dtype)
         del ordered, f
         setattr(parent, attr, layer)
         replaced += 1
     return replaced
+
+
+def _common_groups(parts: list[Int4Rows | Q8Rows]) -> list[Int4Rows | Q8Rows]:
+    """A fused weight's 8-bit shards with one scale width: where one has a scale every 16 inputs
+    (Q6_K), the others' scales repeated to 16 (exact)."""
+    widths = {u.scale.shape[1] for u in parts if isinstance(u, Q8Rows)}
+    if len(widths) < 2:
+        return parts
+    wide = max(widths)
+    return [
+        Q8Rows(u.q, np.repeat(u.scale, wide // u.scale.shape[1], axis=1))
+        if isinstance(u, Q8Rows)
+        else u
+        for u in parts
+    ]
 
 
 def _weight_sources(
