@@ -10,7 +10,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -123,8 +123,25 @@ def model_fingerprint(
     return h.hexdigest()
 
 
+Slices = dict[str, TPSlice | None]
+"""Tensor parallelism: a checkpoint name -> the (dim, start, length) part a rank reads, None for
+none; names absent are read whole (layers/weights.py's slice_map)."""
+
+
+def narrowed(
+    weights: Iterable[tuple[str, torch.Tensor]], slices: Slices | None
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """`weights` read whole (a GGUF file's, an AWQ / GPTQ folder's dequantized), each cut to this
+    rank's part of it."""
+    for name, tensor in weights:
+        if slices is None or name not in slices:
+            yield name, tensor
+        elif (part := slices[name]) is not None:
+            yield name, tensor.narrow(*part)
+
+
 def iter_weights(
-    path: str | Path, slices: dict[str, TPSlice | None] | None = None
+    path: str | Path, slices: Slices | None = None
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """(name, tensor) for every weight of every weight file, read lazily on the CPU; KV-cache
     scales (`layers.N.self_attn.k_scale`, ...) are not weights: kv_calibration.py reads them.
@@ -160,28 +177,22 @@ def load_model(
     gguf = find_gguf(model_config.path)
     int4 = None if gguf is not None else read_format(hf_config)
     keep_quantized = _keep_quantized(model_config, gguf, int4, device, backend.name)
-    if gguf is not None and tp is not None:
-        raise ValueError("a GGUF model runs on one rank: use tensor_parallel_size 1")
-    if int4 is not None and tp is not None:
-        raise ValueError(
-            f"an {int4.method.upper()} checkpoint runs on one rank: use tensor_parallel_size 1"
-        )
     safetensors_files(model_config.path)  # fail on missing weights before building the model
     dtype: torch.dtype = getattr(torch, model_config.dtype)
     with torch.no_grad():
         model = model_cls(hf_config, dtype, backend, tp)
+        slices = slice_map(model) if tp is not None else None
         if int4 is not None:
-            kept = _load_int4(model, model_config.path, Int4Checkpoint(int4, keep_quantized))
+            checkpoint = Int4Checkpoint(int4, keep_quantized)
+            kept = _load_int4(model, model_config.path, checkpoint, slices)
             model.weight_quantization = int4.method if kept else "none"
         elif gguf is None:
-            slices = slice_map(model) if tp is not None else None
             model.load_weights(iter_weights(model_config.path, slices))
             if keep_quantized and _quantize_at_load(model, model_config.quantization):
                 model.weight_quantization = model_config.quantization
         else:
-            kept = _load_gguf(
-                model, GGUFCheckpoint(gguf, hf_config), keep_quantized, device.type == "cpu"
-            )
+            source = GGUFCheckpoint(gguf, hf_config)
+            kept = _load_gguf(model, source, keep_quantized, device.type == "cpu", slices)
             model.weight_quantization = "gguf" if kept else "none"
         model = model.to(device)
         if model_config.activations == "int8":
@@ -255,12 +266,17 @@ def _quantize_at_load(model: CausalLM, kind: str) -> int:
     return replaced
 
 
-def _load_int4(model: CausalLM, path: str, checkpoint: Int4Checkpoint) -> int:
+def _load_int4(
+    model: CausalLM, path: str, checkpoint: Int4Checkpoint, slices: Slices | None
+) -> int:
     """Loads an AWQ / GPTQ folder (each linear dequantized), then, where the checkpoint keeps
     them, swaps its linears for Int4Linears; logs the format and the weights' resident bytes
-    against the packed ones; returns how many it swapped."""
-    model.load_weights(checkpoint.weights(iter_weights(path)))
-    replaced = quantize_linears(model, checkpoint.sources(), model.checkpoint_renames)
+    against the packed ones; returns how many it swapped. With tensor-parallel `slices`, this
+    rank's parts of each (a linear is unpacked whole, then cut)."""
+    model.load_weights(narrowed(checkpoint.weights(iter_weights(path)), slices))
+    sources = checkpoint.sources()
+    sources = sources if slices is None else sources.sliced(slices)
+    replaced = quantize_linears(model, sources, model.checkpoint_renames)
     checkpoint.packed.clear()
     fmt = checkpoint.fmt
     log.info(
@@ -276,18 +292,24 @@ def _load_int4(model: CausalLM, path: str, checkpoint: Int4Checkpoint) -> int:
 
 
 def _load_gguf(
-    model: CausalLM, checkpoint: GGUFCheckpoint, keep_quantized: bool, on_cpu: bool
+    model: CausalLM,
+    checkpoint: GGUFCheckpoint,
+    keep_quantized: bool,
+    on_cpu: bool,
+    slices: Slices | None,
 ) -> int:
     """Loads a GGUF file's tensors (dequantized), then swaps the linears whose tensors were 4-bit
     for quantized ones (and, on the CPU, a quantized embedding for one over its blocks); logs
     the types and the weights' resident bytes against the file's; returns how many layers it
-    swapped."""
-    model.load_weights(checkpoint.weights(keep_quantized))
+    swapped. With tensor-parallel `slices`, this rank's parts of each."""
+    model.load_weights(narrowed(checkpoint.weights(keep_quantized), slices))
     quantized = checkpoint.quantized
     embedding = quantized.get("model.embed_tokens.weight")
     if model.tie_word_embeddings and embedding is not None:
         quantized.setdefault("lm_head.weight", embedding)  # a 4-bit one becomes an Int4Linear
-    replaced = quantize_linears(model, gguf_int4(quantized), model.checkpoint_renames)
+    sources = gguf_int4(quantized)
+    sources = sources if slices is None else sources.sliced(slices)
+    replaced = quantize_linears(model, sources, model.checkpoint_renames)
     replaced += quantize_embedding(model, embedding, blocks=on_cpu)
     quantized.clear()
     types = sorted(set(checkpoint.types.values()))

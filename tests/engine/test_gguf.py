@@ -15,7 +15,14 @@ from engine import LLM, SamplingParams
 from engine.testing.tiny_gguf import quantized_blocks, write_gguf
 from engine.testing.tiny_models import build_tiny_llama
 from engine.worker.gguf_checkpoint import QuantizedRows, find_gguf
-from engine.worker.models.layers.group_rows import unpack, unpack_q6_k, unpack_q8_0
+from engine.worker.models.layers.group_rows import (
+    Int4Rows,
+    Int4Sources,
+    Q8Rows,
+    unpack,
+    unpack_q6_k,
+    unpack_q8_0,
+)
 from engine.worker.models.layers.quantized import (
     GEMV_ROWS,
     GroupedLinear,
@@ -354,3 +361,46 @@ def test_q4_k_m_file_with_q6_k_matches_transformers(tmp_path: Path) -> None:
         prompts, SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
     )
     assert [o.outputs[0].token_ids for o in outs] == want
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("which", ["llama", "qwen2"])
+def test_gguf_on_two_ranks(which: str, llama_gguf: Path, qwen2_gguf: Path) -> None:
+    """Tensor parallelism over a GGUF file: each rank keeps its part of every kept linear (the
+    output rows of the column-parallel ones, whole groups of the inputs of the row-parallel o
+    and down projections, its vocabulary rows of an untied head); greedy tokens equal
+    transformers' on the file's dequantized weights."""
+    file = llama_gguf if which == "llama" else qwen2_gguf
+    prompts = shared_prefix_prompts(512, 8, 300, seed=4)
+    want, _ = hf_reference(file.parent, prompts, MAX_TOKENS, gguf_file=file.name)
+    llm = LLM(str(file), dtype="float32", tensor_parallel_size=2, num_device_blocks=256)
+    model = llm.engine.core.executor.driver.model
+    kept = [n for n, m in model.named_modules() if isinstance(m, GroupedLinear)]
+    # llama: 2 x (qkv, o, gate_up), layer 1's down, the head; qwen2: 2 x 4 (its head is tied)
+    assert len(kept) == 8, kept
+    outs = llm.generate(
+        prompts, SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    )
+    assert [o.outputs[0].token_ids for o in outs] == want
+    llm.engine.core.executor.close()
+
+
+def test_sources_cut_for_a_rank_keep_whole_groups_only() -> None:
+    """A rank's part of a kept weight: output rows as they are; inputs in whole groups of 32 (a
+    Q6_K weight's 16-input scales cut with them); a part that splits a group is left out (that
+    linear is expanded), as is a weight the rank holds none of."""
+    from gguf import GGMLQuantizationType
+
+    rows4, _ = _rows("Q4_1", 8, 128)
+    q6 = GGMLQuantizationType.Q6_K
+    raw6 = quantized_blocks(np.ones((8, 256), np.float32), q6, np.random.default_rng(0))
+    rows6 = unpack_q6_k(QuantizedRows(q6, raw6, (8, 256)))
+    four = unpack(rows4)
+    whole: dict[str, Int4Rows | Q8Rows] = {"a": four, "b": four, "c": rows6, "d": rows6, "e": rows6}
+    sources = Int4Sources({n: r.shape for n, r in whole.items()}, whole.__getitem__)
+    part = sources.sliced({"a": (0, 2, 4), "b": (1, 48, 32), "c": (1, 64, 128), "d": None})
+    assert dict(part.shapes) == {"a": (4, 128), "c": (8, 128), "e": (8, 256)}
+    a = part.unpack("a")
+    assert all(np.array_equal(x, y[2:6]) for x, y in zip(a, whole["a"], strict=True))
+    c = part.unpack("c")
+    assert np.array_equal(c.q, rows6.q[:, 64:192]) and np.array_equal(c.scale, rows6.scale[:, 4:12])

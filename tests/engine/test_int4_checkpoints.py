@@ -273,3 +273,17 @@ def test_load_time_int4_on_two_ranks(tiny_qwen2_path: Path, tmp_path: Path) -> N
     assert llm.engine.model_info.quantization == "int4"
     assert _greedy(llm, prompts) == hf_greedy(reference, prompts, MAX_TOKENS)
     llm.engine.core.executor.close()
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("case", FULL)
+def test_int4_folder_on_two_ranks(case: str, folders: dict[str, tuple[Path, Path]]) -> None:
+    """Each rank keeps its part of every 4-bit linear (output rows, or whole groups of 32 of a
+    row-parallel layer's inputs: a group of 64 or 128 split between ranks keeps its scale);
+    tokens equal transformers' on the dequantized folder."""
+    packed, reference = folders[case]
+    prompts = shared_prefix_prompts(512, 8, 300, seed=6)
+    llm = LLM(str(packed), dtype="float32", tensor_parallel_size=2, num_device_blocks=256)
+    assert len(_int4_layers(llm)) == 8, _int4_layers(llm)
+    assert _greedy(llm, prompts) == hf_greedy(reference, prompts, MAX_TOKENS)
+    llm.engine.core.executor.close()

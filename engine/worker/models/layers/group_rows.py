@@ -148,6 +148,38 @@ class Int4Sources:
     shapes: Mapping[str, tuple[int, int]]
     unpack: Callable[[str], Int4Rows | Q8Rows]
 
+    def sliced(self, slices: Mapping[str, tuple[int, int, int] | None]) -> Int4Sources:
+        """This tensor-parallel rank's parts (`slices` as model_loader.iter_weights takes them:
+        name -> (dim, start, length), None for none, absent for all): output rows as they are,
+        inputs where the part is whole groups of 32 (else the weight is left out: expanded)."""
+        shapes: dict[str, tuple[int, int]] = {}
+        for name, (n, k) in self.shapes.items():
+            if name not in slices:
+                shapes[name] = (n, k)
+                continue
+            part = slices[name]
+            if part is None or (part[0] == 1 and (part[1] % GROUP or part[2] % GROUP)):
+                continue
+            shapes[name] = (part[2], k) if part[0] == 0 else (n, part[2])
+
+        def rows(name: str) -> Int4Rows | Q8Rows:
+            whole = self.unpack(name)
+            if name not in slices:
+                return whole
+            dim, start, length = slices[name] or (0, 0, 0)
+            per = whole.q.shape[1] // whole.scale.shape[1]  # inputs a scale covers (32 or 16)
+            parts = [
+                np.ascontiguousarray(
+                    a[start : start + length]
+                    if dim == 0
+                    else a[:, (start // step) : (start + length) // step]
+                )
+                for a, step in zip(whole, (1, per, per), strict=False)
+            ]
+            return type(whole)(*parts)
+
+        return Int4Sources(shapes, rows)
+
 
 def gguf_int4(quantized: Mapping[str, QuantizedRows]) -> Int4Sources:
     """The kept tensors (KEPT_TYPES) of a GGUF file's quantized ones."""
