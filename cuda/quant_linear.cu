@@ -78,9 +78,10 @@ template <typename T>
 __device__ __forceinline__ void write_rows(T* out, float* acc, int rows, int n, int out_features) {
 #pragma unroll
   for (int m = 0; m < GEMV_MAX_ROWS; ++m) {
+    if (m >= rows) break;  // (rows is the same for every lane: the warp leaves together)
     float v = acc[m];
     for (int mask = 16; mask > 0; mask >>= 1) v += __shfl_xor_sync(0xffffffffu, v, mask);
-    if (m < rows && n < out_features && threadIdx.x % 32 == 0) {
+    if (n < out_features && threadIdx.x % 32 == 0) {
       out[static_cast<long long>(m) * out_features + n] = from_float<T>(v);
     }
   }

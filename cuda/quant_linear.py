@@ -97,7 +97,7 @@ def _linear(
     rows = int(x.shape[0])
     check(rows <= GEMV_ROWS, lambda: f"{kind}_linear takes up to {GEMV_ROWS} rows, got {rows}")
     extra = (np.int32(sub),) if zero is None else (ptr(zero),)
-    device = check_cuda(x=x, qs=qs, scale=scale)
+    device = check_cuda(x=x, qs=qs, scale=scale, **({} if zero is None else {"zero": zero}))
     out = torch.empty((rows, n), dtype=x.dtype, device=x.device)
     if rows:
         launch(
@@ -119,7 +119,7 @@ def _dequant(
 ) -> torch.Tensor:
     n, k, sub = _weight(kind, qs, scale, zero)
     check(dtype in DTYPE_NAMES, lambda: f"dtype must be one of {DTYPES}, got {dtype}")
-    device = check_cuda(qs=qs, scale=scale)
+    device = check_cuda(qs=qs, scale=scale, **({} if zero is None else {"zero": zero}))
     out = torch.empty((n, k), dtype=dtype, device=qs.device)
     groups = n * (k // GROUP)
     if groups:

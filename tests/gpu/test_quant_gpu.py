@@ -1,5 +1,5 @@
 """Weights kept quantized on a GPU (cuda/quant_linear.cu through the cupy backend): a GGUF file's
-Q4_0 / Q4_1 / Q8_0 linears (and a tied Q8_0 head) stay 4- and 8-bit on the device, decode takes
+Q4_0 / Q4_1 / Q4_K / Q8_0 / Q6_K linears (and a tied Q8_0 head) stay 4- and 8-bit on the device, decode takes
 the product on the groups and prefill the expansion; greedy float32 tokens against transformers
 on the file's dequantized weights on the same GPU (test_engine_gpu's near-tie rule), and bf16
 against the same model expanded at load."""
@@ -23,15 +23,14 @@ from engine.worker.models.layers.quantized import GroupedLinear  # noqa: E402
 from tests.engine.test_gguf import LLAMA_TYPES, QWEN2_TYPES  # noqa: E402
 from tests.gpu import test_engine_gpu as eng  # noqa: E402
 
+D64 = {"hidden_size": 256, "num_attention_heads": 4}
+KQUANTS = {"down_proj": "Q6_K", "_proj": "Q4_K", "lm_head": "Q6_K"}
+"""A Q4_K_M-like file: float32 scales (and zeros), 16-input Q6_K scales, 2048-input down
+projections (64 groups a row: more than a warp's lanes)."""
 FILES = {
-    "llama-d64": (
-        lambda d: build_tiny_llama(d, hidden_size=256, num_attention_heads=4),
-        LLAMA_TYPES,
-    ),
-    "qwen2-d64": (
-        lambda d: build_tiny_qwen2(d, hidden_size=256, num_attention_heads=4),
-        QWEN2_TYPES,
-    ),
+    "llama-d64": (lambda d: build_tiny_llama(d, **D64), LLAMA_TYPES),
+    "qwen2-d64": (lambda d: build_tiny_qwen2(d, **D64), QWEN2_TYPES),
+    "llama-kquants": (lambda d: build_tiny_llama(d, intermediate_size=2048, **D64), KQUANTS),
 }
 
 

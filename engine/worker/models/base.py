@@ -275,9 +275,9 @@ class CausalLM(nn.Module):
         kept = [m for m in self.modules() if isinstance(m, GroupedLinear)]
         if kernels is None or not kept:
             why = (
-                "they are not loaded"
+                "they are not loaded (int8 activations are a CPU path)"
                 if kept
-                else "this model keeps none (a 16-bit checkpoint, quantization none, or a GPU)"
+                else "this model keeps none (a 16-bit checkpoint, or quantization none)"
             )
             raise ValueError(
                 "activations int8 multiplies weights kept 4- or 8-bit with the C++ CPU "

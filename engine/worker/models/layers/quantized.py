@@ -2,19 +2,21 @@
 inputs, multiplied without a dense copy.
 
 `Int4Linear` holds a weight as 4-bit q with a scale and zero a group, w = (q - 8) * scale + zero;
-`Q8Linear` as int8 q with a scale a group, w = q * scale (the rows of group_rows.py: GGUF blocks
-map onto them exactly).
+`Q8Linear` as int8 q with a scale a group (or every 16 inputs: Q6_K), w = q * scale (the rows of
+group_rows.py: GGUF blocks map onto them exactly).
 
-Both layers take two paths where the C++ kernels are loaded (`use_kernel`; cpu_quant.cpp):
-- up to GEMV_ROWS rows (decode): a product on the groups that reads each weight byte once for
-  every row and dequantizes nothing (float32 sums, whatever the activations' dtype);
+Both layers take two paths where deja's kernels are handed to them (`use_kernel`: cpu_quant.cpp
+on the CPU, cuda/quant_linear.cu on CUDA):
+- up to GEMV_ROWS rows on the CPU, quant_linear.GEMV_ROWS (8) on CUDA (decode): a product on the
+  groups that reads each weight byte once for every row and dequantizes nothing (float32 sums,
+  whatever the activations' dtype);
 - more rows (prefill): the weight expanded once per call to the activations' dtype, then a
   dense product.
 Without the kernels, torch ops expand the weight. Every path is the dequantized weight's product
 up to summation order (the parity tests' float32 mode). A group's scale (and zero) stays the
 file's float16 pair where that is exact (Q4_0, Q4_1, Q8_0: `_fp16_pair`), else float32 (Q4_K,
-AWQ, GPTQ, load-time int4). Resident bytes a weight: 0.625 for 4-bit and 1.0625 for 8-bit with
-float16 pairs (the file's own), 0.75 and 1.125 with float32.
+AWQ, GPTQ, load-time int4, Q6_K). Resident bytes a weight: 0.625 for 4-bit and 1.0625 for 8-bit
+with float16 pairs (the file's own), 0.75 and 1.125 with float32, 1.25 for Q6_K.
 
 NOTE: measured on a 2-core AMD EPYC (AVX-512), torch 2.13, float32, the weight in cache, ms a
 call (product on the groups / a dense float32 weight, plain product): a 3072 x 576 weight at 1 row
@@ -29,7 +31,7 @@ In a model (weights streamed from memory, not cache) the 4-bit layers of the dem
 
 `quantize_linears` swaps every nn.Linear whose checkpoint tensors were all kept quantized (fused
 projections included: their shards' rows are concatenated, all 4-bit or all 8-bit) for one of
-them, after the model has loaded (CPU only).
+them, after the model has loaded.
 """
 
 from __future__ import annotations
@@ -400,9 +402,9 @@ def quantize_embedding(model: nn.Module, rows: QuantizedRows | None, blocks: boo
 
 
 def quantize_linears(model: nn.Module, sources: Int4Sources, rename: Mapping[str, str]) -> int:
-    """Replaces each nn.Linear of `model` whose weight rows all came from 4-bit tensors of
-    `sources` (transformers names; `rename` as the model's load_checkpoint used) by an
-    Int4Linear; returns how many it replaced. Call after loading, before packing for the CPU."""
+    """Replaces each nn.Linear of `model` whose weight rows all came from kept tensors of
+    `sources` (transformers names; `rename` as the model's load_checkpoint used), all 4-bit or
+    all 8-bit, by an Int4Linear or a Q8Linear; returns how many it replaced. Call after loading, before packing for the CPU."""
     replaced = 0
     for module_name, parts in _weight_sources(model, sources.shapes, rename).items():
         parent_name, _, attr = module_name.rpartition(".")
