@@ -14,10 +14,11 @@
 //   Q8_0). A scale may instead cover 16 weights ([N, K / 16]: GGUF's Q6_K, whose sub-blocks of
 //   16 each have their own; q is the 6-bit value minus 32).
 //
-// The few-row product reads each weight byte once for all rows (at most 4 at a time) and
-// dequantizes nothing: per group and row it sums (q - 8) x in float32 vectors, then adds that
-// times the scale, and the zero times the group's sum of x (computed once per call). Integers
-// below 2^24 convert exactly, so it is the dequantized weight's product up to summation order.
+// The few-row product reads each weight byte once for all rows (at most 8 at a time with
+// AVX-512, 4 with AVX2) and dequantizes nothing: per group and row it sums (q - 8) x in float32
+// vectors, then adds that times the scale, and the zero times the group's sum of x (computed once
+// per call). Integers below 2^24 convert exactly, so it is the dequantized weight's product up to
+// summation order.
 // Activations of any floating type are read as float32; the output takes their type.
 
 #include "cpu_ops.h"
@@ -36,7 +37,11 @@
 namespace {
 
 constexpr int64_t kGroup = 32;
+#if defined(__AVX512F__)
+constexpr int kMaxRows = 8;  // 8 rows' sums and a group's 2 vectors fit 32 registers
+#else
 constexpr int kMaxRows = 4;
+#endif
 
 #if defined(__AVX512F__)
 using vec = __m512;
@@ -232,7 +237,8 @@ void rows_product(const float* x, const float* xsum, int64_t K, const void* qs, 
 template <bool kQ4, int kSub, typename sc_t>
 void product(const float* x, const float* xsum, int64_t M, int64_t K, const void* qs,
              const sc_t* scale, const sc_t* zero, float* out, int64_t N) {
-  // Each thread takes a contiguous range of weight rows and streams it once per 4 input rows.
+  // Each thread takes a contiguous range of weight rows and streams it once per kMaxRows input
+  // rows.
   const int64_t grain = std::max<int64_t>(16, N / (4 * at::get_num_threads()));
   at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {
     for (int64_t m = 0; m < M; m += kMaxRows) {
@@ -243,7 +249,15 @@ void product(const float* x, const float* xsum, int64_t M, int64_t K, const void
         case 1: rows_product<1, kQ4, kSub, sc_t>(xm, sm, K, qs, scale, zero, om, N, n0, n1); break;
         case 2: rows_product<2, kQ4, kSub, sc_t>(xm, sm, K, qs, scale, zero, om, N, n0, n1); break;
         case 3: rows_product<3, kQ4, kSub, sc_t>(xm, sm, K, qs, scale, zero, om, N, n0, n1); break;
-        default: rows_product<4, kQ4, kSub, sc_t>(xm, sm, K, qs, scale, zero, om, N, n0, n1); break;
+        case 4: rows_product<4, kQ4, kSub, sc_t>(xm, sm, K, qs, scale, zero, om, N, n0, n1); break;
+#if defined(__AVX512F__)
+        case 5: rows_product<5, kQ4, kSub, sc_t>(xm, sm, K, qs, scale, zero, om, N, n0, n1); break;
+        case 6: rows_product<6, kQ4, kSub, sc_t>(xm, sm, K, qs, scale, zero, om, N, n0, n1); break;
+        case 7: rows_product<7, kQ4, kSub, sc_t>(xm, sm, K, qs, scale, zero, om, N, n0, n1); break;
+        default: rows_product<8, kQ4, kSub, sc_t>(xm, sm, K, qs, scale, zero, om, N, n0, n1); break;
+#else
+        default: break;
+#endif
       }
     }
   });
