@@ -152,6 +152,25 @@ def test_loader_refuses_what_the_kernels_do_not_take() -> None:
         quant_linear.q4_linear(torch.randn(2, 64), layer.qs, layer.scale, layer.zero)
 
 
+def _on_the_cuda_kernels(emulator: Emulator, monkeypatch: pytest.MonkeyPatch) -> None:
+    """From here on, a model loaded on the CPU takes deja's CUDA kernels for its norms, RoPE,
+    SiLU and kept linears (emulated), as the cupy backend hands them, instead of the CPU ones."""
+    from engine.worker.models.base import CausalLM
+
+    emulator.install(monkeypatch)
+    emulator.launches.clear()
+    monkeypatch.setattr(
+        CausalLM,
+        "use_cpu_layout",
+        lambda self, kernels=None: self.use_kernels(layers, quant_linear),
+    )
+
+
+def _used(emulator: Emulator) -> set[str]:
+    """The kernels launched, without their template arguments."""
+    return {name.split("<")[0] for name, _, _ in emulator.launches}
+
+
 @pytest.mark.parametrize("which", ["llama", "qwen2"])
 def test_gguf_model_on_the_cuda_kernels_matches_transformers(
     which: str,
@@ -165,26 +184,19 @@ def test_gguf_model_on_the_cuda_kernels_matches_transformers(
     a tied Q8_0 head) and its norms, RoPE and SiLU on deja's CUDA kernels, as the cupy backend
     runs them, against transformers on the file's dequantized weights; prefill takes the
     expansion, decode the product on the groups."""
-    from engine.worker.models.base import CausalLM
-
     src, types = (
         (tiny_llama_path, LLAMA_TYPES) if which == "llama" else (tiny_qwen2_path, QWEN2_TYPES)
     )
     file = write_gguf(src, tmp_path / f"{which}.gguf", types)
     prompts = [[5 + i for i in range(n)] for n in (3, 21)]
     want, _ = hf_reference(file.parent, prompts, 6, gguf_file=file.name)
-    emulator.install(monkeypatch)
-    emulator.launches.clear()
-    monkeypatch.setattr(
-        CausalLM,
-        "use_cpu_layout",
-        lambda self, kernels=None: self.use_kernels(layers, quant_linear),
-    )
+    _on_the_cuda_kernels(emulator, monkeypatch)
     llm = LLM(str(file), dtype="float32", quantization="gguf", num_device_blocks=32)
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
     assert [o.outputs[0].token_ids for o in outs] == want
-    used = {name.split("<")[0] for name, _, _ in emulator.launches}
-    assert {"deja::q4_gemv_kernel", "deja::q4_dequant_kernel", "deja::q8_gemv_kernel"} <= used
+    assert {"deja::q4_gemv_kernel", "deja::q4_dequant_kernel", "deja::q8_gemv_kernel"} <= _used(
+        emulator
+    )
 
 
 @pytest.mark.parametrize("kind", ["int4", "int8"])
@@ -206,14 +218,7 @@ def test_load_time_quantized_model_on_the_cuda_kernels(
 
     monkeypatch.setattr(CausalLM, "use_cpu_layout", lambda self, kernels=None: None)
     want = run()
-    emulator.install(monkeypatch)
-    emulator.launches.clear()
-    monkeypatch.setattr(
-        CausalLM,
-        "use_cpu_layout",
-        lambda self, kernels=None: self.use_kernels(layers, quant_linear),
-    )
+    _on_the_cuda_kernels(emulator, monkeypatch)
     assert run() == want
     q = "q4" if kind == "int4" else "q8"
-    used = {name.split("<")[0] for name, _, _ in emulator.launches}
-    assert {f"deja::{q}_gemv_kernel", f"deja::{q}_dequant_kernel"} <= used
+    assert {f"deja::{q}_gemv_kernel", f"deja::{q}_dequant_kernel"} <= _used(emulator)
