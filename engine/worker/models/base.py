@@ -263,10 +263,14 @@ class CausalLM(nn.Module):
         rows): vocab x hidden more memory, for the largest product of every step.
 
         kernels: torch.ops.deja_cpu_attn (the C++ CPU kernels) when loaded: every RMSNorm and
-        RoPE then runs in one call (cpu_layers.cpp); None keeps torch's ops."""
+        RoPE then runs in one call (cpu_layers.cpp), and a model the compiled decoder stack takes
+        runs its decode steps in one (models/compiled.py); None keeps torch's ops."""
         pack_linears(self)
         if kernels is not None:
             self.use_kernels(kernels)
+            self.compiled, reason = CompiledStack.build(self, kernels)
+            compiled = "one C++ call a decode step" if self.compiled else reason
+            logger.info("decoder stack: %s", compiled)
 
     def quantize_activations(self, kernels: Any) -> None:
         """Every linear kept 4- or 8-bit multiplies int8-quantized activations from now on
@@ -298,8 +302,6 @@ class CausalLM(nn.Module):
                 module.use_kernel(ops if quant_ops is None else quant_ops)
             elif isinstance(module, RMSNorm | Attention | GatedMLP):
                 module.use_kernel(ops)
-        self.compiled, reason = CompiledStack.build(self, ops)
-        logger.info("decoder stack: %s", "one C++ call a decode step" if self.compiled else reason)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copies Hugging Face checkpoint tensors (names as in transformers) into our layout.
