@@ -52,10 +52,11 @@ class ModelConfig:
     model_id: str | None = None
     """Identity mixed into block hashes and reported by the API; None uses the folder name."""
     quantization: str = "auto"
-    """Quantized weights (CPU only): auto or gguf keeps a GGUF file's Q4_0 / Q4_1 / Q4_K linears
-    4-bit, its Q8_0 ones 8-bit and its embedding in its blocks (every other weight is expanded to
-    dtype); auto, awq or gptq keeps an AWQ / GPTQ folder's linears 4-bit; int4 / int8 quantize a
-    plain folder's projections at load; none expands everything to dtype."""
+    """Quantized weights (the CPU; CUDA with the cupy attention backend): auto or gguf keeps a
+    GGUF file's Q4_0 / Q4_1 / Q4_K linears 4-bit, its Q8_0 and Q6_K ones 8-bit and (CPU) its
+    embedding in its blocks (every other weight is expanded to dtype); auto, awq or gptq keeps an
+    AWQ / GPTQ folder's linears 4-bit; int4 / int8 quantize a plain folder's projections at load;
+    none expands everything to dtype."""
     activations: str = "float"
     """What a linear kept 4- or 8-bit multiplies (CPU): float, the activations as they are (the
     dequantized weight's product up to summation order, exact); int8, each row quantized to int8
