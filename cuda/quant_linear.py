@@ -11,6 +11,7 @@ Scales are float32, or float16 (a GGUF file's own pair, exact), one a group of 3
 from __future__ import annotations
 
 import functools
+from typing import Any
 
 import numpy as np
 import torch
@@ -46,9 +47,11 @@ def instantiations() -> list[str]:
 
 def _weight(
     kind: str, qs: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None
-) -> tuple[int, int, int]:
-    """(out_features, in_features, scales a group) of a kept weight; ValueError on a layout the
-    kernels do not take (cpu_quant.cpp's deja_cpu::check_weight, the same rules)."""
+) -> tuple[int, int, tuple[Any, ...], dict[str, torch.Tensor]]:
+    """(out_features, in_features, the weight's kernel arguments, its tensors by name for the
+    device check) of a kept weight; ValueError on a layout the kernels do not take
+    (cpu_quant.cpp's deja_cpu::check_weight, the same rules). The arguments end with zero's
+    pointer for 4-bit, the scales a group (1, or 2: every 16 inputs) for 8-bit."""
     check(
         qs.dim() == 2 and qs.dtype == (torch.uint8 if kind == "q4" else torch.int8),
         lambda: (
@@ -66,7 +69,9 @@ def _weight(
     tensors = [qs, scale] + ([] if zero is None else [zero])
     check(all(t.is_contiguous() for t in tensors), lambda: "qs, scale and zero must be contiguous")
     check(qs.data_ptr() % 16 == 0, lambda: "qs must be 16-byte aligned")
-    return n, k, sub
+    last = np.int32(sub) if zero is None else ptr(zero)
+    named = {"qs": qs, "scale": scale, **({} if zero is None else {"zero": zero})}
+    return n, k, (ptr(qs), ptr(scale), last), named
 
 
 def _check_groups(name: str, t: torch.Tensor, dtype: torch.dtype, n: int, groups: int) -> None:
@@ -86,7 +91,7 @@ def _linear(
     scale: torch.Tensor,
     zero: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    n, k, sub = _weight(kind, qs, scale, zero)
+    n, k, weight, named = _weight(kind, qs, scale, zero)
     check(
         x.dim() == 2 and x.shape[1] == k and x.stride(1) == 1 and x.dtype in DTYPE_NAMES,
         lambda: (
@@ -96,8 +101,7 @@ def _linear(
     )
     rows = int(x.shape[0])
     check(rows <= GEMV_ROWS, lambda: f"{kind}_linear takes up to {GEMV_ROWS} rows, got {rows}")
-    extra = (np.int32(sub),) if zero is None else (ptr(zero),)
-    device = check_cuda(x=x, qs=qs, scale=scale, **({} if zero is None else {"zero": zero}))
+    device = check_cuda(x=x, **named)
     out = torch.empty((rows, n), dtype=x.dtype, device=x.device)
     if rows:
         launch(
@@ -107,7 +111,7 @@ def _linear(
             grid=((n + GEMV_WARPS - 1) // GEMV_WARPS, 1, 1),
             block=(GEMV_WARPS * 32, 1, 1),
             args=(
-                *(ptr(out), ptr(x), ptr(qs), ptr(scale), *extra),
+                *(ptr(out), ptr(x), *weight),
                 *(np.int32(rows), np.int32(n), np.int32(k), np.int64(x.stride(0))),
             ),
         )
@@ -117,20 +121,19 @@ def _linear(
 def _dequant(
     kind: str, qs: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, dtype: torch.dtype
 ) -> torch.Tensor:
-    n, k, sub = _weight(kind, qs, scale, zero)
+    n, k, weight, named = _weight(kind, qs, scale, zero)
     check(dtype in DTYPE_NAMES, lambda: f"dtype must be one of {DTYPES}, got {dtype}")
-    device = check_cuda(qs=qs, scale=scale, **({} if zero is None else {"zero": zero}))
+    device = check_cuda(**named)
     out = torch.empty((n, k), dtype=dtype, device=qs.device)
     groups = n * (k // GROUP)
     if groups:
-        extra = (np.int32(sub),) if zero is None else (ptr(zero),)
         launch(
             CU_FILE,
             kernel_name(kind, "dequant", dtype, scale.dtype),
             device,
             grid=((groups + DEQUANT_THREADS - 1) // DEQUANT_THREADS, 1, 1),
             block=(DEQUANT_THREADS, 1, 1),
-            args=(ptr(out), ptr(qs), ptr(scale), *extra, np.int64(groups)),
+            args=(ptr(out), *weight, np.int64(groups)),
         )
     return out
 

@@ -195,10 +195,11 @@ def load_model(
             kept = _load_gguf(model, source, keep_quantized, device.type == "cpu", slices)
             model.weight_quantization = "gguf" if kept else "none"
         model = model.to(device)
+        kernels = load_kernel().ops if device.type == "cpu" else None
         if model_config.activations == "int8":
-            model.quantize_activations(load_kernel().ops if device.type == "cpu" else None)
+            model.quantize_activations(kernels)
         if device.type == "cpu":
-            model.use_cpu_layout(load_kernel().ops)
+            model.use_cpu_layout(kernels)
         elif backend.name == "cupy":  # deja's CUDA kernels: the small per-layer ops, kept linears
             from cuda import layers, quant_linear
 

@@ -404,7 +404,8 @@ def quantize_embedding(model: nn.Module, rows: QuantizedRows | None, blocks: boo
 def quantize_linears(model: nn.Module, sources: Int4Sources, rename: Mapping[str, str]) -> int:
     """Replaces each nn.Linear of `model` whose weight rows all came from kept tensors of
     `sources` (transformers names; `rename` as the model's load_checkpoint used), all 4-bit or
-    all 8-bit, by an Int4Linear or a Q8Linear; returns how many it replaced. Call after loading, before packing for the CPU."""
+    all 8-bit, by an Int4Linear or a Q8Linear; returns how many it replaced. Call after loading,
+    before packing for the CPU."""
     replaced = 0
     for module_name, parts in _weight_sources(model, sources.shapes, rename).items():
         parent_name, _, attr = module_name.rpartition(".")
@@ -435,18 +436,13 @@ def quantize_linears(model: nn.Module, sources: Int4Sources, rename: Mapping[str
 
 
 def _common_groups(parts: list[Int4Rows | Q8Rows]) -> list[Int4Rows | Q8Rows]:
-    """A fused weight's 8-bit shards with one scale width: where one has a scale every 16 inputs
-    (Q6_K), the others' scales repeated to 16 (exact)."""
-    widths = {u.scale.shape[1] for u in parts if isinstance(u, Q8Rows)}
-    if len(widths) < 2:
+    """A fused weight's shards (all 4-bit or all 8-bit) with one scale width: where an 8-bit one
+    has a scale every 16 inputs (Q6_K), the others' scales repeated to 16 (exact)."""
+    widths = {u.scale.shape[1] for u in parts}
+    if not isinstance(parts[0], Q8Rows) or len(widths) < 2:
         return parts
     wide = max(widths)
-    return [
-        Q8Rows(u.q, np.repeat(u.scale, wide // u.scale.shape[1], axis=1))
-        if isinstance(u, Q8Rows)
-        else u
-        for u in parts
-    ]
+    return [Q8Rows(u.q, np.repeat(u.scale, wide // u.scale.shape[1], axis=1)) for u in parts]
 
 
 def _weight_sources(
