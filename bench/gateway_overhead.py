@@ -169,10 +169,16 @@ def _checked(rec: Record, path: str, tokens: int) -> Record:
 
 
 # -- one user ------------------------------------------------------------------------------------
-def decode_tok_s(rec: Record) -> float:
-    """(tokens - 1) / (last output - first output); the gaps are the record's itl_s."""
+def decode_tok_s(rec: Record) -> float | None:
+    """(tokens - 1) / (last output - first output); the gaps are the record's itl_s. None when
+    every token came in one message (a loaded machine can coalesce a tiny model's deltas): such a
+    stream has no decode span to measure."""
     span = sum(rec.itl_s)
-    return (rec.output_tokens - 1) / span if span > 0 else 0.0
+    return (rec.output_tokens - 1) / span if rec.itl_s and span > 0 else None
+
+
+def _measured(rates: list[float | None]) -> list[float]:
+    return [r for r in rates if r is not None]
 
 
 async def one_user(
@@ -192,10 +198,8 @@ async def one_user(
 def one_user_checks(runs: dict[str, list[Record]]) -> list[Check]:
     """Medians over the alternated pairs of SMG's decode ratio and TTFT difference."""
     pairs = list(zip(runs[DEJA], runs[SMG], strict=True))
-    # NOTE: a pair whose stream brought every token in one message has no decode span (a loaded
-    # machine can coalesce a tiny model's deltas); it has no ratio either.
     rates = [(decode_tok_s(d), decode_tok_s(s)) for d, s in pairs]
-    ratio = common.p50([s / d for d, s in rates if d > 0 and s > 0] or [0.0])
+    ratio = common.p50([s / d for d, s in rates if d is not None and s is not None] or [0.0])
     extra_ms = common.p50([1e3 * ((s.ttft_s or 0.0) - (d.ttft_s or 0.0)) for d, s in pairs])
     return [
         Check("SMG / deja.v1 decode tok/s", ratio, f">= {TARGET_DECODE_RATIO}",
@@ -306,8 +310,8 @@ def print_one_user(one: dict[str, list[Record]]) -> None:
     for name in PATHS:
         ttft = [1e3 * (r.ttft_s or 0.0) for r in one[name]]
         decode = [decode_tok_s(r) for r in one[name]]
-        rows.append([name, common.p50(ttft), common.p50(decode),
-                     " ".join(f"{x:.1f}" for x in decode)])  # fmt: skip
+        rows.append([name, common.p50(ttft), common.p50(_measured(decode) or [0.0]),
+                     " ".join("-" if x is None else f"{x:.1f}" for x in decode)])  # fmt: skip
     report.print_table(
         ["path", "TTFT ms (p50)", "decode tok/s (p50)", "decode tok/s per run"], rows
     )
@@ -346,6 +350,7 @@ def _report(
                 name: {
                     "ttft_ms": [1e3 * (r.ttft_s or 0.0) for r in recs],
                     "decode_tok_s": [decode_tok_s(r) for r in recs],
+                    "token_messages": [len(r.itl_s) + 1 for r in recs],
                     "output_tokens": [r.output_tokens for r in recs],
                 }
                 for name, recs in one.items()

@@ -274,7 +274,7 @@ def _hf_one(model: Any, prompt: list[int], new_tokens: int, pad_id: int) -> Samp
 
 # -- report ------------------------------------------------------------------------------------
 def checks(served: SystemResult, offline: SystemResult, hf: SystemResult | None) -> list[Check]:
-    """The issue-9 targets, evaluated on the medians."""
+    """The latency targets, evaluated on the medians."""
     out = [
         Check(
             "served / offline decode",
