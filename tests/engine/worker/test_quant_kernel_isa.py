@@ -69,7 +69,10 @@ for n, k in [(40, 96), (72, 576)]:
         y = (dot * d[None] * dx[:, None]).sum(-1) + (m[None] * (dx * xq.sum(-1))[:, None]).sum(-1)
         return torch.from_numpy(y)
     s64, z64 = scale.double().numpy(), zero.double().numpy()
-    for m in (1, 3, 4, 7):
+    # (from q4_linear_i8_tile_rows() rows, AVX-512 VNNI takes tiles of 16 outputs, 8 rows a pass:
+    # 40 and 72 outputs end in a partial tile, 37 rows in a partial pass)
+    assert ops.q4_linear_i8_tile_rows() == int(sys.argv[2]), ops.q4_linear_i8_tile_rows()
+    for m in (1, 3, 4, 7, 8, 9, 37):
         x = torch.randn(m, k)
         x[0, :32] = 0  # an all-zero group
         close(ops.q4_linear_i8(x, qs4, scale, zero).double(), int8_product(x, q4, s64, z64 - 8 * s64))
@@ -124,7 +127,21 @@ def test_each_instruction_set_path_matches_the_dequantized_weight(
     ]
     built = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert built.returncode == 0, built.stderr[-2000:]
+    tiles = march == "native" and _has_vnni()  # the int8 tiled product: its row bound, else 0
     ran = subprocess.run(
-        [sys.executable, "-c", CHECK, str(lib)], capture_output=True, text=True, timeout=300
+        [sys.executable, "-c", CHECK, str(lib), "4" if tiles else "0"],
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert ran.returncode == 0 and ran.stdout.strip() == "ok", ran.stderr[-3000:]
+
+
+def _has_vnni() -> bool:
+    """This CPU has AVX-512 VNNI and BW (what cpu_quant_i8.cpp's tiled product is built for)."""
+    flags = set()
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("flags"):
+            flags = set(line.split(":", 1)[1].split())
+            break
+    return {"avx512_vnni", "avx512bw"} <= flags

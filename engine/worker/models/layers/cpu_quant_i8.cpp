@@ -23,6 +23,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <type_traits>
 #include <vector>
 
@@ -37,6 +38,34 @@ struct Int8Rows {
   std::vector<float> d, dsum;
 };
 
+// One group of 32: q = round(v / dx) (to nearest even), dx = max|v| / 127; writes q, returns
+// dx and sets `sum` to sum(q).
+inline float quantize_group(const float* v, int8_t* q, int& sum) {
+#if defined(__AVX512F__)
+  const __m512 a = _mm512_loadu_ps(v), b = _mm512_loadu_ps(v + 16);
+  const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
+#else
+  float amax = 0.f;
+  for (int64_t j = 0; j < kGroup; ++j) amax = std::max(amax, std::fabs(v[j]));
+#endif
+  const float inv = amax > 0.f ? 127.f / amax : 0.f;
+#if defined(__AVX512F__)  // (the default rounding mode: to nearest even, as nearbyint)
+  const __m512i qa = _mm512_cvtps_epi32(_mm512_mul_ps(a, _mm512_set1_ps(inv)));
+  const __m512i qb = _mm512_cvtps_epi32(_mm512_mul_ps(b, _mm512_set1_ps(inv)));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(q), _mm512_cvtepi32_epi8(qa));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 16), _mm512_cvtepi32_epi8(qb));
+  sum = _mm512_reduce_add_epi32(_mm512_add_epi32(qa, qb));
+#else
+  sum = 0;
+  for (int64_t j = 0; j < kGroup; ++j) {
+    const int qj = static_cast<int>(std::nearbyint(v[j] * inv));
+    q[j] = static_cast<int8_t>(qj);
+    sum += qj;
+  }
+#endif
+  return amax / 127.f;
+}
+
 Int8Rows quantize_rows(const at::Tensor& x, int64_t K) {
   TORCH_CHECK(x.dim() == 2 && x.size(1) == K, "x must be [M, ", K, "], got ", x.sizes());
   const at::Tensor xf = x.to(at::kFloat).contiguous();
@@ -46,20 +75,15 @@ Int8Rows quantize_rows(const at::Tensor& x, int64_t K) {
   r.q.resize(M * K);
   r.d.resize(groups);
   r.dsum.resize(groups);
-  for (int64_t g = 0; g < groups; ++g) {
-    const float* v = src + g * kGroup;
-    float amax = 0.f;
-    for (int64_t j = 0; j < kGroup; ++j) amax = std::max(amax, std::fabs(v[j]));
-    const float d = amax / 127.f, inv = amax > 0.f ? 127.f / amax : 0.f;
-    int sum = 0;
-    for (int64_t j = 0; j < kGroup; ++j) {
-      const int q = static_cast<int>(std::nearbyint(v[j] * inv));
-      r.q[g * kGroup + j] = static_cast<int8_t>(q);
-      sum += q;
+  // (a prefill's rows are worth a second thread; a decode step's few are not)
+  at::parallel_for(0, groups, 2048, [&](int64_t g0, int64_t g1) {
+    for (int64_t g = g0; g < g1; ++g) {
+      int sum = 0;
+      const float d = quantize_group(src + g * kGroup, r.q.data() + g * kGroup, sum);
+      r.d[g] = d;
+      r.dsum[g] = d * static_cast<float>(sum);
     }
-    r.d[g] = d;
-    r.dsum[g] = d * static_cast<float>(sum);
-  }
+  });
   return r;
 }
 
@@ -225,9 +249,130 @@ void rows_i8(const int8_t* xq, const float* xd, const float* xds, int64_t K, con
   }
 }
 
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+// Many rows of x against a 4-bit weight: tiles of 16 outputs, one output a vector lane, each
+// group's integer dot products by VNNI (vpdpbusd: four u8 weights times four s8 activations a
+// lane), every tile's weights read once for all rows. A tile's weights are first transposed
+// into that layout (a gather of 4 bytes from each output's group), which pays from a few rows.
+// Per row and output the float sum runs over the groups in order:
+//   y = fma(float(sum(q xq)), d dx, y); y = fma(m, dx sum(xq), y)
+// (the few-row kernel sums in lanes of partial products instead, so a row's last bits may
+// differ between the two).
+constexpr int64_t kTileRows = 4;  // rows of x from which the tiles are faster
+
+// The 16 outputs from n0 of a 4-bit weight as VNNI operands: w[8 g + c], lane l: the 4 weights
+// (unsigned, 0..15) of output n0 + l at inputs 32 g + 4 c .. 32 g + 4 c + 3; d[g] and m[g],
+// lane l: that output's group (w = q d + m). Lanes past the last output hold zeros.
+struct Tile {
+  std::vector<__m512i> w;
+  std::vector<__m512> d, m;
+};
+
+template <typename sc_t>
+void pack_tile(const uint8_t* qs, const sc_t* scale, const sc_t* zero, int64_t groups,
+               int64_t live, Tile& t) {
+  const __mmask16 mask = static_cast<__mmask16>((1u << live) - 1);
+  const __m512i lanes = _mm512_mullo_epi32(
+      _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+      _mm512_set1_epi32(static_cast<int>(groups * kGroup / 2)));
+  const __m512i m15 = _mm512_set1_epi8(15);
+  alignas(64) float d[16], m[16];
+  for (int64_t g = 0; g < groups; ++g) {
+    for (int i = 0; i < 4; ++i) {  // byte j of a group: weights j (low nibble) and j + 16
+      const __m512i at = _mm512_add_epi32(lanes, _mm512_set1_epi32(static_cast<int>(g * 16 + 4 * i)));
+      const __m512i v = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), mask, at, qs, 1);
+      t.w[8 * g + i] = _mm512_and_si512(v, m15);
+      t.w[8 * g + 4 + i] = _mm512_and_si512(_mm512_srli_epi32(v, 4), m15);
+    }
+    for (int l = 0; l < 16; ++l) {
+      const int64_t at = l * groups + g;
+      if (l >= live) {
+        d[l] = m[l] = 0.f;
+      } else if constexpr (std::is_same_v<sc_t, float>) {
+        d[l] = scale[at];
+        m[l] = zero[at] - 8.f * scale[at];  // as row_scales
+      } else {
+        d[l] = static_cast<float>(scale[at]);
+        m[l] = static_cast<float>(zero[at]);
+      }
+    }
+    t.d[g] = _mm512_load_ps(d);
+    t.m[g] = _mm512_load_ps(m);
+  }
+}
+
+// out[r, 0..16) (the lanes in mask) for kRows rows of quantized x against one tile.
+template <int kRows>
+void tile_rows(const Tile& t, int64_t groups, const int8_t* xq, const float* xd, const float* xds,
+               int64_t K, float* out, int64_t ldo, __mmask16 mask) {
+  __m512 acc[kRows];
+  for (int r = 0; r < kRows; ++r) acc[r] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < groups; ++g) {
+    __m512i sum[kRows];
+    for (int r = 0; r < kRows; ++r) sum[r] = _mm512_setzero_si512();
+    for (int c = 0; c < 8; ++c) {
+      const __m512i w = t.w[8 * g + c];
+      for (int r = 0; r < kRows; ++r) {
+        int32_t four;
+        std::memcpy(&four, xq + r * K + g * kGroup + 4 * c, 4);
+        sum[r] = _mm512_dpbusd_epi32(sum[r], w, _mm512_set1_epi32(four));
+      }
+    }
+    for (int r = 0; r < kRows; ++r) {
+      const __m512 dd = _mm512_mul_ps(t.d[g], _mm512_set1_ps(xd[r * groups + g]));
+      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum[r]), dd, acc[r]);
+      acc[r] = _mm512_fmadd_ps(t.m[g], _mm512_set1_ps(xds[r * groups + g]), acc[r]);
+    }
+  }
+  for (int r = 0; r < kRows; ++r) _mm512_mask_storeu_ps(out + r * ldo, mask, acc[r]);
+}
+
+template <typename sc_t>
+void tiled_q4(const Int8Rows& x, int64_t M, int64_t K, const uint8_t* qs, const sc_t* scale,
+              const sc_t* zero, float* out, int64_t N) {
+  const int64_t groups = K / kGroup, tiles = (N + 15) / 16;
+  at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
+    Tile t{std::vector<__m512i>(8 * groups), std::vector<__m512>(groups),
+           std::vector<__m512>(groups)};
+    for (int64_t ti = t0; ti < t1; ++ti) {
+      const int64_t n0 = 16 * ti, live = std::min<int64_t>(16, N - n0);
+      const int64_t at = n0 * groups;
+      pack_tile(qs + at * (kGroup / 2), scale + at, zero + at, groups, live, t);
+      const __mmask16 mask = static_cast<__mmask16>((1u << live) - 1);
+      for (int64_t m = 0; m < M; m += kMaxRows) {
+        const int8_t* xq = x.q.data() + m * K;
+        const float* xd = x.d.data() + m * groups;
+        const float* xs = x.dsum.data() + m * groups;
+        float* o = out + m * N + n0;
+        switch (std::min<int64_t>(kMaxRows, M - m)) {
+          case 1: tile_rows<1>(t, groups, xq, xd, xs, K, o, N, mask); break;
+          case 2: tile_rows<2>(t, groups, xq, xd, xs, K, o, N, mask); break;
+          case 3: tile_rows<3>(t, groups, xq, xd, xs, K, o, N, mask); break;
+          case 4: tile_rows<4>(t, groups, xq, xd, xs, K, o, N, mask); break;
+          case 5: tile_rows<5>(t, groups, xq, xd, xs, K, o, N, mask); break;
+          case 6: tile_rows<6>(t, groups, xq, xd, xs, K, o, N, mask); break;
+          case 7: tile_rows<7>(t, groups, xq, xd, xs, K, o, N, mask); break;
+          default: tile_rows<8>(t, groups, xq, xd, xs, K, o, N, mask); break;
+        }
+      }
+    }
+  });
+}
+#else
+constexpr int64_t kTileRows = 0;
+#endif
+
 template <bool kQ4, typename sc_t>
 void product_i8(const Int8Rows& x, int64_t M, int64_t K, const void* qs, const sc_t* scale,
                 const sc_t* zero, float* out, int64_t N) {
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+  if constexpr (kQ4) {
+    if (M >= kTileRows) {
+      tiled_q4(x, M, K, static_cast<const uint8_t*>(qs), scale, zero, out, N);
+      return;
+    }
+  }
+#endif
   const int64_t grain = std::max<int64_t>(16, N / (4 * at::get_num_threads()));
   const int64_t groups = K / kGroup;
   at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {
@@ -288,6 +433,8 @@ at::Tensor q8_linear_i8(const at::Tensor& x, const at::Tensor& qs, const at::Ten
 }  // namespace deja_cpu
 
 TORCH_LIBRARY_FRAGMENT(deja_cpu_attn, m) {
+  // Rows of x from which q4_linear_i8 takes the tiled product (0: this build has none).
+  m.def("q4_linear_i8_tile_rows", []() -> int64_t { return kTileRows; });
   m.def("q4_linear_i8", &deja_cpu::q4_linear_i8);
   m.def("q8_linear_i8", &deja_cpu::q8_linear_i8);
 }

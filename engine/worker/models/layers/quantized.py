@@ -11,7 +11,8 @@ on the CPU, cuda/quant_linear.cu on CUDA):
   groups that reads each weight byte once for every row and dequantizes nothing (float32 sums,
   whatever the activations' dtype);
 - more rows (prefill): the weight expanded once per call to the activations' dtype, then a
-  dense product.
+  dense product; with int8 activations (ModelConfig.activations) a 4-bit weight on a CPU with
+  AVX-512 VNNI takes every row count on its groups instead (tiled integer products).
 Without the kernels, torch ops expand the weight. Every path is the dequantized weight's product
 up to summation order (the parity tests' float32 mode). A group's scale (and zero) stays the
 file's float16 pair where that is exact (Q4_0, Q4_1, Q8_0: `_fp16_pair`), else float32 (Q4_K,
@@ -57,6 +58,10 @@ module docstring's NOTE)."""
 GEMV_ROWS_BF16_UNITS = 8
 """The same in bfloat16 / float16 on a CPU with bf16 units, whose dense products are ~3x
 float32's."""
+EVERY_ROW = 1 << 62
+"""A row bound no step reaches: a 4-bit weight with int8 activations on AVX-512 VNNI multiplies
+every row count on its groups (cpu_quant_i8.cpp's tiles: 1.4-1.6x oneDNN's bf16 product of the
+expanded weight at 48 and 512 rows)."""
 
 
 class GroupedLinear(nn.Module):
@@ -96,8 +101,15 @@ class GroupedLinear(nn.Module):
         bound = getattr(ops, "GEMV_ROWS", None)  # cuda/quant_linear.py's own few-row bound
         if bound is not None:
             self._gemv_rows = dict.fromkeys(self._gemv_rows, int(bound))
+        elif self.int8_activations and self._tiles_int8(ops):
+            self._gemv_rows = dict.fromkeys(self._gemv_rows, EVERY_ROW)
         elif has_bf16_units():
             self._gemv_rows[torch.bfloat16] = self._gemv_rows[torch.float16] = GEMV_ROWS_BF16_UNITS
+
+    def _tiles_int8(self, ops: Any) -> bool:
+        """Whether `ops` multiplies int8 activations by this weight in tiles at any row count
+        (cpu_quant_i8.cpp with AVX-512 VNNI), faster than expanding it for a dense product."""
+        return False
 
     @property
     def has_kernel(self) -> bool:
@@ -113,7 +125,7 @@ class GroupedLinear(nn.Module):
         """Within: the product on the groups whatever the row count (scoring many rows with a
         decode step's numerics, e.g. int8 activations, which the expanded path does not have)."""
         saved = dict(self._gemv_rows)
-        self._gemv_rows = dict.fromkeys(saved, 1 << 62)
+        self._gemv_rows = dict.fromkeys(saved, EVERY_ROW)
         try:
             yield
         finally:
@@ -163,6 +175,10 @@ class Int4Linear(GroupedLinear):
         scale_t, zero_t = (_groups(scale), _groups(zero)) if pair is None else pair
         self.register_buffer("scale", scale_t, persistent=False)
         self.register_buffer("zero", zero_t, persistent=False)
+
+    def _tiles_int8(self, ops: Any) -> bool:
+        tile_rows = getattr(ops, "q4_linear_i8_tile_rows", None)
+        return tile_rows is not None and int(tile_rows()) > 0
 
     def _product(self, x: torch.Tensor) -> torch.Tensor:
         if self.int8_activations:
