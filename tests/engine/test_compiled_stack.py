@@ -153,8 +153,7 @@ def test_int8_activations_take_every_row_on_the_groups_where_tiled(llama_file: P
     multiplies a prefill's many rows on its groups too, close to the float product; elsewhere
     it expands its weight beyond GEMV_ROWS as before."""
     model = _model(LLM(str(llama_file), dtype="float32", activations="int8", num_device_blocks=64))
-    ops = load_kernel().ops
-    assert ops is not None
+    ops: Any = load_kernel().ops
     tiled = ops.q4_linear_i8_tile_rows() > 0
     four_bit = [m for m in model.modules() if isinstance(m, Int4Linear)]
     assert four_bit
