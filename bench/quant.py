@@ -11,6 +11,7 @@ and, for each, measures offline:
 - batch-1 decode: one 64-token prompt, --decode-tokens greedy tokens, best of 3 (tok/s);
 - throughput: --requests prompts of 128 tokens, 64 output tokens each, one generate (output tok/s);
 - TTFT: one 512-token prompt, the time to its first token (best of 3);
+- with --depths D1,D2,..: batch-1 decode after a D-token prompt (a long chat's context; best of 2);
 - resident weight bytes (parameters, buffers and packed weights) against the file's tensors.
 Then the teacher-forced agreement of each kept run with the expanded one (both score the
 expanded engine's greedy outputs: the share of positions where the kept engine's top-1 is
@@ -20,7 +21,8 @@ decode's fraction of the weight-read limit (read rate / resident weight bytes a 
 With --llama-bench (a llama.cpp build's `llama-bench`; llama-cpp-python's sdist vendors the
 tree: see the benchmarks page), llama.cpp runs on the same file with --threads in the same run:
 its tg (--decode-tokens generated) against deja's batch-1 decode with the weights kept (each
-activation mode), and its
+activation mode), its tg at each of --depths (`llama-bench -d`) against deja's at that depth, and
+its
 pp512 against deja's 512-token TTFT (prompt tokens per second). With --llama-server, the file is
 then served by both, deja behind its SMG gateway (bench/quant_served.py), under one streamed chat
 workload with shared prefixes at --served-concurrency (8): output throughput and TTFT.
@@ -63,27 +65,50 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--requests", type=int, default=48, help="throughput requests (48)")
     parser.add_argument("--decode-tokens", type=int, default=128, help="batch-1 tokens (128)")
     parser.add_argument(
+        "--depths",
+        type=_depths,
+        default=(),
+        help="context lengths to decode after too, comma-separated (none)",
+    )
+    parser.add_argument(
         "--llama-bench", default=None, help="llama.cpp's llama-bench binary: run it on the file too"
     )
     quant_served.add_arguments(parser)
 
 
-def llama_bench(binary: str, file: str, threads: int, tokens: int) -> dict[str, float] | str:
-    """llama.cpp's pp512 and tg<tokens> on `file` (tokens per second, mean of 3 repetitions), or
-    why llama-bench gave none (e.g. a build for instructions this CPU refuses: SIGILL)."""
+def _depths(text: str) -> tuple[int, ...]:
+    depths = tuple(int(d) for d in text.split(",") if d.strip())
+    if any(d <= 0 for d in depths):
+        raise argparse.ArgumentTypeError(f"depths must be positive token counts, got {text!r}")
+    return depths
+
+
+def llama_bench(
+    binary: str, file: str, threads: int, tokens: int, depths: tuple[int, ...] = ()
+) -> dict[str, float] | str:
+    """llama.cpp's pp512 and tg<tokens> on `file` (tokens per second, mean of 3 repetitions),
+    and tg<tokens> after each of `depths` tokens of context ("tg_tok_s@D"); or why llama-bench
+    gave none (e.g. a build for instructions this CPU refuses: SIGILL)."""
     import json
     import subprocess
 
-    argv = [binary, "-m", file, "-t", str(threads), "-p", "512", "-n", str(tokens)]
-    out = subprocess.run([*argv, "-r", "3", "-o", "json"], capture_output=True, text=True)
-    if out.returncode != 0:
-        status = f"signal {-out.returncode}" if out.returncode < 0 else f"exit {out.returncode}"
-        tail = out.stderr.strip().splitlines()[-1:] or [""]
-        return f"llama-bench failed ({status}) {tail[0]}".strip()
-    rows = json.loads(out.stdout)
+    base = [binary, "-m", file, "-t", str(threads), "-o", "json"]
+    runs = [["-p", "512", "-n", str(tokens), "-r", "3"]]
+    if depths:
+        runs.append(["-p", "0", "-n", str(tokens), "-r", "2", "-d", ",".join(map(str, depths))])
+    rows = []
+    for extra in runs:
+        out = subprocess.run([*base, *extra], capture_output=True, text=True)
+        if out.returncode != 0:
+            status = f"signal {-out.returncode}" if out.returncode < 0 else f"exit {out.returncode}"
+            tail = out.stderr.strip().splitlines()[-1:] or [""]
+            return f"llama-bench failed ({status}) {tail[0]}".strip()
+        rows += json.loads(out.stdout)
+    gen = [r for r in rows if r["n_gen"] > 0 and r["n_prompt"] == 0]
     pp = next(r["avg_ts"] for r in rows if r["n_prompt"] > 0 and r["n_gen"] == 0)
-    tg = next(r["avg_ts"] for r in rows if r["n_gen"] > 0 and r["n_prompt"] == 0)
-    return {"pp512_tok_s": float(pp), "tg_tok_s": float(tg)}
+    tg = next(r["avg_ts"] for r in gen if not r.get("n_depth"))
+    at = {f"tg_tok_s@{r['n_depth']}": float(r["avg_ts"]) for r in gen if r.get("n_depth")}
+    return {"pp512_tok_s": float(pp), "tg_tok_s": float(tg), **at}
 
 
 def read_rate_gb_s() -> float:
@@ -100,19 +125,27 @@ def read_rate_gb_s() -> float:
     return big.numel() * 4 / best / 1e9
 
 
-def _measure(llm: Any, decode_tokens: int, requests: int, quick: bool) -> dict[str, float]:
+def _measure(
+    llm: Any, decode_tokens: int, requests: int, quick: bool, depths: tuple[int, ...] = ()
+) -> dict[str, float]:
     from engine import SamplingParams
 
     def greedy(n: int) -> SamplingParams:
         return SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
 
+    def decode_rate(prompt: list[int]) -> float:
+        m = llm.generate([prompt], greedy(decode_tokens))[0].metrics
+        return (decode_tokens - 1) / max(m.finished - m.first_token, 1e-9)
+
     vocab = int(llm.engine.core.model_info.vocab_size)
     prompt = [(7 * i) % (vocab - 10) + 10 for i in range(64)]
     decode = ttft = 0.0
+    at: dict[str, float] = {}
+    for depth in depths:
+        context = [[(5 * i + rep) % (vocab - 10) + 10 for i in range(depth)] for rep in range(2)]
+        at[f"decode_tok_s@{depth}"] = max(decode_rate(c) for c in context[: 1 if quick else 2])
     for rep in range(1 if quick else 3):
-        out = llm.generate([[t + rep for t in prompt]], greedy(decode_tokens))[0]
-        m = out.metrics
-        decode = max(decode, (decode_tokens - 1) / max(m.finished - m.first_token, 1e-9))
+        decode = max(decode, decode_rate([t + rep for t in prompt]))
         long = [(11 * i + rep) % (vocab - 10) + 10 for i in range(64 if quick else 512)]
         first = llm.generate([long], greedy(1))[0].metrics
         ttft = min(ttft or float("inf"), first.first_token - first.arrival)
@@ -120,7 +153,7 @@ def _measure(llm: Any, decode_tokens: int, requests: int, quick: bool) -> dict[s
     start = time.perf_counter()
     llm.generate(prompts, greedy(8 if quick else 64))
     throughput = requests * (8 if quick else 64) / (time.perf_counter() - start)
-    return {"decode_tok_s": decode, "throughput_tok_s": throughput, "ttft_ms": 1000 * ttft}
+    return {"decode_tok_s": decode, "throughput_tok_s": throughput, "ttft_ms": 1000 * ttft, **at}
 
 
 def run(args: argparse.Namespace) -> int:
@@ -148,7 +181,7 @@ def run(args: argparse.Namespace) -> int:
     for mode, (quantization, activations) in MODES.items():
         llm = common.our_llm(model_path, args, quantization=quantization, activations=activations)
         model = llm.engine.core.executor.driver.model
-        res = {**_measure(llm, decode_tokens, requests, args.quick)}
+        res = {**_measure(llm, decode_tokens, requests, args.quick, args.depths)}
         res["resident_mb"] = resident_weight_bytes(model) / 1e6
         res["read_limit_fraction"] = res["decode_tok_s"] * res["resident_mb"] / 1e3 / rate
         if mode == "none":  # the reference outputs both engines score
@@ -168,6 +201,7 @@ def run(args: argparse.Namespace) -> int:
             f"({100 * res['read_limit_fraction']:.0f}% of the read limit), throughput "
             f"{res['throughput_tok_s']:.1f} tok/s ({requests} requests), TTFT "
             f"{res['ttft_ms']:.1f} ms, weights {res['resident_mb']:.1f} MB"
+            + "".join(f", decode at {d} {res[f'decode_tok_s@{d}']:.1f} tok/s" for d in args.depths)
         )
         del llm, model
     dense = runs["none"]
@@ -195,7 +229,7 @@ def run(args: argparse.Namespace) -> int:
         f"{RESIDENT_TARGET}x)"
     )
     llama = (
-        llama_bench(args.llama_bench, str(file), args.threads, decode_tokens)
+        llama_bench(args.llama_bench, str(file), args.threads, decode_tokens, args.depths)
         if args.llama_bench
         else None
     )
@@ -207,6 +241,7 @@ def run(args: argparse.Namespace) -> int:
         print(
             f"llama.cpp (llama-bench -t {args.threads}): tg{decode_tokens} "
             f"{llama['tg_tok_s']:.1f} tok/s, pp512 {llama['pp512_tok_s']:.1f} tok/s"
+            + "".join(f", tg at {d} {llama[f'tg_tok_s@{d}']:.1f} tok/s" for d in args.depths)
         )
         for mode in KEPT:
             kept = runs[mode]
@@ -215,9 +250,15 @@ def run(args: argparse.Namespace) -> int:
             )
             prefill = prompt / (kept["ttft_ms"] / 1e3) / llama["pp512_tok_s"]
             ratios[f"prefill_vs_llama_cpp_{mode}"] = prefill
+            deep = ""
+            for d in args.depths:
+                r = ratios[f"decode_vs_llama_cpp_{mode}@{d}"] = (
+                    kept[f"decode_tok_s@{d}"] / llama[f"tg_tok_s@{d}"]
+                )
+                deep += f", decode at {d} {r:.2f}x"
             print(
                 f"deja {KEPT[mode]} / llama.cpp: decode {decode:.2f}x (target >= 1.0x), prefill "
-                f"{prefill:.2f}x"
+                f"{prefill:.2f}x{deep}"
             )
     served = None
     if args.llama_server:

@@ -142,8 +142,11 @@ def test_quant_quick_compares_kept_and_expanded_weights(
     """`deja bench quant`: the same GGUF file kept 4-bit and expanded, in one run; the kept
     engine holds fewer weight bytes and the ratios are printed."""
     file = write_gguf(tiny_llama_path, tmp_path / "tiny.gguf", {"proj": "Q4_1", "embed": "Q8_0"})
-    text, data = _run_quick(quant, file, tmp_path, capsys)
+    text, data = _run_quick(quant, file, tmp_path, capsys, "--depths", "40,96")
     assert data["runs"]["gguf"]["resident_mb"] < data["runs"]["none"]["resident_mb"]
+    for run in data["runs"].values():  # each run also decodes after 40 and 96 tokens of context
+        assert run["decode_tok_s@40"] > 0 and run["decode_tok_s@96"] > 0
+    assert re.search(r"decode at 40 \d+\.\d tok/s, decode at 96 \d+\.\d tok/s$", text, re.M)
     assert 0 < data["teacher_forced"]["top1_agreement"] <= 1
     assert re.search(r"^ratio quantized / expanded: decode \d+\.\d+x", text, re.M), text
     assert re.search(r"^resident weights / file tensors: \d+\.\d+x", text, re.M), text
@@ -156,6 +159,33 @@ def test_quant_reports_a_llama_bench_that_dies(tmp_path: Path) -> None:
     fake.chmod(0o755)
     why = quant.llama_bench(str(fake), str(tmp_path / "model.gguf"), 2, 8)
     assert why == "llama-bench failed (signal 4) illegal instruction"
+
+
+def test_quant_reads_llama_bench_at_each_depth(tmp_path: Path) -> None:
+    """pp512 and tg from one llama-bench call, tg after each context depth from a second."""
+    fake = tmp_path / "llama-bench"
+    fake.write_text(
+        "#!/bin/sh\n"
+        'case "$*" in\n'
+        '  *"-d 64,128"*) echo \'[{"n_prompt": 0, "n_gen": 8, "n_depth": 64, "avg_ts": 90.5},'
+        ' {"n_prompt": 0, "n_gen": 8, "n_depth": 128, "avg_ts": 80.25}]\' ;;\n'
+        '  *"-p 512"*) echo \'[{"n_prompt": 512, "n_gen": 0, "n_depth": 0, "avg_ts": 400.0},'
+        ' {"n_prompt": 0, "n_gen": 8, "n_depth": 0, "avg_ts": 120.0}]\' ;;\n'
+        "  *) exit 3 ;;\n"
+        "esac\n"
+    )
+    fake.chmod(0o755)
+    got = quant.llama_bench(str(fake), str(tmp_path / "model.gguf"), 2, 8, (64, 128))
+    assert got == {
+        "pp512_tok_s": 400.0,
+        "tg_tok_s": 120.0,
+        "tg_tok_s@64": 90.5,
+        "tg_tok_s@128": 80.25,
+    }
+    assert quant.llama_bench(str(fake), str(tmp_path / "model.gguf"), 2, 8) == {
+        "pp512_tok_s": 400.0,
+        "tg_tok_s": 120.0,
+    }
 
 
 def test_quant_refuses_a_folder(tiny_llama_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
