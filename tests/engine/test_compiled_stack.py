@@ -15,7 +15,13 @@ from engine.testing.tiny_gguf import write_gguf
 from engine.worker.attention.cpu_kernel import load_kernel
 from engine.worker.model_loader import model_fingerprint
 from engine.worker.models.compiled import CompiledStack
-from engine.worker.models.layers.quantized import EVERY_ROW, GEMV_ROWS, GroupedLinear, Int4Linear
+from engine.worker.models.layers.quantized import (
+    EVERY_ROW,
+    GEMV_ROWS,
+    GroupedLinear,
+    Int4Linear,
+    Q8Linear,
+)
 from tests.engine.test_gguf import LLAMA_TYPES
 from tests.engine.test_parity import shared_prefix_prompts
 
@@ -149,20 +155,22 @@ def test_int8_activations_take_the_integer_products(llama_file: Path) -> None:
 
 
 def test_int8_activations_take_every_row_on_the_groups_where_tiled(llama_file: Path) -> None:
-    """With AVX-512 VNNI (the kernels' tiled product), a 4-bit linear with int8 activations
-    multiplies a prefill's many rows on its groups too, close to the float product; elsewhere
-    it expands its weight beyond GEMV_ROWS as before."""
+    """With AVX-512 VNNI (the kernels' tiled product), a 4- or 8-bit linear with int8
+    activations multiplies a prefill's many rows on its groups too, close to the float product;
+    elsewhere it expands its weight beyond GEMV_ROWS as before."""
     model = _model(LLM(str(llama_file), dtype="float32", activations="int8", num_device_blocks=64))
     ops: Any = load_kernel().ops
-    tiled = ops.q4_linear_i8_tile_rows() > 0
-    four_bit = [m for m in model.modules() if isinstance(m, Int4Linear)]
-    assert four_bit
-    for linear in four_bit:
+    tiled = ops.linear_i8_tile_rows() > 0
+    kept = [m for m in model.modules() if isinstance(m, GroupedLinear)]
+    assert {type(m) for m in kept} == {Int4Linear, Q8Linear}
+    for linear in kept:
         assert linear.gemv_rows(torch.float32) == (EVERY_ROW if tiled else GEMV_ROWS)
         x = torch.randn(GEMV_ROWS + 37, linear.in_features)
         got = linear(x)
-        if tiled:
+        if tiled and isinstance(linear, Int4Linear):
             assert torch.equal(got, ops.q4_linear_i8(x, linear.qs, linear.scale, linear.zero))
+        elif tiled:
+            assert torch.equal(got, ops.q8_linear_i8(x, linear.qs, linear.scale))
         linear.int8_activations = False
         want = linear(x)
         linear.int8_activations = True

@@ -69,19 +69,21 @@ for n, k in [(40, 96), (72, 576)]:
         y = (dot * d[None] * dx[:, None]).sum(-1) + (m[None] * (dx * xq.sum(-1))[:, None]).sum(-1)
         return torch.from_numpy(y)
     s64, z64 = scale.double().numpy(), zero.double().numpy()
-    # (from q4_linear_i8_tile_rows() rows, AVX-512 VNNI takes tiles of 16 outputs, 8 rows a pass:
-    # 40 and 72 outputs end in a partial tile, 37 rows in a partial pass)
-    assert ops.q4_linear_i8_tile_rows() == int(sys.argv[2]), ops.q4_linear_i8_tile_rows()
-    for m in (1, 3, 4, 7, 8, 9, 37):
+    # (from linear_i8_tile_rows() rows, 16 for 8-bit, AVX-512 VNNI takes tiles of 16 outputs,
+    # 8 rows a pass: 40 and 72 outputs end in a partial tile, 37 rows in a partial pass)
+    assert ops.linear_i8_tile_rows() == int(sys.argv[2]), ops.linear_i8_tile_rows()
+    for m in (1, 3, 4, 7, 8, 9, 16, 37):
         x = torch.randn(m, k)
         x[0, :32] = 0  # an all-zero group
         close(ops.q4_linear_i8(x, qs4, scale, zero).double(), int8_product(x, q4, s64, z64 - 8 * s64))
         close(ops.q8_linear_i8(x, q8, scale).double(), int8_product(x, q8.numpy(), s64, 0 * s64))
-        # float16 pairs (d, m): w = q d + m
+        # float16 pairs (d, m): w = q d + m; float16 8-bit scales
         close(
             ops.q4_linear_i8(x, qs4, d16, m16).double(),
             int8_product(x, q4, d16.double().numpy(), m16.double().numpy()),
         )
+        h64 = d16.double().numpy()
+        close(ops.q8_linear_i8(x, q8, d16).double(), int8_product(x, q8.numpy(), h64, 0 * h64))
         assert ops.q4_linear_i8(x.bfloat16(), qs4, scale, zero).dtype == torch.bfloat16
     # 8-bit with a scale every 16 weights (Q6_K): products, expansions, and the int8-activation
     # entry taking the float product

@@ -250,59 +250,96 @@ void rows_i8(const int8_t* xq, const float* xd, const float* xds, int64_t K, con
 }
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
-// Many rows of x against a 4-bit weight: tiles of 16 outputs, one output a vector lane, each
-// group's integer dot products by VNNI (vpdpbusd: four u8 weights times four s8 activations a
-// lane), every tile's weights read once for all rows. A tile's weights are first transposed
-// into that layout (a gather of 4 bytes from each output's group), which pays from a few rows.
-// Per row and output the float sum runs over the groups in order:
-//   y = fma(float(sum(q xq)), d dx, y); y = fma(m, dx sum(xq), y)
+// Many rows of x against a weight: tiles of 16 outputs, one output a vector lane, each group's
+// integer dot products by VNNI (vpdpbusd: four u8 times four s8 a lane), every tile's weights
+// read once for all rows. A tile's weights are first transposed into that layout (a gather of
+// 4 bytes from each output's group), which pays from a few rows. 4-bit weights (0..15) are the
+// u8 operand and x the s8 one; 8-bit weights are the s8 operand against x + 128 as u8, and
+// 128 sum(q) a group is taken back off. Per row and output the float sum runs over the groups
+// in order:
+//   y = fma(float(sum(q xq)), d dx, y); y = fma(m, dx sum(xq), y)   (m: 4-bit only)
 // (the few-row kernel sums in lanes of partial products instead, so a row's last bits may
 // differ between the two).
-constexpr int64_t kTileRows = 4;  // rows of x from which the tiles are faster
+// Rows of x from which the tiles are faster than the few-row kernel: an 8-bit tile transposes
+// twice the bytes a 4-bit one does.
+constexpr int64_t kTileRows = 4, kTileRows8 = 16;
 
-// The 16 outputs from n0 of a 4-bit weight as VNNI operands: w[8 g + c], lane l: the 4 weights
-// (unsigned, 0..15) of output n0 + l at inputs 32 g + 4 c .. 32 g + 4 c + 3; d[g] and m[g],
-// lane l: that output's group (w = q d + m). Lanes past the last output hold zeros.
+// The 16 outputs from n0 of a weight as VNNI operands: w[8 g + c], lane l: the 4 weights of
+// output n0 + l at inputs 32 g + 4 c .. 32 g + 4 c + 3; d[g], m[g] and (8-bit) off[g] = 128
+// sum(q), lane l: that output's group (w = q d + m). Lanes past the last output hold zeros.
 struct Tile {
-  std::vector<__m512i> w;
+  std::vector<__m512i> w, off;
   std::vector<__m512> d, m;
+  std::vector<float> row;  // one output's d and m while packing
+  explicit Tile(int64_t groups)
+      : w(8 * groups), off(groups), d(groups), m(groups), row(2 * groups) {}
 };
 
-template <typename sc_t>
-void pack_tile(const uint8_t* qs, const sc_t* scale, const sc_t* zero, int64_t groups,
-               int64_t live, Tile& t) {
-  const __mmask16 mask = static_cast<__mmask16>((1u << live) - 1);
-  const __m512i lanes = _mm512_mullo_epi32(
-      _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
-      _mm512_set1_epi32(static_cast<int>(groups * kGroup / 2)));
+// 16 bytes at each of 16 places as 4 vectors, vector i lane l holding bytes 4 i .. 4 i + 3
+// from place l: four places to a vector (places j, j + 4, j + 8, j + 12 in 128-bit lanes), then
+// a 4 x 4 transpose of 32-bit words within each 128-bit lane.
+inline void transpose16(const uint8_t* const* at, int64_t offset, __m512i out[4]) {
+  __m512i z[4];
+  for (int j = 0; j < 4; ++j) {
+    auto row = [&](int k) {
+      return _mm_loadu_si128(reinterpret_cast<const __m128i*>(at[j + 4 * k] + offset));
+    };
+    z[j] = _mm512_castsi128_si512(row(0));
+    z[j] = _mm512_inserti32x4(z[j], row(1), 1);
+    z[j] = _mm512_inserti32x4(z[j], row(2), 2);
+    z[j] = _mm512_inserti32x4(z[j], row(3), 3);
+  }
+  const __m512i t0 = _mm512_unpacklo_epi32(z[0], z[1]), t1 = _mm512_unpackhi_epi32(z[0], z[1]);
+  const __m512i t2 = _mm512_unpacklo_epi32(z[2], z[3]), t3 = _mm512_unpackhi_epi32(z[2], z[3]);
+  out[0] = _mm512_unpacklo_epi64(t0, t2);
+  out[1] = _mm512_unpackhi_epi64(t0, t2);
+  out[2] = _mm512_unpacklo_epi64(t1, t3);
+  out[3] = _mm512_unpackhi_epi64(t1, t3);
+}
+
+template <bool kQ4, typename sc_t>
+void pack_tile(const void* qs, const sc_t* scale, const sc_t* zero, int64_t groups, int64_t live,
+               Tile& t) {
+  const int64_t row_bytes = kQ4 ? groups * kGroup / 2 : groups * kGroup;
+  const uint8_t* rows[16];  // (a lane past the last output reads the first; its scales are 0)
+  for (int l = 0; l < 16; ++l) rows[l] = static_cast<const uint8_t*>(qs) + (l < live ? l : 0) * row_bytes;
   const __m512i m15 = _mm512_set1_epi8(15);
-  alignas(64) float d[16], m[16];
   for (int64_t g = 0; g < groups; ++g) {
-    for (int i = 0; i < 4; ++i) {  // byte j of a group: weights j (low nibble) and j + 16
-      const __m512i at = _mm512_add_epi32(lanes, _mm512_set1_epi32(static_cast<int>(g * 16 + 4 * i)));
-      const __m512i v = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), mask, at, qs, 1);
-      t.w[8 * g + i] = _mm512_and_si512(v, m15);
-      t.w[8 * g + 4 + i] = _mm512_and_si512(_mm512_srli_epi32(v, 4), m15);
-    }
-    for (int l = 0; l < 16; ++l) {
-      const int64_t at = l * groups + g;
-      if (l >= live) {
-        d[l] = m[l] = 0.f;
-      } else if constexpr (std::is_same_v<sc_t, float>) {
-        d[l] = scale[at];
-        m[l] = zero[at] - 8.f * scale[at];  // as row_scales
-      } else {
-        d[l] = static_cast<float>(scale[at]);
-        m[l] = static_cast<float>(zero[at]);
+    __m512i v[4];
+    if constexpr (kQ4) {
+      transpose16(rows, g * kGroup / 2, v);  // byte j of a group: weights j (low nibble), j + 16
+      for (int i = 0; i < 4; ++i) {
+        t.w[8 * g + i] = _mm512_and_si512(v[i], m15);
+        t.w[8 * g + 4 + i] = _mm512_and_si512(_mm512_srli_epi32(v[i], 4), m15);
       }
+    } else {
+      __m512i sum = _mm512_setzero_si512();
+      for (int half = 0; half < 2; ++half) {
+        transpose16(rows, g * kGroup + 16 * half, v);
+        for (int i = 0; i < 4; ++i) {
+          t.w[8 * g + 4 * half + i] = v[i];
+          sum = _mm512_dpbusd_epi32(sum, _mm512_set1_epi8(1), v[i]);
+        }
+      }
+      t.off[g] = _mm512_slli_epi32(sum, 7);
     }
-    t.d[g] = _mm512_load_ps(d);
-    t.m[g] = _mm512_load_ps(m);
+  }
+  // each output's d and m (row_scales: vector conversions of its groups), into the lanes
+  float* d = reinterpret_cast<float*>(t.d.data());
+  float* m = reinterpret_cast<float*>(t.m.data());
+  for (int l = 0; l < 16; ++l) {
+    float* rd = t.row.data();
+    float* rm = rd + groups;
+    if (l < live) row_scales<kQ4>(scale + l * groups, kQ4 ? zero + l * groups : nullptr, groups, rd, rm);
+    for (int64_t g = 0; g < groups; ++g) {
+      d[16 * g + l] = l < live ? rd[g] : 0.f;
+      m[16 * g + l] = kQ4 && l < live ? rm[g] : 0.f;
+    }
   }
 }
 
 // out[r, 0..16) (the lanes in mask) for kRows rows of quantized x against one tile.
-template <int kRows>
+template <int kRows, bool kQ4>
 void tile_rows(const Tile& t, int64_t groups, const int8_t* xq, const float* xd, const float* xds,
                int64_t K, float* out, int64_t ldo, __mmask16 mask) {
   __m512 acc[kRows];
@@ -313,31 +350,37 @@ void tile_rows(const Tile& t, int64_t groups, const int8_t* xq, const float* xd,
     for (int c = 0; c < 8; ++c) {
       const __m512i w = t.w[8 * g + c];
       for (int r = 0; r < kRows; ++r) {
-        int32_t four;
+        uint32_t four;
         std::memcpy(&four, xq + r * K + g * kGroup + 4 * c, 4);
-        sum[r] = _mm512_dpbusd_epi32(sum[r], w, _mm512_set1_epi32(four));
+        if constexpr (kQ4) {
+          sum[r] = _mm512_dpbusd_epi32(sum[r], w, _mm512_set1_epi32(static_cast<int>(four)));
+        } else {  // x + 128 as u8: each byte's sign bit flipped
+          const int u8 = static_cast<int>(four ^ 0x80808080u);
+          sum[r] = _mm512_dpbusd_epi32(sum[r], _mm512_set1_epi32(u8), w);
+        }
       }
     }
     for (int r = 0; r < kRows; ++r) {
+      if constexpr (!kQ4) sum[r] = _mm512_sub_epi32(sum[r], t.off[g]);
       const __m512 dd = _mm512_mul_ps(t.d[g], _mm512_set1_ps(xd[r * groups + g]));
       acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum[r]), dd, acc[r]);
-      acc[r] = _mm512_fmadd_ps(t.m[g], _mm512_set1_ps(xds[r * groups + g]), acc[r]);
+      if constexpr (kQ4) acc[r] = _mm512_fmadd_ps(t.m[g], _mm512_set1_ps(xds[r * groups + g]), acc[r]);
     }
   }
   for (int r = 0; r < kRows; ++r) _mm512_mask_storeu_ps(out + r * ldo, mask, acc[r]);
 }
 
-template <typename sc_t>
-void tiled_q4(const Int8Rows& x, int64_t M, int64_t K, const uint8_t* qs, const sc_t* scale,
-              const sc_t* zero, float* out, int64_t N) {
+template <bool kQ4, typename sc_t>
+void tiled(const Int8Rows& x, int64_t M, int64_t K, const void* qs, const sc_t* scale,
+           const sc_t* zero, float* out, int64_t N) {
   const int64_t groups = K / kGroup, tiles = (N + 15) / 16;
   at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
-    Tile t{std::vector<__m512i>(8 * groups), std::vector<__m512>(groups),
-           std::vector<__m512>(groups)};
+    Tile t(groups);
     for (int64_t ti = t0; ti < t1; ++ti) {
       const int64_t n0 = 16 * ti, live = std::min<int64_t>(16, N - n0);
       const int64_t at = n0 * groups;
-      pack_tile(qs + at * (kGroup / 2), scale + at, zero + at, groups, live, t);
+      const auto* w = static_cast<const uint8_t*>(qs) + n0 * (kQ4 ? K / 2 : K);
+      pack_tile<kQ4>(w, scale + at, kQ4 ? zero + at : nullptr, groups, live, t);
       const __mmask16 mask = static_cast<__mmask16>((1u << live) - 1);
       for (int64_t m = 0; m < M; m += kMaxRows) {
         const int8_t* xq = x.q.data() + m * K;
@@ -345,32 +388,30 @@ void tiled_q4(const Int8Rows& x, int64_t M, int64_t K, const uint8_t* qs, const 
         const float* xs = x.dsum.data() + m * groups;
         float* o = out + m * N + n0;
         switch (std::min<int64_t>(kMaxRows, M - m)) {
-          case 1: tile_rows<1>(t, groups, xq, xd, xs, K, o, N, mask); break;
-          case 2: tile_rows<2>(t, groups, xq, xd, xs, K, o, N, mask); break;
-          case 3: tile_rows<3>(t, groups, xq, xd, xs, K, o, N, mask); break;
-          case 4: tile_rows<4>(t, groups, xq, xd, xs, K, o, N, mask); break;
-          case 5: tile_rows<5>(t, groups, xq, xd, xs, K, o, N, mask); break;
-          case 6: tile_rows<6>(t, groups, xq, xd, xs, K, o, N, mask); break;
-          case 7: tile_rows<7>(t, groups, xq, xd, xs, K, o, N, mask); break;
-          default: tile_rows<8>(t, groups, xq, xd, xs, K, o, N, mask); break;
+          case 1: tile_rows<1, kQ4>(t, groups, xq, xd, xs, K, o, N, mask); break;
+          case 2: tile_rows<2, kQ4>(t, groups, xq, xd, xs, K, o, N, mask); break;
+          case 3: tile_rows<3, kQ4>(t, groups, xq, xd, xs, K, o, N, mask); break;
+          case 4: tile_rows<4, kQ4>(t, groups, xq, xd, xs, K, o, N, mask); break;
+          case 5: tile_rows<5, kQ4>(t, groups, xq, xd, xs, K, o, N, mask); break;
+          case 6: tile_rows<6, kQ4>(t, groups, xq, xd, xs, K, o, N, mask); break;
+          case 7: tile_rows<7, kQ4>(t, groups, xq, xd, xs, K, o, N, mask); break;
+          default: tile_rows<8, kQ4>(t, groups, xq, xd, xs, K, o, N, mask); break;
         }
       }
     }
   });
 }
 #else
-constexpr int64_t kTileRows = 0;
+constexpr int64_t kTileRows = 0;  // (no tiles in this build)
 #endif
 
 template <bool kQ4, typename sc_t>
 void product_i8(const Int8Rows& x, int64_t M, int64_t K, const void* qs, const sc_t* scale,
                 const sc_t* zero, float* out, int64_t N) {
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
-  if constexpr (kQ4) {
-    if (M >= kTileRows) {
-      tiled_q4(x, M, K, static_cast<const uint8_t*>(qs), scale, zero, out, N);
-      return;
-    }
+  if (M >= (kQ4 ? kTileRows : kTileRows8)) {
+    tiled<kQ4>(x, M, K, qs, scale, zero, out, N);
+    return;
   }
 #endif
   const int64_t grain = std::max<int64_t>(16, N / (4 * at::get_num_threads()));
@@ -433,8 +474,9 @@ at::Tensor q8_linear_i8(const at::Tensor& x, const at::Tensor& qs, const at::Ten
 }  // namespace deja_cpu
 
 TORCH_LIBRARY_FRAGMENT(deja_cpu_attn, m) {
-  // Rows of x from which q4_linear_i8 takes the tiled product (0: this build has none).
-  m.def("q4_linear_i8_tile_rows", []() -> int64_t { return kTileRows; });
+  // Rows of x from which q4_linear_i8 takes the tiled product (q8_linear_i8 with one scale a
+  // group: from 16 rows); 0: this build has none.
+  m.def("linear_i8_tile_rows", []() -> int64_t { return kTileRows; });
   m.def("q4_linear_i8", &deja_cpu::q4_linear_i8);
   m.def("q8_linear_i8", &deja_cpu::q8_linear_i8);
 }

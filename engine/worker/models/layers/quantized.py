@@ -11,8 +11,8 @@ on the CPU, cuda/quant_linear.cu on CUDA):
   groups that reads each weight byte once for every row and dequantizes nothing (float32 sums,
   whatever the activations' dtype);
 - more rows (prefill): the weight expanded once per call to the activations' dtype, then a
-  dense product; with int8 activations (ModelConfig.activations) a 4-bit weight on a CPU with
-  AVX-512 VNNI takes every row count on its groups instead (tiled integer products).
+  dense product; with int8 activations (ModelConfig.activations) on a CPU with AVX-512 VNNI
+  every row count stays on the groups instead (tiled integer products).
 Without the kernels, torch ops expand the weight. Every path is the dequantized weight's product
 up to summation order (the parity tests' float32 mode). A group's scale (and zero) stays the
 file's float16 pair where that is exact (Q4_0, Q4_1, Q8_0: `_fp16_pair`), else float32 (Q4_K,
@@ -59,9 +59,9 @@ GEMV_ROWS_BF16_UNITS = 8
 """The same in bfloat16 / float16 on a CPU with bf16 units, whose dense products are ~3x
 float32's."""
 EVERY_ROW = 1 << 62
-"""A row bound no step reaches: a 4-bit weight with int8 activations on AVX-512 VNNI multiplies
-every row count on its groups (cpu_quant_i8.cpp's tiles: 1.4-1.6x oneDNN's bf16 product of the
-expanded weight at 48 and 512 rows)."""
+"""A row bound no step reaches: a weight with int8 activations on AVX-512 VNNI multiplies every
+row count on its groups (cpu_quant_i8.cpp's tiles: 1.4-1.6x oneDNN's bf16 product of the
+expanded weight at 48 and 512 rows; Q6_K's 16-input scales excepted)."""
 
 
 class GroupedLinear(nn.Module):
@@ -109,7 +109,8 @@ class GroupedLinear(nn.Module):
     def _tiles_int8(self, ops: Any) -> bool:
         """Whether `ops` multiplies int8 activations by this weight in tiles at any row count
         (cpu_quant_i8.cpp with AVX-512 VNNI), faster than expanding it for a dense product."""
-        return False
+        tile_rows = getattr(ops, "linear_i8_tile_rows", None)
+        return tile_rows is not None and int(tile_rows()) > 0
 
     @property
     def has_kernel(self) -> bool:
@@ -176,10 +177,6 @@ class Int4Linear(GroupedLinear):
         self.register_buffer("scale", scale_t, persistent=False)
         self.register_buffer("zero", zero_t, persistent=False)
 
-    def _tiles_int8(self, ops: Any) -> bool:
-        tile_rows = getattr(ops, "q4_linear_i8_tile_rows", None)
-        return tile_rows is not None and int(tile_rows()) > 0
-
     def _product(self, x: torch.Tensor) -> torch.Tensor:
         if self.int8_activations:
             return self._ops.q4_linear_i8(x, self.qs, self.scale, self.zero)
@@ -210,6 +207,10 @@ class Q8Linear(GroupedLinear):
         half = _fp16_exact(scale)
         kept = _groups(scale) if half is None else torch.from_numpy(half)
         self.register_buffer("scale", kept, persistent=False)
+
+    def _tiles_int8(self, ops: Any) -> bool:
+        # (a scale every 16 inputs, Q6_K: its int8 entry takes the float product, untiled)
+        return self.scale.shape[1] * GROUP == self.in_features and super()._tiles_int8(ops)
 
     def _product(self, x: torch.Tensor) -> torch.Tensor:
         if self.int8_activations:
