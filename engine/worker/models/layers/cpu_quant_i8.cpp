@@ -267,6 +267,8 @@ constexpr int64_t kTileRows = 4, kTileRows8 = 16;
 // The 16 outputs from n0 of a weight as VNNI operands: w[8 g + c], lane l: the 4 weights of
 // output n0 + l at inputs 32 g + 4 c .. 32 g + 4 c + 3; d[g], m[g] and (8-bit) off[g] = 128
 // sum(q), lane l: that output's group (w = q d + m). Lanes past the last output hold zeros.
+typedef int32_t unaligned_i32 __attribute__((aligned(1), may_alias));
+
 struct Tile {
   std::vector<__m512i> w, off;
   std::vector<__m512> d, m;
@@ -350,13 +352,12 @@ void tile_rows(const Tile& t, int64_t groups, const int8_t* xq, const float* xd,
     for (int c = 0; c < 8; ++c) {
       const __m512i w = t.w[8 * g + c];
       for (int r = 0; r < kRows; ++r) {
-        uint32_t four;
-        std::memcpy(&four, xq + r * K + g * kGroup + 4 * c, 4);
+        const auto* four = reinterpret_cast<const unaligned_i32*>(xq + r * K + g * kGroup + 4 * c);
         if constexpr (kQ4) {
-          sum[r] = _mm512_dpbusd_epi32(sum[r], w, _mm512_set1_epi32(static_cast<int>(four)));
-        } else {  // x + 128 as u8: each byte's sign bit flipped
-          const int u8 = static_cast<int>(four ^ 0x80808080u);
-          sum[r] = _mm512_dpbusd_epi32(sum[r], _mm512_set1_epi32(u8), w);
+          // x's 4 bytes as vpdpbusd's broadcast memory operand (GCC does not fold a set1 there)
+          asm("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(sum[r]) : "v"(w), "m"(*four));
+        } else {  // xq: x + 128 as u8 here (tiled()), the u8 operand
+          sum[r] = _mm512_dpbusd_epi32(sum[r], _mm512_set1_epi32(*four), w);
         }
       }
     }
@@ -374,6 +375,12 @@ template <bool kQ4, typename sc_t>
 void tiled(const Int8Rows& x, int64_t M, int64_t K, const void* qs, const sc_t* scale,
            const sc_t* zero, float* out, int64_t N) {
   const int64_t groups = K / kGroup, tiles = (N + 15) / 16;
+  std::vector<int8_t> flipped;  // 8-bit weights are the s8 operand: x + 128 as u8 (sign bits flipped)
+  if constexpr (!kQ4) {
+    flipped.resize(x.q.size());
+    for (size_t i = 0; i < x.q.size(); ++i) flipped[i] = static_cast<int8_t>(x.q[i] ^ 0x80);
+  }
+  const int8_t* q = kQ4 ? x.q.data() : flipped.data();
   at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
     Tile t(groups);
     for (int64_t ti = t0; ti < t1; ++ti) {
@@ -383,7 +390,7 @@ void tiled(const Int8Rows& x, int64_t M, int64_t K, const void* qs, const sc_t* 
       pack_tile<kQ4>(w, scale + at, kQ4 ? zero + at : nullptr, groups, live, t);
       const __mmask16 mask = static_cast<__mmask16>((1u << live) - 1);
       for (int64_t m = 0; m < M; m += kMaxRows) {
-        const int8_t* xq = x.q.data() + m * K;
+        const int8_t* xq = q + m * K;
         const float* xd = x.d.data() + m * groups;
         const float* xs = x.dsum.data() + m * groups;
         float* o = out + m * N + n0;
