@@ -1,8 +1,9 @@
 """cpu_quant.cpp and cpu_quant_i8.cpp built for each instruction set they have a path for (this
 machine's, which may be AVX-512 with VNNI, then AVX2 and plain C++): the few-row products against
 the dequantized weights, the int8-activation products against the same integer arithmetic in
-numpy, and the expansions to float32, bfloat16 and float16, with float32 or float16 group scales
-(8-bit ones also a scale every 16 weights), in a process of their own."""
+numpy (with AVX-512 VNNI, many rows through the tiled product), and the expansions to float32,
+bfloat16 and float16, with float32 or float16 group scales (8-bit ones also a scale every 16
+weights), in a process of their own."""
 
 from __future__ import annotations
 

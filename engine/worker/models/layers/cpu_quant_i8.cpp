@@ -9,6 +9,7 @@
 // AVX-512 VNNI), against the float path's conversion of every weight: about half the
 // instructions a weight. It is not the dequantized weight's product: each activation is rounded
 // to 8 bits (as llama.cpp rounds them), so it is used only where asked (layers/quantized.py).
+// With AVX-512 VNNI, many rows take a tiled product (below) that reads a weight once for all.
 // Registered as torch.ops.deja_cpu_attn.q4_linear_i8 and q8_linear_i8; same arguments as
 // q4_linear and q8_linear.
 
@@ -252,8 +253,8 @@ void rows_i8(const int8_t* xq, const float* xd, const float* xds, int64_t K, con
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
 // Many rows of x against a weight: tiles of 16 outputs, one output a vector lane, each group's
 // integer dot products by VNNI (vpdpbusd: four u8 times four s8 a lane), every tile's weights
-// read once for all rows. A tile's weights are first transposed into that layout (a gather of
-// 4 bytes from each output's group), which pays from a few rows. 4-bit weights (0..15) are the
+// read once for all rows. A tile's weights are first transposed into that layout (16 bytes of
+// each output's group loaded, then unpacked in 128-bit lanes), which pays from a few rows. 4-bit weights (0..15) are the
 // u8 operand and x the s8 one; 8-bit weights are the s8 operand against x + 128 as u8, and
 // 128 sum(q) a group is taken back off. Per row and output the float sum runs over the groups
 // in order:
@@ -264,11 +265,11 @@ void rows_i8(const int8_t* xq, const float* xd, const float* xds, int64_t K, con
 // twice the bytes a 4-bit one does.
 constexpr int64_t kTileRows = 4, kTileRows8 = 16;
 
-// The 16 outputs from n0 of a weight as VNNI operands: w[8 g + c], lane l: the 4 weights of
-// output n0 + l at inputs 32 g + 4 c .. 32 g + 4 c + 3; d[g], m[g] and (8-bit) off[g] = 128
-// sum(q), lane l: that output's group (w = q d + m). Lanes past the last output hold zeros.
 typedef int32_t unaligned_i32 __attribute__((aligned(1), may_alias));
 
+// The 16 outputs from n0 of a weight as VNNI operands: w[8 g + c], lane l: the 4 weights of
+// output n0 + l at inputs 32 g + 4 c .. 32 g + 4 c + 3; d[g], m[g] and (8-bit) off[g] = 128
+// sum(q), lane l: that output's group (w = q d + m). Lanes past the last output: scales 0.
 struct Tile {
   std::vector<__m512i> w, off;
   std::vector<__m512> d, m;
