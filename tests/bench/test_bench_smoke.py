@@ -171,7 +171,7 @@ def test_quant_reads_llama_bench_at_each_depth(tmp_path: Path) -> None:
         ' {"n_prompt": 0, "n_gen": 8, "n_depth": 128, "avg_ts": 80.25}]\' ;;\n'
         '  *"-p 512"*) echo \'[{"n_prompt": 512, "n_gen": 0, "n_depth": 0, "avg_ts": 400.0},'
         ' {"n_prompt": 0, "n_gen": 8, "n_depth": 0, "avg_ts": 120.0}]\' ;;\n'
-        "  *) exit 3 ;;\n"
+        "  *) echo 'error: invalid parameter for argument: -d' >&2; exit 3 ;;\n"
         "esac\n"
     )
     fake.chmod(0o755)
@@ -182,10 +182,10 @@ def test_quant_reads_llama_bench_at_each_depth(tmp_path: Path) -> None:
         "tg_tok_s@64": 90.5,
         "tg_tok_s@128": 80.25,
     }
-    assert quant.llama_bench(str(fake), str(tmp_path / "model.gguf"), 2, 8) == {
-        "pp512_tok_s": 400.0,
-        "tg_tok_s": 120.0,
-    }
+    plain = {"pp512_tok_s": 400.0, "tg_tok_s": 120.0}
+    assert quant.llama_bench(str(fake), str(tmp_path / "model.gguf"), 2, 8) == plain
+    # a build that refuses other depths: the figures without them still stand
+    assert quant.llama_bench(str(fake), str(tmp_path / "model.gguf"), 2, 8, (32,)) == plain
 
 
 def test_quant_refuses_a_folder(tiny_llama_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

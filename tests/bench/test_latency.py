@@ -87,7 +87,7 @@ def test_latency_gateway_quick(
         # A rate wherever the tokens came in more than one message; none (not 0) where one
         # message brought them all
         for rate, messages in zip(path["decode_tok_s"], path["token_messages"], strict=True):
-            assert (rate > 0) if messages > 1 else (rate is None), (rate, messages)
+            assert (rate is not None and rate > 0) if messages > 1 else rate is None, messages
     for level, runs in data["load"].items():
         for path_runs in runs.values():
             (run,) = path_runs  # one round with --quick

@@ -7,6 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 
@@ -163,6 +164,8 @@ def test_int8_activations_take_every_row_on_the_groups_where_tiled(llama_file: P
     tiled = ops.linear_i8_tile_rows() > 0
     kept = [m for m in model.modules() if isinstance(m, GroupedLinear)]
     assert {type(m) for m in kept} == {Int4Linear, Q8Linear}
+    # the layer stack takes decode steps of any size then
+    assert model.compiled.max_tokens == (EVERY_ROW if tiled else GEMV_ROWS)
     for linear in kept:
         assert linear.gemv_rows(torch.float32) == (EVERY_ROW if tiled else GEMV_ROWS)
         x = torch.randn(GEMV_ROWS + 37, linear.in_features)
@@ -176,6 +179,22 @@ def test_int8_activations_take_every_row_on_the_groups_where_tiled(llama_file: P
         linear.int8_activations = True
         err = ((got - want).norm() / want.norm()).item()
         assert (0 < err < 0.05) if tiled else err == 0, err
+
+
+def test_int8_tiles_leave_sixteen_input_scales_to_the_float_product() -> None:
+    """An 8-bit weight with a scale every 16 inputs (Q6_K) takes the float product with int8
+    activations, so it keeps the few-row bound; one scale a group takes the tiles where built."""
+    ops: Any = load_kernel().ops
+    tiled = ops.linear_i8_tile_rows() > 0
+    rng = np.random.default_rng(0)
+    q = rng.integers(-32, 32, (48, 96)).astype(np.int8)
+    for width, want in ((96 // 16, GEMV_ROWS), (96 // 32, EVERY_ROW if tiled else GEMV_ROWS)):
+        linear = Q8Linear(q, rng.random((48, width)).astype(np.float32), None, torch.float32)
+        linear.int8_activations = True
+        linear.use_kernel(ops)
+        assert linear.gemv_rows(torch.float32) == want, width
+        linear.int8_activations = False  # float activations: the few-row bound again
+        assert linear.gemv_rows(torch.float32) == GEMV_ROWS
 
 
 def test_int8_activations_get_their_own_fingerprint(llama_file: Path) -> None:

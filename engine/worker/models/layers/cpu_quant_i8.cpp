@@ -254,9 +254,9 @@ void rows_i8(const int8_t* xq, const float* xd, const float* xds, int64_t K, con
 // Many rows of x against a weight: tiles of 16 outputs, one output a vector lane, each group's
 // integer dot products by VNNI (vpdpbusd: four u8 times four s8 a lane), every tile's weights
 // read once for all rows. A tile's weights are first transposed into that layout (16 bytes of
-// each output's group loaded, then unpacked in 128-bit lanes), which pays from a few rows. 4-bit weights (0..15) are the
-// u8 operand and x the s8 one; 8-bit weights are the s8 operand against x + 128 as u8, and
-// 128 sum(q) a group is taken back off. Per row and output the float sum runs over the groups
+// each output's group loaded, then unpacked in 128-bit lanes), which pays from a few rows.
+// 4-bit weights (0..15) are the u8 operand and x the s8 one; 8-bit weights are the s8 operand
+// against x + 128 as u8, and 128 sum(q) a group is taken back off. Per row and output the float sum runs over the groups
 // in order:
 //   y = fma(float(sum(q xq)), d dx, y); y = fma(m, dx sum(xq), y)   (m: 4-bit only)
 // (the few-row kernel sums in lanes of partial products instead, so a row's last bits may
@@ -271,11 +271,12 @@ typedef int32_t unaligned_i32 __attribute__((aligned(1), may_alias));
 // output n0 + l at inputs 32 g + 4 c .. 32 g + 4 c + 3; d[g], m[g] and (8-bit) off[g] = 128
 // sum(q), lane l: that output's group (w = q d + m). Lanes past the last output: scales 0.
 struct Tile {
-  std::vector<__m512i> w, off;
-  std::vector<__m512> d, m;
-  std::vector<float> row;  // one output's d and m while packing
+  std::vector<int32_t> w, off;  // 16 lanes a vector
+  std::vector<float> d, m, row;  // (row: one output's d and m while packing)
   explicit Tile(int64_t groups)
-      : w(8 * groups), off(groups), d(groups), m(groups), row(2 * groups) {}
+      : w(16 * 8 * groups), off(16 * groups), d(16 * groups), m(16 * groups), row(2 * groups) {}
+  __m512i weights(int64_t i) const { return _mm512_loadu_si512(w.data() + 16 * i); }
+  void set_weights(int64_t i, __m512i v) { _mm512_storeu_si512(w.data() + 16 * i, v); }
 };
 
 // 16 bytes at each of 16 places as 4 vectors, vector i lane l holding bytes 4 i .. 4 i + 3
@@ -305,31 +306,33 @@ void pack_tile(const void* qs, const sc_t* scale, const sc_t* zero, int64_t grou
                Tile& t) {
   const int64_t row_bytes = kQ4 ? groups * kGroup / 2 : groups * kGroup;
   const uint8_t* rows[16];  // (a lane past the last output reads the first; its scales are 0)
-  for (int l = 0; l < 16; ++l) rows[l] = static_cast<const uint8_t*>(qs) + (l < live ? l : 0) * row_bytes;
+  for (int l = 0; l < 16; ++l) {
+    rows[l] = static_cast<const uint8_t*>(qs) + (l < live ? l : 0) * row_bytes;
+  }
   const __m512i m15 = _mm512_set1_epi8(15);
   for (int64_t g = 0; g < groups; ++g) {
     __m512i v[4];
     if constexpr (kQ4) {
       transpose16(rows, g * kGroup / 2, v);  // byte j of a group: weights j (low nibble), j + 16
       for (int i = 0; i < 4; ++i) {
-        t.w[8 * g + i] = _mm512_and_si512(v[i], m15);
-        t.w[8 * g + 4 + i] = _mm512_and_si512(_mm512_srli_epi32(v[i], 4), m15);
+        t.set_weights(8 * g + i, _mm512_and_si512(v[i], m15));
+        t.set_weights(8 * g + 4 + i, _mm512_and_si512(_mm512_srli_epi32(v[i], 4), m15));
       }
     } else {
       __m512i sum = _mm512_setzero_si512();
       for (int half = 0; half < 2; ++half) {
         transpose16(rows, g * kGroup + 16 * half, v);
         for (int i = 0; i < 4; ++i) {
-          t.w[8 * g + 4 * half + i] = v[i];
+          t.set_weights(8 * g + 4 * half + i, v[i]);
           sum = _mm512_dpbusd_epi32(sum, _mm512_set1_epi8(1), v[i]);
         }
       }
-      t.off[g] = _mm512_slli_epi32(sum, 7);
+      _mm512_storeu_si512(t.off.data() + 16 * g, _mm512_slli_epi32(sum, 7));
     }
   }
   // each output's d and m (row_scales: vector conversions of its groups), into the lanes
-  float* d = reinterpret_cast<float*>(t.d.data());
-  float* m = reinterpret_cast<float*>(t.m.data());
+  float* d = t.d.data();
+  float* m = t.m.data();
   for (int l = 0; l < 16; ++l) {
     float* rd = t.row.data();
     float* rm = rd + groups;
@@ -351,7 +354,7 @@ void tile_rows(const Tile& t, int64_t groups, const int8_t* xq, const float* xd,
     __m512i sum[kRows];
     for (int r = 0; r < kRows; ++r) sum[r] = _mm512_setzero_si512();
     for (int c = 0; c < 8; ++c) {
-      const __m512i w = t.w[8 * g + c];
+      const __m512i w = t.weights(8 * g + c);
       for (int r = 0; r < kRows; ++r) {
         const auto* four = reinterpret_cast<const unaligned_i32*>(xq + r * K + g * kGroup + 4 * c);
         if constexpr (kQ4) {
@@ -363,10 +366,16 @@ void tile_rows(const Tile& t, int64_t groups, const int8_t* xq, const float* xd,
       }
     }
     for (int r = 0; r < kRows; ++r) {
-      if constexpr (!kQ4) sum[r] = _mm512_sub_epi32(sum[r], t.off[g]);
-      const __m512 dd = _mm512_mul_ps(t.d[g], _mm512_set1_ps(xd[r * groups + g]));
+      if constexpr (!kQ4) {
+        sum[r] = _mm512_sub_epi32(sum[r], _mm512_loadu_si512(t.off.data() + 16 * g));
+      }
+      const __m512 d = _mm512_loadu_ps(t.d.data() + 16 * g);
+      const __m512 dd = _mm512_mul_ps(d, _mm512_set1_ps(xd[r * groups + g]));
       acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum[r]), dd, acc[r]);
-      if constexpr (kQ4) acc[r] = _mm512_fmadd_ps(t.m[g], _mm512_set1_ps(xds[r * groups + g]), acc[r]);
+      if constexpr (kQ4) {
+        const __m512 m = _mm512_loadu_ps(t.m.data() + 16 * g);
+        acc[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(xds[r * groups + g]), acc[r]);
+      }
     }
   }
   for (int r = 0; r < kRows; ++r) _mm512_mask_storeu_ps(out + r * ldo, mask, acc[r]);
@@ -376,7 +385,7 @@ template <bool kQ4, typename sc_t>
 void tiled(const Int8Rows& x, int64_t M, int64_t K, const void* qs, const sc_t* scale,
            const sc_t* zero, float* out, int64_t N) {
   const int64_t groups = K / kGroup, tiles = (N + 15) / 16;
-  std::vector<int8_t> flipped;  // 8-bit weights are the s8 operand: x + 128 as u8 (sign bits flipped)
+  std::vector<int8_t> flipped;  // 8-bit weights are the s8 operand: x + 128 as u8 (sign flipped)
   if constexpr (!kQ4) {
     flipped.resize(x.q.size());
     for (size_t i = 0; i < x.q.size(); ++i) flipped[i] = static_cast<int8_t>(x.q[i] ^ 0x80);

@@ -12,7 +12,8 @@ on the CPU, cuda/quant_linear.cu on CUDA):
   whatever the activations' dtype);
 - more rows (prefill): the weight expanded once per call to the activations' dtype, then a
   dense product; with int8 activations (ModelConfig.activations) on a CPU with AVX-512 VNNI
-  every row count stays on the groups instead (tiled integer products).
+  every row count stays on the groups instead (tiled integer products; not an 8-bit weight with
+  a scale every 16 inputs, Q6_K).
 Without the kernels, torch ops expand the weight. Every path is the dequantized weight's product
 up to summation order (the parity tests' float32 mode). A group's scale (and zero) stays the
 file's float16 pair where that is exact (Q4_0, Q4_1, Q8_0: `_fp16_pair`), else float32 (Q4_K,
@@ -85,8 +86,10 @@ class GroupedLinear(nn.Module):
         """The products' kernels once `use_kernel` handed them: torch.ops.deja_cpu_attn on the
         CPU, cuda/quant_linear.py on CUDA (None: torch ops only)."""
         self.int8_activations = False
-        """The few-row product quantizes x to int8 and takes integer dot products
+        """The product on the groups quantizes x to int8 and takes integer dot products
         (cpu_quant_i8.cpp; ModelConfig.activations int8); otherwise float32 sums, exact."""
+        self._tiled_int8 = False
+        """`_ops` multiplies int8 activations by this weight at every row count (tiles)."""
         self._gemv_rows = {
             torch.float32: GEMV_ROWS,
             torch.bfloat16: GEMV_ROWS,
@@ -101,9 +104,9 @@ class GroupedLinear(nn.Module):
         bound = getattr(ops, "GEMV_ROWS", None)  # cuda/quant_linear.py's own few-row bound
         if bound is not None:
             self._gemv_rows = dict.fromkeys(self._gemv_rows, int(bound))
-        elif self.int8_activations and self._tiles_int8(ops):
-            self._gemv_rows = dict.fromkeys(self._gemv_rows, EVERY_ROW)
-        elif has_bf16_units():
+            return
+        self._tiled_int8 = self._tiles_int8(ops)
+        if has_bf16_units():
             self._gemv_rows[torch.bfloat16] = self._gemv_rows[torch.float16] = GEMV_ROWS_BF16_UNITS
 
     def _tiles_int8(self, ops: Any) -> bool:
@@ -118,8 +121,9 @@ class GroupedLinear(nn.Module):
         return self._ops is not None
 
     def gemv_rows(self, dtype: torch.dtype) -> int:
-        """Rows up to which activations of `dtype` take the product on the groups."""
-        return self._gemv_rows[dtype]
+        """Rows up to which activations of `dtype` take the product on the groups (every row
+        count with int8 activations where the kernels tile them)."""
+        return EVERY_ROW if self.int8_activations and self._tiled_int8 else self._gemv_rows[dtype]
 
     @contextmanager
     def products_on_every_row(self) -> Iterator[None]:
@@ -140,7 +144,7 @@ class GroupedLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x if x.dim() == 2 else x.reshape(-1, self.in_features)  # [M, in]
-        if self._ops is not None and flat.shape[0] <= self._gemv_rows[flat.dtype]:
+        if self._ops is not None and flat.shape[0] <= self.gemv_rows(flat.dtype):
             out = self._product(flat)  # (the C++ op reads any strides)
         elif self._ops is not None and flat.dtype == torch.float32 and flat.device.type == "cpu":
             # oneDNN's packed product repays packing the expanded weight: ~2x a plain one
