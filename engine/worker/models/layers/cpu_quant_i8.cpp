@@ -34,6 +34,22 @@ constexpr int64_t kGroup = 32;
 constexpr int kMaxRows = 8;  // rows of x a pass over the weight serves
 
 // x's rows quantized: xq int8 [M, K], per group dx and dx * sum(xq) [M, K / 32].
+// f(std::integral_constant<int, R>) with R = min(rows, kMaxRows), rows >= 1: a kernel's row
+// count as a template argument.
+template <typename F>
+void with_rows(int64_t rows, F f) {
+  switch (std::min<int64_t>(kMaxRows, rows)) {
+    case 1: f(std::integral_constant<int, 1>{}); break;
+    case 2: f(std::integral_constant<int, 2>{}); break;
+    case 3: f(std::integral_constant<int, 3>{}); break;
+    case 4: f(std::integral_constant<int, 4>{}); break;
+    case 5: f(std::integral_constant<int, 5>{}); break;
+    case 6: f(std::integral_constant<int, 6>{}); break;
+    case 7: f(std::integral_constant<int, 7>{}); break;
+    default: f(std::integral_constant<int, 8>{}); break;
+  }
+}
+
 struct Int8Rows {
   std::vector<int8_t> q;
   std::vector<float> d, dsum;
@@ -256,8 +272,8 @@ void rows_i8(const int8_t* xq, const float* xd, const float* xds, int64_t K, con
 // read once for all rows. A tile's weights are first transposed into that layout (16 bytes of
 // each output's group loaded, then unpacked in 128-bit lanes), which pays from a few rows.
 // 4-bit weights (0..15) are the u8 operand and x the s8 one; 8-bit weights are the s8 operand
-// against x + 128 as u8, and 128 sum(q) a group is taken back off. Per row and output the float sum runs over the groups
-// in order:
+// against x + 128 as u8, and 128 sum(q) a group is taken back off. Per row and output the
+// float sum runs over the groups in order:
 //   y = fma(float(sum(q xq)), d dx, y); y = fma(m, dx sum(xq), y)   (m: 4-bit only)
 // (the few-row kernel sums in lanes of partial products instead, so a row's last bits may
 // differ between the two).
@@ -404,16 +420,9 @@ void tiled(const Int8Rows& x, int64_t M, int64_t K, const void* qs, const sc_t* 
         const float* xd = x.d.data() + m * groups;
         const float* xs = x.dsum.data() + m * groups;
         float* o = out + m * N + n0;
-        switch (std::min<int64_t>(kMaxRows, M - m)) {
-          case 1: tile_rows<1, kQ4>(t, groups, xq, xd, xs, K, o, N, mask); break;
-          case 2: tile_rows<2, kQ4>(t, groups, xq, xd, xs, K, o, N, mask); break;
-          case 3: tile_rows<3, kQ4>(t, groups, xq, xd, xs, K, o, N, mask); break;
-          case 4: tile_rows<4, kQ4>(t, groups, xq, xd, xs, K, o, N, mask); break;
-          case 5: tile_rows<5, kQ4>(t, groups, xq, xd, xs, K, o, N, mask); break;
-          case 6: tile_rows<6, kQ4>(t, groups, xq, xd, xs, K, o, N, mask); break;
-          case 7: tile_rows<7, kQ4>(t, groups, xq, xd, xs, K, o, N, mask); break;
-          default: tile_rows<8, kQ4>(t, groups, xq, xd, xs, K, o, N, mask); break;
-        }
+        with_rows(M - m, [&](auto rows) {
+          tile_rows<decltype(rows)::value, kQ4>(t, groups, xq, xd, xs, K, o, N, mask);
+        });
       }
     }
   });
@@ -439,16 +448,9 @@ void product_i8(const Int8Rows& x, int64_t M, int64_t K, const void* qs, const s
       const float* xd = x.d.data() + m * groups;
       const float* xs = x.dsum.data() + m * groups;
       float* om = out + m * N;
-      switch (std::min<int64_t>(kMaxRows, M - m)) {
-        case 1: rows_i8<1, kQ4, sc_t>(xq, xd, xs, K, qs, scale, zero, om, N, n0, n1); break;
-        case 2: rows_i8<2, kQ4, sc_t>(xq, xd, xs, K, qs, scale, zero, om, N, n0, n1); break;
-        case 3: rows_i8<3, kQ4, sc_t>(xq, xd, xs, K, qs, scale, zero, om, N, n0, n1); break;
-        case 4: rows_i8<4, kQ4, sc_t>(xq, xd, xs, K, qs, scale, zero, om, N, n0, n1); break;
-        case 5: rows_i8<5, kQ4, sc_t>(xq, xd, xs, K, qs, scale, zero, om, N, n0, n1); break;
-        case 6: rows_i8<6, kQ4, sc_t>(xq, xd, xs, K, qs, scale, zero, om, N, n0, n1); break;
-        case 7: rows_i8<7, kQ4, sc_t>(xq, xd, xs, K, qs, scale, zero, om, N, n0, n1); break;
-        default: rows_i8<8, kQ4, sc_t>(xq, xd, xs, K, qs, scale, zero, om, N, n0, n1); break;
-      }
+      with_rows(M - m, [&](auto rows) {
+        rows_i8<decltype(rows)::value, kQ4, sc_t>(xq, xd, xs, K, qs, scale, zero, om, N, n0, n1);
+      });
     }
   });
 }
