@@ -50,20 +50,25 @@ class GenerateRpc(ServicerBase):
         rec = await self._open(request, context, tenant, params)
         relay = rec.responses(self._metrics.itl, self.replica_id, self.on_finished)
         try:
-            async with contextlib.aclosing(relay):
-                async for resp in relay:
-                    yield resp
-                    rec.sent += 1
-        except asyncio.CancelledError:
-            if context.time_remaining() is not None and context.time_remaining() <= 0:
-                rec.outcome = "deadline_exceeded"
-            raise
-        except Exception as e:
-            rec.failed(e)
+            try:
+                async with contextlib.aclosing(relay):
+                    async for resp in relay:
+                        yield resp
+                        rec.sent += 1
+            except asyncio.CancelledError:
+                if context.time_remaining() is not None and context.time_remaining() <= 0:
+                    rec.outcome = "deadline_exceeded"
+                raise
+            except Exception as e:
+                rec.failed(e)
+            finally:
+                self._close(rec)
+            if rec.error is not None:
+                await self._fail(context, rec.outcome, rec.error, rec.trailer)
         finally:
-            self._close(rec)
-        if rec.error is not None:
-            await self._fail(context, rec.outcome, rec.error, rec.trailer)
+            # NOTE: only now, with the error status set: a drain waits for `streams` to empty
+            # before it stops the server, and a stopping server cancels the calls still open.
+            self.streams.pop(rec.stream.engine_id, None)
 
     def _on_call_done(self, stream: Stream) -> None:
         if not stream.done:
@@ -142,9 +147,9 @@ class GenerateRpc(ServicerBase):
         return StreamRecord(request, stream, salt, span, outputs)
 
     def _close(self, rec: StreamRecord) -> None:
-        """Unregisters the stream and records its outcome, usage and span."""
+        """Records the stream's outcome, usage and span (it leaves `streams` once its status is
+        set)."""
         rec.stream.done = True
-        self.streams.pop(rec.stream.engine_id, None)
         self._metrics.active_streams.dec()
         if rec.error is None:  # failures are counted by _fail with their status
             self._metrics.requests.labels(rec.outcome).inc()
