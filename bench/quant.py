@@ -51,8 +51,26 @@ AGREEMENT_PROMPTS = (
     "Once upon a time, in a small village,",
     "List three benefits of regular exercise:",
     "Translate to French: Good morning, how are you?",
+    "The largest planet in our solar system is",
+    "Water boils at a temperature of",
+    "Summarize the plot of Romeo and Juliet.",
+    "What is machine learning?",
+    "Give me a recipe for pancakes.",
+    "import numpy as np\n",
+    "The history of the Roman Empire",
+    "Dear customer, thank you for",
+    "How do I reverse a list in Python?",
+    "The best way to learn a language is",
+    "In 1969, astronauts",
+    "Describe a sunset over the ocean.",
+    "SELECT * FROM users WHERE",
+    "My favorite book is",
+    "The human heart has four chambers:",
+    "Tips for a job interview:",
 )
-"""Text the expanded model continues greedily (32 tokens each); every run scores those tokens."""
+AGREEMENT_TOKENS = 64
+"""Text the expanded model continues greedily (AGREEMENT_TOKENS tokens each); every run scores
+those tokens. 1,536 positions: near 97% a binomial standard error of 0.4%."""
 MODES = {"none": ("none", "float"), "gguf": ("gguf", "float"), "gguf-int8": ("gguf", "int8")}
 """Each run: (--quantization, --activations)."""
 KEPT = {"gguf": "quantized", "gguf-int8": "quantized, int8 activations"}
@@ -86,9 +104,10 @@ def _depths(text: str) -> tuple[int, ...]:
 def llama_bench(
     binary: str, file: str, threads: int, tokens: int, depths: tuple[int, ...] = ()
 ) -> dict[str, float] | str:
-    """llama.cpp's pp512 and tg<tokens> on `file` (tokens per second, mean of 3 repetitions),
-    and tg<tokens> after each of `depths` tokens of context ("tg_tok_s@D"); or why llama-bench
-    gave none (e.g. a build for instructions this CPU refuses: SIGILL)."""
+    """llama.cpp's tg<tokens> and pp512 on `file` (tokens per second, mean of 3 repetitions; each
+    its own llama-bench call), and tg<tokens> after each of `depths` tokens of context
+    ("tg_tok_s@D"); or why llama-bench gave no decode figure (e.g. a build for instructions this
+    CPU refuses: SIGILL). A failed pp512 or depth call leaves its figures out."""
     import json
     import subprocess
 
@@ -101,19 +120,24 @@ def llama_bench(
             return f"llama-bench failed ({status}) {tail[0]}".strip()
         return list(json.loads(out.stdout))
 
-    main = rows("-p", "512", "-n", str(tokens), "-r", "3")
-    if isinstance(main, str):
-        return main
-    pp = next(r["avg_ts"] for r in main if r["n_prompt"] > 0 and r["n_gen"] == 0)
-    tg = next(r["avg_ts"] for r in main if r["n_gen"] > 0 and r["n_prompt"] == 0)
-    at: dict[str, float] = {}
+    gen = rows("-p", "0", "-n", str(tokens), "-r", "3")
+    if isinstance(gen, str):
+        return gen
+    out = {"tg_tok_s": float(next(r["avg_ts"] for r in gen if r["n_gen"] > 0))}
+    prompt = rows("-p", "512", "-n", "0", "-r", "3")
+    if isinstance(prompt, str):  # (e.g. a prompt path this CPU refuses: the decode figure stands)
+        print(f"llama.cpp pp512: no figure: {prompt}")
+    else:
+        out["pp512_tok_s"] = float(next(r["avg_ts"] for r in prompt if r["n_prompt"] > 0))
     if depths:
         deep = rows("-p", "0", "-n", str(tokens), "-r", "2", "-d", ",".join(map(str, depths)))
         if isinstance(deep, str):  # (a build without -d: the figures above still stand)
             print(f"llama.cpp at depths: no figures: {deep}")
         else:
-            at = {f"tg_tok_s@{r['n_depth']}": float(r["avg_ts"]) for r in deep if r.get("n_depth")}
-    return {"pp512_tok_s": float(pp), "tg_tok_s": float(tg), **at}
+            out |= {
+                f"tg_tok_s@{r['n_depth']}": float(r["avg_ts"]) for r in deep if r.get("n_depth")
+            }
+    return out
 
 
 def read_rate_gb_s() -> float:
@@ -191,7 +215,9 @@ def run(args: argparse.Namespace) -> int:
         res["read_limit_fraction"] = res["decode_tok_s"] * res["resident_mb"] / 1e3 / rate
         if mode == "none":  # the reference outputs both engines score
             prompts = [llm.tokenizer.encode(text) for text in AGREEMENT_PROMPTS]
-            params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
+            params = SamplingParams(
+                temperature=0.0, max_tokens=8 if args.quick else AGREEMENT_TOKENS, ignore_eos=True
+            )
             outs = llm.generate(prompts, params)
             seqs = [p + o.outputs[0].token_ids for p, o in zip(prompts, outs, strict=True)]
             starts = [len(p) for p in prompts]
@@ -245,7 +271,8 @@ def run(args: argparse.Namespace) -> int:
         prompt = 64 if args.quick else 512  # the TTFT prompt _measure used
         print(
             f"llama.cpp (llama-bench -t {args.threads}): tg{decode_tokens} "
-            f"{llama['tg_tok_s']:.1f} tok/s, pp512 {llama['pp512_tok_s']:.1f} tok/s"
+            f"{llama['tg_tok_s']:.1f} tok/s"
+            + (f", pp512 {llama['pp512_tok_s']:.1f} tok/s" if "pp512_tok_s" in llama else "")
             + "".join(
                 f", tg at {d} {llama[f'tg_tok_s@{d}']:.1f} tok/s"
                 for d in args.depths
@@ -257,18 +284,17 @@ def run(args: argparse.Namespace) -> int:
             decode = ratios[f"decode_vs_llama_cpp_{mode}"] = (
                 kept["decode_tok_s"] / llama["tg_tok_s"]
             )
-            prefill = prompt / (kept["ttft_ms"] / 1e3) / llama["pp512_tok_s"]
-            ratios[f"prefill_vs_llama_cpp_{mode}"] = prefill
             deep = ""
+            if "pp512_tok_s" in llama:
+                prefill = prompt / (kept["ttft_ms"] / 1e3) / llama["pp512_tok_s"]
+                ratios[f"prefill_vs_llama_cpp_{mode}"] = prefill
+                deep += f", prefill {prefill:.2f}x"
             for d in (d for d in args.depths if f"tg_tok_s@{d}" in llama):
                 r = ratios[f"decode_vs_llama_cpp_{mode}@{d}"] = (
                     kept[f"decode_tok_s@{d}"] / llama[f"tg_tok_s@{d}"]
                 )
                 deep += f", decode at {d} {r:.2f}x"
-            print(
-                f"deja {KEPT[mode]} / llama.cpp: decode {decode:.2f}x (target >= 1.0x), prefill "
-                f"{prefill:.2f}x{deep}"
-            )
+            print(f"deja {KEPT[mode]} / llama.cpp: decode {decode:.2f}x (target >= 1.0x){deep}")
     served = None
     if args.llama_server:
         served = quant_served.compare(args, file, args.dtype)

@@ -162,15 +162,17 @@ def test_quant_reports_a_llama_bench_that_dies(tmp_path: Path) -> None:
 
 
 def test_quant_reads_llama_bench_at_each_depth(tmp_path: Path) -> None:
-    """pp512 and tg from one llama-bench call, tg after each context depth from a second."""
+    """tg and pp512 from a llama-bench call each, tg after each context depth from a third."""
     fake = tmp_path / "llama-bench"
     fake.write_text(
         "#!/bin/sh\n"
         'case "$*" in\n'
         '  *"-d 64,128"*) echo \'[{"n_prompt": 0, "n_gen": 8, "n_depth": 64, "avg_ts": 90.5},'
         ' {"n_prompt": 0, "n_gen": 8, "n_depth": 128, "avg_ts": 80.25}]\' ;;\n'
-        '  *"-p 512"*) echo \'[{"n_prompt": 512, "n_gen": 0, "n_depth": 0, "avg_ts": 400.0},'
-        ' {"n_prompt": 0, "n_gen": 8, "n_depth": 0, "avg_ts": 120.0}]\' ;;\n'
+        '  *"-p 512 -n 0"*)'
+        ' echo \'[{"n_prompt": 512, "n_gen": 0, "n_depth": 0, "avg_ts": 400.0}]\' ;;\n'
+        '  *"-p 0 -n 8 -r 3"*)'
+        ' echo \'[{"n_prompt": 0, "n_gen": 8, "n_depth": 0, "avg_ts": 120.0}]\' ;;\n'
         "  *) echo 'error: invalid parameter for argument: -d' >&2; exit 3 ;;\n"
         "esac\n"
     )
@@ -186,6 +188,23 @@ def test_quant_reads_llama_bench_at_each_depth(tmp_path: Path) -> None:
     assert quant.llama_bench(str(fake), str(tmp_path / "model.gguf"), 2, 8) == plain
     # a build that refuses other depths: the figures without them still stand
     assert quant.llama_bench(str(fake), str(tmp_path / "model.gguf"), 2, 8, (32,)) == plain
+
+
+def test_quant_keeps_llama_cpp_decode_when_its_prompt_path_dies(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A build whose prompt processing this CPU refuses (SIGILL in pp512) still gives tg."""
+    fake = tmp_path / "llama-bench"
+    fake.write_text(
+        "#!/bin/sh\n"
+        'case "$*" in\n'
+        "  *\"-p 512\"*) echo 'illegal instruction' >&2; kill -ILL $$ ;;\n"
+        '  *) echo \'[{"n_prompt": 0, "n_gen": 8, "n_depth": 0, "avg_ts": 150.0}]\' ;;\n'
+        "esac\n"
+    )
+    fake.chmod(0o755)
+    assert quant.llama_bench(str(fake), str(tmp_path / "model.gguf"), 2, 8) == {"tg_tok_s": 150.0}
+    assert "pp512: no figure: llama-bench failed (signal 4)" in capsys.readouterr().out
 
 
 def test_quant_refuses_a_folder(tiny_llama_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -19,6 +19,7 @@ from engine.worker.models.compiled import CompiledStack
 from engine.worker.models.layers.quantized import (
     EVERY_ROW,
     GEMV_ROWS,
+    INT8_ROWS_BEFORE_AMX,
     GroupedLinear,
     Int4Linear,
     Q8Linear,
@@ -195,6 +196,34 @@ def test_int8_tiles_leave_sixteen_input_scales_to_the_float_product() -> None:
         assert linear.gemv_rows(torch.float32) == want, width
         linear.int8_activations = False  # float activations: the few-row bound again
         assert linear.gemv_rows(torch.float32) == GEMV_ROWS
+
+
+def test_bfloat16_rows_past_the_few_row_bound_take_amx_tiles_where_built(llama_file: Path) -> None:
+    """On a CPU with AMX (the kernels' linear_amx_rows), a kept linear multiplies bfloat16 rows
+    past the few-row bound on AMX tiles instead of expanding its weight: the same as the op,
+    the expanded weight's product up to float32 summation order; with int8 activations the
+    int8 tiles keep the rows up to INT8_ROWS_BEFORE_AMX. Elsewhere the weight is expanded."""
+    ops: Any = load_kernel().ops
+    amx = ops.linear_amx_rows()
+    model = _model(LLM(str(llama_file), dtype="bfloat16", num_device_blocks=64))
+    kept = [m for m in model.modules() if isinstance(m, GroupedLinear)]
+    assert {type(m) for m in kept} == {Int4Linear, Q8Linear}
+    for linear in kept:
+        if amx:
+            assert linear.gemv_rows(torch.bfloat16) == amx - 1
+        x = torch.randn(GEMV_ROWS + 37, linear.in_features).bfloat16()
+        got = linear(x)
+        if amx and isinstance(linear, Int4Linear):
+            assert torch.equal(got, ops.q4_linear_amx(x, linear.qs, linear.scale, linear.zero))
+        elif amx:
+            assert torch.equal(got, ops.q8_linear_amx(x, linear.qs, linear.scale))
+        want = x.float() @ linear._dense(torch.bfloat16).float().T
+        assert ((got.float() - want).abs().max() / want.abs().max()).item() < 5e-3
+        linear.int8_activations = True
+        tiled = ops.linear_i8_tile_rows() > 0
+        bound = INT8_ROWS_BEFORE_AMX if amx else linear._gemv_rows[torch.bfloat16]
+        assert linear.gemv_rows(torch.bfloat16) == (bound if amx or not tiled else EVERY_ROW)
+        linear.int8_activations = False
 
 
 def test_int8_activations_get_their_own_fingerprint(llama_file: Path) -> None:

@@ -18,7 +18,7 @@ import torch
 from engine.worker.attention import cpu_kernel
 
 LAYERS = Path(cpu_kernel.__file__).parents[1] / "models" / "layers"
-SOURCES = (LAYERS / "cpu_quant.cpp", LAYERS / "cpu_quant_i8.cpp")
+SOURCES = (LAYERS / "cpu_quant.cpp", LAYERS / "cpu_quant_i8.cpp", LAYERS / "cpu_quant_amx.cpp")
 
 CHECK = r"""
 import sys, numpy as np, torch
@@ -99,6 +99,29 @@ for n, k in [(40, 96), (72, 576)]:
         close(ops.q8_linear(x, q8, s16), x @ w16.T)
         assert torch.equal(ops.q8_linear(x, q8, h16), ops.q8_linear(x, q8, h16.float()))
         assert torch.equal(ops.q8_linear_i8(x, q8, s16), ops.q8_linear(x, q8, s16))
+    # bfloat16 x on AMX tiles (where built): the expanded bfloat16 weight's product, float32 sums
+    # rounded to bfloat16 (17 and 33 rows: partial tiles of rows; 40 and 72 outputs: of outputs)
+    amx = ops.linear_amx_rows()
+    assert amx == int(sys.argv[3]), amx
+    for m in (1, 16, 17, 33, 64) if amx else ():
+        x = torch.randn(m, k).bfloat16()
+        for got, w in (
+            (ops.q4_linear_amx(x, qs4, scale, zero), ops.q4_dequant(qs4, scale, zero, torch.bfloat16)),
+            (ops.q4_linear_amx(x, qs4, d16, m16), ops.q4_dequant(qs4, d16, m16, torch.bfloat16)),
+            (ops.q8_linear_amx(x, q8, scale), ops.q8_dequant(q8, scale, torch.bfloat16)),
+            (ops.q8_linear_amx(x, q8, s16), ops.q8_dequant(q8, s16, torch.bfloat16)),
+        ):
+            want = x.float() @ w.float().T
+            assert got.dtype == torch.bfloat16 and got.shape == (m, n)
+            assert ((got.float() - want).abs().max() / want.abs().max()).item() < 5e-3
+            assert (got == want.bfloat16()).float().mean().item() > 0.99
+    if amx:  # x = I: the weight itself, each output one product: q4_dequant's bits exactly
+        eye = torch.eye(k).bfloat16()
+        assert torch.equal(ops.q4_linear_amx(eye, qs4, d16, m16), ops.q4_dequant(qs4, d16, m16, torch.bfloat16).T)
+        assert torch.equal(ops.q4_linear_amx(eye, qs4, scale, zero), ops.q4_dequant(qs4, scale, zero, torch.bfloat16).T)
+        assert torch.equal(ops.q8_linear_amx(eye, q8, h16), ops.q8_dequant(q8, h16, torch.bfloat16).T)
+        assert torch.equal(ops.q8_linear_amx(eye, q8, d16), ops.q8_dequant(q8, d16, torch.bfloat16).T)
+        assert ops.q8_linear_amx(torch.randn(2, 3, k).bfloat16(), q8, scale).shape == (2, 3, n)
 print("ok")
 """
 
@@ -130,9 +153,10 @@ def test_each_instruction_set_path_matches_the_dequantized_weight(
     ]
     built = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert built.returncode == 0, built.stderr[-2000:]
-    tiles = march == "native" and _has_vnni()  # the int8 tiled product: its row bound, else 0
+    tiles = march == "native" and _has("avx512_vnni", "avx512bw")  # int8 tiles: row bound, or 0
+    amx = march == "native" and _has("amx_tile", "amx_bf16", "avx512_bf16")  # AMX: rows from
     ran = subprocess.run(
-        [sys.executable, "-c", CHECK, str(lib), "4" if tiles else "0"],
+        [sys.executable, "-c", CHECK, str(lib), "4" if tiles else "0", "9" if amx else "0"],
         capture_output=True,
         text=True,
         timeout=300,
@@ -140,11 +164,12 @@ def test_each_instruction_set_path_matches_the_dequantized_weight(
     assert ran.returncode == 0 and ran.stdout.strip() == "ok", ran.stderr[-3000:]
 
 
-def _has_vnni() -> bool:
-    """This CPU has AVX-512 VNNI and BW (what cpu_quant_i8.cpp's tiled product is built for)."""
+def _has(*features: str) -> bool:
+    """This CPU has these /proc/cpuinfo flags (AVX-512 VNNI and BW: cpu_quant_i8.cpp's tiled
+    product; AMX tiles with bfloat16: cpu_quant_amx.cpp's)."""
     flags = set()
     for line in Path("/proc/cpuinfo").read_text().splitlines():
         if line.startswith("flags"):
             flags = set(line.split(":", 1)[1].split())
             break
-    return {"avx512_vnni", "avx512bw"} <= flags
+    return set(features) <= flags

@@ -13,7 +13,11 @@ on the CPU, cuda/quant_linear.cu on CUDA):
 - more rows (prefill): the weight expanded once per call to the activations' dtype, then a
   dense product; with int8 activations (ModelConfig.activations) on a CPU with AVX-512 VNNI
   every row count stays on the groups instead (tiled integer products; not an 8-bit weight with
-  a scale every 16 inputs, Q6_K).
+  a scale every 16 inputs, Q6_K); with bfloat16 activations on a CPU with AMX (Intel Sapphire
+  Rapids and later), AMX tiles against the weight expanded 32 outputs at a time in a thread's
+  buffer (cpu_quant_amx.cpp): the same products as the expanded weight's up to summation order,
+  without writing or reading a whole dense copy (int8 activations take them past
+  INT8_ROWS_BEFORE_AMX rows, where they beat the integer tiles).
 Without the kernels, torch ops expand the weight. Every path is the dequantized weight's product
 up to summation order (the parity tests' float32 mode). A group's scale (and zero) stays the
 file's float16 pair where that is exact (Q4_0, Q4_1, Q8_0: `_fp16_pair`), else float32 (Q4_K,
@@ -62,7 +66,13 @@ float32's."""
 EVERY_ROW = 1 << 62
 """A row bound no step reaches: a weight with int8 activations on AVX-512 VNNI multiplies every
 row count on its groups (cpu_quant_i8.cpp's tiles: 1.4-1.6x oneDNN's bf16 product of the
-expanded weight at 48 and 512 rows; Q6_K's 16-input scales excepted)."""
+expanded weight at 48 and 512 rows; Q6_K's 16-input scales excepted; with AMX, bfloat16 rows
+past INT8_ROWS_BEFORE_AMX take the AMX tiles instead)."""
+
+INT8_ROWS_BEFORE_AMX = 16
+"""With int8 activations on a CPU with AMX, rows up to which the int8 tiles multiply (beyond,
+bfloat16 AMX tiles; a 3072 x 576 4-bit weight on a 2-core Sapphire Rapids-class Xeon, ms at 16 /
+48 / 512 rows: 0.15 / 0.25 / 1.4 on AMX against 0.17 / 0.40 / 4.4 in int8 tiles)."""
 
 
 class GroupedLinear(nn.Module):
@@ -90,6 +100,9 @@ class GroupedLinear(nn.Module):
         (cpu_quant_i8.cpp; ModelConfig.activations int8); otherwise float32 sums, exact."""
         self._tiled_int8 = False
         """`_ops` multiplies int8 activations by this weight at every row count (tiles)."""
+        self._amx = False
+        """`_ops` multiplies bfloat16 activations by this weight on AMX tiles past the few-row
+        bound (cpu_quant_amx.cpp), instead of a dense product of the expanded weight."""
         self._gemv_rows = {
             torch.float32: GEMV_ROWS,
             torch.bfloat16: GEMV_ROWS,
@@ -108,6 +121,10 @@ class GroupedLinear(nn.Module):
         self._tiled_int8 = self._tiles_int8(ops)
         if has_bf16_units():
             self._gemv_rows[torch.bfloat16] = self._gemv_rows[torch.float16] = GEMV_ROWS_BF16_UNITS
+        amx_rows = int(ops.linear_amx_rows()) if hasattr(ops, "linear_amx_rows") else 0
+        if amx_rows > 0:
+            self._amx = True
+            self._gemv_rows[torch.bfloat16] = amx_rows - 1
 
     def _tiles_int8(self, ops: Any) -> bool:
         """Whether `ops` multiplies int8 activations by this weight in tiles at any row count
@@ -122,8 +139,12 @@ class GroupedLinear(nn.Module):
 
     def gemv_rows(self, dtype: torch.dtype) -> int:
         """Rows up to which activations of `dtype` take the product on the groups (every row
-        count with int8 activations where the kernels tile them)."""
-        return EVERY_ROW if self.int8_activations and self._tiled_int8 else self._gemv_rows[dtype]
+        count with int8 activations where the kernels tile them, unless AMX takes bfloat16
+        rows past INT8_ROWS_BEFORE_AMX)."""
+        if self.int8_activations and self._tiled_int8:
+            amx = self._amx and dtype == torch.bfloat16
+            return max(INT8_ROWS_BEFORE_AMX, self._gemv_rows[dtype]) if amx else EVERY_ROW
+        return self._gemv_rows[dtype]
 
     @contextmanager
     def products_on_every_row(self) -> Iterator[None]:
@@ -139,6 +160,9 @@ class GroupedLinear(nn.Module):
     def _product(self, x: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
 
+    def _amx_product(self, x: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
     def _dense(self, dtype: torch.dtype) -> torch.Tensor:
         raise NotImplementedError
 
@@ -146,6 +170,8 @@ class GroupedLinear(nn.Module):
         flat = x if x.dim() == 2 else x.reshape(-1, self.in_features)  # [M, in]
         if self._ops is not None and flat.shape[0] <= self.gemv_rows(flat.dtype):
             out = self._product(flat)  # (the C++ op reads any strides)
+        elif self._amx and flat.dtype == torch.bfloat16:
+            out = self._amx_product(flat)
         elif self._ops is not None and flat.dtype == torch.float32 and flat.device.type == "cpu":
             # oneDNN's packed product repays packing the expanded weight: ~2x a plain one
             out = PackedLinear(self._dense(flat.dtype)).apply_rows(flat.contiguous())
@@ -186,6 +212,9 @@ class Int4Linear(GroupedLinear):
             return self._ops.q4_linear_i8(x, self.qs, self.scale, self.zero)
         return self._ops.q4_linear(x, self.qs, self.scale, self.zero)
 
+    def _amx_product(self, x: torch.Tensor) -> torch.Tensor:
+        return self._ops.q4_linear_amx(x, self.qs, self.scale, self.zero)
+
     def _dense(self, dtype: torch.dtype) -> torch.Tensor:
         if self._ops is not None:
             return self._ops.q4_dequant(self.qs, self.scale, self.zero, dtype)
@@ -220,6 +249,9 @@ class Q8Linear(GroupedLinear):
         if self.int8_activations:
             return self._ops.q8_linear_i8(x, self.qs, self.scale)
         return self._ops.q8_linear(x, self.qs, self.scale)
+
+    def _amx_product(self, x: torch.Tensor) -> torch.Tensor:
+        return self._ops.q8_linear_amx(x, self.qs, self.scale)
 
     def _dense(self, dtype: torch.dtype) -> torch.Tensor:
         if self._ops is not None:
