@@ -28,11 +28,8 @@ from engine.worker.int4_checkpoint import Int4Checkpoint, Int4Format, read_forma
 from engine.worker.models import get_model_class
 from engine.worker.models.base import CausalLM
 from engine.worker.models.layers.group_rows import gguf_int4
-from engine.worker.models.layers.quantized import (
-    quantize_embedding,
-    quantize_linears,
-    quantize_loaded,
-)
+from engine.worker.models.layers.load_quant import quantize_loaded
+from engine.worker.models.layers.quantized import quantize_embedding, quantize_linears
 from engine.worker.models.layers.weights import TPSlice, slice_map
 from engine.worker.safetensors_reader import SafetensorsReader
 

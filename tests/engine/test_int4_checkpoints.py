@@ -18,13 +18,8 @@ from engine.testing.tiny_int4 import is_quantized, write_int4
 from engine.testing.tiny_models import build_tiny_llama, build_tiny_qwen2
 from engine.worker.attention.cpu_kernel import load_kernel
 from engine.worker.model_loader import model_fingerprint
-from engine.worker.models.layers.quantized import (
-    Int4Linear,
-    Int8Linear,
-    Q8Linear,
-    rtn_int4,
-    rtn_int8,
-)
+from engine.worker.models.layers.load_quant import Int8Linear, rtn_int4, rtn_int8
+from engine.worker.models.layers.quantized import Int4Linear, Q8Linear
 from tests.engine.test_parity import CONFIGS, shared_prefix_prompts
 from tests.support.reference import assert_config_took_effect, hf_greedy
 
