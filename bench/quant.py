@@ -68,9 +68,10 @@ AGREEMENT_PROMPTS = (
     "The human heart has four chambers:",
     "Tips for a job interview:",
 )
-AGREEMENT_TOKENS = 64
 """Text the expanded model continues greedily (AGREEMENT_TOKENS tokens each); every run scores
 those tokens. 1,536 positions: near 97% a binomial standard error of 0.4%."""
+AGREEMENT_TOKENS = 64
+"""Greedy tokens a prompt of AGREEMENT_PROMPTS (8 with --quick)."""
 MODES = {"none": ("none", "float"), "gguf": ("gguf", "float"), "gguf-int8": ("gguf", "int8")}
 """Each run: (--quantization, --activations)."""
 KEPT = {"gguf": "quantized", "gguf-int8": "quantized, int8 activations"}

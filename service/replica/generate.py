@@ -150,6 +150,7 @@ class GenerateRpc(ServicerBase):
         """Records the stream's outcome, usage and span (it leaves `streams` once its status is
         set)."""
         rec.stream.done = True
+        rec.stream.queued = False  # (no longer waiting, while its error status is set)
         self._metrics.active_streams.dec()
         if rec.error is None:  # failures are counted by _fail with their status
             self._metrics.requests.labels(rec.outcome).inc()

@@ -7,6 +7,7 @@
 
 #include <immintrin.h>
 
+#include <cstdint>
 #include <tuple>
 #include <utility>
 
@@ -17,12 +18,16 @@ namespace deja_cpu {
 // a VM) streaming weights at a third of its read rate.
 constexpr int64_t kAhead = 8;
 
-// Row n of a kept weight (`bytes` of qs a row) and its `per_row` scales (and zeros).
+// Row n of a kept weight (`bytes` of qs a row; every cache line it touches) and the first line
+// of its `per_row` scales (and zeros), if n < end (the rows a caller owns).
 template <typename sc_t>
 inline void prefetch_row(const void* qs, int64_t bytes, const sc_t* scale, const sc_t* zero,
-                         int64_t per_row, int64_t n) {
-  const char* q = static_cast<const char*>(qs) + n * bytes;
-  for (int64_t b = 0; b < bytes; b += 64) _mm_prefetch(q + b, _MM_HINT_T0);
+                         int64_t per_row, int64_t n, int64_t end) {
+  if (n >= end) return;
+  const uintptr_t first = reinterpret_cast<uintptr_t>(qs) + n * bytes;
+  for (uintptr_t line = first & ~uintptr_t(63); line < first + bytes; line += 64) {
+    _mm_prefetch(reinterpret_cast<const char*>(line), _MM_HINT_T0);
+  }
   _mm_prefetch(reinterpret_cast<const char*>(scale + n * per_row), _MM_HINT_T0);
   if (zero != nullptr) _mm_prefetch(reinterpret_cast<const char*>(zero + n * per_row), _MM_HINT_T0);
 }

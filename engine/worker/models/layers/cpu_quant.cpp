@@ -166,7 +166,8 @@ void rows_product(const float* x, const float* xsum, int64_t K, const void* qs, 
   const int64_t groups = K / kGroup;
   std::vector<float> buf(std::is_same_v<sc_t, float> ? 0 : 2 * groups * kSub);
   for (int64_t n = n0; n < n1; ++n) {
-    deja_cpu::prefetch_row(qs, kQ4 ? K / 2 : K, scale, zero, groups * kSub, n + deja_cpu::kAhead);
+    deja_cpu::prefetch_row(qs, kQ4 ? K / 2 : K, scale, zero, groups * kSub, n + deja_cpu::kAhead,
+                           n1);
     const RowGroups rg = row_groups(scale, zero, n, groups * kSub, buf.data());
     const float* s = rg.scale;
     vec acc[kRows];

@@ -36,8 +36,8 @@ namespace {
 
 constexpr int64_t kGroup = 32;
 constexpr int64_t kSlab = 32;  // outputs a thread expands at a time (two B tiles)
-constexpr int64_t kRowsFrom = 9;
 // Rows of x from which the tiles beat the few-row product and the dense one (layers/quantized.py).
+constexpr int64_t kRowsFrom = 9;
 
 #ifdef DEJA_AMX
 
@@ -59,11 +59,15 @@ struct alignas(64) TileConfig {
 // Every tile 16 rows of 64 bytes: tmm0-3 the 2 x 2 float32 sums, tmm4-5 x's two 16-row halves
 // (32 bfloat16 inputs a row), tmm6-7 the two 16-output halves of a packed group.
 void configure_tiles() {
+  // NOTE: GCC's tile intrinsics are asm that names no memory; these barriers keep the compiler
+  // from reordering or dropping the stores the tiles then read (config, packed weights).
+  asm volatile("" ::: "memory");
   TileConfig c;
   for (int t = 0; t < 8; ++t) {
     c.rows[t] = 16;
     c.colsb[t] = 64;
   }
+  asm volatile("" ::: "memory");
   _tile_loadconfig(&c);
 }
 
@@ -266,6 +270,7 @@ at::Tensor linear_amx(const at::Tensor& x, const at::Tensor& qs, bool q4, const 
         } else {
           pack_slab<false, 1>(rows, K, S.data(), Z.data(), packed.data());
         }
+        asm volatile("" ::: "memory");  // (see configure_tiles)
         for (int64_t m0 = 0; m0 < Mp; m0 += 32) {
           const int halves = Mp - m0 >= 32 ? 2 : 1;
           tile_rows(xp, K, packed.data(), m0, halves, M, yp, N, n0, width, sums);

@@ -197,7 +197,7 @@ void rows_i8(const int8_t* xq, const float* xd, const float* xds, int64_t K, con
   float* const m = d + groups;
   for (int64_t n = n0; n < n1; ++n) {
     deja_cpu::prefetch_row(qs, kQ4 ? K / 2 : K, scale, kQ4 ? zero : nullptr, groups,
-                           n + deja_cpu::kAhead);
+                           n + deja_cpu::kAhead, n1);
     row_scales<kQ4>(scale + n * groups, kQ4 ? zero + n * groups : nullptr, groups, d, m);
     for (int r = 0; r < kRows; ++r) {
       for (int64_t g = 0; g < groups; ++g) dd[r * groups + g] = d[g] * xd[r * groups + g];

@@ -70,15 +70,18 @@ expanded weight at 48 and 512 rows; Q6_K's 16-input scales excepted; with AMX, b
 past INT8_ROWS_BEFORE_AMX take the AMX tiles instead)."""
 
 INT8_ROWS_BEFORE_AMX = 16
-"""With int8 activations on a CPU with AMX, rows up to which the int8 tiles multiply (beyond,
-bfloat16 AMX tiles; a 3072 x 576 4-bit weight on a 2-core Sapphire Rapids-class Xeon, ms at 16 /
-48 / 512 rows: 0.15 / 0.25 / 1.4 on AMX against 0.17 / 0.40 / 4.4 in int8 tiles)."""
+"""With int8 activations on a CPU with AMX, rows up to which the int8 tiles multiply; beyond,
+the bfloat16 AMX product (activations not rounded to int8), faster from about here: a 3072 x 576
+4-bit weight on a 2-core Sapphire Rapids-class Xeon, ms at 16 / 48 / 512 rows, 0.15 / 0.25 / 1.4
+on AMX against 0.17 / 0.40 / 4.4 in int8 tiles (the tied 49152 x 576 Q8_0 head crosses later,
+near 32 rows; one bound for every kept weight)."""
 
 
 class GroupedLinear(nn.Module):
     """y = x W^T (+ b) for a weight kept in groups of 32 inputs (Int4Linear, Q8Linear): few rows
-    through the C++ product on the groups, many through the weight expanded once per call; torch
-    ops expand it where the C++ kernels are not loaded."""
+    through the C++ product on the groups, many through the weight expanded once per call (or,
+    in bfloat16 on AMX, 32 outputs at a time into AMX tiles); torch ops expand it where the C++
+    kernels are not loaded."""
 
     qs: torch.Tensor
     scale: torch.Tensor
