@@ -32,6 +32,17 @@ inline void prefetch_row(const void* qs, int64_t bytes, const sc_t* scale, const
   if (zero != nullptr) _mm_prefetch(reinterpret_cast<const char*>(zero + n * per_row), _MM_HINT_T0);
 }
 
+// f(const sc_t* scale, const sc_t* zero) with a kept weight's group scales' storage type, float
+// or c10::Half (zero null where absent: 8-bit weights).
+template <typename F>
+void with_groups(const at::Tensor& scale, const at::Tensor* zero, F f) {
+  if (scale.scalar_type() == at::kHalf) {
+    f(scale.data_ptr<c10::Half>(), zero == nullptr ? nullptr : zero->data_ptr<c10::Half>());
+  } else {
+    f(scale.data_ptr<float>(), zero == nullptr ? nullptr : zero->data_ptr<float>());
+  }
+}
+
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
 std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::Tensor& h,
                                                 const at::Tensor& weight, double eps);

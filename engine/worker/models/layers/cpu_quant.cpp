@@ -282,16 +282,6 @@ void check_scales(const at::Tensor& scale, const at::Tensor* zero, int64_t N, in
   TORCH_CHECK(scale.scalar_type() == zero->scalar_type(), "scale and zero dtypes differ");
 }
 
-// f(const sc_t* scale, const sc_t* zero) with the groups' storage type (zero may be absent).
-template <typename F>
-void with_groups(const at::Tensor& scale, const at::Tensor* zero, F f) {
-  if (scale.scalar_type() == at::kHalf) {
-    f(scale.data_ptr<c10::Half>(), zero == nullptr ? nullptr : zero->data_ptr<c10::Half>());
-  } else {
-    f(scale.data_ptr<float>(), zero == nullptr ? nullptr : zero->data_ptr<float>());
-  }
-}
-
 // x's rows as float32 (a copy unless x is contiguous float32) and, with `sums`, each group's sum
 // of them; a few small rows a call: plain loops, no torch op (each costs microseconds).
 struct FloatRows {
@@ -348,7 +338,7 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& s
   at::Tensor out = at::empty({M, N}, x.options());
   std::vector<float> y(x.scalar_type() == at::kFloat ? 0 : M * N);
   float* dst = y.empty() ? out.data_ptr<float>() : y.data();
-  with_groups(scale, zero, [&](auto* s, auto* z) {
+  deja_cpu::with_groups(scale, zero, [&](auto* s, auto* z) {
     if constexpr (kQ4) {
       product<true, 1>(rows.x, rows.sums.data(), M, K, qs.data_ptr(), s, z, dst, N);
     } else if (scale.size(1) * kGroup == 2 * K) {
@@ -440,7 +430,7 @@ at::Tensor dequant(const at::Tensor& qs, const at::Tensor& scale, const c10::opt
   const auto [N, K] = deja_cpu::check_weight(qs, kQ4, scale, zero.has_value() ? &*zero : nullptr);
   at::Tensor out = at::empty({N, K}, qs.options().dtype(dtype));
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, dtype, "quant_dequant", [&] {
-    with_groups(scale, zero.has_value() ? &*zero : nullptr, [&](auto* s, auto* z) {
+    deja_cpu::with_groups(scale, zero.has_value() ? &*zero : nullptr, [&](auto* s, auto* z) {
       if constexpr (kQ4) {
         expand<true, 1, scalar_t>(qs.data_ptr(), s, z, out.data_ptr<scalar_t>(), N, K);
       } else if (scale.size(1) * kGroup == 2 * K) {

@@ -219,16 +219,6 @@ void tile_rows(const c10::BFloat16* x, int64_t K, const uint8_t* packed, int64_t
   }
 }
 
-// f(scale, zero) with the group scales' storage type (zero null for 8-bit weights).
-template <typename F>
-void with_scales(const at::Tensor& scale, const at::Tensor* zero, F f) {
-  if (scale.scalar_type() == at::kHalf) {
-    f(scale.data_ptr<c10::Half>(), zero == nullptr ? nullptr : zero->data_ptr<c10::Half>());
-  } else {
-    f(scale.data_ptr<float>(), zero == nullptr ? nullptr : zero->data_ptr<float>());
-  }
-}
-
 at::Tensor linear_amx(const at::Tensor& x, const at::Tensor& qs, bool q4, const at::Tensor& scale,
                       const at::Tensor* zero) {
   TORCH_CHECK(amx_permitted(), "the kernel refused this process AMX tiles");
@@ -250,7 +240,7 @@ at::Tensor linear_amx(const at::Tensor& x, const at::Tensor& qs, bool q4, const 
   const int64_t per_row = scale.size(1), row_bytes = q4 ? K / 2 : K;
   const bool sixteens = !q4 && per_row * kGroup == 2 * K;
   const auto* q = static_cast<const uint8_t*>(qs.data_ptr());
-  with_scales(scale, zero, [&](const auto* sc, const auto* zr) {
+  deja_cpu::with_groups(scale, zero, [&](const auto* sc, const auto* zr) {
     at::parallel_for(0, slabs, 1, [&](int64_t s0, int64_t s1) {
       configure_tiles();
       std::vector<uint8_t> packed(kSlab * K * 2), none(row_bytes, 0);
