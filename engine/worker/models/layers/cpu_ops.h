@@ -9,6 +9,7 @@
 
 #include <cstdint>
 #include <tuple>
+#include <type_traits>
 #include <utility>
 
 namespace deja_cpu {
@@ -42,6 +43,67 @@ void with_groups(const at::Tensor& scale, const at::Tensor* zero, F f) {
     f(scale.data_ptr<float>(), zero == nullptr ? nullptr : zero->data_ptr<float>());
   }
 }
+
+// A row's group scales (and zeros) as float32: `scale`'s own memory when float32, else the fp16
+// pairs (d, m) converted into `buf` as scale = d, zero = m + 8d.
+struct RowGroups {
+  const float* scale;
+  const float* zero;
+};
+
+inline void halves_to_float(const c10::Half* h, float* f, int64_t n) {
+  int64_t i = 0;
+#if defined(__AVX512F__)
+  for (; i + 16 <= n; i += 16) {
+    _mm512_storeu_ps(f + i, _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(h + i))));
+  }
+#elif defined(__F16C__)
+  for (; i + 8 <= n; i += 8) {
+    _mm256_storeu_ps(f + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(h + i))));
+  }
+#endif
+  for (; i < n; ++i) f[i] = static_cast<float>(h[i]);
+}
+
+template <typename sc_t>
+inline RowGroups row_groups(const sc_t* scale, const sc_t* zero, int64_t n, int64_t groups,
+                            float* buf) {
+  if constexpr (std::is_same_v<sc_t, float>) {
+    return {scale + n * groups, zero == nullptr ? nullptr : zero + n * groups};
+  } else {
+    float* s = buf;
+    halves_to_float(scale + n * groups, s, groups);
+    if (zero == nullptr) return {s, nullptr};
+    float* z = buf + groups;
+    halves_to_float(zero + n * groups, z, groups);
+    for (int64_t g = 0; g < groups; ++g) z[g] += 8.f * s[g];  // m + 8d, exact 8d
+    return {s, z};
+  }
+}
+
+#if defined(__AVX512F__)
+// 16 bytes at each of 16 places as 4 vectors, vector i lane l holding bytes 4 i .. 4 i + 3
+// from place l: four places to a vector (places j, j + 4, j + 8, j + 12 in 128-bit lanes), then
+// a 4 x 4 transpose of 32-bit words within each 128-bit lane.
+inline void transpose16(const uint8_t* const* at, int64_t offset, __m512i out[4]) {
+  __m512i z[4];
+  for (int j = 0; j < 4; ++j) {
+    auto row = [&](int k) {
+      return _mm_loadu_si128(reinterpret_cast<const __m128i*>(at[j + 4 * k] + offset));
+    };
+    z[j] = _mm512_castsi128_si512(row(0));
+    z[j] = _mm512_inserti32x4(z[j], row(1), 1);
+    z[j] = _mm512_inserti32x4(z[j], row(2), 2);
+    z[j] = _mm512_inserti32x4(z[j], row(3), 3);
+  }
+  const __m512i t0 = _mm512_unpacklo_epi32(z[0], z[1]), t1 = _mm512_unpackhi_epi32(z[0], z[1]);
+  const __m512i t2 = _mm512_unpacklo_epi32(z[2], z[3]), t3 = _mm512_unpackhi_epi32(z[2], z[3]);
+  out[0] = _mm512_unpacklo_epi64(t0, t2);
+  out[1] = _mm512_unpackhi_epi64(t0, t2);
+  out[2] = _mm512_unpacklo_epi64(t1, t3);
+  out[3] = _mm512_unpackhi_epi64(t1, t3);
+}
+#endif
 
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
 std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::Tensor& h,

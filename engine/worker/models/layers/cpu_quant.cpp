@@ -116,42 +116,8 @@ inline void q8_group(const int8_t* p, vec w[4]) {
 #define DEJA_SCALAR_QUANT 1
 #endif
 
-// A row's group scales (and zeros) as float32: `scale`'s own memory when float32, else the fp16
-// pairs (d, m) converted into `buf` as scale = d, zero = m + 8d.
-struct RowGroups {
-  const float* scale;
-  const float* zero;
-};
-
-inline void halves_to_float(const c10::Half* h, float* f, int64_t n) {
-  int64_t i = 0;
-#if defined(__AVX512F__)
-  for (; i + 16 <= n; i += 16) {
-    _mm512_storeu_ps(f + i, _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(h + i))));
-  }
-#elif defined(__F16C__)
-  for (; i + 8 <= n; i += 8) {
-    _mm256_storeu_ps(f + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(h + i))));
-  }
-#endif
-  for (; i < n; ++i) f[i] = static_cast<float>(h[i]);
-}
-
-template <typename sc_t>
-inline RowGroups row_groups(const sc_t* scale, const sc_t* zero, int64_t n, int64_t groups,
-                            float* buf) {
-  if constexpr (std::is_same_v<sc_t, float>) {
-    return {scale + n * groups, zero == nullptr ? nullptr : zero + n * groups};
-  } else {
-    float* s = buf;
-    halves_to_float(scale + n * groups, s, groups);
-    if (zero == nullptr) return {s, nullptr};
-    float* z = buf + groups;
-    halves_to_float(zero + n * groups, z, groups);
-    for (int64_t g = 0; g < groups; ++g) z[g] += 8.f * s[g];  // m + 8d, exact 8d
-    return {s, z};
-  }
-}
+using deja_cpu::row_groups;
+using deja_cpu::RowGroups;
 
 #ifndef DEJA_SCALAR_QUANT
 constexpr int kVecs = kGroup / kLanes;

@@ -22,8 +22,6 @@
 
 #include <algorithm>
 #include <cstdint>
-#include <cstring>
-#include <type_traits>
 #include <vector>
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && defined(__linux__)
@@ -71,61 +69,21 @@ void configure_tiles() {
   _tile_loadconfig(&c);
 }
 
-// n values from p as float32 into f (float16 converted 16 at a time).
-inline void to_float(const float* p, float* f, int64_t n) { std::memcpy(f, p, n * sizeof(float)); }
-inline void to_float(const c10::Half* p, float* f, int64_t n) {
-  int64_t i = 0;
-  for (; i + 16 <= n; i += 16) {
-    _mm512_storeu_ps(f + i, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(p + i))));
-  }
-  for (; i < n; ++i) f[i] = static_cast<float>(p[i]);
-}
-
 // The slab's scales (and zeros) group-major, S[j * 32 + n] for output n0 + n's scale j, as
-// float32 the way the other kernels read them (float16 pairs: scale d, zero m + 8d); outputs
-// past the weight's: 0. `row`: 2 per_row floats of scratch.
+// float32 the way the other kernels read them (row_groups); outputs past the weight's: 0.
+// `row`: 2 per_row floats of scratch.
 template <typename sc_t>
 void slab_scales(const sc_t* scale, const sc_t* zero, int64_t n0, int64_t width, int64_t per_row,
                  float* row, float* S, float* Z) {
   std::fill(S, S + per_row * kSlab, 0.f);
   std::fill(Z, Z + per_row * kSlab, 0.f);
-  float* const zr = row + per_row;
   for (int64_t n = 0; n < width; ++n) {
-    to_float(scale + (n0 + n) * per_row, row, per_row);
-    if (zero != nullptr) {
-      to_float(zero + (n0 + n) * per_row, zr, per_row);
-      if constexpr (!std::is_same_v<sc_t, float>) {
-        for (int64_t j = 0; j < per_row; ++j) zr[j] += 8.f * row[j];
-      }
-    }
+    const deja_cpu::RowGroups rg = deja_cpu::row_groups(scale, zero, n0 + n, per_row, row);
     for (int64_t j = 0; j < per_row; ++j) {
-      S[j * kSlab + n] = row[j];
-      if (zero != nullptr) Z[j * kSlab + n] = zr[j];
+      S[j * kSlab + n] = rg.scale[j];
+      if (rg.zero != nullptr) Z[j * kSlab + n] = rg.zero[j];
     }
   }
-}
-
-// 16 bytes at rows[i] + off for 16 rows -> v[c], 32-bit lane i: bytes 4c .. 4c + 3 of row i.
-// Four rows a vector (one a 128-bit lane), a 4 x 4 transpose of 32-bit words in each, then of
-// 128-bit lanes across the four vectors.
-inline void columns16(const uint8_t* const rows[16], int64_t off, __m512i v[4]) {
-  const __m512i idx = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
-  __m512i z[4];
-  for (int i = 0; i < 4; ++i) {
-    __m512i t = _mm512_castsi128_si512(_mm_loadu_si128((const __m128i*)(rows[4 * i] + off)));
-    for (int l = 1; l < 4; ++l) {
-      const __m128i part = _mm_loadu_si128((const __m128i*)(rows[4 * i + l] + off));
-      t = l == 1 ? _mm512_inserti32x4(t, part, 1)
-                 : (l == 2 ? _mm512_inserti32x4(t, part, 2) : _mm512_inserti32x4(t, part, 3));
-    }
-    z[i] = _mm512_permutexvar_epi32(idx, t);  // 128-bit lane c: word c of rows 4i .. 4i + 3
-  }
-  const __m512i a0 = _mm512_shuffle_i32x4(z[0], z[1], 0x44), a1 = _mm512_shuffle_i32x4(z[0], z[1], 0xEE);
-  const __m512i a2 = _mm512_shuffle_i32x4(z[2], z[3], 0x44), a3 = _mm512_shuffle_i32x4(z[2], z[3], 0xEE);
-  v[0] = _mm512_shuffle_i32x4(a0, a2, 0x88);
-  v[1] = _mm512_shuffle_i32x4(a0, a2, 0xDD);
-  v[2] = _mm512_shuffle_i32x4(a1, a3, 0x88);
-  v[3] = _mm512_shuffle_i32x4(a1, a3, 0xDD);
 }
 
 // One row of a packed group: lane n the bfloat16 pair (e[n], o[n]), rounded to nearest even.
@@ -152,7 +110,7 @@ void pack_slab(const uint8_t* const rows[kSlab], int64_t K, const float* S, cons
       const uint8_t* const* hr = rows + half * 16;
       if constexpr (kQ4) {  // byte j: weight j in its low nibble, weight j + 16 in its high one
         __m512i v[4];
-        columns16(hr, g * 16, v);
+        deja_cpu::transpose16(hr, g * 16, v);
         const __m512 sv = _mm512_loadu_ps(S + g * kSlab + half * 16);
         const __m512 zv = _mm512_loadu_ps(Z + g * kSlab + half * 16);
         for (int c = 0; c < 4; ++c) {
@@ -167,8 +125,8 @@ void pack_slab(const uint8_t* const rows[kSlab], int64_t K, const float* S, cons
         }
       } else {
         __m512i v[8];
-        columns16(hr, g * 32, v);
-        columns16(hr, g * 32 + 16, v + 4);
+        deja_cpu::transpose16(hr, g * 32, v);
+        deja_cpu::transpose16(hr, g * 32 + 16, v + 4);
         for (int c = 0; c < 8; ++c) {
           const int j = kSub == 2 ? g * 2 + c / 4 : g;  // a scale every 16 weights (Q6_K)
           const __m512 sv = _mm512_loadu_ps(S + j * kSlab + half * 16);

@@ -297,27 +297,7 @@ struct Tile {
   void set_weights(int64_t i, __m512i v) { _mm512_storeu_si512(w.data() + 16 * i, v); }
 };
 
-// 16 bytes at each of 16 places as 4 vectors, vector i lane l holding bytes 4 i .. 4 i + 3
-// from place l: four places to a vector (places j, j + 4, j + 8, j + 12 in 128-bit lanes), then
-// a 4 x 4 transpose of 32-bit words within each 128-bit lane.
-inline void transpose16(const uint8_t* const* at, int64_t offset, __m512i out[4]) {
-  __m512i z[4];
-  for (int j = 0; j < 4; ++j) {
-    auto row = [&](int k) {
-      return _mm_loadu_si128(reinterpret_cast<const __m128i*>(at[j + 4 * k] + offset));
-    };
-    z[j] = _mm512_castsi128_si512(row(0));
-    z[j] = _mm512_inserti32x4(z[j], row(1), 1);
-    z[j] = _mm512_inserti32x4(z[j], row(2), 2);
-    z[j] = _mm512_inserti32x4(z[j], row(3), 3);
-  }
-  const __m512i t0 = _mm512_unpacklo_epi32(z[0], z[1]), t1 = _mm512_unpackhi_epi32(z[0], z[1]);
-  const __m512i t2 = _mm512_unpacklo_epi32(z[2], z[3]), t3 = _mm512_unpackhi_epi32(z[2], z[3]);
-  out[0] = _mm512_unpacklo_epi64(t0, t2);
-  out[1] = _mm512_unpackhi_epi64(t0, t2);
-  out[2] = _mm512_unpacklo_epi64(t1, t3);
-  out[3] = _mm512_unpackhi_epi64(t1, t3);
-}
+using deja_cpu::transpose16;
 
 template <bool kQ4, typename sc_t>
 void pack_tile(const void* qs, const sc_t* scale, const sc_t* zero, int64_t groups, int64_t live,
