@@ -59,16 +59,21 @@ for n, k in [(40, 96), (72, 576)]:
     for dtype in (torch.float32, torch.bfloat16):
         assert torch.equal(ops.q4_dequant(qs4, d16, m16, dtype), ops.q4_dequant(qs4, s32, z32, dtype))
         assert torch.equal(ops.q8_dequant(q8, d16, dtype), ops.q8_dequant(q8, s32, dtype))
-    # int8 activations: x rounded to int8 in groups of 32 (scale max|x| / 127), integer dots
+    # int8 activations: x = dx (xq + c) in groups of 32 over [min(x, 0), max(x, 0)]:
+    # dx = range / 254, c = round(lo / dx) + 127, xq = round(x / dx) - c in -127..127
     g = k // 32
     def int8_product(x, qw, d, m):
         xf = x.float().numpy().reshape(len(x), g, 32)
-        amax = np.abs(xf).max(-1)
-        inv = np.where(amax > 0, np.float32(127) / np.maximum(amax, 1e-30), 0).astype(np.float32)
-        xq = np.rint(xf * inv[..., None]).astype(np.int64)
-        dx = (amax / np.float32(127)).astype(np.float64)
-        dot = np.einsum("agj,ngj->ang", xq, qw.reshape(n, g, 32).astype(np.int64))
-        y = (dot * d[None] * dx[:, None]).sum(-1) + (m[None] * (dx * xq.sum(-1))[:, None]).sum(-1)
+        lo, hi = np.minimum(xf.min(-1), 0), np.maximum(xf.max(-1), 0)
+        span = (hi - lo).astype(np.float32)
+        inv = np.where(span > 0, np.float32(254) / np.maximum(span, 1e-30), 0).astype(np.float32)
+        c = np.where(span > 0, np.rint(lo * inv) + 127, 0).astype(np.int64)
+        xq = np.clip(np.rint(xf * inv[..., None]).astype(np.int64) - c[..., None], -127, 127)
+        dx = (span / np.float32(254)).astype(np.float64)
+        qg = qw.reshape(n, g, 32).astype(np.int64)
+        dot = np.einsum("agj,ngj->ang", xq, qg) + c[:, None, :] * qg.sum(-1)[None]
+        y = (dot * d[None] * dx[:, None]).sum(-1)
+        y += (m[None] * (dx * (xq.sum(-1) + 32 * c))[:, None]).sum(-1)
         return torch.from_numpy(y)
     s64, z64 = scale.double().numpy(), zero.double().numpy()
     # (from linear_i8_tile_rows() rows, 16 for 8-bit, AVX-512 VNNI takes tiles of 16 outputs,
@@ -77,6 +82,8 @@ for n, k in [(40, 96), (72, 576)]:
     for m in (1, 3, 4, 7, 8, 9, 16, 37):
         x = torch.randn(m, k)
         x[0, :32] = 0  # an all-zero group
+        x[-1, 32:64] = x[-1, 32:64].abs() + 1  # one of a single sign, away from 0
+        x[-1, 64:96] = -x[-1, 64:96].abs()
         close(ops.q4_linear_i8(x, qs4, scale, zero).double(), int8_product(x, q4, s64, z64 - 8 * s64))
         close(ops.q8_linear_i8(x, q8, scale).double(), int8_product(x, q8.numpy(), s64, 0 * s64))
         # float16 pairs (d, m): w = q d + m; float16 8-bit scales

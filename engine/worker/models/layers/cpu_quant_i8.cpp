@@ -1,10 +1,15 @@
 // Quantized linears with 8-bit activations: integer dot products on the CPU (llama.cpp's way).
 //
 // The weights are cpu_quant.cpp's layouts (4-bit q with scale and zero a group of 32, or 8-bit q
-// with a scale). Each row of x is quantized in groups of 32 to int8 with its own scale
-// dx = max|x| / 127 (q = round(x / dx)); a group's product is then one integer dot product:
-//   4-bit: sum w x = d dx sum(q xq) + m dx sum(xq), with d = scale and m = zero - 8 scale;
-//   8-bit: sum w x = d dx sum(q xq).
+// with a scale). Each row of x is quantized in groups of 32 to int8 over the group's own range
+// [lo, hi] (lo = min(x, 0), hi = max(x, 0)): x = dx (xq + c), dx = (hi - lo) / 254, xq in
+// -127..127 and an integer offset c (0 where the range is symmetric: dx = max|x| / 127). An
+// asymmetric range (a group of mostly one sign, common after the MLP's gate) keeps up to twice
+// the resolution of a symmetric one: on the demo's file the teacher-forced log-prob KL to the
+// float product is less than half. A group's product is then one integer dot product:
+//   4-bit: sum w x = d dx sum(q xq) + d dx c sum(q) + m dx sum(xq + c), with d = scale and
+//          m = zero - 8 scale;
+//   8-bit: sum w x = d dx sum(q xq) + d dx c sum(q).
 // On AVX2 a group is two instructions (u8 x s8 pairs summed to int16, then to int32; one with
 // AVX-512 VNNI), against the float path's conversion of every weight: about half the
 // instructions a weight. It is not the dequantized weight's product: each activation is rounded
@@ -33,7 +38,7 @@ namespace {
 constexpr int64_t kGroup = 32;
 constexpr int kMaxRows = 8;  // rows of x a pass over the weight serves
 
-// x's rows quantized: xq int8 [M, K], per group dx and dx * sum(xq) [M, K / 32].
+// x's rows quantized: xq int8 [M, K], per group dx, dx sum(xq + c) and c [M, K / 32].
 // f(std::integral_constant<int, R>) with R = min(rows, kMaxRows), rows >= 1: a kernel's row
 // count as a template argument.
 template <typename F>
@@ -52,35 +57,47 @@ void with_rows(int64_t rows, F f) {
 
 struct Int8Rows {
   std::vector<int8_t> q;
-  std::vector<float> d, dsum;
+  std::vector<float> d, sum;
+  std::vector<int32_t> c;
 };
 
-// One group of 32: q = round(v / dx) (to nearest even), dx = max|v| / 127; writes q, returns
-// dx and sets `sum` to sum(q).
-inline float quantize_group(const float* v, int8_t* q, int& sum) {
+// One group of 32: x = dx (q + c) with q = round(v / dx) - c (to nearest even, clamped to
+// -127..127), dx = (hi - lo) / 254 and c = round(lo / dx) + 127; writes q and c, returns dx and
+// sets `sum` to dx sum(q + c). (q stays within -127..127: the AVX2 8-bit product negates it,
+// and its pairs of products fit int16.)
+inline float quantize_group(const float* v, int8_t* q, float& sum, int32_t& c) {
 #if defined(__AVX512F__)
   const __m512 a = _mm512_loadu_ps(v), b = _mm512_loadu_ps(v + 16);
-  const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
+  const float lo = std::min(0.f, _mm512_reduce_min_ps(_mm512_min_ps(a, b)));
+  const float hi = std::max(0.f, _mm512_reduce_max_ps(_mm512_max_ps(a, b)));
 #else
-  float amax = 0.f;
-  for (int64_t j = 0; j < kGroup; ++j) amax = std::max(amax, std::fabs(v[j]));
+  float lo = 0.f, hi = 0.f;
+  for (int64_t j = 0; j < kGroup; ++j) lo = std::min(lo, v[j]), hi = std::max(hi, v[j]);
 #endif
-  const float inv = amax > 0.f ? 127.f / amax : 0.f;
+  const float range = hi - lo;
+  const float inv = range > 0.f ? 254.f / range : 0.f;
+  c = range > 0.f ? static_cast<int32_t>(std::nearbyint(lo * inv)) + 127 : 0;
+  int total = 0;
 #if defined(__AVX512F__)  // (the default rounding mode: to nearest even, as nearbyint)
-  const __m512i qa = _mm512_cvtps_epi32(_mm512_mul_ps(a, _mm512_set1_ps(inv)));
-  const __m512i qb = _mm512_cvtps_epi32(_mm512_mul_ps(b, _mm512_set1_ps(inv)));
+  const __m512i off = _mm512_set1_epi32(c), low = _mm512_set1_epi32(-127),
+                high = _mm512_set1_epi32(127);
+  __m512i qa = _mm512_sub_epi32(_mm512_cvtps_epi32(_mm512_mul_ps(a, _mm512_set1_ps(inv))), off);
+  __m512i qb = _mm512_sub_epi32(_mm512_cvtps_epi32(_mm512_mul_ps(b, _mm512_set1_ps(inv))), off);
+  qa = _mm512_min_epi32(_mm512_max_epi32(qa, low), high);
+  qb = _mm512_min_epi32(_mm512_max_epi32(qb, low), high);
   _mm_storeu_si128(reinterpret_cast<__m128i*>(q), _mm512_cvtepi32_epi8(qa));
   _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 16), _mm512_cvtepi32_epi8(qb));
-  sum = _mm512_reduce_add_epi32(_mm512_add_epi32(qa, qb));
+  total = _mm512_reduce_add_epi32(_mm512_add_epi32(qa, qb));
 #else
-  sum = 0;
   for (int64_t j = 0; j < kGroup; ++j) {
-    const int qj = static_cast<int>(std::nearbyint(v[j] * inv));
-    q[j] = static_cast<int8_t>(qj);
-    sum += qj;
+    const int32_t qj = static_cast<int32_t>(std::nearbyint(v[j] * inv)) - c;
+    q[j] = static_cast<int8_t>(std::clamp(qj, -127, 127));
+    total += q[j];
   }
 #endif
-  return amax / 127.f;
+  const float dx = range / 254.f;
+  sum = dx * static_cast<float>(total + kGroup * c);
+  return dx;
 }
 
 Int8Rows quantize_rows(const at::Tensor& x, int64_t K) {
@@ -91,14 +108,12 @@ Int8Rows quantize_rows(const at::Tensor& x, int64_t K) {
   Int8Rows r;
   r.q.resize(M * K);
   r.d.resize(groups);
-  r.dsum.resize(groups);
+  r.sum.resize(groups);
+  r.c.resize(groups);
   // (a prefill's rows are worth a second thread; a decode step's few are not)
   at::parallel_for(0, groups, 2048, [&](int64_t g0, int64_t g1) {
     for (int64_t g = g0; g < g1; ++g) {
-      int sum = 0;
-      const float d = quantize_group(src + g * kGroup, r.q.data() + g * kGroup, sum);
-      r.d[g] = d;
-      r.dsum[g] = d * static_cast<float>(sum);
+      r.d[g] = quantize_group(src + g * kGroup, r.q.data() + g * kGroup, r.sum[g], r.c[g]);
     }
   });
   return r;
@@ -106,13 +121,20 @@ Int8Rows quantize_rows(const at::Tensor& x, int64_t K) {
 
 
 #if defined(__AVX2__)
-// sum over the 32 products of u8 a and s8 b, as 8 int32 lanes
-inline __m256i dot_u8s8(__m256i a, __m256i b) {
+// acc + the sum over the 32 products of u8 a and s8 b, as 8 int32 lanes
+inline __m256i dot_u8s8(__m256i acc, __m256i a, __m256i b) {
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-  return _mm256_dpbusd_epi32(_mm256_setzero_si256(), a, b);
+  return _mm256_dpbusd_epi32(acc, a, b);
 #else
-  return _mm256_madd_epi16(_mm256_maddubs_epi16(a, b), _mm256_set1_epi16(1));
+  const __m256i pairs = _mm256_maddubs_epi16(a, b);
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
 #endif
+}
+
+// c times each int32 lane of `sums`, lanes and products within int16 / int32 (vpmaddwd: the
+// lanes' high halves meet c's, which are 0)
+inline __m256i times(__m256i sums, int32_t c) {
+  return _mm256_madd_epi16(sums, _mm256_set1_epi32(c & 0xffff));
 }
 
 inline float hsum(__m256 a) {
@@ -170,17 +192,19 @@ inline float dot(const float* a, const float* b, int64_t n) {
 }
 
 #if defined(__AVX2__)
-// acc[r] += group g's weights w (32 bytes, x's order) dotted with row r's quantized group,
-// times dd[r, g] (the weight's d times the row's dx).
+// acc[r] += group g's weights w (32 bytes, x's order) dotted with row r's quantized group plus
+// its offset (sum q (xq + c), integer), times dd[r, g] (the weight's d times the row's dx).
 template <int kRows, bool kQ4>
-inline void group_dot(__m256 (&acc)[kRows], __m256i w, const int8_t* xq, const float* dd,
-                      int64_t groups, int64_t g) {
+inline void group_dot(__m256 (&acc)[kRows], __m256i w, const int8_t* xq, const int32_t* xc,
+                      const float* dd, int64_t groups, int64_t g) {
   const __m256i wa = kQ4 ? w : _mm256_sign_epi8(w, w);  // |w| for 8-bit: unsigned operand
+  const __m256i ones = _mm256_set1_epi8(1), zero = _mm256_setzero_si256();
+  const __m256i qsum = dot_u8s8(zero, wa, kQ4 ? ones : _mm256_sign_epi8(ones, w));  // sum(q)
   for (int r = 0; r < kRows; ++r) {
     const int64_t at_g = r * groups + g;
     __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + at_g * kGroup));
     if constexpr (!kQ4) xv = _mm256_sign_epi8(xv, w);  // x's sign times w's
-    const __m256 p = _mm256_cvtepi32_ps(dot_u8s8(wa, xv));
+    const __m256 p = _mm256_cvtepi32_ps(dot_u8s8(times(qsum, xc[at_g]), wa, xv));
     acc[r] = _mm256_fmadd_ps(p, _mm256_broadcast_ss(dd + at_g), acc[r]);
   }
 }
@@ -188,9 +212,9 @@ inline void group_dot(__m256 (&acc)[kRows], __m256i w, const int8_t* xq, const f
 
 // out[r, n] for weight rows n0..n1 and kRows rows of quantized x.
 template <int kRows, bool kQ4, typename sc_t>
-void rows_i8(const int8_t* xq, const float* xd, const float* xds, int64_t K, const void* qs,
-             const sc_t* scale, const sc_t* zero, float* out, int64_t ldo, int64_t n0,
-             int64_t n1) {
+void rows_i8(const int8_t* xq, const float* xd, const float* xsum, const int32_t* xc, int64_t K,
+             const void* qs, const sc_t* scale, const sc_t* zero, float* out, int64_t ldo,
+             int64_t n0, int64_t n1) {
   const int64_t groups = K / kGroup;
   std::vector<float> dm(2 * groups), dd(kRows * groups);
   float* const d = dm.data();
@@ -218,16 +242,17 @@ void rows_i8(const int8_t* xq, const float* xd, const float* xds, int64_t K, con
         const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + g * 16));
         const __m256i lo = _mm256_and_si256(v, m15);
         const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m15);
-        group_dot<kRows, kQ4>(acc, _mm256_permute2x128_si256(lo, hi, 0x20), xq, dd.data(), groups, g);
-        group_dot<kRows, kQ4>(odd, _mm256_permute2x128_si256(lo, hi, 0x31), xq, dd.data(), groups,
-                              g + 1);
+        group_dot<kRows, kQ4>(acc, _mm256_permute2x128_si256(lo, hi, 0x20), xq, xc, dd.data(),
+                              groups, g);
+        group_dot<kRows, kQ4>(odd, _mm256_permute2x128_si256(lo, hi, 0x31), xq, xc, dd.data(),
+                              groups, g + 1);
       }
     } else {
       const int8_t* row = static_cast<const int8_t*>(qs) + n * groups * kGroup;
       for (; g + 2 <= groups; g += 2) {
         const auto* p = reinterpret_cast<const __m256i*>(row + g * kGroup);
-        group_dot<kRows, kQ4>(acc, _mm256_loadu_si256(p), xq, dd.data(), groups, g);
-        group_dot<kRows, kQ4>(odd, _mm256_loadu_si256(p + 1), xq, dd.data(), groups, g + 1);
+        group_dot<kRows, kQ4>(acc, _mm256_loadu_si256(p), xq, xc, dd.data(), groups, g);
+        group_dot<kRows, kQ4>(odd, _mm256_loadu_si256(p + 1), xq, xc, dd.data(), groups, g + 1);
       }
     }
     for (; g < groups; ++g) {
@@ -238,7 +263,7 @@ void rows_i8(const int8_t* xq, const float* xd, const float* xds, int64_t K, con
         w = _mm256_loadu_si256(
             reinterpret_cast<const __m256i*>(static_cast<const int8_t*>(qs) + (n * groups + g) * kGroup));
       }
-      group_dot<kRows, kQ4>(acc, w, xq, dd.data(), groups, g);
+      group_dot<kRows, kQ4>(acc, w, xq, xc, dd.data(), groups, g);
     }
     for (int r = 0; r < kRows; ++r) y[r] = hsum(kTwo ? _mm256_add_ps(acc[r], acc2[r]) : acc[r]);
 #else
@@ -255,14 +280,14 @@ void rows_i8(const int8_t* xq, const float* xd, const float* xds, int64_t K, con
           } else {
             q = static_cast<const int8_t*>(qs)[(n * groups + g) * kGroup + j];
           }
-          sum += q * xg[j];
+          sum += q * (xg[j] + xc[at_g]);
         }
         y[r] += d[g] * xd[at_g] * static_cast<float>(sum);
       }
     }
 #endif
     for (int r = 0; r < kRows; ++r) {
-      if constexpr (kQ4) y[r] += dot(m, xds + r * groups, groups);  // + sum of m dx sum(xq)
+      if constexpr (kQ4) y[r] += dot(m, xsum + r * groups, groups);  // + sum of m dx sum(xq + c)
       out[r * ldo + n] = y[r];
     }
   }
@@ -274,9 +299,9 @@ void rows_i8(const int8_t* xq, const float* xd, const float* xds, int64_t K, con
 // read once for all rows. A tile's weights are first transposed into that layout (16 bytes of
 // each output's group loaded, then unpacked in 128-bit lanes), which pays from a few rows.
 // 4-bit weights (0..15) are the u8 operand and x the s8 one; 8-bit weights are the s8 operand
-// against x + 128 as u8, and 128 sum(q) a group is taken back off. Per row and output the
-// float sum runs over the groups in order:
-//   y = fma(float(sum(q xq)), d dx, y); y = fma(m, dx sum(xq), y)   (m: 4-bit only)
+// against x + 128 as u8. A row's integer sums start from its offset's share, (c - 128 for 8-bit)
+// sum(q). Per row and output the float sum runs over the groups in order:
+//   y = fma(float(sum(q (xq + c))), d dx, y); y = fma(m, dx sum(xq + c), y)   (m: 4-bit only)
 // (the few-row kernel sums in lanes of partial products instead, so a row's last bits may
 // differ between the two).
 // Rows of x from which the tiles are faster than the few-row kernel: an 8-bit tile transposes
@@ -286,13 +311,13 @@ constexpr int64_t kTileRows = 4, kTileRows8 = 16;
 typedef int32_t unaligned_i32 __attribute__((aligned(1), may_alias));
 
 // The 16 outputs from n0 of a weight as VNNI operands: w[8 g + c], lane l: the 4 weights of
-// output n0 + l at inputs 32 g + 4 c .. 32 g + 4 c + 3; d[g], m[g] and (8-bit) off[g] = 128
-// sum(q), lane l: that output's group (w = q d + m). Lanes past the last output: scales 0.
+// output n0 + l at inputs 32 g + 4 c .. 32 g + 4 c + 3; d[g], m[g] and qsum[g] = sum(q), lane
+// l: that output's group (w = q d + m). Lanes past the last output: scales 0.
 struct Tile {
-  std::vector<int32_t> w, off;  // 16 lanes a vector
+  std::vector<int32_t> w, qsum;  // 16 lanes a vector
   std::vector<float> d, m, row;  // (row: one output's d and m while packing)
   explicit Tile(int64_t groups)
-      : w(16 * 8 * groups), off(16 * groups), d(16 * groups), m(16 * groups), row(2 * groups) {}
+      : w(16 * 8 * groups), qsum(16 * groups), d(16 * groups), m(16 * groups), row(2 * groups) {}
   __m512i weights(int64_t i) const { return _mm512_loadu_si512(w.data() + 16 * i); }
   void set_weights(int64_t i, __m512i v) { _mm512_storeu_si512(w.data() + 16 * i, v); }
 };
@@ -310,23 +335,27 @@ void pack_tile(const void* qs, const sc_t* scale, const sc_t* zero, int64_t grou
   const __m512i m15 = _mm512_set1_epi8(15);
   for (int64_t g = 0; g < groups; ++g) {
     __m512i v[4];
+    __m512i sum = _mm512_setzero_si512();
+    const __m512i ones = _mm512_set1_epi8(1);
     if constexpr (kQ4) {
       transpose16(rows, g * kGroup / 2, v);  // byte j of a group: weights j (low nibble), j + 16
       for (int i = 0; i < 4; ++i) {
-        t.set_weights(8 * g + i, _mm512_and_si512(v[i], m15));
-        t.set_weights(8 * g + 4 + i, _mm512_and_si512(_mm512_srli_epi32(v[i], 4), m15));
+        const __m512i low = _mm512_and_si512(v[i], m15);
+        const __m512i high = _mm512_and_si512(_mm512_srli_epi32(v[i], 4), m15);
+        t.set_weights(8 * g + i, low);
+        t.set_weights(8 * g + 4 + i, high);
+        sum = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(sum, low, ones), high, ones);
       }
     } else {
-      __m512i sum = _mm512_setzero_si512();
       for (int half = 0; half < 2; ++half) {
         transpose16(rows, g * kGroup + 16 * half, v);
         for (int i = 0; i < 4; ++i) {
           t.set_weights(8 * g + 4 * half + i, v[i]);
-          sum = _mm512_dpbusd_epi32(sum, _mm512_set1_epi8(1), v[i]);
+          sum = _mm512_dpbusd_epi32(sum, ones, v[i]);
         }
       }
-      _mm512_storeu_si512(t.off.data() + 16 * g, _mm512_slli_epi32(sum, 7));
     }
+    _mm512_storeu_si512(t.qsum.data() + 16 * g, sum);
   }
   // each output's d and m (row_scales: vector conversions of its groups), into the lanes
   float* d = t.d.data();
@@ -344,13 +373,18 @@ void pack_tile(const void* qs, const sc_t* scale, const sc_t* zero, int64_t grou
 
 // out[r, 0..16) (the lanes in mask) for kRows rows of quantized x against one tile.
 template <int kRows, bool kQ4>
-void tile_rows(const Tile& t, int64_t groups, const int8_t* xq, const float* xd, const float* xds,
-               int64_t K, float* out, int64_t ldo, __mmask16 mask) {
+void tile_rows(const Tile& t, int64_t groups, const int8_t* xq, const float* xd,
+               const float* xsum, const int32_t* xc, int64_t K, float* out, int64_t ldo,
+               __mmask16 mask) {
   __m512 acc[kRows];
   for (int r = 0; r < kRows; ++r) acc[r] = _mm512_setzero_ps();
   for (int64_t g = 0; g < groups; ++g) {
     __m512i sum[kRows];
-    for (int r = 0; r < kRows; ++r) sum[r] = _mm512_setzero_si512();
+    const __m512i qsum = _mm512_loadu_si512(t.qsum.data() + 16 * g);
+    for (int r = 0; r < kRows; ++r) {  // (vpmaddwd: c times each lane's sum(q), as times())
+      const int32_t c = xc[r * groups + g] - (kQ4 ? 0 : 128);
+      sum[r] = _mm512_madd_epi16(qsum, _mm512_set1_epi32(c & 0xffff));
+    }
     for (int c = 0; c < 8; ++c) {
       const __m512i w = t.weights(8 * g + c);
       for (int r = 0; r < kRows; ++r) {
@@ -364,15 +398,12 @@ void tile_rows(const Tile& t, int64_t groups, const int8_t* xq, const float* xd,
       }
     }
     for (int r = 0; r < kRows; ++r) {
-      if constexpr (!kQ4) {
-        sum[r] = _mm512_sub_epi32(sum[r], _mm512_loadu_si512(t.off.data() + 16 * g));
-      }
       const __m512 d = _mm512_loadu_ps(t.d.data() + 16 * g);
       const __m512 dd = _mm512_mul_ps(d, _mm512_set1_ps(xd[r * groups + g]));
       acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum[r]), dd, acc[r]);
       if constexpr (kQ4) {
         const __m512 m = _mm512_loadu_ps(t.m.data() + 16 * g);
-        acc[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(xds[r * groups + g]), acc[r]);
+        acc[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(xsum[r * groups + g]), acc[r]);
       }
     }
   }
@@ -400,10 +431,11 @@ void tiled(const Int8Rows& x, int64_t M, int64_t K, const void* qs, const sc_t* 
       for (int64_t m = 0; m < M; m += kMaxRows) {
         const int8_t* xq = q + m * K;
         const float* xd = x.d.data() + m * groups;
-        const float* xs = x.dsum.data() + m * groups;
+        const float* xs = x.sum.data() + m * groups;
+        const int32_t* xc = x.c.data() + m * groups;
         float* o = out + m * N + n0;
         with_rows(M - m, [&](auto rows) {
-          tile_rows<decltype(rows)::value, kQ4>(t, groups, xq, xd, xs, K, o, N, mask);
+          tile_rows<decltype(rows)::value, kQ4>(t, groups, xq, xd, xs, xc, K, o, N, mask);
         });
       }
     }
@@ -428,10 +460,12 @@ void product_i8(const Int8Rows& x, int64_t M, int64_t K, const void* qs, const s
     for (int64_t m = 0; m < M; m += kMaxRows) {
       const int8_t* xq = x.q.data() + m * K;
       const float* xd = x.d.data() + m * groups;
-      const float* xs = x.dsum.data() + m * groups;
+      const float* xs = x.sum.data() + m * groups;
+      const int32_t* xc = x.c.data() + m * groups;
       float* om = out + m * N;
       with_rows(M - m, [&](auto rows) {
-        rows_i8<decltype(rows)::value, kQ4, sc_t>(xq, xd, xs, K, qs, scale, zero, om, N, n0, n1);
+        rows_i8<decltype(rows)::value, kQ4, sc_t>(xq, xd, xs, xc, K, qs, scale, zero, om, N, n0,
+                                                  n1);
       });
     }
   });
