@@ -198,31 +198,40 @@ def test_int8_tiles_leave_sixteen_input_scales_to_the_float_product() -> None:
         assert linear.gemv_rows(torch.float32) == GEMV_ROWS
 
 
-def test_bfloat16_rows_past_the_few_row_bound_take_amx_tiles_where_built(llama_file: Path) -> None:
-    """On a CPU with AMX (the kernels' linear_amx_rows), a kept linear multiplies bfloat16 rows
-    past the few-row bound on AMX tiles instead of expanding its weight: the same as the op,
-    the expanded weight's product up to float32 summation order; with int8 activations the
-    int8 tiles keep the rows up to INT8_ROWS_BEFORE_AMX. Elsewhere the weight is expanded."""
+def test_bfloat16_rows_past_the_few_row_bound_take_the_slab_product_where_built(
+    llama_file: Path,
+) -> None:
+    """On a CPU with bfloat16 dot products (the kernels' linear_bf16_rows: AMX tiles or
+    vdpbf16ps), a kept linear multiplies bfloat16 rows past the few-row bound in slabs instead
+    of expanding its weight: the same as the op, the expanded weight's product up to float32
+    summation order, and every step's row count is the compiled stack's; with int8 activations
+    on AMX the int8 tiles keep the rows up to INT8_ROWS_BEFORE_AMX. Elsewhere the weight is
+    expanded."""
     ops: Any = load_kernel().ops
-    amx = ops.linear_amx_rows()
+    slabs, amx = ops.linear_bf16_rows(), ops.linear_amx_rows()
     model = _model(LLM(str(llama_file), dtype="bfloat16", num_device_blocks=64))
     kept = [m for m in model.modules() if isinstance(m, GroupedLinear)]
     assert {type(m) for m in kept} == {Int4Linear, Q8Linear}
     for linear in kept:
-        if amx:
-            assert linear.gemv_rows(torch.bfloat16) == amx - 1
+        if slabs:
+            assert linear.gemv_rows(torch.bfloat16) == slabs - 1
+            assert linear.slab_from(torch.bfloat16) == slabs
+            assert linear.step_rows(torch.bfloat16) == EVERY_ROW
+        else:
+            assert linear.slab_from(torch.bfloat16) == 0
         x = torch.randn(GEMV_ROWS + 37, linear.in_features).bfloat16()
         got = linear(x)
-        if amx and isinstance(linear, Int4Linear):
-            assert torch.equal(got, ops.q4_linear_amx(x, linear.qs, linear.scale, linear.zero))
-        elif amx:
-            assert torch.equal(got, ops.q8_linear_amx(x, linear.qs, linear.scale))
+        if slabs and isinstance(linear, Int4Linear):
+            assert torch.equal(got, ops.q4_linear_bf16(x, linear.qs, linear.scale, linear.zero))
+        elif slabs:
+            assert torch.equal(got, ops.q8_linear_bf16(x, linear.qs, linear.scale))
         want = x.float() @ linear._dense(torch.bfloat16).float().T
         assert ((got.float() - want).abs().max() / want.abs().max()).item() < 5e-3
         linear.int8_activations = True
         tiled = ops.linear_i8_tile_rows() > 0
         bound = INT8_ROWS_BEFORE_AMX if amx else linear._gemv_rows[torch.bfloat16]
         assert linear.gemv_rows(torch.bfloat16) == (bound if amx or not tiled else EVERY_ROW)
+        assert linear.slab_from(torch.bfloat16) == (INT8_ROWS_BEFORE_AMX + 1 if amx else 0)
         linear.int8_activations = False
 
 

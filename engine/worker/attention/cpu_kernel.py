@@ -41,7 +41,7 @@ SOURCES = (
     Path(__file__).parents[1] / "models" / "layers" / "cpu_layers.cpp",
     Path(__file__).parents[1] / "models" / "layers" / "cpu_quant.cpp",
     Path(__file__).parents[1] / "models" / "layers" / "cpu_quant_i8.cpp",
-    Path(__file__).parents[1] / "models" / "layers" / "cpu_quant_amx.cpp",
+    Path(__file__).parents[1] / "models" / "layers" / "cpu_quant_bf16.cpp",
     Path(__file__).parents[1] / "models" / "layers" / "cpu_decoder.cpp",
 )
 """Compiled into one library: the paged attention, the decoder layers' small ops, the quantized

@@ -47,7 +47,8 @@ class CompiledStack:
         self.stack = stack
         self.dtype = dtype
         self.max_tokens = max_tokens
-        """Tokens a step at most: the linears' few-row product bound (GroupedLinear)."""
+        """Tokens a step at most: where the linears would expand a weight past it
+        (GroupedLinear.step_rows)."""
         self.backend = backend
 
     @staticmethod
@@ -78,8 +79,9 @@ class CompiledStack:
             float(model.config.rms_norm_eps),
             float(first.spec.scale),
             linears[0].int8_activations,
+            [linear.slab_from(model.dtype) for linear in linears],
         )
-        max_tokens = min(linear.gemv_rows(model.dtype) for linear in linears)
+        max_tokens = min(linear.step_rows(model.dtype) for linear in linears)
         return CompiledStack(stack, model.dtype, max_tokens, model.backend), "compiled"
 
     def step_slots(

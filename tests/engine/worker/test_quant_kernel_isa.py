@@ -1,4 +1,4 @@
-"""cpu_quant.cpp, cpu_quant_i8.cpp and cpu_quant_amx.cpp built for each instruction set they
+"""cpu_quant.cpp, cpu_quant_i8.cpp and cpu_quant_bf16.cpp built for each instruction set they
 have a path for (this machine's, which may be AVX-512 with VNNI and AMX, then AVX2 and plain
 C++): the few-row products against the dequantized weights, the int8-activation products against
 the same integer arithmetic in numpy (with AVX-512 VNNI, many rows through the tiled product),
@@ -19,7 +19,7 @@ import torch
 from engine.worker.attention import cpu_kernel
 
 LAYERS = Path(cpu_kernel.__file__).parents[1] / "models" / "layers"
-SOURCES = (LAYERS / "cpu_quant.cpp", LAYERS / "cpu_quant_i8.cpp", LAYERS / "cpu_quant_amx.cpp")
+SOURCES = (LAYERS / "cpu_quant.cpp", LAYERS / "cpu_quant_i8.cpp", LAYERS / "cpu_quant_bf16.cpp")
 
 CHECK = r"""
 import sys, numpy as np, torch
@@ -107,42 +107,49 @@ for n, k in [(40, 96), (72, 576)]:
         close(ops.q8_linear(x, q8, s16), x @ w16.T)
         assert torch.equal(ops.q8_linear(x, q8, h16), ops.q8_linear(x, q8, h16.float()))
         assert torch.equal(ops.q8_linear_i8(x, q8, s16), ops.q8_linear(x, q8, s16))
-    # bfloat16 x on AMX tiles (where built): the expanded bfloat16 weight's product, float32 sums
-    # rounded to bfloat16 (17 and 33 rows: partial tiles of rows; 40 and 72 outputs: of outputs)
-    amx = ops.linear_amx_rows()
-    assert amx == int(sys.argv[3]), amx
+    # bfloat16 x in slabs (where built: AMX tiles, or vdpbf16ps): the expanded bfloat16 weight's
+    # product, float32 sums rounded to bfloat16 (AMX: 17 and 33 rows end in partial tiles of
+    # rows; vdpbf16ps: 9, 17 and 33 in a partial pass of 8; 40 and 72 outputs in a partial slab)
+    slabs, amx = ops.linear_bf16_rows(), ops.linear_amx_rows()
+    assert (slabs, amx) == (int(sys.argv[3]), int(sys.argv[4])), (slabs, amx)
     torch.manual_seed(0)
-    for m in (1, 16, 17, 33, 64) if amx else ():
+    for m in (1, 9, 16, 17, 33, 64) if slabs else ():
         x = torch.randn(m, 2 * k).bfloat16()[:, 1::2]  # (strided: the op copies it)
         for got, w in (
-            (ops.q4_linear_amx(x, qs4, scale, zero), ops.q4_dequant(qs4, scale, zero, torch.bfloat16)),
-            (ops.q4_linear_amx(x, qs4, d16, m16), ops.q4_dequant(qs4, d16, m16, torch.bfloat16)),
-            (ops.q8_linear_amx(x, q8, scale), ops.q8_dequant(q8, scale, torch.bfloat16)),
-            (ops.q8_linear_amx(x, q8, s16), ops.q8_dequant(q8, s16, torch.bfloat16)),
+            (ops.q4_linear_bf16(x, qs4, scale, zero), ops.q4_dequant(qs4, scale, zero, torch.bfloat16)),
+            (ops.q4_linear_bf16(x, qs4, d16, m16), ops.q4_dequant(qs4, d16, m16, torch.bfloat16)),
+            (ops.q8_linear_bf16(x, q8, scale), ops.q8_dequant(q8, scale, torch.bfloat16)),
+            (ops.q8_linear_bf16(x, q8, s16), ops.q8_dequant(q8, s16, torch.bfloat16)),
         ):
             want = x.float() @ w.float().T
             assert got.dtype == torch.bfloat16 and got.shape == (m, n)
             assert ((got.float() - want).abs().max() / want.abs().max()).item() < 5e-3
             if m >= 16:  # (only float32 summation order differs: rarely a rounding)
                 assert (got == want.bfloat16()).float().mean().item() > 0.99
-    if amx:  # x = I: the weight itself, each output one product: q4_dequant's bits exactly
+    if slabs:  # x = I: the weight itself, each output one product: q4_dequant's bits exactly
         eye = torch.eye(k).bfloat16()
-        assert torch.equal(ops.q4_linear_amx(eye, qs4, d16, m16), ops.q4_dequant(qs4, d16, m16, torch.bfloat16).T)
-        assert torch.equal(ops.q4_linear_amx(eye, qs4, scale, zero), ops.q4_dequant(qs4, scale, zero, torch.bfloat16).T)
-        assert torch.equal(ops.q8_linear_amx(eye, q8, h16), ops.q8_dequant(q8, h16, torch.bfloat16).T)
-        assert torch.equal(ops.q8_linear_amx(eye, q8, d16), ops.q8_dequant(q8, d16, torch.bfloat16).T)
-        assert ops.q8_linear_amx(torch.randn(2, 3, k).bfloat16(), q8, scale).shape == (2, 3, n)
+        assert torch.equal(ops.q4_linear_bf16(eye, qs4, d16, m16), ops.q4_dequant(qs4, d16, m16, torch.bfloat16).T)
+        assert torch.equal(ops.q4_linear_bf16(eye, qs4, scale, zero), ops.q4_dequant(qs4, scale, zero, torch.bfloat16).T)
+        assert torch.equal(ops.q8_linear_bf16(eye, q8, h16), ops.q8_dequant(q8, h16, torch.bfloat16).T)
+        assert torch.equal(ops.q8_linear_bf16(eye, q8, d16), ops.q8_dequant(q8, d16, torch.bfloat16).T)
+        assert ops.q8_linear_bf16(torch.randn(2, 3, k).bfloat16(), q8, scale).shape == (2, 3, n)
 print("ok")
 """
 
 
-@pytest.mark.parametrize("march", ["native", "haswell", "x86-64"], ids=["native", "avx2", "plain"])
+@pytest.mark.parametrize(
+    "march",
+    ["native", "cooperlake", "haswell", "x86-64"],
+    ids=["native", "avx512-bf16", "avx2", "plain"],
+)
 def test_each_instruction_set_path_matches_the_dequantized_weight(
     march: str, tmp_path: Path
 ) -> None:
     cxx = shutil.which("g++") or shutil.which("c++")
     if cxx is None:
         pytest.skip("no C++ compiler")
+    if march == "cooperlake" and not _has("avx512_bf16", "avx512_vnni", "avx512bw"):
+        pytest.skip("this CPU has no AVX512-BF16 (the slab product without AMX)")
     from torch.utils import cpp_extension
 
     lib = tmp_path / "quant.so"
@@ -163,11 +170,14 @@ def test_each_instruction_set_path_matches_the_dequantized_weight(
     ]
     built = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert built.returncode == 0, built.stderr[-2000:]
-    tiles = march == "native" and _has("avx512_vnni", "avx512bw")  # int8 tiles: row bound, or 0
-    # AMX: the rows from which it multiplies, where this CPU and this compiler have it
+    wide = march == "cooperlake" or march == "native" and _has("avx512bw")
+    tiles = wide and _has("avx512_vnni")  # int8 tiles: their row bound, or 0
+    # the slab product's first row: 9 on AMX where this CPU and this compiler have it, 2 with
+    # vdpbf16ps, else 0
     amx = march == "native" and _has("amx_tile", "amx_bf16", "avx512_bf16") and _amx_compiler(cxx)
+    slabs = "9" if amx else "2" if wide and _has("avx512_bf16") else "0"
     ran = subprocess.run(
-        [sys.executable, "-c", CHECK, str(lib), "4" if tiles else "0", "9" if amx else "0"],
+        [sys.executable, "-c", CHECK, str(lib), "4" if tiles else "0", slabs, "9" if amx else "0"],
         capture_output=True,
         text=True,
         timeout=300,
@@ -188,7 +198,7 @@ def _amx_compiler(cxx: str) -> bool:
 
 def _has(*features: str) -> bool:
     """This CPU has these /proc/cpuinfo flags (AVX-512 VNNI and BW: cpu_quant_i8.cpp's tiled
-    product; AMX tiles with bfloat16: cpu_quant_amx.cpp's)."""
+    product; AMX tiles with bfloat16: cpu_quant_bf16.cpp's)."""
     flags = set()
     for line in Path("/proc/cpuinfo").read_text().splitlines():
         if line.startswith("flags"):

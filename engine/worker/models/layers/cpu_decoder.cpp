@@ -26,14 +26,20 @@
 namespace {
 
 // A quantized linear: qs, scale, zero (4-bit only) and bias; an absent one is an empty tensor.
-// int8: the product on int8-quantized activations (cpu_quant_i8.cpp).
+// int8: the product on int8-quantized activations (cpu_quant_i8.cpp); slab_from: rows of
+// bfloat16 x from which the slab product takes them instead (cpu_quant_bf16.cpp; 0: never).
 struct Linear {
   at::Tensor qs, scale, zero, bias;
   bool int8 = false;
+  int64_t slab_from = 0;
 
   at::Tensor operator()(const at::Tensor& x) const {
     at::Tensor y;
-    if (qs.scalar_type() == at::kByte) {
+    const bool q4 = qs.scalar_type() == at::kByte;
+    if (slab_from > 0 && x.scalar_type() == at::kBFloat16 && x.size(0) >= slab_from) {
+      y = q4 ? deja_cpu::q4_linear_bf16(x, qs, scale, zero)
+             : deja_cpu::q8_linear_bf16(x, qs, scale);
+    } else if (q4) {
       y = int8 ? deja_cpu::q4_linear_i8(x, qs, scale, zero) : deja_cpu::q4_linear(x, qs, scale, zero);
     } else {
       y = int8 ? deja_cpu::q8_linear_i8(x, qs, scale) : deja_cpu::q8_linear(x, qs, scale);
@@ -51,8 +57,8 @@ constexpr int64_t kPerLayer = 18;  // 2 norms and 4 linears of 4 tensors
 
 at::Tensor present(const at::Tensor& t) { return t.numel() == 0 ? at::Tensor() : t; }
 
-Linear linear_at(const std::vector<at::Tensor>& w, int64_t i, bool int8) {
-  const Linear l{w[i], w[i + 1], present(w[i + 2]), present(w[i + 3]), int8};
+Linear linear_at(const std::vector<at::Tensor>& w, int64_t i, bool int8, int64_t slab_from) {
+  const Linear l{w[i], w[i + 1], present(w[i + 2]), present(w[i + 3]), int8, slab_from};
   TORCH_CHECK(l.qs.dim() == 2 && l.qs.is_contiguous() &&
                   (l.qs.scalar_type() == at::kChar ||
                    (l.qs.scalar_type() == at::kByte && l.zero.defined())),
@@ -64,17 +70,22 @@ class DecoderStack : public torch::CustomClassHolder {
  public:
   // weights: per layer input norm, (qs, scale, zero, bias) of qkv, o, gate_up and down, post
   // norm (18 tensors; empty for an absent zero or bias), then the final norm's weight.
-  // int8_activations: every linear multiplies int8-quantized activations.
+  // int8_activations: every linear multiplies int8-quantized activations. slab_from: each
+  // linear's (4 a layer, in that order) Linear::slab_from.
   DecoderStack(std::vector<at::Tensor> weights, int64_t num_heads, int64_t num_kv_heads,
-               int64_t head_dim, double eps, double scale, bool int8_activations)
+               int64_t head_dim, double eps, double scale, bool int8_activations,
+               std::vector<int64_t> slab_from)
       : num_heads_(num_heads), num_kv_heads_(num_kv_heads), head_dim_(head_dim), eps_(eps),
         scale_(scale) {
     TORCH_CHECK(weights.size() % kPerLayer == 1, "weights: 18 a layer and the final norm");
-    for (size_t i = 0; i + 1 < weights.size(); i += kPerLayer) {
+    TORCH_CHECK(slab_from.size() * kPerLayer == 4 * (weights.size() - 1), "slab_from: 4 a layer");
+    for (size_t i = 0, l = 0; i + 1 < weights.size(); i += kPerLayer, l += 4) {
       const bool int8 = int8_activations;
-      layers_.push_back({weights[i], weights[i + 17], linear_at(weights, i + 1, int8),
-                         linear_at(weights, i + 5, int8), linear_at(weights, i + 9, int8),
-                         linear_at(weights, i + 13, int8)});
+      const int64_t* from = slab_from.data() + l;
+      layers_.push_back({weights[i], weights[i + 17], linear_at(weights, i + 1, int8, from[0]),
+                         linear_at(weights, i + 5, int8, from[1]),
+                         linear_at(weights, i + 9, int8, from[2]),
+                         linear_at(weights, i + 13, int8, from[3])});
     }
     final_norm_ = weights.back();
   }
@@ -127,7 +138,8 @@ class DecoderStack : public torch::CustomClassHolder {
 
 TORCH_LIBRARY_FRAGMENT(deja_cpu_attn, m) {
   m.class_<DecoderStack>("DecoderStack")
-      .def(torch::init<std::vector<at::Tensor>, int64_t, int64_t, int64_t, double, double, bool>())
+      .def(torch::init<std::vector<at::Tensor>, int64_t, int64_t, int64_t, double, double, bool,
+                       std::vector<int64_t>>())
       .def("num_layers", &DecoderStack::num_layers)
       .def("run", &DecoderStack::run);
 }

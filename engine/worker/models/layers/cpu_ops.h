@@ -121,6 +121,9 @@ at::Tensor q8_linear(const at::Tensor& x, const at::Tensor& qs, const at::Tensor
 at::Tensor q4_linear_i8(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& scale,
                         const at::Tensor& zero);
 at::Tensor q8_linear_i8(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& scale);
+at::Tensor q4_linear_bf16(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& scale,
+                          const at::Tensor& zero);
+at::Tensor q8_linear_bf16(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& scale);
 void paged_attention(at::Tensor out, at::Tensor q, at::Tensor kv_cache, at::Tensor block_tables,
                      at::Tensor query_start_loc, at::Tensor seq_lens, at::Tensor seq_index,
                      double scale, int64_t window, double soft_cap, double k_scale,

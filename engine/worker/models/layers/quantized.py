@@ -13,11 +13,12 @@ on the CPU, cuda/quant_linear.cu on CUDA):
 - more rows (prefill): the weight expanded once per call to the activations' dtype, then a
   dense product; with int8 activations (ModelConfig.activations) on a CPU with AVX-512 VNNI
   every row count stays on the groups instead (tiled integer products; not an 8-bit weight with
-  a scale every 16 inputs, Q6_K); with bfloat16 activations on a CPU with AMX (Intel Sapphire
-  Rapids and later), AMX tiles against the weight expanded 32 outputs at a time in a thread's
-  buffer (cpu_quant_amx.cpp): the same products as the expanded weight's up to summation order,
-  without writing or reading a whole dense copy (int8 activations take them past
-  INT8_ROWS_BEFORE_AMX rows, where they beat the integer tiles).
+  a scale every 16 inputs, Q6_K); with bfloat16 activations on a CPU with bfloat16 dot products
+  (AVX512-BF16: AMD Zen 4 and later; AMX: Intel Sapphire Rapids and later), the slab product
+  against the weight expanded 32 outputs at a time in a thread's buffer (cpu_quant_bf16.cpp):
+  the same products as the expanded weight's up to summation order, without writing or reading
+  a whole dense copy (with AMX, int8 activations take it past INT8_ROWS_BEFORE_AMX rows, where
+  it beats the integer tiles).
 Without the kernels, torch ops expand the weight. Every path is the dequantized weight's product
 up to summation order (the parity tests' float32 mode). A group's scale (and zero) stays the
 file's float16 pair where that is exact (Q4_0, Q4_1, Q8_0: `_fp16_pair`), else float32 (Q4_K,
@@ -80,8 +81,8 @@ near 32 rows; one bound for every kept weight)."""
 class GroupedLinear(nn.Module):
     """y = x W^T (+ b) for a weight kept in groups of 32 inputs (Int4Linear, Q8Linear): few rows
     through the C++ product on the groups, many through the weight expanded once per call (or,
-    in bfloat16 on AMX, 32 outputs at a time into AMX tiles); torch ops expand it where the C++
-    kernels are not loaded."""
+    in bfloat16 with bfloat16 dot products, 32 outputs at a time into the slab product); torch
+    ops expand it where the C++ kernels are not loaded."""
 
     qs: torch.Tensor
     scale: torch.Tensor
@@ -103,9 +104,11 @@ class GroupedLinear(nn.Module):
         (cpu_quant_i8.cpp; ModelConfig.activations int8); otherwise float32 sums, exact."""
         self._tiled_int8 = False
         """`_ops` multiplies int8 activations by this weight at every row count (tiles)."""
+        self._slabs = False
+        """`_ops` multiplies bfloat16 activations by this weight in slabs past the few-row bound
+        (cpu_quant_bf16.cpp), instead of a dense product of the expanded weight."""
         self._amx = False
-        """`_ops` multiplies bfloat16 activations by this weight on AMX tiles past the few-row
-        bound (cpu_quant_amx.cpp), instead of a dense product of the expanded weight."""
+        """The slabs run on AMX tiles (faster than int8 tiles past INT8_ROWS_BEFORE_AMX rows)."""
         self._gemv_rows = {
             torch.float32: GEMV_ROWS,
             torch.bfloat16: GEMV_ROWS,
@@ -124,10 +127,11 @@ class GroupedLinear(nn.Module):
         self._tiled_int8 = self._tiles_int8(ops)
         if has_bf16_units():
             self._gemv_rows[torch.bfloat16] = self._gemv_rows[torch.float16] = GEMV_ROWS_BF16_UNITS
-        amx_rows = int(ops.linear_amx_rows()) if hasattr(ops, "linear_amx_rows") else 0
-        if amx_rows > 0:
-            self._amx = True
-            self._gemv_rows[torch.bfloat16] = amx_rows - 1
+        slab_rows = int(ops.linear_bf16_rows()) if hasattr(ops, "linear_bf16_rows") else 0
+        if slab_rows > 0:
+            self._slabs = True
+            self._amx = int(ops.linear_amx_rows()) > 0
+            self._gemv_rows[torch.bfloat16] = slab_rows - 1
 
     def _tiles_int8(self, ops: Any) -> bool:
         """Whether `ops` multiplies int8 activations by this weight in tiles at any row count
@@ -149,6 +153,16 @@ class GroupedLinear(nn.Module):
             return max(INT8_ROWS_BEFORE_AMX, self._gemv_rows[dtype]) if amx else EVERY_ROW
         return self._gemv_rows[dtype]
 
+    def slab_from(self, dtype: torch.dtype) -> int:
+        """Rows of `dtype` activations from which the slab product multiplies (0: never)."""
+        bound = self.gemv_rows(dtype)
+        return bound + 1 if self._slabs and dtype == torch.bfloat16 and bound < EVERY_ROW else 0
+
+    def step_rows(self, dtype: torch.dtype) -> int:
+        """Rows of `dtype` activations this weight multiplies without expanding it: the few-row
+        bound, or every row count where the slab product or the int8 tiles take the rest."""
+        return EVERY_ROW if self.slab_from(dtype) else self.gemv_rows(dtype)
+
     @contextmanager
     def products_on_every_row(self) -> Iterator[None]:
         """Within: the product on the groups whatever the row count (scoring many rows with a
@@ -163,7 +177,7 @@ class GroupedLinear(nn.Module):
     def _product(self, x: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
 
-    def _amx_product(self, x: torch.Tensor) -> torch.Tensor:
+    def _slab_product(self, x: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
 
     def _dense(self, dtype: torch.dtype) -> torch.Tensor:
@@ -173,8 +187,8 @@ class GroupedLinear(nn.Module):
         flat = x if x.dim() == 2 else x.reshape(-1, self.in_features)  # [M, in]
         if self._ops is not None and flat.shape[0] <= self.gemv_rows(flat.dtype):
             out = self._product(flat)  # (the C++ op reads any strides)
-        elif self._amx and flat.dtype == torch.bfloat16:
-            out = self._amx_product(flat)
+        elif self._slabs and flat.dtype == torch.bfloat16:
+            out = self._slab_product(flat)
         elif self._ops is not None and flat.dtype == torch.float32 and flat.device.type == "cpu":
             # oneDNN's packed product repays packing the expanded weight: ~2x a plain one
             out = PackedLinear(self._dense(flat.dtype)).apply_rows(flat.contiguous())
@@ -215,8 +229,8 @@ class Int4Linear(GroupedLinear):
             return self._ops.q4_linear_i8(x, self.qs, self.scale, self.zero)
         return self._ops.q4_linear(x, self.qs, self.scale, self.zero)
 
-    def _amx_product(self, x: torch.Tensor) -> torch.Tensor:
-        return self._ops.q4_linear_amx(x, self.qs, self.scale, self.zero)
+    def _slab_product(self, x: torch.Tensor) -> torch.Tensor:
+        return self._ops.q4_linear_bf16(x, self.qs, self.scale, self.zero)
 
     def _dense(self, dtype: torch.dtype) -> torch.Tensor:
         if self._ops is not None:
@@ -253,8 +267,8 @@ class Q8Linear(GroupedLinear):
             return self._ops.q8_linear_i8(x, self.qs, self.scale)
         return self._ops.q8_linear(x, self.qs, self.scale)
 
-    def _amx_product(self, x: torch.Tensor) -> torch.Tensor:
-        return self._ops.q8_linear_amx(x, self.qs, self.scale)
+    def _slab_product(self, x: torch.Tensor) -> torch.Tensor:
+        return self._ops.q8_linear_bf16(x, self.qs, self.scale)
 
     def _dense(self, dtype: torch.dtype) -> torch.Tensor:
         if self._ops is not None:

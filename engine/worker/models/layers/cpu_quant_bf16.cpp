@@ -1,16 +1,21 @@
-// Many-row products of a kept weight with bfloat16 activations on Intel AMX (Sapphire Rapids and
-// later): q4_linear_amx and q8_linear_amx, same arguments as q4_linear and q8_linear, x bfloat16.
-// layers/quantized.py takes them instead of expanding the whole weight for a dense product where
-// linear_amx_rows() says this build, this CPU and the kernel allow AMX-BF16.
+// Many-row products of a kept weight with bfloat16 activations, on CPUs with bfloat16 dot
+// products: q4_linear_bf16 and q8_linear_bf16, same arguments as q4_linear and q8_linear, x
+// bfloat16. layers/quantized.py takes them instead of expanding the whole weight for a dense
+// product where linear_bf16_rows() says this build and this CPU have them.
 //
 // The weight is read once a call in its 4- or 8-bit form and never written out whole: every 32
 // outputs (a slab, one thread's at a time) are expanded to bfloat16, with q4_dequant /
-// q8_dequant's values, straight into the tiles' pair layout in the thread's buffer (a group's 32
-// inputs x 16 outputs as 16 rows of 16 (input 2i, input 2i + 1) pairs). Every 32 rows of x then
-// take 2 x 2 tiles of 16 x 16 float32 sums against the slab (tdpbf16ps; A: 16 rows of x by a
-// group's 32 inputs, B: a packed group), K in steps of 32, and leave them rounded to bfloat16.
-// So the products are the expanded weight's with x in bfloat16, up to the float32 summation
-// order, as a dense bfloat16 product on AMX is.
+// q8_dequant's values, straight into a pair layout in the thread's buffer (a group's 32 inputs x
+// 16 outputs as 16 rows of 16 (input 2i, input 2i + 1) pairs: AMX's B tile, and one
+// vdpbf16ps operand a row). Then, against the slab, K in steps of 32:
+// - with Intel AMX (Sapphire Rapids and later; the kernel's permission asked), every 32 rows of
+//   x take 2 x 2 tiles of 16 x 16 float32 sums (tdpbf16ps; A: 16 rows of x by a group's 32
+//   inputs, B: a packed group);
+// - else with AVX512-BF16 (AMD Zen 4 and later, Intel Cooper Lake), every 8 rows of x take 8 x 2
+//   vectors of 16 float32 sums, each pair of x's inputs broadcast against a packed row
+//   (vdpbf16ps).
+// The sums are left rounded to bfloat16. So the products are the expanded weight's with x in
+// bfloat16, up to the float32 summation order, as a dense bfloat16 product is.
 
 #include "cpu_ops.h"
 
@@ -24,7 +29,10 @@
 #include <cstdint>
 #include <vector>
 
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && defined(__linux__)
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+#define DEJA_BF16_SLABS 1
+#endif
+#if defined(DEJA_BF16_SLABS) && defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__linux__)
 #define DEJA_AMX 1
 #include <sys/syscall.h>
 #include <unistd.h>
@@ -34,8 +42,16 @@ namespace {
 
 constexpr int64_t kGroup = 32;
 constexpr int64_t kSlab = 32;  // outputs a thread expands at a time (two B tiles)
-// Rows of x from which the tiles beat the few-row product and the dense one (layers/quantized.py).
-constexpr int64_t kRowsFrom = 9;
+// Rows of x from which the slabs beat the few-row product and the dense one (layers/quantized.py):
+// on AMX, and with vdpbf16ps (a 3072 x 576 4-bit weight on a 2-core Zen 5 EPYC, ms at 2 / 8 / 16 /
+// 48 rows: 0.080 / 0.089 / 0.116 / 0.235, against the few-row product's 0.107 / 0.146 / 0.285 and
+// the expanded weight's dense product's 0.23 / 0.34 at 16 / 48).
+constexpr int64_t kRowsFrom = 9, kDotRowsFrom = 2;
+constexpr int kDotRows = 8;  // rows of x a pass of vdpbf16ps serves
+
+typedef int32_t unaligned_i32 __attribute__((aligned(1), may_alias));
+
+#ifdef DEJA_BF16_SLABS
 
 #ifdef DEJA_AMX
 
@@ -68,6 +84,7 @@ void configure_tiles() {
   asm volatile("" ::: "memory");
   _tile_loadconfig(&c);
 }
+#endif
 
 // The slab's scales (and zeros) group-major, S[j * 32 + n] for output n0 + n's scale j, as
 // float32 the way the other kernels read them (row_groups); outputs past the weight's: 0.
@@ -142,6 +159,14 @@ void pack_slab(const uint8_t* const rows[kSlab], int64_t K, const float* S, cons
   }
 }
 
+// y row r of the slab's outputs [n0, n0 + width) from its float32 sums s[0..32)
+inline void store_row(const float* s, c10::BFloat16* y, int64_t width) {
+  const __mmask32 keep = width >= 32 ? ~__mmask32(0) : (__mmask32(1) << width) - 1;
+  const __m512bh v = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(s + 16), _mm512_loadu_ps(s));
+  _mm512_mask_storeu_epi16(y, keep, (__m512i)v);
+}
+
+#ifdef DEJA_AMX
 // y rows [m0, m0 + 16 * halves) x the slab's outputs [n0, n0 + width): x padded to whole tiles.
 void tile_rows(const c10::BFloat16* x, int64_t K, const uint8_t* packed, int64_t m0, int halves,
                int64_t M, c10::BFloat16* y, int64_t N, int64_t n0, int64_t width, float* sums) {
@@ -169,24 +194,75 @@ void tile_rows(const c10::BFloat16* x, int64_t K, const uint8_t* packed, int64_t
     _tile_stored(2, sums + 16 * 32, 128);
     _tile_stored(3, sums + 16 * 32 + 16, 128);
   }
-  const __mmask32 keep = width >= 32 ? ~__mmask32(0) : (__mmask32(1) << width) - 1;
   for (int64_t r = 0; r < 16 * halves && m0 + r < M; ++r) {
-    const float* s = sums + r * 32;
-    const __m512bh v = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(s + 16), _mm512_loadu_ps(s));
-    _mm512_mask_storeu_epi16(y + (m0 + r) * N + n0, keep, (__m512i)v);
+    store_row(sums + r * 32, y + (m0 + r) * N + n0, width);
+  }
+}
+#endif
+
+// y rows [m0, m0 + kRows) x the slab's outputs [n0, n0 + width): each pair of a row's inputs
+// broadcast against a packed row of pairs, 16 outputs a vector.
+template <int kRows>
+void dot_rows(const c10::BFloat16* x, int64_t K, const uint8_t* packed, int64_t m0,
+              c10::BFloat16* y, int64_t N, int64_t n0, int64_t width) {
+  __m512 lo[kRows], hi[kRows];  // outputs n0..n0 + 16, n0 + 16..n0 + 32
+  for (int r = 0; r < kRows; ++r) lo[r] = hi[r] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < K / kGroup; ++g) {
+    const uint8_t* b = packed + g * 2 * 1024;
+    const c10::BFloat16* xg = x + m0 * K + g * kGroup;
+    for (int i = 0; i < 16; ++i) {
+      const __m512i w0 = _mm512_loadu_si512(b + i * 64);
+      const __m512i w1 = _mm512_loadu_si512(b + 1024 + i * 64);
+#pragma GCC unroll 8
+      for (int r = 0; r < kRows; ++r) {
+        const auto* pair = reinterpret_cast<const unaligned_i32*>(xg + r * K + 2 * i);
+        const __m512bh xb = (__m512bh)_mm512_set1_epi32(*pair);
+        lo[r] = _mm512_dpbf16_ps(lo[r], (__m512bh)w0, xb);
+        hi[r] = _mm512_dpbf16_ps(hi[r], (__m512bh)w1, xb);
+      }
+    }
+  }
+  alignas(64) float s[32];
+  for (int r = 0; r < kRows; ++r) {
+    _mm512_store_ps(s, lo[r]);
+    _mm512_store_ps(s + 16, hi[r]);
+    store_row(s, y + (m0 + r) * N + n0, width);
   }
 }
 
-at::Tensor linear_amx(const at::Tensor& x, const at::Tensor& qs, bool q4, const at::Tensor& scale,
-                      const at::Tensor* zero) {
-  TORCH_CHECK(amx_permitted(), "the kernel refused this process AMX tiles");
+// dot_rows for rows [m0, m0 + min(rows, kDotRows))
+void dot_rows_upto(int64_t rows, const c10::BFloat16* x, int64_t K, const uint8_t* packed,
+                   int64_t m0, c10::BFloat16* y, int64_t N, int64_t n0, int64_t width) {
+  switch (std::min<int64_t>(rows, kDotRows)) {
+    case 1: dot_rows<1>(x, K, packed, m0, y, N, n0, width); break;
+    case 2: dot_rows<2>(x, K, packed, m0, y, N, n0, width); break;
+    case 3: dot_rows<3>(x, K, packed, m0, y, N, n0, width); break;
+    case 4: dot_rows<4>(x, K, packed, m0, y, N, n0, width); break;
+    case 5: dot_rows<5>(x, K, packed, m0, y, N, n0, width); break;
+    case 6: dot_rows<6>(x, K, packed, m0, y, N, n0, width); break;
+    case 7: dot_rows<7>(x, K, packed, m0, y, N, n0, width); break;
+    default: dot_rows<8>(x, K, packed, m0, y, N, n0, width); break;
+  }
+}
+
+bool use_amx() {
+#ifdef DEJA_AMX
+  return amx_permitted();
+#else
+  return false;
+#endif
+}
+
+at::Tensor linear_slabs(const at::Tensor& x, const at::Tensor& qs, bool q4,
+                        const at::Tensor& scale, const at::Tensor* zero) {
   const auto [N, K] = deja_cpu::check_weight(qs, q4, scale, zero);
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 && x.size(-1) == K,
               "x must be bfloat16 [..., ", K, "]");
+  const bool amx = use_amx();
   const int64_t M = x.numel() / K;
-  const int64_t Mp = (M + 15) / 16 * 16;
+  const int64_t Mp = amx ? (M + 15) / 16 * 16 : M;
   at::Tensor xs = x.reshape({M, K});
-  if (Mp != M || !xs.is_contiguous()) {  // whole tiles of rows, the rest zeros
+  if (Mp != M || !xs.is_contiguous()) {  // (AMX: whole tiles of rows, the rest zeros)
     at::Tensor padded = at::zeros({Mp, K}, x.options());
     padded.narrow(0, 0, M).copy_(xs);
     xs = padded;
@@ -200,7 +276,9 @@ at::Tensor linear_amx(const at::Tensor& x, const at::Tensor& qs, bool q4, const 
   const auto* q = static_cast<const uint8_t*>(qs.data_ptr());
   deja_cpu::with_groups(scale, zero, [&](const auto* sc, const auto* zr) {
     at::parallel_for(0, slabs, 1, [&](int64_t s0, int64_t s1) {
-      configure_tiles();
+#ifdef DEJA_AMX
+      if (amx) configure_tiles();
+#endif
       std::vector<uint8_t> packed(kSlab * K * 2), none(row_bytes, 0);
       std::vector<float> S(per_row * kSlab), Z(per_row * kSlab), row(2 * per_row);
       alignas(64) float sums[32 * 32];
@@ -219,12 +297,22 @@ at::Tensor linear_amx(const at::Tensor& x, const at::Tensor& qs, bool q4, const 
           pack_slab<false, 1>(rows, K, S.data(), Z.data(), packed.data());
         }
         asm volatile("" ::: "memory");  // (see configure_tiles)
-        for (int64_t m0 = 0; m0 < Mp; m0 += 32) {
-          const int halves = Mp - m0 >= 32 ? 2 : 1;
-          tile_rows(xp, K, packed.data(), m0, halves, M, yp, N, n0, width, sums);
+        if (amx) {
+#ifdef DEJA_AMX
+          for (int64_t m0 = 0; m0 < Mp; m0 += 32) {
+            const int halves = Mp - m0 >= 32 ? 2 : 1;
+            tile_rows(xp, K, packed.data(), m0, halves, M, yp, N, n0, width, sums);
+          }
+#endif
+        } else {
+          for (int64_t m0 = 0; m0 < M; m0 += kDotRows) {
+            dot_rows_upto(M - m0, xp, K, packed.data(), m0, yp, N, n0, width);
+          }
         }
       }
-      _tile_release();
+#ifdef DEJA_AMX
+      if (amx) _tile_release();
+#endif
     });
   });
   auto shape = x.sizes().vec();
@@ -232,35 +320,42 @@ at::Tensor linear_amx(const at::Tensor& x, const at::Tensor& qs, bool q4, const 
   return y.view(shape);
 }
 
-int64_t amx_rows() { return amx_permitted() ? kRowsFrom : 0; }
+int64_t amx_rows() { return use_amx() ? kRowsFrom : 0; }
+int64_t slab_rows() { return use_amx() ? kRowsFrom : kDotRowsFrom; }
 
 #else
 
-at::Tensor linear_amx(const at::Tensor&, const at::Tensor&, bool, const at::Tensor&,
-                      const at::Tensor*) {
-  TORCH_CHECK(false, "this build has no AMX products (linear_amx_rows() is 0)");
+at::Tensor linear_slabs(const at::Tensor&, const at::Tensor&, bool, const at::Tensor&,
+                        const at::Tensor*) {
+  TORCH_CHECK(false, "this build has no bfloat16 dot products (linear_bf16_rows() is 0)");
   return at::Tensor();
 }
 
 int64_t amx_rows() { return 0; }
+int64_t slab_rows() { return 0; }
 
 #endif
 
-at::Tensor q4_linear_amx(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& scale,
-                         const at::Tensor& zero) {
-  return linear_amx(x, qs, true, scale, &zero);
-}
-
-at::Tensor q8_linear_amx(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& scale) {
-  return linear_amx(x, qs, false, scale, nullptr);
-}
-
 }  // namespace
 
+namespace deja_cpu {
+
+at::Tensor q4_linear_bf16(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& scale,
+                          const at::Tensor& zero) {
+  return linear_slabs(x, qs, true, scale, &zero);
+}
+
+at::Tensor q8_linear_bf16(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& scale) {
+  return linear_slabs(x, qs, false, scale, nullptr);
+}
+
+}  // namespace deja_cpu
+
 TORCH_LIBRARY_FRAGMENT(deja_cpu_attn, m) {
-  // Rows of bfloat16 x from which layers/quantized.py takes q4_linear_amx / q8_linear_amx; 0:
-  // not on this build, CPU or kernel.
+  // Rows of bfloat16 x from which layers/quantized.py takes q4_linear_bf16 / q8_linear_bf16; 0:
+  // not on this build or CPU. linear_amx_rows: the same where they run on AMX tiles, else 0.
+  m.def("linear_bf16_rows", []() -> int64_t { return slab_rows(); });
   m.def("linear_amx_rows", []() -> int64_t { return amx_rows(); });
-  m.def("q4_linear_amx", &q4_linear_amx);
-  m.def("q8_linear_amx", &q8_linear_amx);
+  m.def("q4_linear_bf16", &deja_cpu::q4_linear_bf16);
+  m.def("q8_linear_bf16", &deja_cpu::q8_linear_bf16);
 }
