@@ -29,7 +29,11 @@ from engine.worker.models import get_model_class
 from engine.worker.models.base import CausalLM
 from engine.worker.models.layers.group_rows import gguf_int4
 from engine.worker.models.layers.load_quant import quantize_loaded
-from engine.worker.models.layers.quantized import quantize_embedding, quantize_linears
+from engine.worker.models.layers.quantized import (
+    INT8_ROUNDING,
+    quantize_embedding,
+    quantize_linears,
+)
 from engine.worker.models.layers.weights import TPSlice, slice_map
 from engine.worker.safetensors_reader import SafetensorsReader
 
@@ -98,9 +102,12 @@ def model_fingerprint(
     """blake2b over config.json and each weight file's name, size and first MiB (cheap, stable);
     over a GGUF file's name, size, first MiB (its metadata) and `quantization`
     (ModelConfig.quantization: kept and expanded weights write KV that differs in the last bits,
-    so they do not share disk blocks); int8 `activations` mixed in too, for the same reason."""
+    so they do not share disk blocks); int8 `activations` mixed in too, for the same reason,
+    with their rounding (INT8_ROUNDING: KV from another rounding is not shared either)."""
     if activations != "float":
         quantization = f"{quantization}:{activations}"
+        if activations == "int8":
+            quantization += f":{INT8_ROUNDING}"
     gguf = find_gguf(model_path)
     if gguf is not None:
         with open(gguf, "rb") as fh:

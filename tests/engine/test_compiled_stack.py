@@ -57,11 +57,12 @@ class _Checked:
     def __init__(self, model: Any) -> None:
         self.model, self.stack = model, model.compiled
         self.forward = model.forward
-        self.compiled_steps = self.module_steps = 0
+        self.compiled_steps = self.module_steps = self.widest = 0
         real_run = self.stack.run
 
         def counted(*args: Any) -> torch.Tensor:
             self.compiled_steps += 1
+            self.widest = max(self.widest, args[0].shape[0])  # (h: [T, hidden])
             out: torch.Tensor = real_run(*args)
             return out
 
@@ -88,7 +89,8 @@ class _Checked:
 
 
 @pytest.mark.parametrize(
-    ("dtype", "activations"), [("float32", "float"), ("bfloat16", "float"), ("float32", "int8")]
+    ("dtype", "activations"),
+    [("float32", "float"), ("bfloat16", "float"), ("float32", "int8"), ("bfloat16", "int8")],
 )
 @pytest.mark.parametrize("which", ["llama", "qwen2"])
 def test_stack_gives_the_modules_bits(
@@ -111,11 +113,15 @@ def test_stack_gives_the_modules_bits(
     assert isinstance(model.compiled, CompiledStack)
     check = _Checked(model)
     model.forward = check
-    prompts = shared_prefix_prompts(512, 8, 128, seed=3)
+    # (20 sequences: decode steps past AMX's slab bound, and the int8 tiles' there)
+    prompts = shared_prefix_prompts(512, 20, 128, seed=3)
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=10, ignore_eos=True))
     assert all(len(o.outputs[0].token_ids) == 10 for o in outs)
     assert check.compiled_steps >= 9  # every decode step
     assert check.module_steps >= 1  # the prefill chunks of 40 tokens
+    slab_from = min(m.slab_from(model.dtype) for m in model.modules() if hasattr(m, "slab_from"))
+    if slab_from:  # the stack's slab product ran
+        assert check.widest >= slab_from
     kv = llm.engine.core.kv
     assert kv.num_free_blocks == kv.num_blocks
 
@@ -235,7 +241,13 @@ def test_bfloat16_rows_past_the_few_row_bound_take_the_slab_product_where_built(
         linear.int8_activations = False
 
 
-def test_int8_activations_get_their_own_fingerprint(llama_file: Path) -> None:
-    """KV written with int8 activations is not shared (disk, remote tiers) with float's."""
-    assert model_fingerprint(llama_file, "auto", "int8") != model_fingerprint(llama_file, "auto")
+def test_int8_activations_get_their_own_fingerprint(
+    llama_file: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """KV written with int8 activations is not shared (disk, remote tiers) with float's, nor
+    with KV from another int8 rounding."""
+    int8 = model_fingerprint(llama_file, "auto", "int8")
+    assert int8 != model_fingerprint(llama_file, "auto")
     assert model_fingerprint(llama_file, "auto", "float") == model_fingerprint(llama_file, "auto")
+    monkeypatch.setattr("engine.worker.model_loader.INT8_ROUNDING", "symmetric-32")
+    assert model_fingerprint(llama_file, "auto", "int8") != int8

@@ -116,7 +116,8 @@ def test_quantized_embedding_rows_are_exact(kind: str) -> None:
 @pytest.mark.parametrize("kind", ["Q4_1", "Q8_0"])
 def test_few_and_many_row_paths_match_the_dequantized_weight(kind: str, dtype: torch.dtype) -> None:
     """With the C++ kernels, up to GEMV_ROWS rows multiply on the groups and more expand the
-    weight; without them torch ops expand it; each agrees with the dequantized weight."""
+    weight (bfloat16 rows past the few-row bound: the slab product, where built); without them
+    torch ops expand it; each agrees with the dequantized weight."""
     from engine.worker.attention.cpu_kernel import load_kernel
 
     ops = load_kernel().ops

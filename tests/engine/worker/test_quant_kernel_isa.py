@@ -2,8 +2,8 @@
 have a path for (this machine's, which may be AVX-512 with VNNI and AMX, then AVX2 and plain
 C++): the few-row products against the dequantized weights, the int8-activation products against
 the same integer arithmetic in numpy (with AVX-512 VNNI, many rows through the tiled product),
-with AMX the bfloat16 tile products against the expanded weight's (bit for bit through an
-identity), and the expansions to float32, bfloat16 and float16, with float32 or float16 group
+the bfloat16 slab products (AMX tiles, or vdpbf16ps: the AVX512-BF16 build without AMX) against
+the expanded weight's (bit for bit through an identity), and the expansions to float32, bfloat16 and float16, with float32 or float16 group
 scales (8-bit ones also a scale every 16 weights), in a process of their own."""
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ for n, k in [(40, 96), (72, 576)]:
     q4 = rng.integers(0, 16, (n, k)).astype(np.uint8)
     packed = q4.reshape(n, k // 32, 2, 16)
     qs4 = torch.from_numpy(np.ascontiguousarray(packed[:, :, 0] | (packed[:, :, 1] << 4)).reshape(n, k // 2))
-    q8 = torch.from_numpy(rng.integers(-127, 128, (n, k)).astype(np.int8))
+    q8 = torch.from_numpy(rng.integers(-128, 128, (n, k)).astype(np.int8))
     scale = torch.from_numpy(rng.random((n, k // 32)).astype(np.float32))
     zero = torch.from_numpy(rng.standard_normal((n, k // 32)).astype(np.float32))
     w4 = (torch.from_numpy(q4.astype(np.float32)) - 8) * scale.repeat_interleave(32, 1) + zero.repeat_interleave(32, 1)
@@ -66,10 +66,12 @@ for n, k in [(40, 96), (72, 576)]:
         xf = x.float().numpy().reshape(len(x), g, 32)
         lo, hi = np.minimum(xf.min(-1), 0), np.maximum(xf.max(-1), 0)
         span = (hi - lo).astype(np.float32)
-        inv = np.where(span > 0, np.float32(254) / np.maximum(span, 1e-30), 0).astype(np.float32)
-        c = np.where(span > 0, np.rint(lo * inv) + 127, 0).astype(np.int64)
+        with np.errstate(divide="ignore", over="ignore"):
+            inv = (np.float32(254) / span).astype(np.float32)
+        inv = np.where((span > 0) & np.isfinite(inv), inv, 0).astype(np.float32)
+        c = np.where(inv > 0, np.rint(lo * inv) + 127, 0).astype(np.int64)
         xq = np.clip(np.rint(xf * inv[..., None]).astype(np.int64) - c[..., None], -127, 127)
-        dx = (span / np.float32(254)).astype(np.float64)
+        dx = np.where(inv > 0, span / np.float32(254), 0).astype(np.float64)
         qg = qw.reshape(n, g, 32).astype(np.int64)
         dot = np.einsum("agj,ngj->ang", xq, qg) + c[:, None, :] * qg.sum(-1)[None]
         y = (dot * d[None] * dx[:, None]).sum(-1)
@@ -84,6 +86,7 @@ for n, k in [(40, 96), (72, 576)]:
         x[0, :32] = 0  # an all-zero group
         x[-1, 32:64] = x[-1, 32:64].abs() + 1  # one of a single sign, away from 0
         x[-1, 64:96] = -x[-1, 64:96].abs()
+        x[-1, 96:128] *= 1e-38  # a range too small to divide by: taken as zeros
         close(ops.q4_linear_i8(x, qs4, scale, zero).double(), int8_product(x, q4, s64, z64 - 8 * s64))
         close(ops.q8_linear_i8(x, q8, scale).double(), int8_product(x, q8.numpy(), s64, 0 * s64))
         # float16 pairs (d, m): w = q d + m; float16 8-bit scales
@@ -170,7 +173,7 @@ def test_each_instruction_set_path_matches_the_dequantized_weight(
     ]
     built = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert built.returncode == 0, built.stderr[-2000:]
-    wide = march == "cooperlake" or march == "native" and _has("avx512bw")
+    wide = march == "cooperlake" or (march == "native" and _has("avx512bw"))
     tiles = wide and _has("avx512_vnni")  # int8 tiles: their row bound, or 0
     # the slab product's first row: 9 on AMX where this CPU and this compiler have it, 2 with
     # vdpbf16ps, else 0

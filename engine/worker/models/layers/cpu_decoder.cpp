@@ -1,4 +1,4 @@
-// A Llama-shaped decoder's layer stack in one call on the CPU, for steps of few tokens (decode):
+// A Llama-shaped decoder's layer stack in one call on the CPU, for decode steps (and short chunks):
 // the same kernels and torch ops, in the same order, as the Python forward of models/base.py
 // (DecoderLayer over Attention, GatedMLP, RMSNorm and the quantized linears), so every output
 // is the same bits; what goes is the Python between them, ~40 small calls a layer that cost

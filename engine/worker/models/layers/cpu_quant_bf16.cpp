@@ -11,9 +11,9 @@
 // - with Intel AMX (Sapphire Rapids and later; the kernel's permission asked), every 32 rows of
 //   x take 2 x 2 tiles of 16 x 16 float32 sums (tdpbf16ps; A: 16 rows of x by a group's 32
 //   inputs, B: a packed group);
-// - else with AVX512-BF16 (AMD Zen 4 and later, Intel Cooper Lake), every 8 rows of x take 8 x 2
-//   vectors of 16 float32 sums, each pair of x's inputs broadcast against a packed row
-//   (vdpbf16ps).
+// - else (AVX512-BF16: AMD Zen 4 and later, Intel Cooper Lake; or AMX refused), every 8 rows
+//   of x take 8 x 2 vectors of 16 float32 sums, each pair of x's inputs broadcast against a
+//   packed row (vdpbf16ps).
 // The sums are left rounded to bfloat16. So the products are the expanded weight's with x in
 // bfloat16, up to the float32 summation order, as a dense bfloat16 product is.
 
@@ -45,8 +45,10 @@ constexpr int64_t kSlab = 32;  // outputs a thread expands at a time (two B tile
 // Rows of x from which the slabs beat the few-row product and the dense one (layers/quantized.py):
 // on AMX, and with vdpbf16ps (a 3072 x 576 4-bit weight on a 2-core Zen 5 EPYC, ms at 2 / 8 / 16 /
 // 48 rows: 0.080 / 0.089 / 0.116 / 0.235, against the few-row product's 0.107 / 0.146 / 0.285 and
-// the expanded weight's dense product's 0.23 / 0.34 at 16 / 48).
-constexpr int64_t kRowsFrom = 9, kDotRowsFrom = 2;
+// the expanded weight's dense product's 0.23 / 0.34 at 16 / 48). An 8-bit slab packs twice the
+// bytes: with vdpbf16ps it takes 8-bit weights from 8 rows (the tied 49152 x 576 Q8_0 head at 4 /
+// 8 rows: 1.68 / 1.76 ms against 1.41 / 2.18 on the groups), the few-row product below.
+constexpr int64_t kRowsFrom = 9, kDotRowsFrom = 2, kDotRowsFrom8 = 8;
 constexpr int kDotRows = 8;  // rows of x a pass of vdpbf16ps serves
 
 typedef int32_t unaligned_i32 __attribute__((aligned(1), may_alias));
@@ -260,6 +262,11 @@ at::Tensor linear_slabs(const at::Tensor& x, const at::Tensor& qs, bool q4,
               "x must be bfloat16 [..., ", K, "]");
   const bool amx = use_amx();
   const int64_t M = x.numel() / K;
+  auto shape = x.sizes().vec();
+  shape.back() = N;
+  if (!amx && !q4 && M < kDotRowsFrom8) {
+    return deja_cpu::q8_linear(x.reshape({M, K}), qs, scale).view(shape);
+  }
   const int64_t Mp = amx ? (M + 15) / 16 * 16 : M;
   at::Tensor xs = x.reshape({M, K});
   if (Mp != M || !xs.is_contiguous()) {  // (AMX: whole tiles of rows, the rest zeros)
@@ -315,8 +322,6 @@ at::Tensor linear_slabs(const at::Tensor& x, const at::Tensor& qs, bool q4,
 #endif
     });
   });
-  auto shape = x.sizes().vec();
-  shape.back() = N;
   return y.view(shape);
 }
 

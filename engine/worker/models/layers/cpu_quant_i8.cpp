@@ -11,8 +11,8 @@
 //          m = zero - 8 scale;
 //   8-bit: sum w x = d dx sum(q xq) + d dx c sum(q).
 // On AVX2 a group is two instructions (u8 x s8 pairs summed to int16, then to int32; one with
-// AVX-512 VNNI), against the float path's conversion of every weight: about half the
-// instructions a weight. It is not the dequantized weight's product: each activation is rounded
+// AVX-512 VNNI), against the float path's conversion of every weight, plus the offset's share
+// (sum(q) once a group for all rows, then one vpmaddwd a row). It is not the dequantized weight's product: each activation is rounded
 // to 8 bits (as llama.cpp rounds them), so it is used only where asked (layers/quantized.py).
 // With AVX-512 VNNI, many rows take a tiled product (below) that reads a weight once for all.
 // Registered as torch.ops.deja_cpu_attn.q4_linear_i8 and q8_linear_i8; same arguments as
@@ -75,8 +75,9 @@ inline float quantize_group(const float* v, int8_t* q, float& sum, int32_t& c) {
   for (int64_t j = 0; j < kGroup; ++j) lo = std::min(lo, v[j]), hi = std::max(hi, v[j]);
 #endif
   const float range = hi - lo;
-  const float inv = range > 0.f ? 254.f / range : 0.f;
-  c = range > 0.f ? static_cast<int32_t>(std::nearbyint(lo * inv)) + 127 : 0;
+  float inv = range > 0.f ? 254.f / range : 0.f;
+  if (!std::isfinite(inv)) inv = 0.f;  // (a range under ~1e-36: taken as zeros)
+  c = inv > 0.f ? static_cast<int32_t>(std::nearbyint(lo * inv)) + 127 : 0;
   int total = 0;
 #if defined(__AVX512F__)  // (the default rounding mode: to nearest even, as nearbyint)
   const __m512i off = _mm512_set1_epi32(c), low = _mm512_set1_epi32(-127),
@@ -95,7 +96,7 @@ inline float quantize_group(const float* v, int8_t* q, float& sum, int32_t& c) {
     total += q[j];
   }
 #endif
-  const float dx = range / 254.f;
+  const float dx = inv > 0.f ? range / 254.f : 0.f;
   sum = dx * static_cast<float>(total + kGroup * c);
   return dx;
 }

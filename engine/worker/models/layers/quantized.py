@@ -70,6 +70,11 @@ row count on its groups (cpu_quant_i8.cpp's tiles: 1.4-1.6x oneDNN's bf16 produc
 expanded weight at 48 and 512 rows; Q6_K's 16-input scales excepted; with AMX, bfloat16 rows
 past INT8_ROWS_BEFORE_AMX take the AMX tiles instead)."""
 
+INT8_ROUNDING = "asymmetric-32"
+"""How int8 activations are rounded (cpu_quant_i8.cpp: over each group of 32's own range, with
+an integer offset); part of the KV fingerprint, so blocks written under another rounding are not
+shared."""
+
 INT8_ROWS_BEFORE_AMX = 16
 """With int8 activations on a CPU with AMX, rows up to which the int8 tiles multiply; beyond,
 the bfloat16 AMX product (activations not rounded to int8), faster from about here: a 3072 x 576
