@@ -67,8 +67,8 @@ float32's."""
 EVERY_ROW = 1 << 62
 """A row bound no step reaches: a weight with int8 activations on AVX-512 VNNI multiplies every
 row count on its groups (cpu_quant_i8.cpp's tiles: 1.4-1.6x oneDNN's bf16 product of the
-expanded weight at 48 and 512 rows; Q6_K's 16-input scales excepted; with AMX, bfloat16 rows
-past INT8_ROWS_BEFORE_AMX take the AMX tiles instead)."""
+expanded weight at 48 and 512 rows on Zen 4; Q6_K's 16-input scales excepted; in bfloat16 with
+the slab product, rows past INT8_ROWS_BEFORE_AMX / INT8_ROWS_BEFORE_SLABS take it instead)."""
 
 INT8_ROUNDING = "asymmetric-32"
 """How int8 activations are rounded (cpu_quant_i8.cpp: over each group of 32's own range, with
@@ -81,6 +81,13 @@ the bfloat16 AMX product (activations not rounded to int8), faster from about he
 4-bit weight on a 2-core Sapphire Rapids-class Xeon, ms at 16 / 48 / 512 rows, 0.15 / 0.25 / 1.4
 on AMX against 0.17 / 0.40 / 4.4 in int8 tiles (the tied 49152 x 576 Q8_0 head crosses later,
 near 32 rows; one bound for every kept weight)."""
+
+INT8_ROWS_BEFORE_SLABS = 64
+"""The same on a CPU whose slab product is vdpbf16ps (AVX512-BF16, no AMX): level with the int8
+tiles from ~32 rows on a 2-core Zen 5 EPYC (3072 x 576 4-bit at 48 / 128 / 512 rows: 0.24 / 0.53
+/ 2.1 ms against 0.21 / 0.51 / 2.2; the 49152 x 576 Q8_0 head 6.3 / 11.4 against 4.5 / 17.4),
+and a prefill spares quantizing its rows: the demo file's 48-request throughput 481-572 ->
+634-659 tok/s, 512-token TTFT 302-346 -> 253-259 ms with int8 activations in bfloat16."""
 
 
 class GroupedLinear(nn.Module):
@@ -113,7 +120,8 @@ class GroupedLinear(nn.Module):
         """`_ops` multiplies bfloat16 activations by this weight in slabs past the few-row bound
         (cpu_quant_bf16.cpp), instead of a dense product of the expanded weight."""
         self._amx = False
-        """The slabs run on AMX tiles (faster than int8 tiles past INT8_ROWS_BEFORE_AMX rows)."""
+        """The slabs run on AMX tiles (faster than int8 tiles past INT8_ROWS_BEFORE_AMX rows;
+        vdpbf16ps past INT8_ROWS_BEFORE_SLABS)."""
         self._gemv_rows = {
             torch.float32: GEMV_ROWS,
             torch.bfloat16: GEMV_ROWS,
@@ -151,11 +159,13 @@ class GroupedLinear(nn.Module):
 
     def gemv_rows(self, dtype: torch.dtype) -> int:
         """Rows up to which activations of `dtype` take the product on the groups (every row
-        count with int8 activations where the kernels tile them, unless AMX takes bfloat16
-        rows past INT8_ROWS_BEFORE_AMX)."""
+        count with int8 activations where the kernels tile them, unless the slab product takes
+        bfloat16 rows past INT8_ROWS_BEFORE_AMX or INT8_ROWS_BEFORE_SLABS)."""
         if self.int8_activations and self._tiled_int8:
-            amx = self._amx and dtype == torch.bfloat16
-            return max(INT8_ROWS_BEFORE_AMX, self._gemv_rows[dtype]) if amx else EVERY_ROW
+            if not (self._slabs and dtype == torch.bfloat16):
+                return EVERY_ROW
+            bound = INT8_ROWS_BEFORE_AMX if self._amx else INT8_ROWS_BEFORE_SLABS
+            return max(bound, self._gemv_rows[dtype])
         return self._gemv_rows[dtype]
 
     def slab_from(self, dtype: torch.dtype) -> int:
