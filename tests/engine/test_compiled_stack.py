@@ -16,6 +16,7 @@ from engine.testing.tiny_gguf import write_gguf
 from engine.worker.attention.cpu_kernel import load_kernel
 from engine.worker.model_loader import model_fingerprint
 from engine.worker.models.compiled import CompiledStack
+from engine.worker.models.layers import quantized
 from engine.worker.models.layers.quantized import (
     EVERY_ROW,
     GEMV_ROWS,
@@ -95,11 +96,18 @@ class _Checked:
 )
 @pytest.mark.parametrize("which", ["llama", "qwen2"])
 def test_stack_gives_the_modules_bits(
-    which: str, dtype: str, activations: str, llama_file: Path, qwen2_file: Path
+    which: str,
+    dtype: str,
+    activations: str,
+    llama_file: Path,
+    qwen2_file: Path,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """Decode steps of many sequences at once and short chunks, with a cached prefix and
     chunked prefill: every step the stack runs equals the modules' step (int8 activations
-    included: the same integer products either way)."""
+    included: the same integer products either way, and the slab product past their bound,
+    brought within 20 sequences' reach here)."""
+    monkeypatch.setattr(quantized, "INT8_ROWS_BEFORE_SLABS", 12)
     file = llama_file if which == "llama" else qwen2_file
     llm = LLM(
         str(file),
@@ -212,8 +220,8 @@ def test_bfloat16_rows_past_the_few_row_bound_take_the_slab_product_where_built(
     vdpbf16ps), a kept linear multiplies bfloat16 rows past the few-row bound in slabs instead
     of expanding its weight: the same as the op, the expanded weight's product up to float32
     summation order, and every step's row count is the compiled stack's; with int8 activations
-    on AMX the int8 tiles keep the rows up to INT8_ROWS_BEFORE_AMX. Elsewhere the weight is
-    expanded."""
+    the int8 tiles keep the rows up to INT8_ROWS_BEFORE_AMX (AMX) or INT8_ROWS_BEFORE_SLABS
+    (vdpbf16ps). Elsewhere the weight is expanded."""
     ops: Any = load_kernel().ops
     slabs, amx = ops.linear_bf16_rows(), ops.linear_amx_rows()
     model = _model(LLM(str(llama_file), dtype="bfloat16", num_device_blocks=64))

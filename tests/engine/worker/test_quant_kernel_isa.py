@@ -71,7 +71,7 @@ for n, k in [(40, 96), (72, 576)]:
         inv = np.where((span > 0) & np.isfinite(inv), inv, 0).astype(np.float32)
         c = np.where(inv > 0, np.rint(lo * inv) + 127, 0).astype(np.int64)
         xq = np.clip(np.rint(xf * inv[..., None]).astype(np.int64) - c[..., None], -127, 127)
-        dx = np.where(inv > 0, span / np.float32(254), 0).astype(np.float64)
+        dx = np.where((inv > 0) | ~np.isfinite(span), span / np.float32(254), 0).astype(np.float64)
         qg = qw.reshape(n, g, 32).astype(np.int64)
         dot = np.einsum("agj,ngj->ang", xq, qg) + c[:, None, :] * qg.sum(-1)[None]
         y = (dot * d[None] * dx[:, None]).sum(-1)

@@ -76,7 +76,7 @@ inline float quantize_group(const float* v, int8_t* q, float& sum, int32_t& c) {
 #endif
   const float range = hi - lo;
   float inv = range > 0.f ? 254.f / range : 0.f;
-  if (!std::isfinite(inv)) inv = 0.f;  // (a range under ~1e-36: taken as zeros)
+  if (!std::isfinite(inv)) inv = 0.f;  // (a finite range under ~1e-36: taken as zeros)
   c = inv > 0.f ? static_cast<int32_t>(std::nearbyint(lo * inv)) + 127 : 0;
   int total = 0;
 #if defined(__AVX512F__)  // (the default rounding mode: to nearest even, as nearbyint)
@@ -96,7 +96,8 @@ inline float quantize_group(const float* v, int8_t* q, float& sum, int32_t& c) {
     total += q[j];
   }
 #endif
-  const float dx = inv > 0.f ? range / 254.f : 0.f;
+  // (an inf or NaN range keeps its dx: the products stay inf or NaN, as the float path's do)
+  const float dx = inv > 0.f || !std::isfinite(range) ? range / 254.f : 0.f;
   sum = dx * static_cast<float>(total + kGroup * c);
   return dx;
 }

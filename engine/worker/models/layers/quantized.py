@@ -17,8 +17,8 @@ on the CPU, cuda/quant_linear.cu on CUDA):
   (AVX512-BF16: AMD Zen 4 and later; AMX: Intel Sapphire Rapids and later), the slab product
   against the weight expanded 32 outputs at a time in a thread's buffer (cpu_quant_bf16.cpp):
   the same products as the expanded weight's up to summation order, without writing or reading
-  a whole dense copy (with AMX, int8 activations take it past INT8_ROWS_BEFORE_AMX rows, where
-  it beats the integer tiles).
+  a whole dense copy (int8 activations in bfloat16 take it past INT8_ROWS_BEFORE_AMX rows with
+  AMX, INT8_ROWS_BEFORE_SLABS without, where it beats the integer tiles).
 Without the kernels, torch ops expand the weight. Every path is the dequantized weight's product
 up to summation order (the parity tests' float32 mode). A group's scale (and zero) stays the
 file's float16 pair where that is exact (Q4_0, Q4_1, Q8_0: `_fp16_pair`), else float32 (Q4_K,
@@ -83,11 +83,12 @@ on AMX against 0.17 / 0.40 / 4.4 in int8 tiles (the tied 49152 x 576 Q8_0 head c
 near 32 rows; one bound for every kept weight)."""
 
 INT8_ROWS_BEFORE_SLABS = 64
-"""The same on a CPU whose slab product is vdpbf16ps (AVX512-BF16, no AMX): level with the int8
-tiles from ~32 rows on a 2-core Zen 5 EPYC (3072 x 576 4-bit at 48 / 128 / 512 rows: 0.24 / 0.53
-/ 2.1 ms against 0.21 / 0.51 / 2.2; the 49152 x 576 Q8_0 head 6.3 / 11.4 against 4.5 / 17.4),
-and a prefill spares quantizing its rows: the demo file's 48-request throughput 481-572 ->
-634-659 tok/s, 512-token TTFT 302-346 -> 253-259 ms with int8 activations in bfloat16."""
+"""The same on a CPU whose slab product is vdpbf16ps (AVX512-BF16, no AMX): within ~10% of the
+int8 tiles from ~32 rows on a 2-core Zen 5 EPYC (3072 x 576 4-bit at 48 / 128 / 512 rows: 0.24 /
+0.53 / 2.1 ms against 0.21 / 0.51 / 2.2; the 49152 x 576 Q8_0 head 6.3 / 11.4 against 4.5 /
+17.4), and a prefill spares rounding its rows; the bound is set by the whole model: the demo
+file's 48-request throughput 481-572 -> 634-659 tok/s, 512-token TTFT 302-346 -> 253-259 ms with
+int8 activations in bfloat16."""
 
 
 class GroupedLinear(nn.Module):
@@ -169,7 +170,8 @@ class GroupedLinear(nn.Module):
         return self._gemv_rows[dtype]
 
     def slab_from(self, dtype: torch.dtype) -> int:
-        """Rows of `dtype` activations from which the slab product multiplies (0: never)."""
+        """Rows of `dtype` activations from which the slab product multiplies (0: never; its
+        op keeps an 8-bit weight on the few-row product below 8 rows with vdpbf16ps)."""
         bound = self.gemv_rows(dtype)
         return bound + 1 if self._slabs and dtype == torch.bfloat16 and bound < EVERY_ROW else 0
 
