@@ -7,6 +7,7 @@
 
 #include <immintrin.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <tuple>
 #include <type_traits>
@@ -31,6 +32,27 @@ inline void prefetch_row(const void* qs, int64_t bytes, const sc_t* scale, const
   }
   _mm_prefetch(reinterpret_cast<const char*>(scale + n * per_row), _MM_HINT_T0);
   if (zero != nullptr) _mm_prefetch(reinterpret_cast<const char*>(zero + n * per_row), _MM_HINT_T0);
+}
+
+// An int32 read from any address (x's 4 bytes or 2 bfloat16 as a broadcast operand).
+typedef int32_t unaligned_i32 __attribute__((aligned(1), may_alias));
+
+// f(std::integral_constant<int, R>) with R = min(rows, kMax), rows >= 1, kMax <= 8: a kernel's
+// row count as a template argument (counts past kMax are not instantiated).
+template <int kMax, typename F>
+void with_rows(int64_t rows, F f) {
+  static_assert(kMax >= 1 && kMax <= 8, "kernels take 1 to 8 rows a pass");
+  switch (std::min<int64_t>(kMax, rows)) {
+    case 1: f(std::integral_constant<int, 1>{}); break;
+    case 2: if constexpr (kMax >= 2) f(std::integral_constant<int, 2>{}); break;
+    case 3: if constexpr (kMax >= 3) f(std::integral_constant<int, 3>{}); break;
+    case 4: if constexpr (kMax >= 4) f(std::integral_constant<int, 4>{}); break;
+    case 5: if constexpr (kMax >= 5) f(std::integral_constant<int, 5>{}); break;
+    case 6: if constexpr (kMax >= 6) f(std::integral_constant<int, 6>{}); break;
+    case 7: if constexpr (kMax >= 7) f(std::integral_constant<int, 7>{}); break;
+    case 8: if constexpr (kMax >= 8) f(std::integral_constant<int, 8>{}); break;
+    default: break;
+  }
 }
 
 // f(const sc_t* scale, const sc_t* zero) with a kept weight's group scales' storage type, float

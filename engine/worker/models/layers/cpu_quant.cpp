@@ -213,20 +213,10 @@ void product(const float* x, const float* xsum, int64_t M, int64_t K, const void
       const float* xm = x + m * K;
       const float* sm = xsum == nullptr ? nullptr : xsum + m * (K / kGroup);
       float* om = out + m * N;
-      switch (std::min<int64_t>(kMaxRows, M - m)) {
-        case 1: rows_product<1, kQ4, kSub, sc_t>(xm, sm, K, qs, scale, zero, om, N, n0, n1); break;
-        case 2: rows_product<2, kQ4, kSub, sc_t>(xm, sm, K, qs, scale, zero, om, N, n0, n1); break;
-        case 3: rows_product<3, kQ4, kSub, sc_t>(xm, sm, K, qs, scale, zero, om, N, n0, n1); break;
-        case 4: rows_product<4, kQ4, kSub, sc_t>(xm, sm, K, qs, scale, zero, om, N, n0, n1); break;
-#if defined(__AVX512F__)
-        case 5: rows_product<5, kQ4, kSub, sc_t>(xm, sm, K, qs, scale, zero, om, N, n0, n1); break;
-        case 6: rows_product<6, kQ4, kSub, sc_t>(xm, sm, K, qs, scale, zero, om, N, n0, n1); break;
-        case 7: rows_product<7, kQ4, kSub, sc_t>(xm, sm, K, qs, scale, zero, om, N, n0, n1); break;
-        default: rows_product<8, kQ4, kSub, sc_t>(xm, sm, K, qs, scale, zero, om, N, n0, n1); break;
-#else
-        default: break;
-#endif
-      }
+      deja_cpu::with_rows<kMaxRows>(M - m, [&](auto rows) {
+        rows_product<decltype(rows)::value, kQ4, kSub, sc_t>(xm, sm, K, qs, scale, zero, om, N,
+                                                             n0, n1);
+      });
     }
   });
 }

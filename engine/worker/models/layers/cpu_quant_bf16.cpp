@@ -51,7 +51,7 @@ constexpr int64_t kSlab = 32;  // outputs a thread expands at a time (two B tile
 constexpr int64_t kRowsFrom = 9, kDotRowsFrom = 2, kDotRowsFrom8 = 8;
 constexpr int kDotRows = 8;  // rows of x a pass of vdpbf16ps serves
 
-typedef int32_t unaligned_i32 __attribute__((aligned(1), may_alias));
+using deja_cpu::unaligned_i32;
 
 #ifdef DEJA_BF16_SLABS
 
@@ -161,11 +161,10 @@ void pack_slab(const uint8_t* const rows[kSlab], int64_t K, const float* S, cons
   }
 }
 
-// y row r of the slab's outputs [n0, n0 + width) from its float32 sums s[0..32)
-inline void store_row(const float* s, c10::BFloat16* y, int64_t width) {
+// A row y of the slab's outputs [n0, n0 + width) from its float32 sums (lo: the first 16)
+inline void store_row(__m512 lo, __m512 hi, c10::BFloat16* y, int64_t width) {
   const __mmask32 keep = width >= 32 ? ~__mmask32(0) : (__mmask32(1) << width) - 1;
-  const __m512bh v = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(s + 16), _mm512_loadu_ps(s));
-  _mm512_mask_storeu_epi16(y, keep, (__m512i)v);
+  _mm512_mask_storeu_epi16(y, keep, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
 }
 
 #ifdef DEJA_AMX
@@ -197,7 +196,8 @@ void tile_rows(const c10::BFloat16* x, int64_t K, const uint8_t* packed, int64_t
     _tile_stored(3, sums + 16 * 32 + 16, 128);
   }
   for (int64_t r = 0; r < 16 * halves && m0 + r < M; ++r) {
-    store_row(sums + r * 32, y + (m0 + r) * N + n0, width);
+    const float* s = sums + r * 32;
+    store_row(_mm512_loadu_ps(s), _mm512_loadu_ps(s + 16), y + (m0 + r) * N + n0, width);
   }
 }
 #endif
@@ -224,27 +224,7 @@ void dot_rows(const c10::BFloat16* x, int64_t K, const uint8_t* packed, int64_t 
       }
     }
   }
-  alignas(64) float s[32];
-  for (int r = 0; r < kRows; ++r) {
-    _mm512_store_ps(s, lo[r]);
-    _mm512_store_ps(s + 16, hi[r]);
-    store_row(s, y + (m0 + r) * N + n0, width);
-  }
-}
-
-// dot_rows for rows [m0, m0 + min(rows, kDotRows))
-void dot_rows_upto(int64_t rows, const c10::BFloat16* x, int64_t K, const uint8_t* packed,
-                   int64_t m0, c10::BFloat16* y, int64_t N, int64_t n0, int64_t width) {
-  switch (std::min<int64_t>(rows, kDotRows)) {
-    case 1: dot_rows<1>(x, K, packed, m0, y, N, n0, width); break;
-    case 2: dot_rows<2>(x, K, packed, m0, y, N, n0, width); break;
-    case 3: dot_rows<3>(x, K, packed, m0, y, N, n0, width); break;
-    case 4: dot_rows<4>(x, K, packed, m0, y, N, n0, width); break;
-    case 5: dot_rows<5>(x, K, packed, m0, y, N, n0, width); break;
-    case 6: dot_rows<6>(x, K, packed, m0, y, N, n0, width); break;
-    case 7: dot_rows<7>(x, K, packed, m0, y, N, n0, width); break;
-    default: dot_rows<8>(x, K, packed, m0, y, N, n0, width); break;
-  }
+  for (int r = 0; r < kRows; ++r) store_row(lo[r], hi[r], y + (m0 + r) * N + n0, width);
 }
 
 bool use_amx() {
@@ -288,7 +268,9 @@ at::Tensor linear_slabs(const at::Tensor& x, const at::Tensor& qs, bool q4,
 #endif
       std::vector<uint8_t> packed(kSlab * K * 2), none(row_bytes, 0);
       std::vector<float> S(per_row * kSlab), Z(per_row * kSlab), row(2 * per_row);
-      alignas(64) float sums[32 * 32];
+#ifdef DEJA_AMX
+      alignas(64) float sums[32 * 32];  // (a tile pass's, for rounding to bfloat16)
+#endif
       for (int64_t s = s0; s < s1; ++s) {
         const int64_t n0 = s * kSlab, width = std::min(kSlab, N - n0);
         const uint8_t* rows[kSlab];
@@ -313,7 +295,9 @@ at::Tensor linear_slabs(const at::Tensor& x, const at::Tensor& qs, bool q4,
 #endif
         } else {
           for (int64_t m0 = 0; m0 < M; m0 += kDotRows) {
-            dot_rows_upto(M - m0, xp, K, packed.data(), m0, yp, N, n0, width);
+            deja_cpu::with_rows<kDotRows>(M - m0, [&](auto rows) {
+              dot_rows<decltype(rows)::value>(xp, K, packed.data(), m0, yp, N, n0, width);
+            });
           }
         }
       }

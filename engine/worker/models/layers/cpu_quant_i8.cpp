@@ -39,22 +39,6 @@ constexpr int64_t kGroup = 32;
 constexpr int kMaxRows = 8;  // rows of x a pass over the weight serves
 
 // x's rows quantized: xq int8 [M, K], per group dx, dx sum(xq + c) and c [M, K / 32].
-// f(std::integral_constant<int, R>) with R = min(rows, kMaxRows), rows >= 1: a kernel's row
-// count as a template argument.
-template <typename F>
-void with_rows(int64_t rows, F f) {
-  switch (std::min<int64_t>(kMaxRows, rows)) {
-    case 1: f(std::integral_constant<int, 1>{}); break;
-    case 2: f(std::integral_constant<int, 2>{}); break;
-    case 3: f(std::integral_constant<int, 3>{}); break;
-    case 4: f(std::integral_constant<int, 4>{}); break;
-    case 5: f(std::integral_constant<int, 5>{}); break;
-    case 6: f(std::integral_constant<int, 6>{}); break;
-    case 7: f(std::integral_constant<int, 7>{}); break;
-    default: f(std::integral_constant<int, 8>{}); break;
-  }
-}
-
 struct Int8Rows {
   std::vector<int8_t> q;
   std::vector<float> d, sum;
@@ -310,8 +294,7 @@ void rows_i8(const int8_t* xq, const float* xd, const float* xsum, const int32_t
 // twice the bytes a 4-bit one does.
 constexpr int64_t kTileRows = 4, kTileRows8 = 16;
 
-typedef int32_t unaligned_i32 __attribute__((aligned(1), may_alias));
-
+using deja_cpu::unaligned_i32;
 // The 16 outputs from n0 of a weight as VNNI operands: w[8 g + c], lane l: the 4 weights of
 // output n0 + l at inputs 32 g + 4 c .. 32 g + 4 c + 3; d[g], m[g] and qsum[g] = sum(q), lane
 // l: that output's group (w = q d + m). Lanes past the last output: scales 0.
@@ -436,7 +419,7 @@ void tiled(const Int8Rows& x, int64_t M, int64_t K, const void* qs, const sc_t* 
         const float* xs = x.sum.data() + m * groups;
         const int32_t* xc = x.c.data() + m * groups;
         float* o = out + m * N + n0;
-        with_rows(M - m, [&](auto rows) {
+        deja_cpu::with_rows<kMaxRows>(M - m, [&](auto rows) {
           tile_rows<decltype(rows)::value, kQ4>(t, groups, xq, xd, xs, xc, K, o, N, mask);
         });
       }
@@ -465,7 +448,7 @@ void product_i8(const Int8Rows& x, int64_t M, int64_t K, const void* qs, const s
       const float* xs = x.sum.data() + m * groups;
       const int32_t* xc = x.c.data() + m * groups;
       float* om = out + m * N;
-      with_rows(M - m, [&](auto rows) {
+      deja_cpu::with_rows<kMaxRows>(M - m, [&](auto rows) {
         rows_i8<decltype(rows)::value, kQ4, sc_t>(xq, xd, xs, xc, K, qs, scale, zero, om, N, n0,
                                                   n1);
       });
