@@ -129,7 +129,7 @@ def test_stack_gives_the_modules_bits(
     assert check.compiled_steps >= 9  # every decode step
     assert check.module_steps >= 1  # the prefill chunks of 40 tokens
     slab_from = min(m.slab_from(model.dtype) for m in model.modules() if hasattr(m, "slab_from"))
-    if slab_from and slab_from <= len(prompts):  # the stack's slab product ran
+    if slab_from:  # the stack's slab product ran (every bound here is under 20 rows)
         assert check.widest >= slab_from
     kv = llm.engine.core.kv
     assert kv.num_free_blocks == kv.num_blocks
