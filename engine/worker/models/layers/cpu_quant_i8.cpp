@@ -12,8 +12,12 @@
 //   8-bit: sum w x = d dx sum(q xq) + d dx c sum(q).
 // On AVX2 a group is two instructions (u8 x s8 pairs summed to int16, then to int32; one with
 // AVX-512 VNNI), against the float path's conversion of every weight, plus the offset's share
-// (sum(q) once a group for all rows, then one vpmaddwd a row). It is not the dequantized weight's product: each activation is rounded
-// to 8 bits (as llama.cpp rounds them), so it is used only where asked (layers/quantized.py).
+// (sum(q) once a group for all rows, then one vpmaddwd a row; 4-bit on AVX2: q's pair sums once
+// a group, times c by one vpmullw a row, added to the int16 pairs before their vpmaddwd). A row
+// sums its groups in four sets of lanes (two for 2-4 rows) so the FMAs do not wait on each
+// other, and reads a weight row's scales once for d dx and the zeros' share.
+// It is not the dequantized weight's product: each activation is rounded to 8 bits (as
+// llama.cpp rounds them), so it is used only where asked (layers/quantized.py).
 // With AVX-512 VNNI, many rows take a tiled product (below) that reads a weight once for all.
 // Registered as torch.ops.deja_cpu_attn.q4_linear_i8 and q8_linear_i8; same arguments as
 // q4_linear and q8_linear.
@@ -43,6 +47,7 @@ struct Int8Rows {
   std::vector<int8_t> q;
   std::vector<float> d, sum;
   std::vector<int32_t> c;
+  std::vector<int32_t> c2;  // c in both int16 halves
 };
 
 // One group of 32: x = dx (q + c) with q = round(v / dx) - c (to nearest even, clamped to
@@ -96,10 +101,12 @@ Int8Rows quantize_rows(const at::Tensor& x, int64_t K) {
   r.d.resize(groups);
   r.sum.resize(groups);
   r.c.resize(groups);
+  r.c2.resize(groups);
   // (a prefill's rows are worth a second thread; a decode step's few are not)
   at::parallel_for(0, groups, 2048, [&](int64_t g0, int64_t g1) {
     for (int64_t g = g0; g < g1; ++g) {
       r.d[g] = quantize_group(src + g * kGroup, r.q.data() + g * kGroup, r.sum[g], r.c[g]);
+      r.c2[g] = static_cast<int32_t>((static_cast<uint32_t>(r.c[g]) & 0xffffu) * 0x10001u);
     }
   });
   return r;
@@ -180,11 +187,31 @@ inline float dot(const float* a, const float* b, int64_t n) {
 #if defined(__AVX2__)
 // acc[r] += group g's weights w (32 bytes, x's order) dotted with row r's quantized group plus
 // its offset (sum q (xq + c), integer), times dd[r, g] (the weight's d times the row's dx).
+// xc2: each group's c in both int16 halves of an int32 (one broadcast load gives 16 copies).
 template <int kRows, bool kQ4>
 inline void group_dot(__m256 (&acc)[kRows], __m256i w, const int8_t* xq, const int32_t* xc,
-                      const float* dd, int64_t groups, int64_t g) {
+                      const int32_t* xc2, const float* dd, int64_t groups, int64_t g) {
   const __m256i wa = kQ4 ? w : _mm256_sign_epi8(w, w);  // |w| for 8-bit: unsigned operand
-  const __m256i ones = _mm256_set1_epi8(1), zero = _mm256_setzero_si256();
+  const __m256i ones = _mm256_set1_epi8(1);
+#if !(defined(__AVX512VNNI__) && defined(__AVX512VL__))
+  if constexpr (kQ4) {
+    // Without VNNI, in int16 pairs: q's pair sums times c (at most 30 x 127) plus the pairs of
+    // q xq (at most 2 x 15 x 127) fit int16, so one vpmaddwd sums both.
+    const __m256i qpairs = _mm256_maddubs_epi16(wa, ones);
+    const __m256i ones16 = _mm256_set1_epi16(1);
+    for (int r = 0; r < kRows; ++r) {
+      const int64_t at_g = r * groups + g;
+      const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + at_g * kGroup));
+      const __m256i c16 = _mm256_set1_epi32(xc2[at_g]);
+      const __m256i pairs =
+          _mm256_add_epi16(_mm256_maddubs_epi16(wa, xv), _mm256_mullo_epi16(qpairs, c16));
+      const __m256 p = _mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, ones16));
+      acc[r] = _mm256_fmadd_ps(p, _mm256_broadcast_ss(dd + at_g), acc[r]);
+    }
+    return;
+  }
+#endif
+  const __m256i zero = _mm256_setzero_si256();
   const __m256i qsum = dot_u8s8(zero, wa, kQ4 ? ones : _mm256_sign_epi8(ones, w));  // sum(q)
   for (int r = 0; r < kRows; ++r) {
     const int64_t at_g = r * groups + g;
@@ -198,7 +225,8 @@ inline void group_dot(__m256 (&acc)[kRows], __m256i w, const int8_t* xq, const i
 
 // out[r, n] for weight rows n0..n1 and kRows rows of quantized x.
 template <int kRows, bool kQ4, typename sc_t>
-void rows_i8(const int8_t* xq, const float* xd, const float* xsum, const int32_t* xc, int64_t K,
+void rows_i8(const int8_t* xq, const float* xd, const float* xsum, const int32_t* xc,
+             const int32_t* xc2, int64_t K,
              const void* qs, const sc_t* scale, const sc_t* zero, float* out, int64_t ldo,
              int64_t n0, int64_t n1) {
   const int64_t groups = K / kGroup;
@@ -208,39 +236,75 @@ void rows_i8(const int8_t* xq, const float* xd, const float* xsum, const int32_t
   for (int64_t n = n0; n < n1; ++n) {
     deja_cpu::prefetch_row(qs, kQ4 ? K / 2 : K, scale, kQ4 ? zero : nullptr, groups,
                            n + deja_cpu::kAhead, n1);
-    row_scales<kQ4>(scale + n * groups, kQ4 ? zero + n * groups : nullptr, groups, d, m);
-    for (int r = 0; r < kRows; ++r) {
-      for (int64_t g = 0; g < groups; ++g) dd[r * groups + g] = d[g] * xd[r * groups + g];
-    }
     float y[kRows] = {};
 #if defined(__AVX2__)
-    // Two sets of sums (even and odd groups) where there are few rows: one set alone would
-    // wait on its FMA's latency every group.
-    constexpr bool kTwo = kRows <= 4;
-    __m256 acc[kRows], acc2[kRows];
-    for (int r = 0; r < kRows; ++r) acc[r] = acc2[r] = _mm256_setzero_ps();
-    auto& odd = kTwo ? acc2 : acc;
-    int64_t g = 0;
-    if constexpr (kQ4) {  // two groups a load: their 32 bytes of nibbles unpacked at once
-      const uint8_t* row = static_cast<const uint8_t*>(qs) + n * groups * (kGroup / 2);
-      const __m256i m15 = _mm256_set1_epi8(15);
-      for (; g + 2 <= groups; g += 2) {
+    // dd = d dx a group and row, and (4-bit) the zeros' share m dx sum(xq + c) summed in lanes
+    // (mz) and past the last 8 groups (y), in one pass over the row's scales
+    __m256 mz[kRows];
+    for (auto& v : mz) v = _mm256_setzero_ps();
+    {
+      const sc_t* sc = scale + n * groups;
+      const sc_t* zr = kQ4 ? zero + n * groups : nullptr;
+      int64_t g = 0;
+      for (; g + 8 <= groups; g += 8) {
+        __m256 dv, mv = _mm256_setzero_ps();
+        if constexpr (std::is_same_v<sc_t, float>) {
+          dv = _mm256_loadu_ps(sc + g);
+          if constexpr (kQ4) mv = _mm256_fnmadd_ps(_mm256_set1_ps(8.f), dv, _mm256_loadu_ps(zr + g));
+        } else {
+          dv = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sc + g)));
+          if constexpr (kQ4) mv = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(zr + g)));
+        }
+        for (int r = 0; r < kRows; ++r) {
+          _mm256_storeu_ps(dd.data() + r * groups + g, _mm256_mul_ps(dv, _mm256_loadu_ps(xd + r * groups + g)));
+          if constexpr (kQ4) mz[r] = _mm256_fmadd_ps(mv, _mm256_loadu_ps(xsum + r * groups + g), mz[r]);
+        }
+      }
+      if (g < groups) {
+        row_scales<kQ4>(sc + g, kQ4 ? zr + g : nullptr, groups - g, d, m);
+        for (int r = 0; r < kRows; ++r) {
+          for (int64_t j = 0; g + j < groups; ++j) {
+            dd[r * groups + g + j] = d[j] * xd[r * groups + g + j];
+            if constexpr (kQ4) y[r] += m[j] * xsum[r * groups + g + j];
+          }
+        }
+      }
+    }
+    // Sets of sums over groups g mod kSets where there are few rows: one set alone would wait
+    // on its FMA's latency every group.
+    constexpr int kSets = kRows == 1 ? 4 : kRows <= 4 ? 2 : 1;
+    __m256 acc[kSets][kRows];
+    for (auto& set : acc) {
+      for (auto& a : set) a = _mm256_setzero_ps();
+    }
+    const float* const ddp = dd.data();
+    // groups g and g + 1 into the sets `even` and `odd`
+    auto pair = [&](int64_t g, __m256 (&even)[kRows], __m256 (&odd)[kRows]) {
+      if constexpr (kQ4) {  // two groups a load: their 32 bytes of nibbles unpacked at once
+        const uint8_t* row = static_cast<const uint8_t*>(qs) + n * groups * (kGroup / 2);
+        const __m256i m15 = _mm256_set1_epi8(15);
         const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + g * 16));
         const __m256i lo = _mm256_and_si256(v, m15);
         const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m15);
-        group_dot<kRows, kQ4>(acc, _mm256_permute2x128_si256(lo, hi, 0x20), xq, xc, dd.data(),
+        group_dot<kRows, kQ4>(even, _mm256_permute2x128_si256(lo, hi, 0x20), xq, xc, xc2, ddp,
                               groups, g);
-        group_dot<kRows, kQ4>(odd, _mm256_permute2x128_si256(lo, hi, 0x31), xq, xc, dd.data(),
+        group_dot<kRows, kQ4>(odd, _mm256_permute2x128_si256(lo, hi, 0x31), xq, xc, xc2, ddp,
                               groups, g + 1);
-      }
-    } else {
-      const int8_t* row = static_cast<const int8_t*>(qs) + n * groups * kGroup;
-      for (; g + 2 <= groups; g += 2) {
+      } else {
+        const int8_t* row = static_cast<const int8_t*>(qs) + n * groups * kGroup;
         const auto* p = reinterpret_cast<const __m256i*>(row + g * kGroup);
-        group_dot<kRows, kQ4>(acc, _mm256_loadu_si256(p), xq, xc, dd.data(), groups, g);
-        group_dot<kRows, kQ4>(odd, _mm256_loadu_si256(p + 1), xq, xc, dd.data(), groups, g + 1);
+        group_dot<kRows, kQ4>(even, _mm256_loadu_si256(p), xq, xc, xc2, ddp, groups, g);
+        group_dot<kRows, kQ4>(odd, _mm256_loadu_si256(p + 1), xq, xc, xc2, ddp, groups, g + 1);
+      }
+    };
+    int64_t g = 0;
+    if constexpr (kSets == 4) {
+      for (; g + 4 <= groups; g += 4) {
+        pair(g, acc[0], acc[1]);
+        pair(g + 2, acc[2], acc[3]);
       }
     }
+    for (; g + 2 <= groups; g += 2) pair(g, acc[0], acc[kSets - 1]);
     for (; g < groups; ++g) {
       __m256i w;
       if constexpr (kQ4) {
@@ -249,10 +313,22 @@ void rows_i8(const int8_t* xq, const float* xd, const float* xsum, const int32_t
         w = _mm256_loadu_si256(
             reinterpret_cast<const __m256i*>(static_cast<const int8_t*>(qs) + (n * groups + g) * kGroup));
       }
-      group_dot<kRows, kQ4>(acc, w, xq, xc, dd.data(), groups, g);
+      group_dot<kRows, kQ4>(acc[0], w, xq, xc, xc2, ddp, groups, g);
     }
-    for (int r = 0; r < kRows; ++r) y[r] = hsum(kTwo ? _mm256_add_ps(acc[r], acc2[r]) : acc[r]);
+    for (int r = 0; r < kRows; ++r) {
+      __m256 sum = acc[0][r];
+      if constexpr (kSets == 4) {
+        sum = _mm256_add_ps(_mm256_add_ps(sum, acc[1][r]), _mm256_add_ps(acc[2][r], acc[3][r]));
+      } else if constexpr (kSets == 2) {
+        sum = _mm256_add_ps(sum, acc[1][r]);
+      }
+      y[r] += hsum(_mm256_add_ps(sum, mz[r]));
+    }
 #else
+    row_scales<kQ4>(scale + n * groups, kQ4 ? zero + n * groups : nullptr, groups, d, m);
+    for (int r = 0; r < kRows; ++r) {
+      for (int64_t g = 0; g < groups; ++g) dd[r * groups + g] = d[g] * xd[r * groups + g];
+    }
     for (int64_t g = 0; g < groups; ++g) {
       for (int r = 0; r < kRows; ++r) {
         const int64_t at_g = r * groups + g;
@@ -271,11 +347,11 @@ void rows_i8(const int8_t* xq, const float* xd, const float* xsum, const int32_t
         y[r] += d[g] * xd[at_g] * static_cast<float>(sum);
       }
     }
-#endif
     for (int r = 0; r < kRows; ++r) {
       if constexpr (kQ4) y[r] += dot(m, xsum + r * groups, groups);  // + sum of m dx sum(xq + c)
-      out[r * ldo + n] = y[r];
     }
+#endif
+    for (int r = 0; r < kRows; ++r) out[r * ldo + n] = y[r];
   }
 }
 
@@ -447,9 +523,10 @@ void product_i8(const Int8Rows& x, int64_t M, int64_t K, const void* qs, const s
       const float* xd = x.d.data() + m * groups;
       const float* xs = x.sum.data() + m * groups;
       const int32_t* xc = x.c.data() + m * groups;
+      const int32_t* xc2 = x.c2.data() + m * groups;
       float* om = out + m * N;
       deja_cpu::with_rows<kMaxRows>(M - m, [&](auto rows) {
-        rows_i8<decltype(rows)::value, kQ4, sc_t>(xq, xd, xs, xc, K, qs, scale, zero, om, N, n0,
+        rows_i8<decltype(rows)::value, kQ4, sc_t>(xq, xd, xs, xc, xc2, K, qs, scale, zero, om, N, n0,
                                                   n1);
       });
     }
