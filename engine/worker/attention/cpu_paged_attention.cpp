@@ -27,6 +27,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -191,9 +192,234 @@ void attend_item(const Problem& p, const Item& it, const scalar_t* q, const cach
   }
 }
 
+#if defined(__AVX512F__)
+// The same item on AVX-512, for a float32 or bfloat16 cache and a head dim of 64 or 128: a K /
+// V block is converted to float once (a float32 cache is read in place), the scores of 16 keys
+// at a time are 16 vectors of partial sums reduced together (a transpose of their lanes, three
+// shuffles a pair), the softmax runs 16 keys a vector (exp_neg), and a row's accumulator stays in
+// registers across a block's V rows. The next block's K and V rows are asked for ahead.
+// Summation order differs from attend_item's; exp_neg is within ~2 ulp of std::exp.
+
+// e^x for x <= 0 (-inf and anything below ~-104 give 0 or a denormal): 2^n e^r with n = round(x
+// log2 e), r = x - n ln 2 (two-part ln 2), e^r by its Taylor polynomial of degree 7 (|r| <= ln 2 / 2:
+// the remainder is under 6e-9 relative).
+inline __m512 exp_neg(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-104.0f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.0f / 5040);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 720));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+  return _mm512_scalef_ps(p, n);
+}
+
+// 16 vectors of partial sums -> one vector of their 16 totals. Lane i of the result is the
+// total of p[j] with j = kFold[i] (a transpose of 4 x 4): a caller that puts key kFold[i] in
+// p[i] gets key i's score in lane i (kFold is its own inverse).
+constexpr int kFold[16] = {0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15};
+inline __m512 fold16(const __m512 (&p)[16]) {
+  __m512 a[8], b[4], c[2];
+  for (int i = 0; i < 8; ++i) {  // quarters 0, 1: p[2i]'s halves summed; 2, 3: p[2i + 1]'s
+    a[i] = _mm512_add_ps(_mm512_shuffle_f32x4(p[2 * i], p[2 * i + 1], 0x44),
+                         _mm512_shuffle_f32x4(p[2 * i], p[2 * i + 1], 0xEE));
+  }
+  for (int i = 0; i < 4; ++i) {  // quarter k: one vector's four partials
+    b[i] = _mm512_add_ps(_mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0x88),
+                         _mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0xDD));
+  }
+  for (int i = 0; i < 2; ++i) {
+    c[i] = _mm512_add_ps(_mm512_unpacklo_ps(b[2 * i], b[2 * i + 1]),
+                         _mm512_unpackhi_ps(b[2 * i], b[2 * i + 1]));
+  }
+  return _mm512_add_ps(_mm512_shuffle_ps(c[0], c[1], 0x44), _mm512_shuffle_ps(c[0], c[1], 0xEE));
+}
+
+// Rows [0, n) of a K or V block as float [n, kD] rows `stride` apart: a float32 cache's own
+// memory, a bfloat16 one converted into buf.
+template <int64_t kD>
+inline const float* block_rows(const float* src, int64_t n, int64_t tok_stride, float*,
+                               int64_t& stride) {
+  stride = tok_stride;
+  (void)n;
+  return src;
+}
+template <int64_t kD>
+inline const float* block_rows(const at::BFloat16* src, int64_t n, int64_t tok_stride, float* buf,
+                               int64_t& stride) {
+  for (int64_t t = 0; t < n; ++t) {
+    const auto* row = reinterpret_cast<const __m256i*>(src + t * tok_stride);
+    for (int64_t c = 0; c < kD / 16; ++c) {
+      const __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256(row + c));
+      _mm512_storeu_ps(buf + t * kD + 16 * c, _mm512_castsi512_ps(_mm512_slli_epi32(w, 16)));
+    }
+  }
+  stride = kD;
+  return buf;
+}
+
+// Every cache line of rows [0, n) of a block of one head (`bytes` each, tok_stride apart).
+template <typename cache_t>
+inline void prefetch_block(const cache_t* src, int64_t n, int64_t tok_stride, int64_t bytes) {
+  for (int64_t t = 0; t < n; ++t) {
+    const char* row = reinterpret_cast<const char*>(src + t * tok_stride);
+    for (int64_t b = 0; b < bytes; b += 64) _mm_prefetch(row + b, _MM_HINT_T0);
+  }
+}
+
+template <int64_t kD, typename scalar_t, typename cache_t>
+void attend_item_v(const Problem& p, const Item& it, const scalar_t* q, const cache_t* cache,
+                   float* acc, float* m, float* l) {
+  constexpr int64_t kC = kD / 16;  // vectors a row
+  const int64_t BS = p.block_size, G = p.group;
+  const int64_t R = (it.q1 - it.q0) * G;
+  const int64_t seq_len = p.seq_lens[it.seq];
+  const int64_t qstart = p.qsl[it.seq];
+  const int64_t ctx = seq_len - (p.qsl[it.seq + 1] - qstart);
+  const int64_t tok_stride = p.num_kv_heads * kD;
+  const int64_t v_offset = p.num_blocks_cache * BS * tok_stride;
+  const int64_t row_bytes = kD * static_cast<int64_t>(sizeof(cache_t));
+
+  alignas(64) float qrows[kRowsPerItem * kD];
+  const float qmul = p.scale * p.k_scale;
+  for (int64_t j = it.q0; j < it.q1; ++j) {
+    for (int64_t g = 0; g < G; ++g) {
+      const scalar_t* src = q + (qstart + j) * p.q_stride_t + (it.head * G + g) * p.q_stride_h;
+      float* dst = qrows + ((j - it.q0) * G + g) * kD;
+      load_row(src, dst, kD, nullptr);
+      for (int64_t d = 0; d < kD; ++d) dst[d] *= qmul;
+    }
+  }
+  for (int64_t r = 0; r < R; ++r) {
+    m[r] = kNegInf;
+    l[r] = 0.0f;
+  }
+  std::fill(acc, acc + R * kD, 0.0f);
+
+  alignas(64) float kbuf[kMaxBlockSize * kD], vbuf[kMaxBlockSize * kD];
+  alignas(64) float zeros[kD] = {};
+  alignas(64) float scores[kRowsPerItem * kMaxBlockSize];  // [R, BS]
+  const int64_t last_key = std::min(seq_len, ctx + it.q1);
+  const int32_t* table = p.block_tables + it.seq * p.max_blocks;
+  const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+  for (int64_t b = it.b0; b < it.b1; ++b) {
+    const int64_t key0 = b * BS;
+    const int64_t nk = std::min(BS, last_key - key0);
+    if (nk <= 0) break;
+    const cache_t* kblk = cache + (static_cast<int64_t>(table[b]) * BS) * tok_stride + it.head * kD;
+    const cache_t* vblk = kblk + v_offset;
+    if (b + 1 < it.b1) {
+      const int64_t next_n = std::min(BS, last_key - key0 - BS);
+      const cache_t* knext =
+          cache + (static_cast<int64_t>(table[b + 1]) * BS) * tok_stride + it.head * kD;
+      prefetch_block(knext, next_n, tok_stride, row_bytes);
+      prefetch_block(knext + v_offset, next_n, tok_stride, row_bytes);
+    }
+    int64_t ks = 0, vs = 0;
+    const float* krows = block_rows<kD>(kblk, nk, tok_stride, kbuf, ks);
+    // scores[r][t] = q_r . k_t, 16 keys a pass (keys past nk: a row of zeros)
+    for (int64_t t0 = 0; t0 < nk; t0 += 16) {
+      const float* kp[16];
+      for (int j = 0; j < 16; ++j) {
+        const int64_t t = t0 + kFold[j];
+        kp[j] = t < nk ? krows + t * ks : zeros;
+      }
+      const __mmask16 keep = static_cast<__mmask16>(nk - t0 >= 16 ? 0xffff : (1u << (nk - t0)) - 1);
+      for (int64_t r = 0; r < R; ++r) {
+        const float* qr = qrows + r * kD;
+        __m512 part[16];
+#pragma GCC unroll 16
+        for (int j = 0; j < 16; ++j) part[j] = _mm512_mul_ps(_mm512_load_ps(qr), _mm512_loadu_ps(kp[j]));
+#pragma GCC unroll 8
+        for (int64_t c = 1; c < kC; ++c) {
+          const __m512 qv = _mm512_load_ps(qr + 16 * c);
+#pragma GCC unroll 16
+          for (int j = 0; j < 16; ++j) part[j] = _mm512_fmadd_ps(qv, _mm512_loadu_ps(kp[j] + 16 * c), part[j]);
+        }
+        _mm512_mask_storeu_ps(scores + r * BS + t0, keep, fold16(part));
+      }
+    }
+    // online softmax per row, 16 keys a vector; probabilities left in scores (0 where hidden)
+    bool any = false;
+    for (int64_t r = 0; r < R; ++r) {
+      float* s = scores + r * BS;
+      const int64_t pos = ctx + it.q0 + r / G;
+      const int64_t hi = std::min(nk, pos - key0 + 1);
+      const int64_t lo = p.window > 0 ? std::max<int64_t>(0, pos - p.window + 1 - key0) : 0;
+      if (hi <= lo) {
+        std::fill(s, s + nk, 0.0f);
+        continue;
+      }
+      any = true;
+      if (p.soft_cap > 0.0f) {
+        for (int64_t t = lo; t < hi; ++t) s[t] = p.soft_cap * std::tanh(s[t] / p.soft_cap);
+      }
+      __m512 vmax = _mm512_set1_ps(kNegInf);
+      for (int64_t t0 = 0; t0 < nk; t0 += 16) {
+        const __m512i t = _mm512_add_epi32(lane, _mm512_set1_epi32(static_cast<int32_t>(t0)));
+        const __mmask16 seen = _mm512_cmpge_epi32_mask(t, _mm512_set1_epi32(static_cast<int32_t>(lo))) &
+                               _mm512_cmplt_epi32_mask(t, _mm512_set1_epi32(static_cast<int32_t>(hi)));
+        vmax = _mm512_mask_max_ps(vmax, seen, vmax, _mm512_maskz_loadu_ps(seen, s + t0));
+      }
+      const float m_new = std::max(m[r], _mm512_reduce_max_ps(vmax));
+      const float alpha = std::exp(m[r] - m_new);  // 0 when m[r] is -inf
+      const __m512 mv = _mm512_set1_ps(m_new);
+      __m512 vsum = _mm512_setzero_ps();
+      for (int64_t t0 = 0; t0 < nk; t0 += 16) {
+        const __m512i t = _mm512_add_epi32(lane, _mm512_set1_epi32(static_cast<int32_t>(t0)));
+        const __mmask16 seen = _mm512_cmpge_epi32_mask(t, _mm512_set1_epi32(static_cast<int32_t>(lo))) &
+                               _mm512_cmplt_epi32_mask(t, _mm512_set1_epi32(static_cast<int32_t>(hi)));
+        const __mmask16 in = _mm512_cmplt_epi32_mask(t, _mm512_set1_epi32(static_cast<int32_t>(nk)));
+        const __m512 e = _mm512_maskz_mov_ps(
+            seen, exp_neg(_mm512_sub_ps(_mm512_maskz_loadu_ps(seen, s + t0), mv)));
+        _mm512_mask_storeu_ps(s + t0, in, e);
+        vsum = _mm512_add_ps(vsum, e);
+      }
+      l[r] = l[r] * alpha + _mm512_reduce_add_ps(vsum);
+      m[r] = m_new;
+      if (alpha != 1.0f) {
+        const __m512 av = _mm512_set1_ps(alpha);
+        float* a = acc + r * kD;
+        for (int64_t c = 0; c < kC; ++c) _mm512_storeu_ps(a + 16 * c, _mm512_mul_ps(av, _mm512_loadu_ps(a + 16 * c)));
+      }
+    }
+    if (!any) continue;
+    // acc[r] += p[r][t] v_t, the row's accumulator in registers over the block
+    const float* vrows = block_rows<kD>(vblk, nk, tok_stride, vbuf, vs);
+    for (int64_t r = 0; r < R; ++r) {
+      float* a = acc + r * kD;
+      const float* pr = scores + r * BS;
+      __m512 av[kC];
+#pragma GCC unroll 8
+      for (int64_t c = 0; c < kC; ++c) av[c] = _mm512_loadu_ps(a + 16 * c);
+      for (int64_t t = 0; t < nk; ++t) {
+        const __m512 pt = _mm512_set1_ps(pr[t]);
+        const float* v = vrows + t * vs;
+#pragma GCC unroll 8
+        for (int64_t c = 0; c < kC; ++c) av[c] = _mm512_fmadd_ps(pt, _mm512_loadu_ps(v + 16 * c), av[c]);
+      }
+#pragma GCC unroll 8
+      for (int64_t c = 0; c < kC; ++c) _mm512_storeu_ps(a + 16 * c, av[c]);
+    }
+  }
+}
+#endif
+
 template <typename scalar_t, typename cache_t>
 void attend_any(const Problem& p, const Item& it, const scalar_t* q, const cache_t* cache,
                 float* acc, float* m, float* l) {
+#if defined(__AVX512F__)
+  if constexpr (!std::is_same_v<cache_t, uint8_t>) {
+    if (p.head_dim == 64) return attend_item_v<64>(p, it, q, cache, acc, m, l);
+    if (p.head_dim == 128) return attend_item_v<128>(p, it, q, cache, acc, m, l);
+  }
+#endif
   if (p.head_dim == 64) attend_item<64>(p, it, q, cache, acc, m, l);
   else if (p.head_dim == 128) attend_item<128>(p, it, q, cache, acc, m, l);
   else attend_item<0>(p, it, q, cache, acc, m, l);
