@@ -356,6 +356,123 @@ void rows_i8(const int8_t* xq, const float* xd, const float* xsum, const int32_t
 }
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+// 16 groups' scales (or zeros) from p as float32, ng <= 16 of them there (the rest 0); `more`:
+// 16 may be read from p (the tensor goes on). Not a masked load: from weights streamed in from
+// memory, masked loads made the product ~4x slower on Zen 5, and a partial copy stalled the load
+// that follows it.
+template <typename sc_t>
+inline __m512 scales16(const sc_t* p, int64_t ng, bool more) {
+  alignas(64) sc_t part[16];
+  if (ng < 16 && !more) {
+    std::memset(static_cast<void*>(part), 0, sizeof(part));
+    std::memcpy(static_cast<void*>(part), p, ng * sizeof(sc_t));
+    p = part;
+  }
+  const __mmask16 live = static_cast<__mmask16>(ng >= 16 ? 0xffff : (1u << ng) - 1);
+  if constexpr (std::is_same_v<sc_t, float>) {
+    return _mm512_maskz_mov_ps(live, _mm512_loadu_ps(p));
+  } else {
+    return _mm512_maskz_mov_ps(
+        live, _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))));
+  }
+}
+
+// rows_i8 on AVX-512 VNNI: two groups a 512-bit vector. A pair's 4-bit weights are unpacked in
+// one pass (32 bytes: each group's bytes twice, the second copy's high nibbles) into the order x
+// has (x's 64 bytes for the two groups are one load), and one vpdpbusd a row gives the pair's 16
+// lanes of sum(q (xq + c)), each started from its offset's share c sum(q) (vpmaddwd of sum(q)
+// against c, as times()); a lane's sum times d dx of its group (broadcast within the vector
+// from 16 groups' worth by vpermps) goes to the row's float sums. 8-bit weights are the s8
+// operand against x + 128 as u8, the offset then (c - 128) sum(q). Per row and group: the same
+// integer sums as rows_i8; the float sum's order differs.
+template <int kRows, bool kQ4, typename sc_t>
+void rows_i8_pairs(const int8_t* xq, const float* xd, const float* xsum, const int32_t* xc,
+                   int64_t K, const void* qs, const sc_t* scale, const sc_t* zero, float* out,
+                   int64_t ldo, int64_t n0, int64_t n1) {
+  const int64_t groups = K / kGroup;
+  const int64_t row_bytes = kQ4 ? K / 2 : K;
+  constexpr int kSets = kRows <= 2 ? 2 : 1;  // (one row alone would wait on its FMA's latency)
+  const __m512i m15 = _mm512_set1_epi8(15), ones = _mm512_set1_epi8(1);
+  const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
+  const __m512i twice = _mm512_set_epi64(3, 2, 3, 2, 1, 0, 1, 0);  // a group's 16 bytes, twice
+  const __m512i first = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
+  for (int64_t n = n0; n < n1; ++n) {
+    deja_cpu::prefetch_row(qs, row_bytes, scale, kQ4 ? zero : nullptr, groups, n + deja_cpu::kAhead,
+                           n1);
+    const uint8_t* wrow = static_cast<const uint8_t*>(qs) + n * row_bytes;
+    __m512 acc[kRows][kSets], mz[kRows];
+    for (int r = 0; r < kRows; ++r) {
+      mz[r] = _mm512_setzero_ps();
+      for (auto& a : acc[r]) a = _mm512_setzero_ps();
+    }
+    for (int64_t g0 = 0; g0 < groups; g0 += 16) {
+      const int64_t ng = std::min<int64_t>(16, groups - g0);
+      const __mmask16 live = static_cast<__mmask16>(ng == 16 ? 0xffff : (1u << ng) - 1);
+      const bool more = (ldo - n) * groups - g0 >= 16;  // (the scales hold ldo = N rows)
+      const __m512 d = scales16(scale + n * groups + g0, ng, more);
+      __m512 m = _mm512_setzero_ps();
+      if constexpr (kQ4) {
+        m = scales16(zero + n * groups + g0, ng, more);
+        if constexpr (std::is_same_v<sc_t, float>) m = _mm512_fnmadd_ps(_mm512_set1_ps(8.f), d, m);
+      }
+      __m512 dd[kRows];
+      __m512i cv[kRows];
+      for (int r = 0; r < kRows; ++r) {
+        const int64_t at = r * groups + g0;
+        dd[r] = _mm512_mul_ps(d, _mm512_maskz_loadu_ps(live, xd + at));
+        cv[r] = _mm512_maskz_loadu_epi32(live, xc + at);
+        if constexpr (!kQ4) cv[r] = _mm512_sub_epi32(cv[r], _mm512_set1_epi32(128));
+        cv[r] = _mm512_and_si512(cv[r], _mm512_set1_epi32(0xffff));
+        if constexpr (kQ4) mz[r] = _mm512_fmadd_ps(m, _mm512_maskz_loadu_ps(live, xsum + at), mz[r]);
+      }
+      const int64_t pairs = (ng + 1) / 2;
+      // pair p of the 16 groups into set `set` of each row's sums
+      auto pair = [&](int64_t p, int set) {
+        const int64_t g = g0 + 2 * p;
+        const bool both = 2 * p + 1 < ng;  // (else the row's last group, alone)
+        const __mmask64 bytes = both ? ~__mmask64(0) : (__mmask64(1) << 32) - 1;
+        __m512i w;
+        if constexpr (kQ4) {
+          const __m256i v =
+              both ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wrow + g * 16))
+                   : _mm256_zextsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wrow + g * 16)));
+          w = _mm512_permutexvar_epi64(twice, _mm512_castsi256_si512(v));
+          w = _mm512_and_si512(_mm512_mask_srli_epi16(w, 0xff00ff00u, w, 4), m15);
+        } else {  // (not masked loads: see scales16)
+          w = both ? _mm512_loadu_si512(wrow + g * kGroup)
+                   : _mm512_zextsi256_si512(
+                         _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wrow + g * kGroup)));
+        }
+        const __m512i qsum = kQ4 ? _mm512_dpbusd_epi32(_mm512_setzero_si512(), w, ones)
+                                 : _mm512_dpbusd_epi32(_mm512_setzero_si512(), ones, w);
+        const __m512i idx = _mm512_add_epi32(first, _mm512_set1_epi32(static_cast<int>(2 * p)));
+        for (int r = 0; r < kRows; ++r) {
+          const int8_t* xg = xq + (r * groups + g) * kGroup;
+          const __m512i x = both ? _mm512_loadu_si512(xg) : _mm512_maskz_loadu_epi8(bytes, xg);
+          const __m512i start = _mm512_madd_epi16(qsum, _mm512_permutexvar_epi32(idx, cv[r]));
+          const __m512i s = kQ4 ? _mm512_dpbusd_epi32(start, w, x)
+                                : _mm512_dpbusd_epi32(start, _mm512_xor_si512(x, flip), w);
+          __m512& a = acc[r][set];
+          a = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_permutexvar_ps(idx, dd[r]), a);
+        }
+      };
+      int64_t p = 0;
+      for (; p + 2 <= pairs; p += 2) {
+        pair(p, 0);
+        pair(p + 1, kSets - 1);
+      }
+      if (p < pairs) pair(p, 0);
+    }
+    for (int r = 0; r < kRows; ++r) {
+      __m512 sum = mz[r];
+      for (const auto& a : acc[r]) sum = _mm512_add_ps(sum, a);
+      out[r * ldo + n] = _mm512_reduce_add_ps(sum);
+    }
+  }
+}
+#endif
+
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
 // Many rows of x against a weight: tiles of 16 outputs, one output a vector lane, each group's
 // integer dot products by VNNI (vpdpbusd: four u8 times four s8 a lane), every tile's weights
 // read once for all rows. A tile's weights are first transposed into that layout (16 bytes of
@@ -526,8 +643,14 @@ void product_i8(const Int8Rows& x, int64_t M, int64_t K, const void* qs, const s
       const int32_t* xc2 = x.c2.data() + m * groups;
       float* om = out + m * N;
       deja_cpu::with_rows<kMaxRows>(M - m, [&](auto rows) {
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+        (void)xc2;
+        rows_i8_pairs<decltype(rows)::value, kQ4, sc_t>(xq, xd, xs, xc, K, qs, scale, zero, om, N,
+                                                        n0, n1);
+#else
         rows_i8<decltype(rows)::value, kQ4, sc_t>(xq, xd, xs, xc, xc2, K, qs, scale, zero, om, N, n0,
                                                   n1);
+#endif
       });
     }
   });
