@@ -192,73 +192,163 @@ void attend_item(const Problem& p, const Item& it, const scalar_t* q, const cach
   }
 }
 
+#if defined(__AVX2__) && defined(__FMA__)
+// The same item in vectors, for a float32 or bfloat16 cache and a head dim of 64 or 128: a K / V
+// block is converted to float once (a float32 cache is read in place), the scores of W keys at a
+// time are W vectors of partial sums reduced together (a transpose of their lanes), the softmax
+// runs W keys a vector (Lanes::exp_neg), and a row's accumulator stays in registers across a
+// block's V rows. The next block's K and V rows are asked for ahead. Summation order differs
+// from attend_item's; exp_neg is within ~2 ulp of std::exp.
+
+// e^r for |r| <= ln 2 / 2 (and a little beyond): its Taylor polynomial of degree 7, the
+// remainder under 6e-9 relative; then 2^n times it (Lanes::exp_neg).
+template <typename L>
+inline typename L::F exp_poly(typename L::F r) {
+  typename L::F p = L::set1(1.0f / 5040);
+  for (const float c : {1.0f / 720, 1.0f / 120, 1.0f / 24, 1.0f / 6, 0.5f, 1.0f, 1.0f}) {
+    p = L::fma(p, r, L::set1(c));
+  }
+  return p;
+}
+constexpr float kLog2e = 1.44269504088896341f;
+constexpr float kLn2Hi = 0.693359375f, kLn2Lo = -2.12194440e-4f;  // ln 2 in two parts
+
 #if defined(__AVX512F__)
-// The same item on AVX-512, for a float32 or bfloat16 cache and a head dim of 64 or 128: a K /
-// V block is converted to float once (a float32 cache is read in place), the scores of 16 keys
-// at a time are 16 vectors of partial sums reduced together (a transpose of their lanes, three
-// shuffles a pair), the softmax runs 16 keys a vector (exp_neg), and a row's accumulator stays in
-// registers across a block's V rows. The next block's K and V rows are asked for ahead.
-// Summation order differs from attend_item's; exp_neg is within ~2 ulp of std::exp.
-
-// e^x for x <= 0 (-inf and anything below ~-104 give 0 or a denormal): 2^n e^r with n = round(x
-// log2 e), r = x - n ln 2 (two-part ln 2), e^r by its Taylor polynomial of degree 7 (|r| <= ln 2 / 2:
-// the remainder is under 6e-9 relative).
-inline __m512 exp_neg(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-104.0f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 p = _mm512_set1_ps(1.0f / 5040);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 720));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-  return _mm512_scalef_ps(p, n);
-}
-
-// 16 vectors of partial sums -> one vector of their 16 totals. Lane i of the result is the
-// total of p[j] with j = kFold[i] (a transpose of 4 x 4): a caller that puts key kFold[i] in
-// p[i] gets key i's score in lane i (kFold is its own inverse).
-constexpr int kFold[16] = {0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15};
-inline __m512 fold16(const __m512 (&p)[16]) {
-  __m512 a[8], b[4], c[2];
-  for (int i = 0; i < 8; ++i) {  // quarters 0, 1: p[2i]'s halves summed; 2, 3: p[2i + 1]'s
-    a[i] = _mm512_add_ps(_mm512_shuffle_f32x4(p[2 * i], p[2 * i + 1], 0x44),
-                         _mm512_shuffle_f32x4(p[2 * i], p[2 * i + 1], 0xEE));
+struct Lanes {  // AVX-512: 16 floats a vector
+  static constexpr int W = 16;
+  using F = __m512;
+  using Mask = __mmask16;
+  static F zero() { return _mm512_setzero_ps(); }
+  static F set1(float v) { return _mm512_set1_ps(v); }
+  static F load(const float* p) { return _mm512_loadu_ps(p); }
+  static void store(float* p, F v) { _mm512_storeu_ps(p, v); }
+  static F add(F a, F b) { return _mm512_add_ps(a, b); }
+  static F mul(F a, F b) { return _mm512_mul_ps(a, b); }
+  static F sub(F a, F b) { return _mm512_sub_ps(a, b); }
+  static F top(F a, F b) { return _mm512_max_ps(a, b); }
+  static F fma(F a, F b, F c) { return _mm512_fmadd_ps(a, b, c); }
+  static float sum(F v) { return _mm512_reduce_add_ps(v); }
+  static float max(F v) { return _mm512_reduce_max_ps(v); }
+  // lanes i with lo <= t0 + i < hi
+  static Mask within(int64_t t0, int64_t lo, int64_t hi) {
+    const __m512i t = _mm512_add_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+                                       _mm512_set1_epi32(static_cast<int32_t>(t0)));
+    return _mm512_cmpge_epi32_mask(t, _mm512_set1_epi32(static_cast<int32_t>(lo))) &
+           _mm512_cmplt_epi32_mask(t, _mm512_set1_epi32(static_cast<int32_t>(hi)));
   }
-  for (int i = 0; i < 4; ++i) {  // quarter k: one vector's four partials
-    b[i] = _mm512_add_ps(_mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0x88),
-                         _mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0xDD));
+  static F keep(Mask m, F v, F other) { return _mm512_mask_mov_ps(other, m, v); }  // v where m
+  static void store_first(float* p, F v, int64_t n) {  // lanes [0, n)
+    _mm512_mask_storeu_ps(p, static_cast<Mask>(n >= W ? 0xffff : (1u << n) - 1), v);
   }
-  for (int i = 0; i < 2; ++i) {
-    c[i] = _mm512_add_ps(_mm512_unpacklo_ps(b[2 * i], b[2 * i + 1]),
-                         _mm512_unpackhi_ps(b[2 * i], b[2 * i + 1]));
+  static F bf16(const at::BFloat16* p) {
+    const __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
   }
-  return _mm512_add_ps(_mm512_shuffle_ps(c[0], c[1], 0x44), _mm512_shuffle_ps(c[0], c[1], 0xEE));
-}
+  // e^x for x <= 0 (-inf, or anything below ~-104, gives 0 or a denormal)
+  static F exp_neg(F x) {
+    x = _mm512_max_ps(x, set1(-104.0f));
+    const F n = _mm512_roundscale_ps(mul(x, set1(kLog2e)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    F r = _mm512_fnmadd_ps(n, set1(kLn2Hi), x);
+    r = _mm512_fnmadd_ps(n, set1(kLn2Lo), r);
+    return _mm512_scalef_ps(exp_poly<Lanes>(r), n);
+  }
+  // W vectors of partial sums -> one vector of their W totals: lane i holds the total of the p[j]
+  // with kFold[j] == i (a caller that puts key kFold[j] in p[j] gets key i's score in lane i).
+  static constexpr int kFold[16] = {0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15};
+  static F fold(const F (&p)[16]) {
+    F a[8], b[4], c[2];
+    for (int i = 0; i < 8; ++i) {  // quarters 0, 1: p[2i]'s halves summed; 2, 3: p[2i + 1]'s
+      a[i] = add(_mm512_shuffle_f32x4(p[2 * i], p[2 * i + 1], 0x44),
+                 _mm512_shuffle_f32x4(p[2 * i], p[2 * i + 1], 0xEE));
+    }
+    for (int i = 0; i < 4; ++i) {  // quarter k: one vector's four partials
+      b[i] = add(_mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0x88),
+                 _mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0xDD));
+    }
+    for (int i = 0; i < 2; ++i) {
+      c[i] = add(_mm512_unpacklo_ps(b[2 * i], b[2 * i + 1]), _mm512_unpackhi_ps(b[2 * i], b[2 * i + 1]));
+    }
+    return add(_mm512_shuffle_ps(c[0], c[1], 0x44), _mm512_shuffle_ps(c[0], c[1], 0xEE));
+  }
+};
+#else
+struct Lanes {  // AVX2: 8 floats a vector
+  static constexpr int W = 8;
+  using F = __m256;
+  using Mask = __m256;  // (all ones in the lanes it holds)
+  static F zero() { return _mm256_setzero_ps(); }
+  static F set1(float v) { return _mm256_set1_ps(v); }
+  static F load(const float* p) { return _mm256_loadu_ps(p); }
+  static void store(float* p, F v) { _mm256_storeu_ps(p, v); }
+  static F add(F a, F b) { return _mm256_add_ps(a, b); }
+  static F mul(F a, F b) { return _mm256_mul_ps(a, b); }
+  static F sub(F a, F b) { return _mm256_sub_ps(a, b); }
+  static F top(F a, F b) { return _mm256_max_ps(a, b); }
+  static F fma(F a, F b, F c) { return _mm256_fmadd_ps(a, b, c); }
+  static float sum(F v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+  }
+  static float max(F v) {
+    __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_max_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_max_ss(s, _mm_movehdup_ps(s)));
+  }
+  static Mask within(int64_t t0, int64_t lo, int64_t hi) {
+    const __m256i t = _mm256_add_epi32(_mm256_set_epi32(7, 6, 5, 4, 3, 2, 1, 0),
+                                       _mm256_set1_epi32(static_cast<int32_t>(t0)));
+    const __m256i above = _mm256_cmpgt_epi32(t, _mm256_set1_epi32(static_cast<int32_t>(lo - 1)));
+    const __m256i below = _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int32_t>(hi)), t);
+    return _mm256_castsi256_ps(_mm256_and_si256(above, below));
+  }
+  static F keep(Mask m, F v, F other) { return _mm256_blendv_ps(other, v, m); }
+  static void store_first(float* p, F v, int64_t n) {  // (not a masked store: slow on AMD)
+    if (n >= W) return store(p, v);
+    alignas(32) float lanes[W];
+    store(lanes, v);
+    std::memcpy(p, lanes, n * sizeof(float));
+  }
+  static F bf16(const at::BFloat16* p) {
+    const __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
+  }
+  // e^x for x <= 0 (below -87, 2^-126 times e^r: ~1e-38; the callers' hidden lanes are kept 0)
+  static F exp_neg(F x) {
+    x = _mm256_max_ps(x, set1(-87.0f));
+    const F n = _mm256_round_ps(mul(x, set1(kLog2e)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    F r = _mm256_fnmadd_ps(n, set1(kLn2Hi), x);
+    r = _mm256_fnmadd_ps(n, set1(kLn2Lo), r);
+    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return mul(exp_poly<Lanes>(r), _mm256_castsi256_ps(e));
+  }
+  static constexpr int kFold[8] = {0, 4, 1, 5, 2, 6, 3, 7};
+  static F fold(const F (&p)[8]) {
+    F a[4], b[2];
+    for (int i = 0; i < 4; ++i) {  // low half: p[2i]'s halves summed; high half: p[2i + 1]'s
+      a[i] = add(_mm256_permute2f128_ps(p[2 * i], p[2 * i + 1], 0x20),
+                 _mm256_permute2f128_ps(p[2 * i], p[2 * i + 1], 0x31));
+    }
+    for (int i = 0; i < 2; ++i) {
+      b[i] = add(_mm256_unpacklo_ps(a[2 * i], a[2 * i + 1]), _mm256_unpackhi_ps(a[2 * i], a[2 * i + 1]));
+    }
+    return add(_mm256_shuffle_ps(b[0], b[1], 0x44), _mm256_shuffle_ps(b[0], b[1], 0xEE));
+  }
+};
+#endif
 
 // Rows [0, n) of a K or V block as float [n, kD] rows `stride` apart: a float32 cache's own
 // memory, a bfloat16 one converted into buf.
 template <int64_t kD>
-inline const float* block_rows(const float* src, int64_t n, int64_t tok_stride, float*,
-                               int64_t& stride) {
+inline const float* block_rows(const float* src, int64_t, int64_t tok_stride, float*, int64_t& stride) {
   stride = tok_stride;
-  (void)n;
   return src;
 }
 template <int64_t kD>
 inline const float* block_rows(const at::BFloat16* src, int64_t n, int64_t tok_stride, float* buf,
                                int64_t& stride) {
   for (int64_t t = 0; t < n; ++t) {
-    const auto* row = reinterpret_cast<const __m256i*>(src + t * tok_stride);
-    for (int64_t c = 0; c < kD / 16; ++c) {
-      const __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256(row + c));
-      _mm512_storeu_ps(buf + t * kD + 16 * c, _mm512_castsi512_ps(_mm512_slli_epi32(w, 16)));
-    }
+    for (int64_t c = 0; c < kD; c += Lanes::W) Lanes::store(buf + t * kD + c, Lanes::bf16(src + t * tok_stride + c));
   }
   stride = kD;
   return buf;
@@ -276,7 +366,11 @@ inline void prefetch_block(const cache_t* src, int64_t n, int64_t tok_stride, in
 template <int64_t kD, typename scalar_t, typename cache_t>
 void attend_item_v(const Problem& p, const Item& it, const scalar_t* q, const cache_t* cache,
                    float* acc, float* m, float* l) {
-  constexpr int64_t kC = kD / 16;  // vectors a row
+  using L = Lanes;
+  using F = L::F;
+  constexpr int W = L::W;
+  constexpr int64_t kC = kD / W;                    // vectors a row
+  constexpr int64_t kCV = kC < 8 ? kC : 8;          // of them a V pass keeps in registers
   const int64_t BS = p.block_size, G = p.group;
   const int64_t R = (it.q1 - it.q0) * G;
   const int64_t seq_len = p.seq_lens[it.seq];
@@ -304,10 +398,9 @@ void attend_item_v(const Problem& p, const Item& it, const scalar_t* q, const ca
 
   alignas(64) float kbuf[kMaxBlockSize * kD], vbuf[kMaxBlockSize * kD];
   alignas(64) float zeros[kD] = {};
-  alignas(64) float scores[kRowsPerItem * kMaxBlockSize];  // [R, BS]
+  alignas(64) float scores[kRowsPerItem * kMaxBlockSize + W];  // [R, BS] (+ a vector's reach)
   const int64_t last_key = std::min(seq_len, ctx + it.q1);
   const int32_t* table = p.block_tables + it.seq * p.max_blocks;
-  const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
   for (int64_t b = it.b0; b < it.b1; ++b) {
     const int64_t key0 = b * BS;
     const int64_t nk = std::min(BS, last_key - key0);
@@ -316,37 +409,36 @@ void attend_item_v(const Problem& p, const Item& it, const scalar_t* q, const ca
     const cache_t* vblk = kblk + v_offset;
     if (b + 1 < it.b1) {
       const int64_t next_n = std::min(BS, last_key - key0 - BS);
-      const cache_t* knext =
-          cache + (static_cast<int64_t>(table[b + 1]) * BS) * tok_stride + it.head * kD;
+      const cache_t* knext = cache + (static_cast<int64_t>(table[b + 1]) * BS) * tok_stride + it.head * kD;
       prefetch_block(knext, next_n, tok_stride, row_bytes);
       prefetch_block(knext + v_offset, next_n, tok_stride, row_bytes);
     }
     int64_t ks = 0, vs = 0;
     const float* krows = block_rows<kD>(kblk, nk, tok_stride, kbuf, ks);
-    // scores[r][t] = q_r . k_t, 16 keys a pass (keys past nk: a row of zeros)
-    for (int64_t t0 = 0; t0 < nk; t0 += 16) {
-      const float* kp[16];
-      for (int j = 0; j < 16; ++j) {
-        const int64_t t = t0 + kFold[j];
+    // scores[r][t] = q_r . k_t, W keys a pass (keys past nk: a row of zeros)
+    for (int64_t t0 = 0; t0 < nk; t0 += W) {
+      const float* kp[W];
+      for (int j = 0; j < W; ++j) {
+        const int64_t t = t0 + L::kFold[j];
         kp[j] = t < nk ? krows + t * ks : zeros;
       }
-      const __mmask16 keep = static_cast<__mmask16>(nk - t0 >= 16 ? 0xffff : (1u << (nk - t0)) - 1);
       for (int64_t r = 0; r < R; ++r) {
         const float* qr = qrows + r * kD;
-        __m512 part[16];
+        F part[W];
 #pragma GCC unroll 16
-        for (int j = 0; j < 16; ++j) part[j] = _mm512_mul_ps(_mm512_load_ps(qr), _mm512_loadu_ps(kp[j]));
-#pragma GCC unroll 8
+        for (int j = 0; j < W; ++j) part[j] = L::mul(L::load(qr), L::load(kp[j]));
+#pragma GCC unroll 16
         for (int64_t c = 1; c < kC; ++c) {
-          const __m512 qv = _mm512_load_ps(qr + 16 * c);
+          const F qv = L::load(qr + W * c);
 #pragma GCC unroll 16
-          for (int j = 0; j < 16; ++j) part[j] = _mm512_fmadd_ps(qv, _mm512_loadu_ps(kp[j] + 16 * c), part[j]);
+          for (int j = 0; j < W; ++j) part[j] = L::fma(qv, L::load(kp[j] + W * c), part[j]);
         }
-        _mm512_mask_storeu_ps(scores + r * BS + t0, keep, fold16(part));
+        L::store_first(scores + r * BS + t0, L::fold(part), nk - t0);
       }
     }
-    // online softmax per row, 16 keys a vector; probabilities left in scores (0 where hidden)
+    // online softmax per row, W keys a vector; probabilities left in scores (0 where hidden)
     bool any = false;
+    const F hidden = L::set1(kNegInf);
     for (int64_t r = 0; r < R; ++r) {
       float* s = scores + r * BS;
       const int64_t pos = ctx + it.q0 + r / G;
@@ -360,52 +452,47 @@ void attend_item_v(const Problem& p, const Item& it, const scalar_t* q, const ca
       if (p.soft_cap > 0.0f) {
         for (int64_t t = lo; t < hi; ++t) s[t] = p.soft_cap * std::tanh(s[t] / p.soft_cap);
       }
-      __m512 vmax = _mm512_set1_ps(kNegInf);
-      for (int64_t t0 = 0; t0 < nk; t0 += 16) {
-        const __m512i t = _mm512_add_epi32(lane, _mm512_set1_epi32(static_cast<int32_t>(t0)));
-        const __mmask16 seen = _mm512_cmpge_epi32_mask(t, _mm512_set1_epi32(static_cast<int32_t>(lo))) &
-                               _mm512_cmplt_epi32_mask(t, _mm512_set1_epi32(static_cast<int32_t>(hi)));
-        vmax = _mm512_mask_max_ps(vmax, seen, vmax, _mm512_maskz_loadu_ps(seen, s + t0));
+      // (a vector may reach past the row's nk keys: those lanes are hidden, never stored)
+      F top = hidden;
+      for (int64_t t0 = 0; t0 < nk; t0 += W) {
+        top = L::top(top, L::keep(L::within(t0, lo, hi), L::load(s + t0), hidden));
       }
-      const float m_new = std::max(m[r], _mm512_reduce_max_ps(vmax));
+      const float m_new = std::max(m[r], L::max(top));
       const float alpha = std::exp(m[r] - m_new);  // 0 when m[r] is -inf
-      const __m512 mv = _mm512_set1_ps(m_new);
-      __m512 vsum = _mm512_setzero_ps();
-      for (int64_t t0 = 0; t0 < nk; t0 += 16) {
-        const __m512i t = _mm512_add_epi32(lane, _mm512_set1_epi32(static_cast<int32_t>(t0)));
-        const __mmask16 seen = _mm512_cmpge_epi32_mask(t, _mm512_set1_epi32(static_cast<int32_t>(lo))) &
-                               _mm512_cmplt_epi32_mask(t, _mm512_set1_epi32(static_cast<int32_t>(hi)));
-        const __mmask16 in = _mm512_cmplt_epi32_mask(t, _mm512_set1_epi32(static_cast<int32_t>(nk)));
-        const __m512 e = _mm512_maskz_mov_ps(
-            seen, exp_neg(_mm512_sub_ps(_mm512_maskz_loadu_ps(seen, s + t0), mv)));
-        _mm512_mask_storeu_ps(s + t0, in, e);
-        vsum = _mm512_add_ps(vsum, e);
+      const F mv = L::set1(m_new);
+      F total = L::zero();
+      for (int64_t t0 = 0; t0 < nk; t0 += W) {
+        const F x = L::keep(L::within(t0, lo, hi), L::load(s + t0), hidden);
+        const F e = L::keep(L::within(t0, lo, hi), L::exp_neg(L::sub(x, mv)), L::zero());
+        L::store_first(s + t0, e, nk - t0);
+        total = L::add(total, e);
       }
-      l[r] = l[r] * alpha + _mm512_reduce_add_ps(vsum);
+      l[r] = l[r] * alpha + L::sum(total);
       m[r] = m_new;
       if (alpha != 1.0f) {
-        const __m512 av = _mm512_set1_ps(alpha);
         float* a = acc + r * kD;
-        for (int64_t c = 0; c < kC; ++c) _mm512_storeu_ps(a + 16 * c, _mm512_mul_ps(av, _mm512_loadu_ps(a + 16 * c)));
+        for (int64_t c = 0; c < kC; ++c) L::store(a + W * c, L::mul(L::set1(alpha), L::load(a + W * c)));
       }
     }
     if (!any) continue;
-    // acc[r] += p[r][t] v_t, the row's accumulator in registers over the block
+    // acc[r] += p[r][t] v_t, kCV vectors of the row's accumulator in registers over the block
     const float* vrows = block_rows<kD>(vblk, nk, tok_stride, vbuf, vs);
     for (int64_t r = 0; r < R; ++r) {
-      float* a = acc + r * kD;
       const float* pr = scores + r * BS;
-      __m512 av[kC];
-#pragma GCC unroll 8
-      for (int64_t c = 0; c < kC; ++c) av[c] = _mm512_loadu_ps(a + 16 * c);
-      for (int64_t t = 0; t < nk; ++t) {
-        const __m512 pt = _mm512_set1_ps(pr[t]);
-        const float* v = vrows + t * vs;
-#pragma GCC unroll 8
-        for (int64_t c = 0; c < kC; ++c) av[c] = _mm512_fmadd_ps(pt, _mm512_loadu_ps(v + 16 * c), av[c]);
+      for (int64_t c0 = 0; c0 < kC; c0 += kCV) {
+        float* a = acc + r * kD + W * c0;
+        F av[kCV];
+#pragma GCC unroll 16
+        for (int64_t c = 0; c < kCV; ++c) av[c] = L::load(a + W * c);
+        for (int64_t t = 0; t < nk; ++t) {
+          const F pt = L::set1(pr[t]);
+          const float* v = vrows + t * vs + W * c0;
+#pragma GCC unroll 16
+          for (int64_t c = 0; c < kCV; ++c) av[c] = L::fma(pt, L::load(v + W * c), av[c]);
+        }
+#pragma GCC unroll 16
+        for (int64_t c = 0; c < kCV; ++c) L::store(a + W * c, av[c]);
       }
-#pragma GCC unroll 8
-      for (int64_t c = 0; c < kC; ++c) _mm512_storeu_ps(a + 16 * c, av[c]);
     }
   }
 }
@@ -414,7 +501,7 @@ void attend_item_v(const Problem& p, const Item& it, const scalar_t* q, const ca
 template <typename scalar_t, typename cache_t>
 void attend_any(const Problem& p, const Item& it, const scalar_t* q, const cache_t* cache,
                 float* acc, float* m, float* l) {
-#if defined(__AVX512F__)
+#if defined(__AVX2__) && defined(__FMA__)
   if constexpr (!std::is_same_v<cache_t, uint8_t>) {
     if (p.head_dim == 64) return attend_item_v<64>(p, it, q, cache, acc, m, l);
     if (p.head_dim == 128) return attend_item_v<128>(p, it, q, cache, acc, m, l);
