@@ -12,6 +12,7 @@
 #include <tuple>
 #include <type_traits>
 #include <utility>
+#include <vector>
 
 namespace deja_cpu {
 
@@ -150,5 +151,59 @@ void paged_attention(at::Tensor out, at::Tensor q, at::Tensor kv_cache, at::Tens
                      at::Tensor query_start_loc, at::Tensor seq_lens, at::Tensor seq_index,
                      double scale, int64_t window, double soft_cap, double k_scale,
                      double v_scale);
+
+constexpr int64_t kSumGroup = 32;  // (the kept weights' group of inputs)
+
+// x's rows as float32 (a copy unless x is contiguous float32) and, with `sums`, each group of
+// kSumGroup's sum of them; a few small rows a call: plain loops, no torch op (each costs
+// microseconds).
+struct FloatRows {
+  std::vector<float> copy, sums;
+  at::Tensor converted;  // (many rows: torch's conversion, whose dispatch they pay for)
+  const float* x = nullptr;
+};
+
+inline FloatRows float_rows(const at::Tensor& x, int64_t K, bool sums) {
+  TORCH_CHECK(x.dim() == 2 && x.size(1) == K, "x must be [M, ", K, "], got ", x.sizes());
+  FloatRows r;
+  const int64_t M = x.size(0);
+  if (x.scalar_type() == at::kFloat && x.is_contiguous()) {
+    r.x = x.data_ptr<float>();
+  } else if (M * K > 16384) {
+    r.converted = x.to(at::kFloat).contiguous();
+    r.x = r.converted.data_ptr<float>();
+  } else {
+    const at::Tensor xc = x.contiguous();
+    r.copy.resize(M * K);
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "float_rows", [&] {
+      const scalar_t* src = xc.data_ptr<scalar_t>();
+      for (int64_t i = 0; i < M * K; ++i) r.copy[i] = static_cast<float>(src[i]);
+    });
+    r.x = r.copy.data();
+  }
+  if (sums) {
+    r.sums.resize(M * (K / kSumGroup));
+    for (int64_t g = 0; g < M * (K / kSumGroup); ++g) {
+      float t = 0.f;
+      for (int64_t j = 0; j < kSumGroup; ++j) t += r.x[g * kSumGroup + j];
+      r.sums[g] = t;
+    }
+  }
+  return r;
+}
+
+// out [M, N] in x's dtype from the float32 product written to `y`.
+inline at::Tensor finish(const at::Tensor& x, at::Tensor out, std::vector<float>& y) {
+  if (x.scalar_type() == at::kFloat) return out;
+  if (y.size() > 4096) {  // many values: torch's vectorized conversion pays for its dispatch
+    out.copy_(at::from_blob(y.data(), out.sizes(), at::TensorOptions().dtype(at::kFloat)));
+    return out;
+  }
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "finish", [&] {
+    scalar_t* o = out.data_ptr<scalar_t>();
+    for (size_t i = 0; i < y.size(); ++i) o[i] = static_cast<scalar_t>(y[i]);
+  });
+  return out;
+}
 
 }  // namespace deja_cpu

@@ -238,58 +238,11 @@ void check_scales(const at::Tensor& scale, const at::Tensor* zero, int64_t N, in
   TORCH_CHECK(scale.scalar_type() == zero->scalar_type(), "scale and zero dtypes differ");
 }
 
-// x's rows as float32 (a copy unless x is contiguous float32) and, with `sums`, each group's sum
-// of them; a few small rows a call: plain loops, no torch op (each costs microseconds).
-struct FloatRows {
-  std::vector<float> copy, sums;
-  const float* x = nullptr;
-};
-
-FloatRows float_rows(const at::Tensor& x, int64_t K, bool sums) {
-  TORCH_CHECK(x.dim() == 2 && x.size(1) == K, "x must be [M, ", K, "], got ", x.sizes());
-  FloatRows r;
-  const int64_t M = x.size(0);
-  if (x.scalar_type() == at::kFloat && x.is_contiguous()) {
-    r.x = x.data_ptr<float>();
-  } else {
-    const at::Tensor xc = x.contiguous();
-    r.copy.resize(M * K);
-    AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "float_rows", [&] {
-      const scalar_t* src = xc.data_ptr<scalar_t>();
-      for (int64_t i = 0; i < M * K; ++i) r.copy[i] = static_cast<float>(src[i]);
-    });
-    r.x = r.copy.data();
-  }
-  if (sums) {
-    r.sums.resize(M * (K / kGroup));
-    for (int64_t g = 0; g < M * (K / kGroup); ++g) {
-      float t = 0.f;
-      for (int64_t j = 0; j < kGroup; ++j) t += r.x[g * kGroup + j];
-      r.sums[g] = t;
-    }
-  }
-  return r;
-}
-
-// out [M, N] in x's dtype from the float32 product written to `y`.
-at::Tensor finish(const at::Tensor& x, at::Tensor out, std::vector<float>& y) {
-  if (x.scalar_type() == at::kFloat) return out;
-  if (y.size() > 4096) {  // many values: torch's vectorized conversion pays for its dispatch
-    out.copy_(at::from_blob(y.data(), out.sizes(), at::TensorOptions().dtype(at::kFloat)));
-    return out;
-  }
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "finish", [&] {
-    scalar_t* o = out.data_ptr<scalar_t>();
-    for (size_t i = 0; i < y.size(); ++i) o[i] = static_cast<scalar_t>(y[i]);
-  });
-  return out;
-}
-
 template <bool kQ4>
 at::Tensor linear(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& scale,
                   const at::Tensor* zero) {
   const auto [N, K] = deja_cpu::check_weight(qs, kQ4, scale, zero);
-  const FloatRows rows = float_rows(x, K, kQ4);
+  const deja_cpu::FloatRows rows = deja_cpu::float_rows(x, K, kQ4);
   const int64_t M = x.size(0);
   at::Tensor out = at::empty({M, N}, x.options());
   std::vector<float> y(x.scalar_type() == at::kFloat ? 0 : M * N);
@@ -303,7 +256,7 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& s
       product<false, 1>(rows.x, nullptr, M, K, qs.data_ptr(), s, z, dst, N);
     }
   });
-  return finish(x, out, y);
+  return deja_cpu::finish(x, out, y);
 }
 
 }  // namespace

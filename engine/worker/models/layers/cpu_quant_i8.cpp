@@ -92,9 +92,8 @@ inline float quantize_group(const float* v, int8_t* q, float& sum, int32_t& c) {
 }
 
 Int8Rows quantize_rows(const at::Tensor& x, int64_t K) {
-  TORCH_CHECK(x.dim() == 2 && x.size(1) == K, "x must be [M, ", K, "], got ", x.sizes());
-  const at::Tensor xf = x.to(at::kFloat).contiguous();
-  const float* src = xf.data_ptr<float>();
+  const deja_cpu::FloatRows xf = deja_cpu::float_rows(x, K, false);
+  const float* src = xf.x;
   const int64_t M = x.size(0), groups = M * (K / kGroup);
   Int8Rows r;
   r.q.resize(M * K);
@@ -662,8 +661,9 @@ at::Tensor linear_i8(const at::Tensor& x, const at::Tensor& qs, const at::Tensor
   const auto [N, K] = deja_cpu::check_weight(qs, kQ4, scale, zero);
   const Int8Rows rows = quantize_rows(x, K);
   const int64_t M = x.size(0);
-  at::Tensor out = at::empty({M, N}, x.options().dtype(at::kFloat));
-  float* dst = out.data_ptr<float>();
+  at::Tensor out = at::empty({M, N}, x.options());
+  std::vector<float> y(x.scalar_type() == at::kFloat ? 0 : M * N);
+  float* dst = y.empty() ? out.data_ptr<float>() : y.data();
   if (scale.scalar_type() == at::kHalf) {
     product_i8<kQ4, c10::Half>(rows, M, K, qs.data_ptr(), scale.data_ptr<c10::Half>(),
                                zero == nullptr ? nullptr : zero->data_ptr<c10::Half>(), dst, N);
@@ -671,7 +671,7 @@ at::Tensor linear_i8(const at::Tensor& x, const at::Tensor& qs, const at::Tensor
     product_i8<kQ4, float>(rows, M, K, qs.data_ptr(), scale.data_ptr<float>(),
                            zero == nullptr ? nullptr : zero->data_ptr<float>(), dst, N);
   }
-  return x.scalar_type() == at::kFloat ? out : out.to(x.scalar_type());
+  return deja_cpu::finish(x, out, y);
 }
 
 }  // namespace
