@@ -43,11 +43,23 @@ constexpr int64_t kGroup = 32;
 constexpr int kMaxRows = 8;  // rows of x a pass over the weight serves
 
 // x's rows quantized: xq int8 [M, K], per group dx, dx sum(xq + c) and c [M, K / 32].
+// The few-row product reads Int8Rows::c2: 4-bit groups on AVX2 without VNNI (group_dot).
+#if defined(__AVX2__) && !(defined(__AVX512VNNI__) && defined(__AVX512VL__))
+constexpr bool kReadsC2 = true;
+#else
+constexpr bool kReadsC2 = false;
+#endif
+#if defined(__AVX2__)
+constexpr bool kReadsDd = true;  // (rows_i8's AVX2 path; the scalar one multiplies d dx as it goes)
+#else
+constexpr bool kReadsDd = false;
+#endif
+
 struct Int8Rows {
   std::vector<int8_t> q;
   std::vector<float> d, sum;
   std::vector<int32_t> c;
-  std::vector<int32_t> c2;  // c in both int16 halves
+  std::vector<int32_t> c2;  // c in both int16 halves (where kReadsC2, else empty)
 };
 
 // One group of 32: x = dx (q + c) with q = round(v / dx) - c (to nearest even, clamped to
@@ -100,12 +112,14 @@ Int8Rows quantize_rows(const at::Tensor& x, int64_t K) {
   r.d.resize(groups);
   r.sum.resize(groups);
   r.c.resize(groups);
-  r.c2.resize(groups);
+  r.c2.resize(kReadsC2 ? groups : 0);
   // (a prefill's rows are worth a second thread; a decode step's few are not)
   at::parallel_for(0, groups, 2048, [&](int64_t g0, int64_t g1) {
     for (int64_t g = g0; g < g1; ++g) {
       r.d[g] = quantize_group(src + g * kGroup, r.q.data() + g * kGroup, r.sum[g], r.c[g]);
-      r.c2[g] = static_cast<int32_t>((static_cast<uint32_t>(r.c[g]) & 0xffffu) * 0x10001u);
+      if constexpr (kReadsC2) {
+        r.c2[g] = static_cast<int32_t>((static_cast<uint32_t>(r.c[g]) & 0xffffu) * 0x10001u);
+      }
     }
   });
   return r;
@@ -229,7 +243,8 @@ void rows_i8(const int8_t* xq, const float* xd, const float* xsum, const int32_t
              const void* qs, const sc_t* scale, const sc_t* zero, float* out, int64_t ldo,
              int64_t n0, int64_t n1) {
   const int64_t groups = K / kGroup;
-  std::vector<float> dm(2 * groups), dd(kRows * groups);
+  // a row's d and m; on AVX2 also dd = d dx a group and row
+  std::vector<float> dm(2 * groups), dd(kReadsDd ? kRows * groups : 0);
   float* const d = dm.data();
   float* const m = d + groups;
   for (int64_t n = n0; n < n1; ++n) {
@@ -325,9 +340,6 @@ void rows_i8(const int8_t* xq, const float* xd, const float* xsum, const int32_t
     }
 #else
     row_scales<kQ4>(scale + n * groups, kQ4 ? zero + n * groups : nullptr, groups, d, m);
-    for (int r = 0; r < kRows; ++r) {
-      for (int64_t g = 0; g < groups; ++g) dd[r * groups + g] = d[g] * xd[r * groups + g];
-    }
     for (int64_t g = 0; g < groups; ++g) {
       for (int r = 0; r < kRows; ++r) {
         const int64_t at_g = r * groups + g;
@@ -639,14 +651,13 @@ void product_i8(const Int8Rows& x, int64_t M, int64_t K, const void* qs, const s
       const float* xd = x.d.data() + m * groups;
       const float* xs = x.sum.data() + m * groups;
       const int32_t* xc = x.c.data() + m * groups;
-      const int32_t* xc2 = x.c2.data() + m * groups;
       float* om = out + m * N;
       deja_cpu::with_rows<kMaxRows>(M - m, [&](auto rows) {
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
-        (void)xc2;
         rows_i8_pairs<decltype(rows)::value, kQ4, sc_t>(xq, xd, xs, xc, K, qs, scale, zero, om, N,
                                                         n0, n1);
 #else
+        const int32_t* xc2 = kReadsC2 ? x.c2.data() + m * groups : nullptr;
         rows_i8<decltype(rows)::value, kQ4, sc_t>(xq, xd, xs, xc, xc2, K, qs, scale, zero, om, N, n0,
                                                   n1);
 #endif
