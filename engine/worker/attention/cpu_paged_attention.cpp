@@ -91,49 +91,117 @@ struct Problem {
   const int32_t* seq_lens;
 };
 
+// An item's geometry: its rows (queries x G), its sequence's context and where its key blocks
+// are. Rows r = (query j - q0) * G + g.
+struct Span {
+  int64_t G, R, qstart, ctx, last_key;  // keys [.., last_key) can be visible
+  int64_t tok_stride, v_offset;         // a token's stride in a block of one head; V's offset
+  const int32_t* table;
+  Span(const Problem& p, const Item& it, int64_t D)
+      : G(p.group),
+        R((it.q1 - it.q0) * p.group),
+        qstart(p.qsl[it.seq]),
+        ctx(p.seq_lens[it.seq] - (p.qsl[it.seq + 1] - p.qsl[it.seq])),
+        last_key(std::min<int64_t>(p.seq_lens[it.seq], ctx + it.q1)),
+        tok_stride(p.num_kv_heads * D),
+        v_offset(p.num_blocks_cache * p.block_size * tok_stride),
+        table(p.block_tables + it.seq * p.max_blocks) {}
+  // block b's keys the item may see (<= 0: past its last)
+  int64_t keys(const Problem& p, int64_t b) const {
+    return std::min(p.block_size, last_key - b * p.block_size);
+  }
+  // block b's K row of the item's head for its first key (V: + v_offset)
+  template <typename cache_t>
+  const cache_t* k_rows(const Problem& p, const Item& it, const cache_t* cache, int64_t b,
+                        int64_t D) const {
+    return cache + (static_cast<int64_t>(table[b]) * p.block_size) * tok_stride + it.head * D;
+  }
+  // Row r's visible keys [lo, hi) of the nk keys from key0, their scores s soft-capped; false
+  // (s all 0) where it sees none of them.
+  bool row_keys(const Problem& p, const Item& it, int64_t r, int64_t key0, int64_t nk, float* s,
+                int64_t& lo, int64_t& hi) const {
+    const int64_t pos = ctx + it.q0 + r / G;
+    hi = std::min(nk, pos - key0 + 1);
+    lo = p.window > 0 ? std::max<int64_t>(0, pos - p.window + 1 - key0) : 0;
+    if (hi <= lo) {
+      std::fill(s, s + nk, 0.0f);
+      return false;
+    }
+    if (p.soft_cap > 0.0f) {
+      for (int64_t t = lo; t < hi; ++t) s[t] = p.soft_cap * std::tanh(s[t] / p.soft_cap);
+    }
+    return true;
+  }
+};
+
+// The item's R query rows into qrows [R, D] as float, times scale * k_scale (the true scores);
+// acc, m and l reset.
+template <typename scalar_t>
+void start_item(const Problem& p, const Item& it, const Span& sp, const scalar_t* q, int64_t D,
+                float* qrows, float* acc, float* m, float* l) {
+  const float qmul = p.scale * p.k_scale;
+  for (int64_t j = it.q0; j < it.q1; ++j) {
+    for (int64_t g = 0; g < sp.G; ++g) {
+      const scalar_t* src = q + (sp.qstart + j) * p.q_stride_t + (it.head * sp.G + g) * p.q_stride_h;
+      float* dst = qrows + ((j - it.q0) * sp.G + g) * D;
+      load_row(src, dst, D, nullptr);
+      for (int64_t d = 0; d < D; ++d) dst[d] *= qmul;
+    }
+  }
+  for (int64_t r = 0; r < sp.R; ++r) {
+    m[r] = kNegInf;
+    l[r] = 0.0f;
+  }
+  std::fill(acc, acc + sp.R * D, 0.0f);
+}
+
+// Online softmax of a block's scores [R, BS] for every row: row_max(s, lo, hi) gives the max of
+// a row's visible scores, row_exp(s, lo, hi, m_new) writes e^(s - m_new) over the row's nk keys (0
+// where hidden) and returns their sum; m, l and the row's acc are brought up to date. Returns
+// whether any row sees a key of the block.
+template <typename MaxFn, typename ExpFn>
+bool softmax_block(const Problem& p, const Item& it, const Span& sp, int64_t key0, int64_t nk,
+                   float* scores, int64_t D, float* acc, float* m, float* l, MaxFn row_max,
+                   ExpFn row_exp) {
+  bool any = false;
+  for (int64_t r = 0; r < sp.R; ++r) {
+    float* s = scores + r * p.block_size;
+    int64_t lo, hi;
+    if (!sp.row_keys(p, it, r, key0, nk, s, lo, hi)) continue;
+    any = true;
+    const float m_new = std::max(m[r], row_max(s, lo, hi));
+    const float alpha = std::exp(m[r] - m_new);  // 0 when m[r] is -inf
+    l[r] = l[r] * alpha + row_exp(s, lo, hi, m_new);
+    m[r] = m_new;
+    if (alpha != 1.0f) {
+      float* a = acc + r * D;
+#pragma omp simd
+      for (int64_t d = 0; d < D; ++d) a[d] *= alpha;
+    }
+  }
+  return any;
+}
+
 // Attends one item's rows over its key blocks; leaves unnormalised acc, running max m, sum l.
 // kD: the head dim as a compile-time constant (64, 128), or 0 for any (p.head_dim).
 template <int64_t kD, typename scalar_t, typename cache_t>
 void attend_item(const Problem& p, const Item& it, const scalar_t* q, const cache_t* cache,
                  float* acc, float* m, float* l) {
   const int64_t D = kD > 0 ? kD : p.head_dim;
-  const int64_t BS = p.block_size, G = p.group;
-  const int64_t R = (it.q1 - it.q0) * G;
-  const int64_t seq_len = p.seq_lens[it.seq];
-  const int64_t qstart = p.qsl[it.seq];
-  const int64_t ctx = seq_len - (p.qsl[it.seq + 1] - qstart);
+  const int64_t BS = p.block_size;
+  const Span sp(p, it, D);
+  const int64_t R = sp.R, tok_stride = sp.tok_stride;
   const float* lut = fp8_table().value;
-  // token stride inside one block of one head, and the V half's offset
-  const int64_t tok_stride = p.num_kv_heads * D;
-  const int64_t v_offset = p.num_blocks_cache * BS * tok_stride;
-
   alignas(64) float qrows[kRowsPerItem * kMaxHeadDim];  // [R, D], R <= kRowsPerItem
-  // rows r = (query j - q0) * G + g; q pre-multiplied by scale * k_scale (the true scores)
-  const float qmul = p.scale * p.k_scale;
-  for (int64_t j = it.q0; j < it.q1; ++j) {
-    for (int64_t g = 0; g < G; ++g) {
-      const scalar_t* src = q + (qstart + j) * p.q_stride_t + (it.head * G + g) * p.q_stride_h;
-      float* dst = qrows + ((j - it.q0) * G + g) * D;
-      load_row(src, dst, D, lut);
-      for (int64_t d = 0; d < D; ++d) dst[d] *= qmul;
-    }
-  }
-  for (int64_t r = 0; r < R; ++r) {
-    m[r] = kNegInf;
-    l[r] = 0.0f;
-  }
-  std::fill(acc, acc + R * D, 0.0f);
+  start_item(p, it, sp, q, D, qrows, acc, m, l);
 
   alignas(64) float row[kMaxHeadDim];
   alignas(64) float scores[kRowsPerItem * kMaxBlockSize];  // [R, BS]
-  const int64_t last_key = std::min(seq_len, ctx + it.q1);  // keys [.., last_key) can be visible
-  const int32_t* table = p.block_tables + it.seq * p.max_blocks;
   for (int64_t b = it.b0; b < it.b1; ++b) {
-    const int64_t key0 = b * BS;
-    const int64_t nk = std::min(BS, last_key - key0);
+    const int64_t key0 = b * BS, nk = sp.keys(p, b);
     if (nk <= 0) break;
-    const cache_t* kblk = cache + (static_cast<int64_t>(table[b]) * BS) * tok_stride + it.head * D;
-    const cache_t* vblk = kblk + v_offset;
+    const cache_t* kblk = sp.k_rows(p, it, cache, b, D);
+    const cache_t* vblk = kblk + sp.v_offset;
     // scores[r][t] = q_r . k_t: each K row is converted once and dotted with every row
     for (int64_t t = 0; t < nk; ++t) {
       load_row(kblk + t * tok_stride, row, D, lut);
@@ -146,38 +214,22 @@ void attend_item(const Problem& p, const Item& it, const scalar_t* q, const cach
       }
     }
     // online softmax per row; probabilities left in scores, 0 outside the row's visible keys
-    bool any = false;
-    for (int64_t r = 0; r < R; ++r) {
-      float* s = scores + r * BS;
-      const int64_t pos = ctx + it.q0 + r / G;
-      const int64_t hi = std::min(nk, pos - key0 + 1);  // visible keys of the row: [lo, hi)
-      const int64_t lo = p.window > 0 ? std::max<int64_t>(0, pos - p.window + 1 - key0) : 0;
-      if (hi <= lo) {
-        std::fill(s, s + nk, 0.0f);
-        continue;
-      }
-      any = true;
-      float mx = kNegInf;
-      for (int64_t t = lo; t < hi; ++t) {
-        if (p.soft_cap > 0.0f) s[t] = p.soft_cap * std::tanh(s[t] / p.soft_cap);
-        mx = std::max(mx, s[t]);
-      }
-      const float m_new = std::max(m[r], mx);
-      const float alpha = std::exp(m[r] - m_new);  // 0 when m[r] is -inf
-      float sum = 0.0f;
-      for (int64_t t = 0; t < nk; ++t) {
-        const float e = (t >= lo && t < hi) ? std::exp(s[t] - m_new) : 0.0f;
-        s[t] = e;
-        sum += e;
-      }
-      l[r] = l[r] * alpha + sum;
-      m[r] = m_new;
-      if (alpha != 1.0f) {
-        float* a = acc + r * D;
-#pragma omp simd
-        for (int64_t d = 0; d < D; ++d) a[d] *= alpha;
-      }
-    }
+    const bool any = softmax_block(
+        p, it, sp, key0, nk, scores, D, acc, m, l,
+        [](const float* s, int64_t lo, int64_t hi) {
+          float mx = kNegInf;
+          for (int64_t t = lo; t < hi; ++t) mx = std::max(mx, s[t]);
+          return mx;
+        },
+        [nk](float* s, int64_t lo, int64_t hi, float m_new) {
+          float sum = 0.0f;
+          for (int64_t t = 0; t < nk; ++t) {
+            const float e = (t >= lo && t < hi) ? std::exp(s[t] - m_new) : 0.0f;
+            s[t] = e;
+            sum += e;
+          }
+          return sum;
+        });
     if (!any) continue;
     // acc[r] += p[r][t] * v_t: each V row is converted once and added to every row
     for (int64_t t = 0; t < nk; ++t) {
@@ -213,47 +265,117 @@ inline typename L::F exp_poly(typename L::F r) {
 constexpr float kLog2e = 1.44269504088896341f;
 constexpr float kLn2Hi = 0.693359375f, kLn2Lo = -2.12194440e-4f;  // ln 2 in two parts
 
+// The vector lanes attend_item_v runs on: AVX-512 (16 floats a vector) or AVX2 (8); an op whose
+// intrinsics differ only in their prefix is written once (DEJA_PS).
 #if defined(__AVX512F__)
-struct Lanes {  // AVX-512: 16 floats a vector
+#define DEJA_PS(op) _mm512_##op##_ps
+#else
+#define DEJA_PS(op) _mm256_##op##_ps
+#endif
+struct Lanes {
+#if defined(__AVX512F__)
   static constexpr int W = 16;
   using F = __m512;
   using Mask = __mmask16;
-  static F zero() { return _mm512_setzero_ps(); }
-  static F set1(float v) { return _mm512_set1_ps(v); }
-  static F load(const float* p) { return _mm512_loadu_ps(p); }
-  static void store(float* p, F v) { _mm512_storeu_ps(p, v); }
-  static F add(F a, F b) { return _mm512_add_ps(a, b); }
-  static F mul(F a, F b) { return _mm512_mul_ps(a, b); }
-  static F sub(F a, F b) { return _mm512_sub_ps(a, b); }
-  static F top(F a, F b) { return _mm512_max_ps(a, b); }
-  static F fma(F a, F b, F c) { return _mm512_fmadd_ps(a, b, c); }
-  static float sum(F v) { return _mm512_reduce_add_ps(v); }
-  static float max(F v) { return _mm512_reduce_max_ps(v); }
+#else
+  static constexpr int W = 8;
+  using F = __m256;
+  using Mask = __m256;  // (all ones in the lanes it holds)
+#endif
+  static F zero() { return DEJA_PS(setzero)(); }
+  static F set1(float v) { return DEJA_PS(set1)(v); }
+  static F load(const float* p) { return DEJA_PS(loadu)(p); }
+  static void store(float* p, F v) { DEJA_PS(storeu)(p, v); }
+  static F add(F a, F b) { return DEJA_PS(add)(a, b); }
+  static F sub(F a, F b) { return DEJA_PS(sub)(a, b); }
+  static F mul(F a, F b) { return DEJA_PS(mul)(a, b); }
+  static F top(F a, F b) { return DEJA_PS(max)(a, b); }
+  static F fma(F a, F b, F c) { return DEJA_PS(fmadd)(a, b, c); }
+  static F fnma(F a, F b, F c) { return DEJA_PS(fnmadd)(a, b, c); }  // c - a b
+  // v's lanes combined by `both` (4 lanes with 4)
+  template <typename Op>
+  static float fold_lanes(F v, Op both) {
+#if defined(__AVX512F__)
+    __m128 s = both(both(_mm512_castps512_ps128(v), _mm512_extractf32x4_ps(v, 1)),
+                    both(_mm512_extractf32x4_ps(v, 2), _mm512_extractf32x4_ps(v, 3)));
+#else
+    __m128 s = both(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+#endif
+    s = both(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(both(s, _mm_movehdup_ps(s)));
+  }
+  static float sum(F v) { return fold_lanes(v, [](__m128 a, __m128 b) { return _mm_add_ps(a, b); }); }
+  static float max(F v) { return fold_lanes(v, [](__m128 a, __m128 b) { return _mm_max_ps(a, b); }); }
   // lanes i with lo <= t0 + i < hi
   static Mask within(int64_t t0, int64_t lo, int64_t hi) {
+    const auto at = [](int64_t v) { return static_cast<int32_t>(v); };
+#if defined(__AVX512F__)
     const __m512i t = _mm512_add_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
-                                       _mm512_set1_epi32(static_cast<int32_t>(t0)));
-    return _mm512_cmpge_epi32_mask(t, _mm512_set1_epi32(static_cast<int32_t>(lo))) &
-           _mm512_cmplt_epi32_mask(t, _mm512_set1_epi32(static_cast<int32_t>(hi)));
+                                       _mm512_set1_epi32(at(t0)));
+    return _mm512_cmpge_epi32_mask(t, _mm512_set1_epi32(at(lo))) &
+           _mm512_cmplt_epi32_mask(t, _mm512_set1_epi32(at(hi)));
+#else
+    const __m256i t = _mm256_add_epi32(_mm256_set_epi32(7, 6, 5, 4, 3, 2, 1, 0), _mm256_set1_epi32(at(t0)));
+    const __m256i above = _mm256_cmpgt_epi32(t, _mm256_set1_epi32(at(lo - 1)));
+    const __m256i below = _mm256_cmpgt_epi32(_mm256_set1_epi32(at(hi)), t);
+    return _mm256_castsi256_ps(_mm256_and_si256(above, below));
+#endif
   }
-  static F keep(Mask m, F v, F other) { return _mm512_mask_mov_ps(other, m, v); }  // v where m
-  static void store_first(float* p, F v, int64_t n) {  // lanes [0, n)
+  // v where m holds, else other
+  static F keep(Mask m, F v, F other) {
+#if defined(__AVX512F__)
+    return _mm512_mask_mov_ps(other, m, v);
+#else
+    return _mm256_blendv_ps(other, v, m);
+#endif
+  }
+  // lanes [0, n) to p
+  static void store_first(float* p, F v, int64_t n) {
+#if defined(__AVX512F__)
     _mm512_mask_storeu_ps(p, static_cast<Mask>(n >= W ? 0xffff : (1u << n) - 1), v);
+#else
+    if (n >= W) return store(p, v);
+    alignas(32) float lanes[W];  // (not a masked store: slow on AMD)
+    store(lanes, v);
+    std::memcpy(p, lanes, n * sizeof(float));
+#endif
   }
+  // W bfloat16 as float
   static F bf16(const at::BFloat16* p) {
+#if defined(__AVX512F__)
     const __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
     return _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
+#else
+    const __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
+#endif
   }
-  // e^x for x <= 0 (-inf, or anything below ~-104, gives 0 or a denormal)
+  // e^x for x <= 0: 2^n e^r with n = round(x log2 e), r = x - n ln 2 (exp_poly). Below the
+  // floor, 0 or a denormal (AVX-512: scalef), or 2^-126 e^r, ~1e-38 (AVX2, the exponent's bits):
+  // the callers' hidden lanes are set to 0 after.
   static F exp_neg(F x) {
-    x = _mm512_max_ps(x, set1(-104.0f));
+#if defined(__AVX512F__)
+    constexpr float kFloor = -104.0f;
+#else
+    constexpr float kFloor = -87.0f;
+#endif
+    x = top(x, set1(kFloor));
+#if defined(__AVX512F__)
     const F n = _mm512_roundscale_ps(mul(x, set1(kLog2e)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    F r = _mm512_fnmadd_ps(n, set1(kLn2Hi), x);
-    r = _mm512_fnmadd_ps(n, set1(kLn2Lo), r);
+#else
+    const F n = _mm256_round_ps(mul(x, set1(kLog2e)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+#endif
+    const F r = fnma(n, set1(kLn2Lo), fnma(n, set1(kLn2Hi), x));
+#if defined(__AVX512F__)
     return _mm512_scalef_ps(exp_poly<Lanes>(r), n);
+#else
+    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return mul(exp_poly<Lanes>(r), _mm256_castsi256_ps(e));
+#endif
   }
   // W vectors of partial sums -> one vector of their W totals: lane i holds the total of the p[j]
   // with kFold[j] == i (a caller that puts key kFold[j] in p[j] gets key i's score in lane i).
+#if defined(__AVX512F__)
   static constexpr int kFold[16] = {0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15};
   static F fold(const F (&p)[16]) {
     F a[8], b[4], c[2];
@@ -265,63 +387,10 @@ struct Lanes {  // AVX-512: 16 floats a vector
       b[i] = add(_mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0x88),
                  _mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0xDD));
     }
-    for (int i = 0; i < 2; ++i) {
-      c[i] = add(_mm512_unpacklo_ps(b[2 * i], b[2 * i + 1]), _mm512_unpackhi_ps(b[2 * i], b[2 * i + 1]));
-    }
+    for (int i = 0; i < 2; ++i) c[i] = add(_mm512_unpacklo_ps(b[2 * i], b[2 * i + 1]), _mm512_unpackhi_ps(b[2 * i], b[2 * i + 1]));
     return add(_mm512_shuffle_ps(c[0], c[1], 0x44), _mm512_shuffle_ps(c[0], c[1], 0xEE));
   }
-};
 #else
-struct Lanes {  // AVX2: 8 floats a vector
-  static constexpr int W = 8;
-  using F = __m256;
-  using Mask = __m256;  // (all ones in the lanes it holds)
-  static F zero() { return _mm256_setzero_ps(); }
-  static F set1(float v) { return _mm256_set1_ps(v); }
-  static F load(const float* p) { return _mm256_loadu_ps(p); }
-  static void store(float* p, F v) { _mm256_storeu_ps(p, v); }
-  static F add(F a, F b) { return _mm256_add_ps(a, b); }
-  static F mul(F a, F b) { return _mm256_mul_ps(a, b); }
-  static F sub(F a, F b) { return _mm256_sub_ps(a, b); }
-  static F top(F a, F b) { return _mm256_max_ps(a, b); }
-  static F fma(F a, F b, F c) { return _mm256_fmadd_ps(a, b, c); }
-  static float sum(F v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
-  }
-  static float max(F v) {
-    __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_max_ps(s, _mm_movehl_ps(s, s));
-    return _mm_cvtss_f32(_mm_max_ss(s, _mm_movehdup_ps(s)));
-  }
-  static Mask within(int64_t t0, int64_t lo, int64_t hi) {
-    const __m256i t = _mm256_add_epi32(_mm256_set_epi32(7, 6, 5, 4, 3, 2, 1, 0),
-                                       _mm256_set1_epi32(static_cast<int32_t>(t0)));
-    const __m256i above = _mm256_cmpgt_epi32(t, _mm256_set1_epi32(static_cast<int32_t>(lo - 1)));
-    const __m256i below = _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int32_t>(hi)), t);
-    return _mm256_castsi256_ps(_mm256_and_si256(above, below));
-  }
-  static F keep(Mask m, F v, F other) { return _mm256_blendv_ps(other, v, m); }
-  static void store_first(float* p, F v, int64_t n) {  // (not a masked store: slow on AMD)
-    if (n >= W) return store(p, v);
-    alignas(32) float lanes[W];
-    store(lanes, v);
-    std::memcpy(p, lanes, n * sizeof(float));
-  }
-  static F bf16(const at::BFloat16* p) {
-    const __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-    return _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
-  }
-  // e^x for x <= 0 (below -87, 2^-126 times e^r: ~1e-38; the callers' hidden lanes are kept 0)
-  static F exp_neg(F x) {
-    x = _mm256_max_ps(x, set1(-87.0f));
-    const F n = _mm256_round_ps(mul(x, set1(kLog2e)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    F r = _mm256_fnmadd_ps(n, set1(kLn2Hi), x);
-    r = _mm256_fnmadd_ps(n, set1(kLn2Lo), r);
-    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-    return mul(exp_poly<Lanes>(r), _mm256_castsi256_ps(e));
-  }
   static constexpr int kFold[8] = {0, 4, 1, 5, 2, 6, 3, 7};
   static F fold(const F (&p)[8]) {
     F a[4], b[2];
@@ -329,13 +398,12 @@ struct Lanes {  // AVX2: 8 floats a vector
       a[i] = add(_mm256_permute2f128_ps(p[2 * i], p[2 * i + 1], 0x20),
                  _mm256_permute2f128_ps(p[2 * i], p[2 * i + 1], 0x31));
     }
-    for (int i = 0; i < 2; ++i) {
-      b[i] = add(_mm256_unpacklo_ps(a[2 * i], a[2 * i + 1]), _mm256_unpackhi_ps(a[2 * i], a[2 * i + 1]));
-    }
+    for (int i = 0; i < 2; ++i) b[i] = add(_mm256_unpacklo_ps(a[2 * i], a[2 * i + 1]), _mm256_unpackhi_ps(a[2 * i], a[2 * i + 1]));
     return add(_mm256_shuffle_ps(b[0], b[1], 0x44), _mm256_shuffle_ps(b[0], b[1], 0xEE));
   }
-};
 #endif
+};
+#undef DEJA_PS
 
 // Rows [0, n) of a K or V block as float [n, kD] rows `stride` apart: a float32 cache's own
 // memory, a bfloat16 one converted into buf.
@@ -371,47 +439,25 @@ void attend_item_v(const Problem& p, const Item& it, const scalar_t* q, const ca
   constexpr int W = L::W;
   constexpr int64_t kC = kD / W;                    // vectors a row
   constexpr int64_t kCV = kC < 8 ? kC : 8;          // of them a V pass keeps in registers
-  const int64_t BS = p.block_size, G = p.group;
-  const int64_t R = (it.q1 - it.q0) * G;
-  const int64_t seq_len = p.seq_lens[it.seq];
-  const int64_t qstart = p.qsl[it.seq];
-  const int64_t ctx = seq_len - (p.qsl[it.seq + 1] - qstart);
-  const int64_t tok_stride = p.num_kv_heads * kD;
-  const int64_t v_offset = p.num_blocks_cache * BS * tok_stride;
+  const int64_t BS = p.block_size;
+  const Span sp(p, it, kD);
+  const int64_t R = sp.R, tok_stride = sp.tok_stride;
   const int64_t row_bytes = kD * static_cast<int64_t>(sizeof(cache_t));
-
   alignas(64) float qrows[kRowsPerItem * kD];
-  const float qmul = p.scale * p.k_scale;
-  for (int64_t j = it.q0; j < it.q1; ++j) {
-    for (int64_t g = 0; g < G; ++g) {
-      const scalar_t* src = q + (qstart + j) * p.q_stride_t + (it.head * G + g) * p.q_stride_h;
-      float* dst = qrows + ((j - it.q0) * G + g) * kD;
-      load_row(src, dst, kD, nullptr);
-      for (int64_t d = 0; d < kD; ++d) dst[d] *= qmul;
-    }
-  }
-  for (int64_t r = 0; r < R; ++r) {
-    m[r] = kNegInf;
-    l[r] = 0.0f;
-  }
-  std::fill(acc, acc + R * kD, 0.0f);
+  start_item(p, it, sp, q, kD, qrows, acc, m, l);
 
   alignas(64) float kbuf[kMaxBlockSize * kD], vbuf[kMaxBlockSize * kD];
   alignas(64) float zeros[kD] = {};
   alignas(64) float scores[kRowsPerItem * kMaxBlockSize + W];  // [R, BS] (+ a vector's reach)
-  const int64_t last_key = std::min(seq_len, ctx + it.q1);
-  const int32_t* table = p.block_tables + it.seq * p.max_blocks;
   for (int64_t b = it.b0; b < it.b1; ++b) {
-    const int64_t key0 = b * BS;
-    const int64_t nk = std::min(BS, last_key - key0);
+    const int64_t key0 = b * BS, nk = sp.keys(p, b);
     if (nk <= 0) break;
-    const cache_t* kblk = cache + (static_cast<int64_t>(table[b]) * BS) * tok_stride + it.head * kD;
-    const cache_t* vblk = kblk + v_offset;
+    const cache_t* kblk = sp.k_rows(p, it, cache, b, kD);
+    const cache_t* vblk = kblk + sp.v_offset;
     if (b + 1 < it.b1) {
-      const int64_t next_n = std::min(BS, last_key - key0 - BS);
-      const cache_t* knext = cache + (static_cast<int64_t>(table[b + 1]) * BS) * tok_stride + it.head * kD;
-      prefetch_block(knext, next_n, tok_stride, row_bytes);
-      prefetch_block(knext + v_offset, next_n, tok_stride, row_bytes);
+      const cache_t* knext = sp.k_rows(p, it, cache, b + 1, kD);
+      prefetch_block(knext, sp.keys(p, b + 1), tok_stride, row_bytes);
+      prefetch_block(knext + sp.v_offset, sp.keys(p, b + 1), tok_stride, row_bytes);
     }
     int64_t ks = 0, vs = 0;
     const float* krows = block_rows<kD>(kblk, nk, tok_stride, kbuf, ks);
@@ -436,44 +482,29 @@ void attend_item_v(const Problem& p, const Item& it, const scalar_t* q, const ca
         L::store_first(scores + r * BS + t0, L::fold(part), nk - t0);
       }
     }
-    // online softmax per row, W keys a vector; probabilities left in scores (0 where hidden)
-    bool any = false;
+    // online softmax per row, W keys a vector; probabilities left in scores (0 where hidden); a
+    // vector may reach past the row's nk keys: those lanes are hidden, never stored
     const F hidden = L::set1(kNegInf);
-    for (int64_t r = 0; r < R; ++r) {
-      float* s = scores + r * BS;
-      const int64_t pos = ctx + it.q0 + r / G;
-      const int64_t hi = std::min(nk, pos - key0 + 1);
-      const int64_t lo = p.window > 0 ? std::max<int64_t>(0, pos - p.window + 1 - key0) : 0;
-      if (hi <= lo) {
-        std::fill(s, s + nk, 0.0f);
-        continue;
-      }
-      any = true;
-      if (p.soft_cap > 0.0f) {
-        for (int64_t t = lo; t < hi; ++t) s[t] = p.soft_cap * std::tanh(s[t] / p.soft_cap);
-      }
-      // (a vector may reach past the row's nk keys: those lanes are hidden, never stored)
-      F top = hidden;
-      for (int64_t t0 = 0; t0 < nk; t0 += W) {
-        top = L::top(top, L::keep(L::within(t0, lo, hi), L::load(s + t0), hidden));
-      }
-      const float m_new = std::max(m[r], L::max(top));
-      const float alpha = std::exp(m[r] - m_new);  // 0 when m[r] is -inf
-      const F mv = L::set1(m_new);
-      F total = L::zero();
-      for (int64_t t0 = 0; t0 < nk; t0 += W) {
-        const F x = L::keep(L::within(t0, lo, hi), L::load(s + t0), hidden);
-        const F e = L::keep(L::within(t0, lo, hi), L::exp_neg(L::sub(x, mv)), L::zero());
-        L::store_first(s + t0, e, nk - t0);
-        total = L::add(total, e);
-      }
-      l[r] = l[r] * alpha + L::sum(total);
-      m[r] = m_new;
-      if (alpha != 1.0f) {
-        float* a = acc + r * kD;
-        for (int64_t c = 0; c < kC; ++c) L::store(a + W * c, L::mul(L::set1(alpha), L::load(a + W * c)));
-      }
-    }
+    const bool any = softmax_block(
+        p, it, sp, key0, nk, scores, kD, acc, m, l,
+        [nk, hidden](const float* s, int64_t lo, int64_t hi) {
+          F top = hidden;
+          for (int64_t t0 = 0; t0 < nk; t0 += W) {
+            top = L::top(top, L::keep(L::within(t0, lo, hi), L::load(s + t0), hidden));
+          }
+          return L::max(top);
+        },
+        [nk, hidden](float* s, int64_t lo, int64_t hi, float m_new) {
+          const F mv = L::set1(m_new);
+          F total = L::zero();
+          for (int64_t t0 = 0; t0 < nk; t0 += W) {
+            const F x = L::keep(L::within(t0, lo, hi), L::load(s + t0), hidden);
+            const F e = L::keep(L::within(t0, lo, hi), L::exp_neg(L::sub(x, mv)), L::zero());
+            L::store_first(s + t0, e, nk - t0);
+            total = L::add(total, e);
+          }
+          return L::sum(total);
+        });
     if (!any) continue;
     // acc[r] += p[r][t] v_t, kCV vectors of the row's accumulator in registers over the block
     const float* vrows = block_rows<kD>(vblk, nk, tok_stride, vbuf, vs);

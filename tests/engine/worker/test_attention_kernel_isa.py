@@ -7,15 +7,14 @@ test (test_cpu_paged.py) runs only the build this machine's CPU gets."""
 
 from __future__ import annotations
 
-import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-import torch
 
 from engine.worker.attention import cpu_kernel
+from tests.support.isa_build import build_library
 
 ROOT = Path(__file__).parents[3]
 
@@ -62,29 +61,7 @@ print("ok", checked)
 
 @pytest.mark.parametrize("march", ["native", "haswell", "x86-64"], ids=["native", "avx2", "plain"])
 def test_each_instruction_set_path_matches_the_torch_backend(march: str, tmp_path: Path) -> None:
-    cxx = shutil.which("g++") or shutil.which("c++")
-    if cxx is None:
-        pytest.skip("no C++ compiler")
-    from torch.utils import cpp_extension
-
-    lib = tmp_path / "attention.so"
-    flags = [f for f in cpu_kernel.CXX_FLAGS if not f.startswith("-march")]
-    abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
-    cmd = [
-        cxx,
-        *flags,
-        f"-march={march}",
-        f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
-        *(f"-I{p}" for p in cpp_extension.include_paths()),
-        str(cpu_kernel.SOURCE),
-        *(f"-L{p}" for p in cpp_extension.library_paths()),
-        "-lc10",
-        "-ltorch_cpu",
-        "-o",
-        str(lib),
-    ]
-    built = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
-    assert built.returncode == 0, built.stderr[-2000:]
+    lib = build_library([cpu_kernel.SOURCE], march, tmp_path / "attention.so")
     ran = subprocess.run(
         [sys.executable, "-c", CHECK, str(lib)],
         capture_output=True,

@@ -8,15 +8,14 @@ scales (8-bit ones also a scale every 16 weights), in a process of their own."""
 
 from __future__ import annotations
 
-import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-import torch
 
 from engine.worker.attention import cpu_kernel
+from tests.support.isa_build import build_library, compiler
 
 LAYERS = Path(cpu_kernel.__file__).parents[1] / "models" / "layers"
 SOURCES = (LAYERS / "cpu_quant.cpp", LAYERS / "cpu_quant_i8.cpp", LAYERS / "cpu_quant_bf16.cpp")
@@ -148,36 +147,20 @@ print("ok")
 def test_each_instruction_set_path_matches_the_dequantized_weight(
     march: str, tmp_path: Path
 ) -> None:
-    cxx = shutil.which("g++") or shutil.which("c++")
-    if cxx is None:
-        pytest.skip("no C++ compiler")
     if march == "cooperlake" and not _has("avx512_bf16", "avx512_vnni", "avx512bw"):
         pytest.skip("this CPU has no AVX512-BF16 (the slab product without AMX)")
-    from torch.utils import cpp_extension
-
-    lib = tmp_path / "quant.so"
-    flags = [f for f in cpu_kernel.CXX_FLAGS if not f.startswith("-march")]
-    abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
-    cmd = [
-        cxx,
-        *flags,
-        f"-march={march}",
-        f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
-        *(f"-I{p}" for p in cpp_extension.include_paths()),
-        *(str(source) for source in SOURCES),
-        *(f"-L{p}" for p in cpp_extension.library_paths()),
-        "-lc10",
-        "-ltorch_cpu",
-        "-o",
-        str(lib),
-    ]
-    built = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
-    assert built.returncode == 0, built.stderr[-2000:]
+    lib = build_library(SOURCES, march, tmp_path / "quant.so")
     wide = march == "cooperlake" or (march == "native" and _has("avx512bw"))
     tiles = wide and _has("avx512_vnni")  # int8 tiles: their row bound, or 0
     # the slab product's first row: 9 on AMX where this CPU and this compiler have it, 2 with
     # vdpbf16ps, else 0
-    amx = march == "native" and _has("amx_tile", "amx_bf16", "avx512_bf16") and _amx_compiler(cxx)
+    cxx = compiler()
+    amx = (
+        march == "native"
+        and cxx is not None
+        and _has("amx_tile", "amx_bf16", "avx512_bf16")
+        and _amx_compiler(cxx)
+    )
     slabs = "9" if amx else "2" if wide and _has("avx512_bf16") else "0"
     ran = subprocess.run(
         [sys.executable, "-c", CHECK, str(lib), "4" if tiles else "0", slabs, "9" if amx else "0"],
