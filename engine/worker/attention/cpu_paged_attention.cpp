@@ -12,8 +12,10 @@
 // the KV head and the chunk's queries form R = chunk * G rows that share every K/V block read.
 // Per block: each K row is converted to float once and dotted with the R rows (scores R x BS),
 // an online softmax (float32) rescales the accumulators, each V row is converted once and added
-// to them, weighted. Nothing is copied out of the cache beyond one row at a time. Few long items (batch-1 decode) are split over key-block ranges (flash-decoding) and the
-// partial (max, sum, acc) are merged afterwards. OpenMP over items, torch's thread count.
+// to them, weighted. Nothing is copied out of the cache beyond one row at a time (the vector path,
+// attend_item_v: one block's rows, converted to float). Few long items (batch-1 decode) are split
+// over key-block ranges (flash-decoding) and the partial (max, sum, acc) are merged afterwards.
+// OpenMP over items, torch's thread count.
 #include "../models/layers/cpu_ops.h"
 
 #include <ATen/ATen.h>
@@ -614,8 +616,8 @@ void run(const Problem& p, const std::vector<Item>& items, int64_t num_parts,
 void plan_items(const Problem& p, const std::vector<int64_t>& seqs, std::vector<Item>& items,
                 int64_t& num_parts, std::vector<std::vector<int64_t>>& merges) {
   const int64_t chunk = std::max<int64_t>(1, kRowsPerItem / p.group);
-  struct Span { int64_t seq, q0, q1, b0, b1; };
-  std::vector<Span> spans;
+  struct Chunk { int64_t seq, q0, q1, b0, b1; };
+  std::vector<Chunk> spans;
   for (int64_t s : seqs) {
     const int64_t qlen = p.qsl[s + 1] - p.qsl[s];
     const int64_t ctx = p.seq_lens[s] - qlen;
@@ -630,7 +632,7 @@ void plan_items(const Problem& p, const std::vector<int64_t>& seqs, std::vector<
   const int64_t threads = std::max(1, at::get_num_threads());
   const int64_t base = static_cast<int64_t>(spans.size()) * p.num_kv_heads;
   num_parts = 0;
-  for (const Span& sp : spans) {
+  for (const Chunk& sp : spans) {
     const int64_t nb = sp.b1 - sp.b0;
     int64_t parts = 1;
     if (base < 2 * threads) {

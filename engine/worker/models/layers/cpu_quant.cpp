@@ -246,7 +246,7 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& s
   const int64_t M = x.size(0);
   at::Tensor out = at::empty({M, N}, x.options());
   std::vector<float> y(x.scalar_type() == at::kFloat ? 0 : M * N);
-  float* dst = y.empty() ? out.data_ptr<float>() : y.data();
+  float* dst = x.scalar_type() == at::kFloat ? out.data_ptr<float>() : y.data();
   deja_cpu::with_groups(scale, zero, [&](auto* s, auto* z) {
     if constexpr (kQ4) {
       product<true, 1>(rows.x, rows.sums.data(), M, K, qs.data_ptr(), s, z, dst, N);

@@ -674,7 +674,7 @@ at::Tensor linear_i8(const at::Tensor& x, const at::Tensor& qs, const at::Tensor
   const int64_t M = x.size(0);
   at::Tensor out = at::empty({M, N}, x.options());
   std::vector<float> y(x.scalar_type() == at::kFloat ? 0 : M * N);
-  float* dst = y.empty() ? out.data_ptr<float>() : y.data();
+  float* dst = x.scalar_type() == at::kFloat ? out.data_ptr<float>() : y.data();
   if (scale.scalar_type() == at::kHalf) {
     product_i8<kQ4, c10::Half>(rows, M, K, qs.data_ptr(), scale.data_ptr<c10::Half>(),
                                zero == nullptr ? nullptr : zero->data_ptr<c10::Half>(), dst, N);
