@@ -500,8 +500,9 @@ void attend_item_v(const Problem& p, const Item& it, const scalar_t* q, const ca
           const F mv = L::set1(m_new);
           F total = L::zero();
           for (int64_t t0 = 0; t0 < nk; t0 += W) {
-            const F x = L::keep(L::within(t0, lo, hi), L::load(s + t0), hidden);
-            const F e = L::keep(L::within(t0, lo, hi), L::exp_neg(L::sub(x, mv)), L::zero());
+            const L::Mask seen = L::within(t0, lo, hi);
+            const F x = L::keep(seen, L::load(s + t0), hidden);
+            const F e = L::keep(seen, L::exp_neg(L::sub(x, mv)), L::zero());
             L::store_first(s + t0, e, nk - t0);
             total = L::add(total, e);
           }

@@ -192,18 +192,28 @@ inline FloatRows float_rows(const at::Tensor& x, int64_t K, bool sums) {
   return r;
 }
 
-// out [M, N] in x's dtype from the float32 product written to `y`.
-inline at::Tensor finish(const at::Tensor& x, at::Tensor out, std::vector<float>& y) {
-  if (x.scalar_type() == at::kFloat) return out;
-  if (y.size() > 4096) {  // many values: torch's vectorized conversion pays for its dispatch
-    out.copy_(at::from_blob(y.data(), out.sizes(), at::TensorOptions().dtype(at::kFloat)));
+// A product's out [M, N] in x's dtype and where its float32 sums go (dst): out itself for float32
+// x, else a buffer that finish() converts into out.
+struct FloatOut {
+  at::Tensor out;
+  std::vector<float> y;
+  float* dst;
+  FloatOut(const at::Tensor& x, int64_t M, int64_t N)
+      : out(at::empty({M, N}, x.options())),
+        y(x.scalar_type() == at::kFloat ? 0 : M * N),
+        dst(x.scalar_type() == at::kFloat ? out.data_ptr<float>() : y.data()) {}
+  at::Tensor finish() {
+    if (out.scalar_type() == at::kFloat) return out;
+    if (y.size() > 4096) {  // many values: torch's vectorized conversion pays for its dispatch
+      out.copy_(at::from_blob(y.data(), out.sizes(), at::TensorOptions().dtype(at::kFloat)));
+      return out;
+    }
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, out.scalar_type(), "finish", [&] {
+      scalar_t* o = out.data_ptr<scalar_t>();
+      for (size_t i = 0; i < y.size(); ++i) o[i] = static_cast<scalar_t>(y[i]);
+    });
     return out;
   }
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "finish", [&] {
-    scalar_t* o = out.data_ptr<scalar_t>();
-    for (size_t i = 0; i < y.size(); ++i) o[i] = static_cast<scalar_t>(y[i]);
-  });
-  return out;
-}
+};
 
 }  // namespace deja_cpu

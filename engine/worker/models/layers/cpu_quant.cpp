@@ -244,9 +244,8 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& s
   const auto [N, K] = deja_cpu::check_weight(qs, kQ4, scale, zero);
   const deja_cpu::FloatRows rows = deja_cpu::float_rows(x, K, kQ4);
   const int64_t M = x.size(0);
-  at::Tensor out = at::empty({M, N}, x.options());
-  std::vector<float> y(x.scalar_type() == at::kFloat ? 0 : M * N);
-  float* dst = x.scalar_type() == at::kFloat ? out.data_ptr<float>() : y.data();
+  deja_cpu::FloatOut out(x, M, N);
+  float* dst = out.dst;
   deja_cpu::with_groups(scale, zero, [&](auto* s, auto* z) {
     if constexpr (kQ4) {
       product<true, 1>(rows.x, rows.sums.data(), M, K, qs.data_ptr(), s, z, dst, N);
@@ -256,7 +255,7 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& s
       product<false, 1>(rows.x, nullptr, M, K, qs.data_ptr(), s, z, dst, N);
     }
   });
-  return deja_cpu::finish(x, out, y);
+  return out.finish();
 }
 
 }  // namespace

@@ -672,17 +672,11 @@ at::Tensor linear_i8(const at::Tensor& x, const at::Tensor& qs, const at::Tensor
   const auto [N, K] = deja_cpu::check_weight(qs, kQ4, scale, zero);
   const Int8Rows rows = quantize_rows(x, K);
   const int64_t M = x.size(0);
-  at::Tensor out = at::empty({M, N}, x.options());
-  std::vector<float> y(x.scalar_type() == at::kFloat ? 0 : M * N);
-  float* dst = x.scalar_type() == at::kFloat ? out.data_ptr<float>() : y.data();
-  if (scale.scalar_type() == at::kHalf) {
-    product_i8<kQ4, c10::Half>(rows, M, K, qs.data_ptr(), scale.data_ptr<c10::Half>(),
-                               zero == nullptr ? nullptr : zero->data_ptr<c10::Half>(), dst, N);
-  } else {
-    product_i8<kQ4, float>(rows, M, K, qs.data_ptr(), scale.data_ptr<float>(),
-                           zero == nullptr ? nullptr : zero->data_ptr<float>(), dst, N);
-  }
-  return deja_cpu::finish(x, out, y);
+  deja_cpu::FloatOut out(x, M, N);
+  deja_cpu::with_groups(scale, zero, [&](const auto* s, const auto* z) {
+    product_i8<kQ4>(rows, M, K, qs.data_ptr(), s, z, out.dst, N);
+  });
+  return out.finish();
 }
 
 }  // namespace
