@@ -1,8 +1,8 @@
 """GGUF files as a model source: the config, tokenizer and weights of a llama.cpp checkpoint.
 
 `--model FILE.gguf` (or a folder holding one .gguf file and no config.json) is served from the
-file itself. transformers reads its metadata into a config and a tokenizer; deja reads the
-tensors: each is dequantized to float32 and loaded like a safetensors weight, and the quantized
+file itself. deja reads its metadata and tensor table (gguf_file.py) and makes the config with
+transformers' GGUF tables; transformers' converter makes the tokenizer. Each tensor is dequantized to float32 and loaded like a safetensors weight, and the quantized
 2D ones are also kept in their blocks (`QuantizedRows`), from which the loader makes Q4_0 / Q4_1
 linears and the embedding quantized layers (layers/quantized.py) on the CPU.
 
@@ -20,6 +20,8 @@ from typing import Any
 
 import numpy as np
 import torch
+
+from engine.worker.gguf_file import GGUFFile, read_gguf
 
 SUFFIX = ".gguf"
 
@@ -79,47 +81,72 @@ class QuantizedRows:
 
 
 def read_config(file: Path) -> Any:
-    """The file's metadata as a transformers config (transformers' GGUF reader, offline)."""
-    from transformers import AutoConfig
+    """The file's metadata as a transformers config: the dict transformers' GGUF loader
+    (`load_gguf_checkpoint`) makes for the families in ARCHITECTURES, with its own tables, from
+    the metadata read by `read_gguf` (its reader parses every vocabulary string: seconds)."""
+    from transformers import CONFIG_MAPPING
+    from transformers.integrations import ggml
 
-    arch = _architecture(open_reader(file), file)
-    config = AutoConfig.from_pretrained(
-        str(file.parent), gguf_file=file.name, local_files_only=True
-    )
-    config.architectures = [ARCHITECTURES[arch]]
-    return config
+    gguf = open_gguf(file)
+    meta = gguf.metadata
+    arch = _architecture(meta, file)
+    # (transformers tests `"mistral" in [general.name]`: a name of exactly "mistral")
+    model_type = "mistral" if arch == "llama" and meta.get("general.name") == "mistral" else arch
+    config: dict[str, Any] = {"tie_word_embeddings": "output.weight" not in gguf.tensor_names}
+    defaults: dict[str, Any] = ggml.GGUF_CONFIG_DEFAULTS_MAPPING
+    mapping: dict[str, Any] = ggml.GGUF_CONFIG_MAPPING
+    config |= defaults.get(model_type, defaults.get(arch) or {})
+    for key, value in meta.items():
+        prefix, _, rest = key.replace(arch, model_type).partition(".")
+        renames = mapping.get(prefix, {})
+        if rest not in renames or renames[rest] in (None, -1):
+            continue
+        if isinstance(value, list) and len(value) == 1:
+            value = value[0]
+        config[renames[rest]] = value.replace(arch, model_type) if isinstance(value, str) else value
+    tokens = meta.get("tokenizer.ggml.tokens")  # (a count: read_gguf steps over its strings)
+    if "vocab_size" not in config and tokens is not None:
+        config["vocab_size"] = tokens
+    hf_config = CONFIG_MAPPING[config["model_type"]].from_dict(config)
+    hf_config._name_or_path = str(file.parent)  # (as from_pretrained sets it)
+    hf_config.architectures = [ARCHITECTURES[arch]]
+    return hf_config
 
 
 def load_tokenizer(file: Path) -> Any:
-    """The tokenizer and chat template stored in the file (transformers' GGUF converter)."""
+    """The tokenizer and chat template stored in the file (transformers' GGUF converter), in the
+    class AutoTokenizer picks for a GGUF file's config when its folder says nothing more (no
+    tokenizer_config.json), without AutoTokenizer's own rebuild of that config (transformers'
+    slow reader for these families); elsewhere AutoTokenizer itself."""
     from transformers import AutoTokenizer
+    from transformers.models.auto.tokenization_auto import TOKENIZER_MAPPING
+    from transformers.tokenization_utils_tokenizers import TokenizersBackend
 
-    return AutoTokenizer.from_pretrained(
-        str(file.parent), gguf_file=file.name, local_files_only=True
-    )
+    where: dict[str, Any] = {"gguf_file": file.name, "local_files_only": True}
+    cls: Any = TOKENIZER_MAPPING.get(type(read_config(file)), TokenizersBackend)
+    if cls.__name__ == "MistralCommonBackend" or (file.parent / "tokenizer_config.json").exists():
+        return AutoTokenizer.from_pretrained(str(file.parent), **where)
+    return cls.from_pretrained(str(file.parent), **where)
 
 
-def open_reader(file: Path) -> Any:
-    """A gguf.GGUFReader over `file` (memory-mapped); a file that is not a whole GGUF file (wrong
-    magic, truncated, an unknown tensor type) raises ValueError naming it."""
-    from gguf import GGUFReader
-
+def open_gguf(file: Path) -> GGUFFile:
+    """`read_gguf(file)`; a file that is not a whole GGUF file (wrong magic, truncated, an
+    unknown tensor type) raises ValueError naming it."""
     try:
-        return GGUFReader(file)
-    except (ValueError, IndexError, KeyError, OSError) as e:
+        return read_gguf(file)
+    except (ValueError, OSError) as e:
         raise ValueError(f"{str(file)!r} is not a readable GGUF file: {e}") from e
 
 
-def _architecture(reader: Any, file: Path) -> str:
+def _architecture(metadata: dict[str, Any], file: Path) -> str:
     """The file's `general.architecture`; ValueError where deja does not serve it."""
-    field = reader.fields.get("general.architecture")
-    arch = bytes(field.parts[field.data[0]]).decode() if field is not None else "(none)"
+    arch = metadata.get("general.architecture", "(none)")
     if arch not in ARCHITECTURES:
         raise ValueError(
             f"GGUF architecture {arch!r} of {file.name} is not served; deja serves "
             + ", ".join(ARCHITECTURES)
         )
-    return arch
+    return str(arch)
 
 
 def hf_names(arch: str, num_layers: int) -> dict[str, str]:
@@ -151,8 +178,8 @@ class GGUFCheckpoint:
 
     def __init__(self, file: Path, hf_config: Any) -> None:
         self.file = file
-        self.reader = open_reader(file)
-        self.arch = _architecture(self.reader, file)
+        self.gguf = open_gguf(file)
+        self.arch = _architecture(self.gguf.metadata, file)
         self.config = hf_config
         self.quantized: dict[str, QuantizedRows] = {}
         """transformers name -> its blocks, for the tensors kept quantized (filled by weights())."""
@@ -186,27 +213,25 @@ class GGUFCheckpoint:
 
         names = hf_names(self.arch, int(self.config.num_hidden_layers))
         floats = (T.F32, T.F16, T.BF16)
-        for t in self.reader.tensors:
+        for t in self.gguf.tensors:
             name = names.get(t.name)
             if name is None:
                 raise ValueError(
                     f"GGUF tensor {t.name!r} of {self.file.name} has no place in the model"
                 )
-            self.types[name] = t.tensor_type.name
+            self.types[name] = t.kind.name
             data = np.asarray(t.data)
             order = self._row_order(name)
             if order is not None:
                 data = data[order]
-            if keep_quantized and t.tensor_type not in floats and data.ndim == 2:
-                shape = (int(data.shape[0]), int(t.shape[0]))  # GGUF shapes are innermost first
-                self.quantized[name] = QuantizedRows(
-                    t.tensor_type, np.ascontiguousarray(data), shape
-                )
+            if keep_quantized and t.kind not in floats and data.ndim == 2:
+                shape = (int(data.shape[0]), int(t.dims[0]))  # GGUF shapes are innermost first
+                self.quantized[name] = QuantizedRows(t.kind, np.ascontiguousarray(data), shape)
             try:
-                values = quants.dequantize(data, t.tensor_type)
+                values = quants.dequantize(data, t.kind)
             except NotImplementedError as e:
                 raise ValueError(
-                    f"GGUF tensor {t.name!r} has type {t.tensor_type.name}, which gguf cannot "
+                    f"GGUF tensor {t.name!r} has type {t.kind.name}, which gguf cannot "
                     "dequantize; deja serves F32, F16, BF16 and the types gguf dequantizes "
                     "(Q4_0, Q4_1, Q5_x, Q8_0, the K-quants, ...)"
                 ) from e
@@ -214,4 +239,4 @@ class GGUFCheckpoint:
 
     def tensor_bytes(self) -> int:
         """The bytes of every tensor in the file (what llama.cpp reads)."""
-        return int(sum(int(t.n_bytes) for t in self.reader.tensors))
+        return sum(t.nbytes for t in self.gguf.tensors)
