@@ -378,20 +378,8 @@ struct Lanes {
   // W vectors of partial sums -> one vector of their W totals: lane i holds the total of the p[j]
   // with kFold[j] == i (a caller that puts key kFold[j] in p[j] gets key i's score in lane i).
 #if defined(__AVX512F__)
-  static constexpr int kFold[16] = {0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15};
-  static F fold(const F (&p)[16]) {
-    F a[8], b[4], c[2];
-    for (int i = 0; i < 8; ++i) {  // quarters 0, 1: p[2i]'s halves summed; 2, 3: p[2i + 1]'s
-      a[i] = add(_mm512_shuffle_f32x4(p[2 * i], p[2 * i + 1], 0x44),
-                 _mm512_shuffle_f32x4(p[2 * i], p[2 * i + 1], 0xEE));
-    }
-    for (int i = 0; i < 4; ++i) {  // quarter k: one vector's four partials
-      b[i] = add(_mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0x88),
-                 _mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0xDD));
-    }
-    for (int i = 0; i < 2; ++i) c[i] = add(_mm512_unpacklo_ps(b[2 * i], b[2 * i + 1]), _mm512_unpackhi_ps(b[2 * i], b[2 * i + 1]));
-    return add(_mm512_shuffle_ps(c[0], c[1], 0x44), _mm512_shuffle_ps(c[0], c[1], 0xEE));
-  }
+  static constexpr const int (&kFold)[16] = deja_cpu::kFold16;
+  static F fold(const F (&p)[16]) { return deja_cpu::fold16(p); }
 #else
   static constexpr int kFold[8] = {0, 4, 1, 5, 2, 6, 3, 7};
   static F fold(const F (&p)[8]) {

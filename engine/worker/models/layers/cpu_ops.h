@@ -128,6 +128,28 @@ inline void transpose16(const uint8_t* const* at, int64_t offset, __m512i out[4]
 }
 #endif
 
+#if defined(__AVX512F__)
+// 16 vectors of partial sums -> one vector of their 16 totals: lane i holds the total of the p[j]
+// with kFold16[j] == i (kFold16 is its own inverse: the total of vector i goes to p[kFold16[i]]).
+inline constexpr int kFold16[16] = {0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15};
+inline __m512 fold16(const __m512 (&p)[16]) {
+  __m512 a[8], b[4], c[2];
+  for (int i = 0; i < 8; ++i) {  // quarters 0, 1: p[2i]'s halves summed; 2, 3: p[2i + 1]'s
+    a[i] = _mm512_add_ps(_mm512_shuffle_f32x4(p[2 * i], p[2 * i + 1], 0x44),
+                         _mm512_shuffle_f32x4(p[2 * i], p[2 * i + 1], 0xEE));
+  }
+  for (int i = 0; i < 4; ++i) {  // quarter k: one vector's four partials
+    b[i] = _mm512_add_ps(_mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0x88),
+                         _mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0xDD));
+  }
+  for (int i = 0; i < 2; ++i) {
+    c[i] = _mm512_add_ps(_mm512_unpacklo_ps(b[2 * i], b[2 * i + 1]),
+                         _mm512_unpackhi_ps(b[2 * i], b[2 * i + 1]));
+  }
+  return _mm512_add_ps(_mm512_shuffle_ps(c[0], c[1], 0x44), _mm512_shuffle_ps(c[0], c[1], 0xEE));
+}
+#endif
+
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
 std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::Tensor& h,
                                                 const at::Tensor& weight, double eps);

@@ -39,8 +39,11 @@ namespace {
 constexpr int64_t kGroup = 32;
 #if defined(__AVX512F__)
 constexpr int kMaxRows = 8;  // 8 rows' sums and a group's 2 vectors fit 32 registers
+constexpr bool kQ4Table = true;  // (rows_q4_table)
+constexpr int64_t kMaxGroupsOnStack = 256;  // (its scale buffer: K up to 8192)
 #else
 constexpr int kMaxRows = 4;
+constexpr bool kQ4Table = false;
 #endif
 
 #if defined(__AVX512F__)
@@ -171,6 +174,96 @@ void rows_product(const float* x, const float* xsum, int64_t K, const void* qs, 
     }
   }
 }
+#if defined(__AVX512F__)
+// rows_product for a 4-bit weight on AVX-512: a group's 16 possible weights, fma(q - 8, s, z)
+// (the bits expand() and q4_dequant give), are a table from which each nibble picks its weight
+// (a permute reads the low 4 bits of a lane), so a row's sums take the dequantized weights as
+// they are: two FMAs a group and row, no zero term. One or two rows alternate groups between two
+// sets of sums, so their FMAs do not wait on each other. Each block of 16 weight rows' sums is
+// folded into one vector of 16 outputs (fold16) instead of a horizontal sum a row.
+template <int kRows, typename sc_t>
+void rows_q4_table(const float* x, int64_t K, const uint8_t* qs, const sc_t* scale,
+                   const sc_t* zero, float* out, int64_t ldo, int64_t n0, int64_t n1) {
+  const int64_t groups = K / kGroup, padded = (groups + 15) / 16 * 16;
+  constexpr int kSets = kRows <= 2 ? 2 : 1;
+  const __m512 iota = _mm512_setr_ps(-8.f, -7.f, -6.f, -5.f, -4.f, -3.f, -2.f, -1.f, 0.f, 1.f,
+                                     2.f, 3.f, 4.f, 5.f, 6.f, 7.f);
+  alignas(64) float buf[std::is_same_v<sc_t, float> ? 1 : 2 * kMaxGroupsOnStack];
+  std::vector<float> heap(!std::is_same_v<sc_t, float> && padded > kMaxGroupsOnStack ? 2 * padded : 0);
+  float* const sbuf = heap.empty() ? buf : heap.data();
+  // weight row n's scales and zeros as float32 (float16 d and m: d and m + 8d, exact 8d)
+  auto row_scales = [&](int64_t n) -> std::pair<const float*, const float*> {
+    if constexpr (std::is_same_v<sc_t, float>) {
+      return {scale + n * groups, zero + n * groups};
+    } else {
+      float* s = sbuf;
+      float* z = sbuf + padded;
+      for (int64_t g = 0; g < groups; g += 16) {
+        const int64_t at = n * groups + g;
+        if ((ldo - n) * groups - g < 16) {  // (the tensor's last 16: no reading past its end)
+          for (int64_t i = g; i < groups; ++i) {
+            s[i] = static_cast<float>(scale[at + i - g]);
+            z[i] = static_cast<float>(zero[at + i - g]) + 8.f * s[i];
+          }
+          break;
+        }
+        const __m512 sv = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(scale + at)));
+        const __m512 mv = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(zero + at)));
+        _mm512_store_ps(s + g, sv);
+        _mm512_store_ps(z + g, _mm512_fmadd_ps(_mm512_set1_ps(8.f), sv, mv));
+      }
+      return {s, z};
+    }
+  };
+  __m512 part[kRows][16];
+  for (int64_t b0 = n0; b0 < n1; b0 += 16) {
+    const int64_t live = std::min<int64_t>(16, n1 - b0);
+    for (int i = 0; i < 16; ++i) {
+      const int j = deja_cpu::kFold16[i];
+      if (i >= live) {
+        for (int r = 0; r < kRows; ++r) part[r][j] = _mm512_setzero_ps();
+        continue;
+      }
+      const int64_t n = b0 + i;
+      deja_cpu::prefetch_row(qs, K / 2, scale, zero, groups, n + deja_cpu::kAhead, n1);
+      const auto [s, z] = row_scales(n);
+      const uint8_t* wrow = qs + n * (K / 2);
+      __m512 acc[kRows][2 * kSets];
+      for (auto& sums : acc) {
+        for (auto& a : sums) a = _mm512_setzero_ps();
+      }
+      auto group = [&](int64_t g, int set) {
+        const __m512 table = _mm512_fmadd_ps(iota, _mm512_set1_ps(s[g]), _mm512_set1_ps(z[g]));
+        const __m512i bytes =
+            _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wrow + g * 16)));
+        const __m512 w0 = _mm512_permutexvar_ps(bytes, table);
+        const __m512 w1 = _mm512_permutexvar_ps(_mm512_srli_epi32(bytes, 4), table);
+        for (int r = 0; r < kRows; ++r) {
+          const float* xg = x + r * K + g * kGroup;
+          __m512* a = acc[r] + 2 * set;
+          a[0] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(xg), a[0]);
+          a[1] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(xg + kLanes), a[1]);
+        }
+      };
+      int64_t g = 0;
+      for (; g + 2 <= groups; g += 2) {
+        group(g, 0);
+        group(g + 1, kSets - 1);
+      }
+      if (g < groups) group(g, 0);
+      for (int r = 0; r < kRows; ++r) {
+        __m512 sum = acc[r][0];
+        for (int k = 1; k < 2 * kSets; ++k) sum = _mm512_add_ps(sum, acc[r][k]);
+        part[r][j] = sum;
+      }
+    }
+    const __mmask16 mask = static_cast<__mmask16>(live == 16 ? 0xffff : (1u << live) - 1);
+    for (int r = 0; r < kRows; ++r) {
+      _mm512_mask_storeu_ps(out + r * ldo + b0, mask, deja_cpu::fold16(part[r]));
+    }
+  }
+}
+#endif
 #else
 template <int kRows, bool kQ4, int kSub, typename sc_t>
 void rows_product(const float* x, const float* xsum, int64_t K, const void* qs, const sc_t* scale,
@@ -214,8 +307,14 @@ void product(const float* x, const float* xsum, int64_t M, int64_t K, const void
       const float* sm = xsum == nullptr ? nullptr : xsum + m * (K / kGroup);
       float* om = out + m * N;
       deja_cpu::with_rows<kMaxRows>(M - m, [&](auto rows) {
-        rows_product<decltype(rows)::value, kQ4, kSub, sc_t>(xm, sm, K, qs, scale, zero, om, N,
-                                                             n0, n1);
+        constexpr int kRows = decltype(rows)::value;
+#if defined(__AVX512F__)
+        if constexpr (kQ4) {
+          rows_q4_table<kRows>(xm, K, static_cast<const uint8_t*>(qs), scale, zero, om, N, n0, n1);
+          return;
+        }
+#endif
+        rows_product<kRows, kQ4, kSub, sc_t>(xm, sm, K, qs, scale, zero, om, N, n0, n1);
       });
     }
   });
@@ -242,7 +341,7 @@ template <bool kQ4>
 at::Tensor linear(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& scale,
                   const at::Tensor* zero) {
   const auto [N, K] = deja_cpu::check_weight(qs, kQ4, scale, zero);
-  const deja_cpu::FloatRows rows = deja_cpu::float_rows(x, K, kQ4);
+  const deja_cpu::FloatRows rows = deja_cpu::float_rows(x, K, kQ4 && !kQ4Table);
   const int64_t M = x.size(0);
   deja_cpu::FloatOut out(x, M, N);
   float* dst = out.dst;
