@@ -49,6 +49,14 @@ for n, k in [(40, 96), (72, 576)]:
         close(ops.q8_linear(x, q8, scale), x @ w8.T)
         y = ops.q4_linear(x.bfloat16(), qs4, scale, zero)
         assert y.dtype == torch.bfloat16
+        # float32 sums rounded to bfloat16 as torch rounds them (infinities too; NaN stays NaN,
+        # whose bits torch's own conversions do not agree on)
+        xs = x.bfloat16()
+        xs[-1, 0] = float("nan") if m > 1 else 1e38
+        got = ops.q4_linear(xs, qs4, scale, zero)
+        want = ops.q4_linear(xs.float(), qs4, scale, zero).bfloat16()
+        assert torch.equal(got.isnan(), want.isnan()) and bool(want.isinf().any()) == (m == 1)
+        assert torch.equal(got.nan_to_num(0.0, 7.0, -7.0), want.nan_to_num(0.0, 7.0, -7.0))
         # float16 pairs (d, m): the same bits as float32 scale d and zero m + 8d
         d16, m16 = scale.half(), zero.half()
         s32, z32 = d16.float(), m16.float() + 8 * d16.float()

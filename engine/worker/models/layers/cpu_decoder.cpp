@@ -9,7 +9,7 @@
 //
 // Per layer, with x the residual stream [T, hidden]:
 //   a = rms_norm(x); qkv = qkv_proj(a); q, k = rope(qkv's q and k heads); v = qkv's v heads
-//   K, V written to the layer's cache at the step's slots (index_copy_, as the CPU backend)
+//   K, V written to the layer's cache at the step's slots (row copies: the bytes index_copy_ writes)
 //   o = o_proj(paged_attention(q)); x, n = add_rms_norm(x, o)
 //   g, u = gate_up_proj(n); x = x + down_proj(silu(g) * u)
 // and after the last layer the final norm. A linear is 4-bit (uint8 qs, scale, zero) or 8-bit
@@ -21,6 +21,7 @@
 #include <torch/library.h>
 
 #include <cstdint>
+#include <cstring>
 #include <vector>
 
 namespace {
@@ -64,6 +65,28 @@ Linear linear_at(const std::vector<at::Tensor>& w, int64_t i, bool int8, int64_t
                    (l.qs.scalar_type() == at::kByte && l.zero.defined())),
               "a linear must be int8 qs, or uint8 qs with zeros");
   return l;
+}
+
+// The step's new K (rotated's heads from Hq) and V (qkv's columns from v_at) rows into a layer's
+// cache [2, NB, BS, Hkv, D] at `slots`: row copies, the bytes index_copy_ would write.
+void write_kv(const at::Tensor& cache, const at::Tensor& slots, const at::Tensor& rotated,
+              int64_t Hq, const at::Tensor& qkv, int64_t v_at) {
+  const int64_t T = slots.numel(), width = cache.size(-2) * cache.size(-1);
+  const int64_t rows = cache.numel() / (2 * width), el = cache.element_size(), bytes = width * el;
+  TORCH_CHECK(cache.is_contiguous() && rotated.is_contiguous() && qkv.is_contiguous() &&
+                  rotated.scalar_type() == cache.scalar_type() &&
+                  qkv.scalar_type() == cache.scalar_type(),
+              "the cache, rotated q / k and qkv must be contiguous and of one dtype");
+  auto* base = static_cast<char*>(cache.data_ptr());
+  const auto* k = static_cast<const char*>(rotated.data_ptr());
+  const auto* v = static_cast<const char*>(qkv.data_ptr());
+  const int64_t k_row = rotated.size(1) * rotated.size(2), v_row = qkv.size(1);
+  const int64_t* at = slots.data_ptr<int64_t>();
+  for (int64_t t = 0; t < T; ++t) {
+    TORCH_CHECK(at[t] >= 0 && at[t] < rows, "slot ", at[t], " is outside the cache (", rows, " rows)");
+    std::memcpy(base + at[t] * bytes, k + (t * k_row + Hq * rotated.size(2)) * el, bytes);
+    std::memcpy(base + (rows + at[t]) * bytes, v + (t * v_row + v_at) * el, bytes);
+  }
 }
 
 class DecoderStack : public torch::CustomClassHolder {
@@ -113,9 +136,7 @@ class DecoderStack : public torch::CustomClassHolder {
       const at::Tensor rotated = deja_cpu::rope(qk_v[0].view({T, Hq + Hkv, D}), cos, sin);
       const auto q_k = rotated.split({Hq, Hkv}, 1);
       const at::Tensor cache = kv_cache[i];
-      const at::Tensor rows = cache.view({2, -1, Hkv, D});
-      rows[0].index_copy_(0, slots, q_k[1]);
-      rows[1].index_copy_(0, slots, qk_v[1].view({T, Hkv, D}));
+      write_kv(cache, slots, rotated, Hq, qkv, q_size + kv_size);
       at::Tensor attn = at::empty_like(q_k[0]);
       deja_cpu::paged_attention(attn, q_k[0], cache, block_tables, query_start_loc, seq_lens, all,
                                 scale_, 0, 0.0, 1.0, 1.0);

@@ -214,6 +214,31 @@ inline FloatRows float_rows(const at::Tensor& x, int64_t K, bool sums) {
   return r;
 }
 
+// y[0, n) rounded to bfloat16 into o as c10::BFloat16 rounds (to nearest even; a NaN: 0x7FC0),
+// 16 at a time; returns how many it wrote (a multiple of 16; the caller does the rest). Other
+// output types: none.
+template <typename T>
+inline size_t to_bf16(const float*, T*, size_t) {
+  return 0;
+}
+inline size_t to_bf16(const float* y, at::BFloat16* o, size_t n) {
+  size_t i = 0;
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+  const __m512i round = _mm512_set1_epi32(0x7FFF), one = _mm512_set1_epi32(1);
+  const __m256i nan = _mm256_set1_epi16(0x7FC0);
+  for (; i + 16 <= n; i += 16) {
+    const __m512 v = _mm512_loadu_ps(y + i);
+    const __m512i bits = _mm512_castps_si512(v);
+    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), one);
+    const __m256i r = _mm512_cvtepi32_epi16(
+        _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(lsb, round)), 16));
+    const __mmask16 isnan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + i), _mm256_mask_mov_epi16(r, isnan, nan));
+  }
+#endif
+  return i;
+}
+
 // A product's out [M, N] in x's dtype and where its float32 sums go (dst): out itself for float32
 // x, else a buffer that finish() converts into out.
 struct FloatOut {
@@ -232,7 +257,9 @@ struct FloatOut {
     }
     AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, out.scalar_type(), "finish", [&] {
       scalar_t* o = out.data_ptr<scalar_t>();
-      for (size_t i = 0; i < y.size(); ++i) o[i] = static_cast<scalar_t>(y[i]);
+      size_t i = 0;
+      i = to_bf16(y.data(), o, y.size());
+      for (; i < y.size(); ++i) o[i] = static_cast<scalar_t>(y[i]);
     });
     return out;
   }

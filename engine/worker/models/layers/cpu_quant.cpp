@@ -15,10 +15,11 @@
 //   16 each have their own; q is the 6-bit value minus 32).
 //
 // The few-row product reads each weight byte once for all rows (at most 8 at a time with
-// AVX-512, 4 with AVX2) and dequantizes nothing: per group and row it sums (q - 8) x in float32
-// vectors, then adds that times the scale, and the zero times the group's sum of x (computed once
-// per call). Integers below 2^24 convert exactly, so it is the dequantized weight's product up to
-// summation order.
+// AVX-512, 4 with AVX2). A 4-bit weight on AVX-512 is dequantized a group at a time in registers
+// (rows_q4_table: the dequantized weight's own bits); otherwise per group and row it sums
+// (q - 8) x (or q x) in float32 vectors, then adds that times the scale, and the zero times the
+// group's sum of x (computed once per call). Integers below 2^24 convert exactly, so either is
+// the dequantized weight's product up to summation order.
 // Activations of any floating type are read as float32; the output takes their type.
 
 #include "cpu_ops.h"
