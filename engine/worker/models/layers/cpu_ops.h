@@ -148,6 +148,28 @@ inline __m512 fold16(const __m512 (&p)[16]) {
   }
   return _mm512_add_ps(_mm512_shuffle_ps(c[0], c[1], 0x44), _mm512_shuffle_ps(c[0], c[1], 0xEE));
 }
+
+// out[r * ldo + n] for kRows rows r and the weight rows n in [n0, n1): row(n, sums) sets sums[r]
+// to a vector whose lanes add up to that output; each block of 16 weight rows is folded into one
+// vector a row (fold16) and stored at once, instead of a horizontal sum an output.
+template <int kRows, typename Row>
+inline void fold_rows(float* out, int64_t ldo, int64_t n0, int64_t n1, Row&& row) {
+  __m512 part[kRows][16];
+  for (int64_t b0 = n0; b0 < n1; b0 += 16) {
+    const int64_t live = std::min<int64_t>(16, n1 - b0);
+    for (int i = 0; i < 16; ++i) {
+      __m512 sums[kRows];
+      if (i < live) {
+        row(b0 + i, sums);
+      } else {
+        for (auto& v : sums) v = _mm512_setzero_ps();
+      }
+      for (int r = 0; r < kRows; ++r) part[r][kFold16[i]] = sums[r];
+    }
+    const __mmask16 mask = static_cast<__mmask16>(live == 16 ? 0xffff : (1u << live) - 1);
+    for (int r = 0; r < kRows; ++r) _mm512_mask_storeu_ps(out + r * ldo + b0, mask, fold16(part[r]));
+  }
+}
 #endif
 
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);

@@ -216,53 +216,38 @@ void rows_q4_table(const float* x, int64_t K, const uint8_t* qs, const sc_t* sca
       return {s, z};
     }
   };
-  __m512 part[kRows][16];
-  for (int64_t b0 = n0; b0 < n1; b0 += 16) {
-    const int64_t live = std::min<int64_t>(16, n1 - b0);
-    for (int i = 0; i < 16; ++i) {
-      const int j = deja_cpu::kFold16[i];
-      if (i >= live) {
-        for (int r = 0; r < kRows; ++r) part[r][j] = _mm512_setzero_ps();
-        continue;
-      }
-      const int64_t n = b0 + i;
-      deja_cpu::prefetch_row(qs, K / 2, scale, zero, groups, n + deja_cpu::kAhead, n1);
-      const auto [s, z] = row_scales(n);
-      const uint8_t* wrow = qs + n * (K / 2);
-      __m512 acc[kRows][2 * kSets];
-      for (auto& sums : acc) {
-        for (auto& a : sums) a = _mm512_setzero_ps();
-      }
-      auto group = [&](int64_t g, int set) {
-        const __m512 table = _mm512_fmadd_ps(iota, _mm512_set1_ps(s[g]), _mm512_set1_ps(z[g]));
-        const __m512i bytes =
-            _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wrow + g * 16)));
-        const __m512 w0 = _mm512_permutexvar_ps(bytes, table);
-        const __m512 w1 = _mm512_permutexvar_ps(_mm512_srli_epi32(bytes, 4), table);
-        for (int r = 0; r < kRows; ++r) {
-          const float* xg = x + r * K + g * kGroup;
-          __m512* a = acc[r] + 2 * set;
-          a[0] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(xg), a[0]);
-          a[1] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(xg + kLanes), a[1]);
-        }
-      };
-      int64_t g = 0;
-      for (; g + 2 <= groups; g += 2) {
-        group(g, 0);
-        group(g + 1, kSets - 1);
-      }
-      if (g < groups) group(g, 0);
+  deja_cpu::fold_rows<kRows>(out, ldo, n0, n1, [&](int64_t n, __m512 (&sums)[kRows]) {
+    deja_cpu::prefetch_row(qs, K / 2, scale, zero, groups, n + deja_cpu::kAhead, n1);
+    const auto [s, z] = row_scales(n);
+    const uint8_t* wrow = qs + n * (K / 2);
+    __m512 acc[kRows][2 * kSets];
+    for (auto& row : acc) {
+      for (auto& a : row) a = _mm512_setzero_ps();
+    }
+    auto group = [&](int64_t g, int set) {
+      const __m512 table = _mm512_fmadd_ps(iota, _mm512_set1_ps(s[g]), _mm512_set1_ps(z[g]));
+      const __m512i bytes =
+          _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wrow + g * 16)));
+      const __m512 w0 = _mm512_permutexvar_ps(bytes, table);
+      const __m512 w1 = _mm512_permutexvar_ps(_mm512_srli_epi32(bytes, 4), table);
       for (int r = 0; r < kRows; ++r) {
-        __m512 sum = acc[r][0];
-        for (int k = 1; k < 2 * kSets; ++k) sum = _mm512_add_ps(sum, acc[r][k]);
-        part[r][j] = sum;
+        const float* xg = x + r * K + g * kGroup;
+        __m512* a = acc[r] + 2 * set;
+        a[0] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(xg), a[0]);
+        a[1] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(xg + kLanes), a[1]);
       }
+    };
+    int64_t g = 0;
+    for (; g + 2 <= groups; g += 2) {
+      group(g, 0);
+      group(g + 1, kSets - 1);
     }
-    const __mmask16 mask = static_cast<__mmask16>(live == 16 ? 0xffff : (1u << live) - 1);
+    if (g < groups) group(g, 0);
     for (int r = 0; r < kRows; ++r) {
-      _mm512_mask_storeu_ps(out + r * ldo + b0, mask, deja_cpu::fold16(part[r]));
+      sums[r] = acc[r][0];
+      for (int k = 1; k < 2 * kSets; ++k) sums[r] = _mm512_add_ps(sums[r], acc[r][k]);
     }
-  }
+  });
 }
 #endif
 #else

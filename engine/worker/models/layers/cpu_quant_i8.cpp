@@ -407,7 +407,7 @@ void rows_i8_pairs(const int8_t* xq, const float* xd, const float* xsum, const i
   const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
   const __m512i twice = _mm512_set_epi64(3, 2, 3, 2, 1, 0, 1, 0);  // a group's 16 bytes, twice
   const __m512i first = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
-  for (int64_t n = n0; n < n1; ++n) {
+  deja_cpu::fold_rows<kRows>(out, ldo, n0, n1, [&](int64_t n, __m512 (&sums)[kRows]) {
     deja_cpu::prefetch_row(qs, row_bytes, scale, kQ4 ? zero : nullptr, groups, n + deja_cpu::kAhead,
                            n1);
     const uint8_t* wrow = static_cast<const uint8_t*>(qs) + n * row_bytes;
@@ -475,11 +475,10 @@ void rows_i8_pairs(const int8_t* xq, const float* xd, const float* xsum, const i
       if (p < pairs) pair(p, 0);
     }
     for (int r = 0; r < kRows; ++r) {
-      __m512 sum = mz[r];
-      for (const auto& a : acc[r]) sum = _mm512_add_ps(sum, a);
-      out[r * ldo + n] = _mm512_reduce_add_ps(sum);
+      sums[r] = mz[r];
+      for (const auto& a : acc[r]) sums[r] = _mm512_add_ps(sums[r], a);
     }
-  }
+  });
 }
 #endif
 
