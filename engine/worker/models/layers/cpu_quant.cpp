@@ -210,8 +210,8 @@ void rows_q4_table(const float* x, int64_t K, const uint8_t* qs, const sc_t* sca
         }
         const __m512 sv = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(scale + at)));
         const __m512 mv = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(zero + at)));
-        _mm512_store_ps(s + g, sv);
-        _mm512_store_ps(z + g, _mm512_fmadd_ps(_mm512_set1_ps(8.f), sv, mv));
+        _mm512_storeu_ps(s + g, sv);
+        _mm512_storeu_ps(z + g, _mm512_fmadd_ps(_mm512_set1_ps(8.f), sv, mv));
       }
       return {s, z};
     }
