@@ -2,9 +2,10 @@
 
 `--model FILE.gguf` (or a folder holding one .gguf file and no config.json) is served from the
 file itself. deja reads its metadata and tensor table (gguf_file.py) and makes the config with
-transformers' GGUF tables; transformers' converter makes the tokenizer. Each tensor is dequantized to float32 and loaded like a safetensors weight, and the quantized
-2D ones are also kept in their blocks (`QuantizedRows`), from which the loader makes Q4_0 / Q4_1
-linears and the embedding quantized layers (layers/quantized.py) on the CPU.
+transformers' GGUF tables; transformers' converter makes the tokenizer. Each tensor is
+dequantized to float32 and loaded like a safetensors weight, and the quantized 2D ones are also
+kept in their blocks (`QuantizedRows`), from which the loader makes Q4_0 / Q4_1 linears and the
+embedding quantized layers (layers/quantized.py) on the CPU.
 
 llama.cpp's converter permutes the rows of a Llama q / k projection (its RoPE pairs neighbouring
 elements, transformers' pairs the halves); they are permuted back here, rows of blocks alike:
@@ -83,7 +84,8 @@ class QuantizedRows:
 def read_config(file: Path) -> Any:
     """The file's metadata as a transformers config: the dict transformers' GGUF loader
     (`load_gguf_checkpoint`) makes for the families in ARCHITECTURES, with its own tables, from
-    the metadata read by `read_gguf` (its reader parses every vocabulary string: seconds)."""
+    the metadata read by `read_gguf` (the loader's gguf.GGUFReader parses every vocabulary
+    string: seconds)."""
     from transformers import CONFIG_MAPPING
     from transformers.integrations import ggml
 
@@ -92,10 +94,12 @@ def read_config(file: Path) -> Any:
     arch = _architecture(meta, file)
     # (transformers tests `"mistral" in [general.name]`: a name of exactly "mistral")
     model_type = "mistral" if arch == "llama" and meta.get("general.name") == "mistral" else arch
-    config: dict[str, Any] = {"tie_word_embeddings": "output.weight" not in gguf.tensor_names}
     defaults: dict[str, Any] = ggml.GGUF_CONFIG_DEFAULTS_MAPPING
     mapping: dict[str, Any] = ggml.GGUF_CONFIG_MAPPING
-    config |= defaults.get(model_type, defaults.get(arch) or {})
+    config: dict[str, Any] = {
+        **defaults.get(model_type, defaults.get(arch) or {}),
+        "tie_word_embeddings": "output.weight" not in gguf.tensor_names,
+    }
     for key, value in meta.items():
         prefix, _, rest = key.replace(arch, model_type).partition(".")
         renames = mapping.get(prefix, {})

@@ -6,10 +6,13 @@ Here the metadata is read with `struct` and string arrays are stepped over unles
 (the tokenizer reads them itself), which takes milliseconds; tensors are views into the map in
 the layout GGUFReader gives them (values for F16 / F32 / F64 / integer types, a uint8
 [rows, bytes a row] view for a block type and BF16), so `gguf.quants.dequantize` takes them.
+(transformers' own fast reader lists tensor names only, and refuses types its dequantizer lacks,
+where every type gguf dequantizes loads here.)
 """
 
 from __future__ import annotations
 
+import math
 import mmap
 import struct
 from collections.abc import Container
@@ -34,13 +37,15 @@ _VALUE_TYPES |= {"I16": np.int16, "I32": np.int32, "I64": np.int64}
 """Tensor types GGUFReader gives as values (others as bytes)."""
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, eq=False)
 class GGUFTensor:
     name: str
     kind: Any
     """The gguf.GGMLQuantizationType."""
     dims: tuple[int, ...]
     """As the file lists them: innermost first."""
+    offset: int
+    """Where its data starts in the file."""
     nbytes: int
     data: np.ndarray
     """Read-only view into the file (see the module docstring for its layout)."""
@@ -118,10 +123,16 @@ def _parse(file: Path, buf: mmap.mmap, string_arrays: Container[str]) -> GGUFFil
     cur.pos = 4
     version, n_tensors, n_kv = cur.take("IQQ")
     if version not in VERSIONS:
-        raise ValueError(f"GGUF version {version}; deja reads versions 2 and 3")
+        swapped = int.from_bytes(version.to_bytes(4, "little"), "big")
+        order = " (a big-endian file)" if swapped in VERSIONS else ""
+        raise ValueError(
+            f"GGUF version {version}{order}; deja reads little-endian versions 2 and 3"
+        )
     metadata: dict[str, Any] = {}
     for _ in range(n_kv):
         key = cur.string()
+        if key in metadata:
+            raise ValueError(f"metadata key {key!r} is listed twice")
         metadata[key] = cur.value(cur.one("I"), key in string_arrays)
     table: list[tuple[str, Any, tuple[int, ...], int]] = []
     names: set[str] = set()
@@ -133,12 +144,14 @@ def _parse(file: Path, buf: mmap.mmap, string_arrays: Container[str]) -> GGUFFil
             raise ValueError(f"tensor {name!r} is listed twice")
         names.add(name)
         table.append((name, GGMLQuantizationType(kind), dims, offset))
-    alignment = int(metadata.get("general.alignment", DEFAULT_ALIGNMENT))
+    alignment = metadata.get("general.alignment", DEFAULT_ALIGNMENT)
+    if not isinstance(alignment, int) or alignment <= 0:
+        raise ValueError(f"general.alignment is {alignment!r}, not a positive integer")
     start = -(-cur.pos // alignment) * alignment
     tensors = []
     for name, kind, dims, offset in table:
         block, size = GGML_QUANT_SIZES[kind]
-        count = int(np.prod(dims))
+        count = math.prod(dims)
         nbytes = count * size // block
         if start + offset + nbytes > len(buf):
             raise ValueError(f"tensor {name!r} runs past the end of the file")
@@ -148,5 +161,5 @@ def _parse(file: Path, buf: mmap.mmap, string_arrays: Container[str]) -> GGUFFil
         else:
             data = np.frombuffer(buf, np.uint8, nbytes, start + offset)
             shape = quant_shape_to_byte_shape(shape, kind)
-        tensors.append(GGUFTensor(name, kind, dims, nbytes, data.reshape(shape)))
+        tensors.append(GGUFTensor(name, kind, dims, start + offset, nbytes, data.reshape(shape)))
     return GGUFFile(file, metadata, tuple(tensors))

@@ -74,16 +74,22 @@ void write_kv(const at::Tensor& cache, const at::Tensor& slots, const at::Tensor
   const int64_t T = slots.numel(), width = cache.size(-2) * cache.size(-1);
   const int64_t rows = cache.numel() / (2 * width), el = cache.element_size(), bytes = width * el;
   TORCH_CHECK(cache.is_contiguous() && rotated.is_contiguous() && qkv.is_contiguous() &&
-                  rotated.scalar_type() == cache.scalar_type() &&
+                  slots.is_contiguous() && rotated.scalar_type() == cache.scalar_type() &&
                   qkv.scalar_type() == cache.scalar_type(),
-              "the cache, rotated q / k and qkv must be contiguous and of one dtype");
+              "the cache, rotated q / k, qkv and slots must be contiguous, the first three of one "
+              "dtype");
+  TORCH_CHECK(rotated.dim() == 3 && rotated.size(0) == T && qkv.dim() == 2 && qkv.size(0) == T &&
+                  (rotated.size(1) - Hq) * rotated.size(2) == width && v_at + width == qkv.size(1),
+              "the cache's rows do not match the step's K and V rows");
   auto* base = static_cast<char*>(cache.data_ptr());
   const auto* k = static_cast<const char*>(rotated.data_ptr());
   const auto* v = static_cast<const char*>(qkv.data_ptr());
   const int64_t k_row = rotated.size(1) * rotated.size(2), v_row = qkv.size(1);
   const int64_t* at = slots.data_ptr<int64_t>();
-  for (int64_t t = 0; t < T; ++t) {
+  for (int64_t t = 0; t < T; ++t) {  // (every slot checked before any row is written)
     TORCH_CHECK(at[t] >= 0 && at[t] < rows, "slot ", at[t], " is outside the cache (", rows, " rows)");
+  }
+  for (int64_t t = 0; t < T; ++t) {
     std::memcpy(base + at[t] * bytes, k + (t * k_row + Hq * rotated.size(2)) * el, bytes);
     std::memcpy(base + (rows + at[t]) * bytes, v + (t * v_row + v_at) * el, bytes);
   }

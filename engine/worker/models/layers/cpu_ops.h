@@ -129,8 +129,8 @@ inline void transpose16(const uint8_t* const* at, int64_t offset, __m512i out[4]
 #endif
 
 #if defined(__AVX512F__)
-// 16 vectors of partial sums -> one vector of their 16 totals: lane i holds the total of the p[j]
-// with kFold16[j] == i (kFold16 is its own inverse: the total of vector i goes to p[kFold16[i]]).
+// 16 vectors of partial sums -> one vector of their 16 totals: p[j]'s total lands in lane
+// kFold16[j] (kFold16 is its own inverse: for row i's total in lane i, put row i in p[kFold16[i]]).
 inline constexpr int kFold16[16] = {0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15};
 inline __m512 fold16(const __m512 (&p)[16]) {
   __m512 a[8], b[4], c[2];
@@ -279,9 +279,7 @@ struct FloatOut {
     }
     AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, out.scalar_type(), "finish", [&] {
       scalar_t* o = out.data_ptr<scalar_t>();
-      size_t i = 0;
-      i = to_bf16(y.data(), o, y.size());
-      for (; i < y.size(); ++i) o[i] = static_cast<scalar_t>(y[i]);
+      for (size_t i = to_bf16(y.data(), o, y.size()); i < y.size(); ++i) o[i] = static_cast<scalar_t>(y[i]);
     });
     return out;
   }

@@ -181,7 +181,8 @@ void rows_product(const float* x, const float* xsum, int64_t K, const void* qs, 
 // (a permute reads the low 4 bits of a lane), so a row's sums take the dequantized weights as
 // they are: two FMAs a group and row, no zero term. One or two rows alternate groups between two
 // sets of sums, so their FMAs do not wait on each other. Each block of 16 weight rows' sums is
-// folded into one vector of 16 outputs (fold16) instead of a horizontal sum a row.
+// folded into one vector of 16 outputs (fold_rows). ldo: the weight's N (out is [M, N]; the
+// scales hold N rows).
 template <int kRows, typename sc_t>
 void rows_q4_table(const float* x, int64_t K, const uint8_t* qs, const sc_t* scale,
                    const sc_t* zero, float* out, int64_t ldo, int64_t n0, int64_t n1) {
@@ -297,10 +298,11 @@ void product(const float* x, const float* xsum, int64_t M, int64_t K, const void
 #if defined(__AVX512F__)
         if constexpr (kQ4) {
           rows_q4_table<kRows>(xm, K, static_cast<const uint8_t*>(qs), scale, zero, om, N, n0, n1);
-          return;
-        }
+        } else
 #endif
-        rows_product<kRows, kQ4, kSub, sc_t>(xm, sm, K, qs, scale, zero, om, N, n0, n1);
+        {
+          rows_product<kRows, kQ4, kSub, sc_t>(xm, sm, K, qs, scale, zero, om, N, n0, n1);
+        }
       });
     }
   });
