@@ -128,6 +128,21 @@ inline void transpose16(const uint8_t* const* at, int64_t offset, __m512i out[4]
 }
 #endif
 
+// f(i, set) for i in [0, n), consecutive i taking turns between sets 0 and kLast (two sets of sums,
+// so one's FMAs need not wait on the other's); an odd n's last i goes to set 0. `set` is a
+// std::integral_constant, so a set's sums stay in registers.
+template <int kLast, typename F>
+inline void in_turns(int64_t n, F&& f) {
+  using first = std::integral_constant<int, 0>;
+  using last = std::integral_constant<int, kLast>;
+  int64_t i = 0;
+  for (; i + 2 <= n; i += 2) {
+    f(i, first{});
+    f(i + 1, last{});
+  }
+  if (i < n) f(i, first{});
+}
+
 #if defined(__AVX512F__)
 // 16 vectors of partial sums -> one vector of their 16 totals: p[j]'s total lands in lane
 // kFold16[j] (kFold16 is its own inverse: for row i's total in lane i, put row i in p[kFold16[i]]).

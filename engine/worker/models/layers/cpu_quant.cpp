@@ -225,7 +225,7 @@ void rows_q4_table(const float* x, int64_t K, const uint8_t* qs, const sc_t* sca
     for (auto& row : acc) {
       for (auto& a : row) a = _mm512_setzero_ps();
     }
-    auto group = [&](int64_t g, int set) {
+    auto group = [&](int64_t g, auto set) {
       const __m512 table = _mm512_fmadd_ps(iota, _mm512_set1_ps(s[g]), _mm512_set1_ps(z[g]));
       const __m512i bytes =
           _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wrow + g * 16)));
@@ -238,12 +238,7 @@ void rows_q4_table(const float* x, int64_t K, const uint8_t* qs, const sc_t* sca
         a[1] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(xg + kLanes), a[1]);
       }
     };
-    int64_t g = 0;
-    for (; g + 2 <= groups; g += 2) {
-      group(g, 0);
-      group(g + 1, kSets - 1);
-    }
-    if (g < groups) group(g, 0);
+    deja_cpu::in_turns<kSets - 1>(groups, group);
     for (int r = 0; r < kRows; ++r) {
       sums[r] = acc[r][0];
       for (int k = 1; k < 2 * kSets; ++k) sums[r] = _mm512_add_ps(sums[r], acc[r][k]);

@@ -438,7 +438,7 @@ void rows_i8_pairs(const int8_t* xq, const float* xd, const float* xsum, const i
       }
       const int64_t pairs = (ng + 1) / 2;
       // pair p of the 16 groups into set `set` of each row's sums
-      auto pair = [&](int64_t p, int set) {
+      auto pair = [&](int64_t p, auto set) {
         const int64_t g = g0 + 2 * p;
         const bool both = 2 * p + 1 < ng;  // (else the row's last group, alone)
         const __mmask64 bytes = both ? ~__mmask64(0) : (__mmask64(1) << 32) - 1;
@@ -467,12 +467,7 @@ void rows_i8_pairs(const int8_t* xq, const float* xd, const float* xsum, const i
           a = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_permutexvar_ps(idx, dd[r]), a);
         }
       };
-      int64_t p = 0;
-      for (; p + 2 <= pairs; p += 2) {
-        pair(p, 0);
-        pair(p + 1, kSets - 1);
-      }
-      if (p < pairs) pair(p, 0);
+      deja_cpu::in_turns<kSets - 1>(pairs, pair);
     }
     for (int r = 0; r < kRows; ++r) {
       sums[r] = mz[r];
