@@ -25,7 +25,7 @@ import sys, numpy as np, torch
 torch.ops.load_library(sys.argv[1])
 ops = torch.ops.deja_cpu_attn
 rng = np.random.default_rng(0)
-for n, k in [(40, 96), (72, 576), (24, 8224)]:  # (257 groups: past a stack buffer)
+for n, k in [(40, 96), (72, 576), (24, 8224)]:  # (257 groups: a long row, odd and past 16s)
     q4 = rng.integers(0, 16, (n, k)).astype(np.uint8)
     packed = q4.reshape(n, k // 32, 2, 16)
     qs4 = torch.from_numpy(np.ascontiguousarray(packed[:, :, 0] | (packed[:, :, 1] << 4)).reshape(n, k // 2))

@@ -41,7 +41,6 @@ constexpr int64_t kGroup = 32;
 #if defined(__AVX512F__)
 constexpr int kMaxRows = 8;  // 8 rows' sums and a group's 2 vectors fit 32 registers
 constexpr bool kQ4Table = true;  // (rows_q4_table)
-constexpr int64_t kMaxGroupsOnStack = 256;  // (its scale buffer: K up to 8192)
 #else
 constexpr int kMaxRows = 4;
 constexpr bool kQ4Table = false;
@@ -190,16 +189,14 @@ void rows_q4_table(const float* x, int64_t K, const uint8_t* qs, const sc_t* sca
   constexpr int kSets = kRows <= 2 ? 2 : 1;
   const __m512 iota = _mm512_setr_ps(-8.f, -7.f, -6.f, -5.f, -4.f, -3.f, -2.f, -1.f, 0.f, 1.f,
                                      2.f, 3.f, 4.f, 5.f, 6.f, 7.f);
-  alignas(64) float buf[std::is_same_v<sc_t, float> ? 1 : 2 * kMaxGroupsOnStack];
-  std::vector<float> heap(!std::is_same_v<sc_t, float> && padded > kMaxGroupsOnStack ? 2 * padded : 0);
-  float* const sbuf = heap.empty() ? buf : heap.data();
+  std::vector<float> buf(std::is_same_v<sc_t, float> ? 0 : 2 * padded);
   // weight row n's scales and zeros as float32 (float16 d and m: d and m + 8d, exact 8d)
   auto row_scales = [&](int64_t n) -> std::pair<const float*, const float*> {
     if constexpr (std::is_same_v<sc_t, float>) {
       return {scale + n * groups, zero + n * groups};
     } else {
-      float* s = sbuf;
-      float* z = sbuf + padded;
+      float* s = buf.data();
+      float* z = s + padded;
       for (int64_t g = 0; g < groups; g += 16) {
         const int64_t at = n * groups + g;
         if ((ldo - n) * groups - g < 16) {  // (the tensor's last 16: no reading past its end)
