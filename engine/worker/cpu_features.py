@@ -32,6 +32,16 @@ def has_bf16_units() -> bool:
     return any(flag in cpu_flags() for flag in BF16_FLAGS)
 
 
+def has_amx_bf16() -> bool:
+    """The CPU has AMX tiles with bfloat16 products (Intel Sapphire Rapids and later)."""
+    return "amx_bf16" in cpu_flags()
+
+
+def has_avx2_fma() -> bool:
+    """The CPU has AVX2 and FMA (the C++ kernels' vector paths need at least these)."""
+    return {"avx2", "fma"} <= cpu_flags()
+
+
 def resolve_dtype(name: str, device_type: str) -> str:
     """'auto' -> bfloat16 on a GPU and on a CPU with bf16 units, else float32; others as given."""
     if name != "auto":

@@ -25,7 +25,6 @@ from engine.worker.attention.cpu_paged import (
     MAX_BLOCK_SIZE,
     MAX_GROUP,
     MAX_HEAD_DIM,
-    SDPA_MIN_QUERIES,
     CpuPagedAttentionBackend,
 )
 from engine.worker.models.layers.attention import Attention
@@ -92,7 +91,7 @@ class CompiledStack:
         SDPA, padding, an fp8 cache or a KV observer)."""
         if (
             num_tokens > self.max_tokens
-            or meta.max_query_len >= SDPA_MIN_QUERIES
+            or meta.max_query_len >= self.backend.sdpa_min_queries
             or kv_cache.dtype != self.dtype
             or kv_cache.shape[3] > MAX_BLOCK_SIZE
             or self.backend.kv_observer is not None

@@ -26,7 +26,7 @@ from engine.worker.attention import cpu_paged
 from engine.worker.attention.cpu_paged import CpuPagedAttentionBackend
 from engine.worker.attention.torch_ref import TorchAttentionBackend
 from tests.engine.worker.test_attention import random_step
-cpu_paged.SDPA_MIN_QUERIES = 1 << 30  # every sequence through the kernel
+cpu_paged.sdpa_min_queries = lambda cache: cpu_paged.NEVER  # every sequence through the kernel
 CASES = {
     "decode": ([10, 33, 64, 0, 5, 200], [1] * 6, 0),
     "decode_one_long": ([700], [1], 0),

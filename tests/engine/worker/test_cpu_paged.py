@@ -82,10 +82,11 @@ def test_kernel_matches_torch_backend(
     route: str,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """route "kernel": every sequence through the kernel; "split": long prefill chunks by SDPA
-    over their own blocks (the default), the rest by the kernel."""
-    if route == "kernel":
-        monkeypatch.setattr(cpu_paged, "SDPA_MIN_QUERIES", 1 << 30)
+    """route "kernel": every sequence through the kernel (the default where its vector path
+    takes the cache); "split": long prefill chunks by SDPA over their own blocks (the default
+    elsewhere), the rest by the kernel."""
+    bound = cpu_paged.NEVER if route == "kernel" else cpu_paged.SDPA_MIN_QUERIES
+    monkeypatch.setattr(cpu_paged, "sdpa_min_queries", lambda cache: bound)
     q, k, v, cache, meta = _batch(case, heads, block_size, 64, dtype)
     want, want_cache = _run(TorchAttentionBackend(), q, k, v, cache, meta)
     got, got_cache = _run(CpuPagedAttentionBackend(KERNEL.ops), q, k, v, cache, meta)
@@ -162,3 +163,28 @@ def test_auto_picks_the_kernel_on_cpu() -> None:
     assert get_attention_backend("auto", cpu).name == "cpu"
     assert get_attention_backend("cpu", cpu).name == "cpu"
     assert get_attention_backend("torch", cpu).name == "torch"
+
+
+@pytest.mark.parametrize("amx", [False, True])
+@pytest.mark.parametrize("avx2", [False, True])
+def test_prefill_chunks_go_to_sdpa_only_where_the_kernel_is_slower(
+    amx: bool, avx2: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Chunks stay with the kernel where its vector path takes the cache, except bfloat16 on a
+    CPU with AMX (SDPA on AMX tiles); an fp8 cache or another head dim (the scalar path) and a
+    CPU without AVX2 send them to SDPA."""
+    monkeypatch.setattr(cpu_paged, "has_amx_bf16", lambda: amx)
+    monkeypatch.setattr(cpu_paged, "has_avx2_fma", lambda: avx2)
+
+    def bound(dtype: torch.dtype, head_dim: int = 64) -> int:
+        return cpu_paged.sdpa_min_queries(torch.zeros(1, 2, 4, 16, 2, head_dim, dtype=dtype))
+
+    kernel, sdpa = cpu_paged.NEVER, cpu_paged.SDPA_MIN_QUERIES
+    assert bound(torch.float32) == (kernel if avx2 else sdpa)
+    assert bound(torch.float32, 128) == (kernel if avx2 else sdpa)
+    assert bound(torch.bfloat16) == (kernel if avx2 and not amx else sdpa)
+    assert bound(torch.float32, 96) == sdpa
+    assert bound(torch.float8_e4m3fn) == sdpa
+    backend = CpuPagedAttentionBackend(KERNEL.ops)
+    backend.bind_kv_cache(torch.zeros(1, 2, 4, 16, 2, 64), None)
+    assert backend.sdpa_min_queries == bound(torch.float32)
