@@ -38,6 +38,7 @@ constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 constexpr int64_t kMaxHeadDim = 256;
 constexpr int64_t kMaxBlockSize = 64;
 constexpr int64_t kRowsPerItem = 48;  // query rows (queries x G) one item aims for
+static_assert(kRowsPerItem % 16 == 0, "attend_item_lanes pads an item's rows to whole vectors");
 constexpr int64_t kMinBlocksPerPart = 8;  // a split part reads at least this many blocks
 
 struct Fp8Table {
@@ -323,6 +324,16 @@ struct Lanes {
     return _mm256_castsi256_ps(_mm256_and_si256(above, below));
 #endif
   }
+  // lanes where a <= b (a > b), and both masks
+#if defined(__AVX512F__)
+  static Mask le(F a, F b) { return _mm512_cmp_ps_mask(a, b, _CMP_LE_OQ); }
+  static Mask gt(F a, F b) { return _mm512_cmp_ps_mask(a, b, _CMP_GT_OQ); }
+  static Mask both(Mask a, Mask b) { return a & b; }
+#else
+  static Mask le(F a, F b) { return _mm256_cmp_ps(a, b, _CMP_LE_OQ); }
+  static Mask gt(F a, F b) { return _mm256_cmp_ps(a, b, _CMP_GT_OQ); }
+  static Mask both(Mask a, Mask b) { return _mm256_and_ps(a, b); }
+#endif
   // v where m holds, else other
   static F keep(Mask m, F v, F other) {
 #if defined(__AVX512F__)
@@ -520,11 +531,169 @@ void attend_item_v(const Problem& p, const Item& it, const scalar_t* q, const ca
 }
 #endif
 
+#if defined(__AVX2__) && defined(__FMA__)
+// Rows of an item from which attend_item_lanes takes it (prefill chunks; decode's few rows stay
+// with attend_item_v).
+constexpr int64_t kLaneRows = Lanes::W;
+constexpr int64_t kLaneGroups = (kRowsPerItem + Lanes::W - 1) / Lanes::W;  // W-row groups at most
+
+// acc[r] += sum over t < nk of p[t][r] v_t for kRows rows from r0 (p: [nk, ldp] key-major;
+// v_t = v + t vs; acc: [.., kD]), the rows' accumulators in registers over the block, each V
+// vector read once for them.
+template <int64_t kD, int kRows>
+inline void add_values(const float* p, int64_t ldp, const float* v, int64_t vs, int64_t nk,
+                       float* acc) {
+  using L = Lanes;
+  using F = L::F;
+  constexpr int W = L::W;
+  constexpr int64_t kC = kD / W;
+  constexpr int64_t kV = kC < 4 ? kC : 4;  // vectors of a row a pass keeps (kRows x kV sums)
+  for (int64_t c0 = 0; c0 < kC; c0 += kV) {
+    F av[kRows][kV];
+#pragma GCC unroll 8
+    for (int r = 0; r < kRows; ++r) {
+#pragma GCC unroll 8
+      for (int64_t c = 0; c < kV; ++c) av[r][c] = L::load(acc + r * kD + W * (c0 + c));
+    }
+    for (int64_t t = 0; t < nk; ++t) {
+      F vt[kV];
+#pragma GCC unroll 8
+      for (int64_t c = 0; c < kV; ++c) vt[c] = L::load(v + t * vs + W * (c0 + c));
+#pragma GCC unroll 8
+      for (int r = 0; r < kRows; ++r) {
+        const F pt = L::set1(p[t * ldp + r]);
+#pragma GCC unroll 8
+        for (int64_t c = 0; c < kV; ++c) av[r][c] = L::fma(pt, vt[c], av[r][c]);
+      }
+    }
+#pragma GCC unroll 8
+    for (int r = 0; r < kRows; ++r) {
+#pragma GCC unroll 8
+      for (int64_t c = 0; c < kV; ++c) L::store(acc + r * kD + W * (c0 + c), av[r][c]);
+    }
+  }
+}
+
+// One W-row group's scores for keys [t0, t0 + kKeys) of a block: s[t] = the group's rows' dot
+// products with key t (a vector of W rows), from qt [kD, W] (the rows transposed) and the keys'
+// float rows; kKeys independent FMA chains over d.
+template <int64_t kD, int kKeys>
+inline void group_scores(const float* qt, const float* krows, int64_t ks, int64_t t0, float* s) {
+  using L = Lanes;
+  using F = L::F;
+  F acc[kKeys];
+#pragma GCC unroll 8
+  for (int j = 0; j < kKeys; ++j) acc[j] = L::zero();
+  for (int64_t d = 0; d < kD; ++d) {
+    const F qv = L::load(qt + d * L::W);
+#pragma GCC unroll 8
+    for (int j = 0; j < kKeys; ++j) acc[j] = L::fma(qv, L::set1(krows[(t0 + j) * ks + d]), acc[j]);
+  }
+#pragma GCC unroll 8
+  for (int j = 0; j < kKeys; ++j) L::store(s + (t0 + j) * L::W, acc[j]);
+}
+
+// The same item with its query rows in the vector lanes, W rows a vector, for items of many rows
+// (prefill chunks; no soft cap): the rows are transposed once; a key's scores for W rows are one
+// vector (FMAs over d, the key's values broadcast); the online softmax runs W rows at once,
+// without horizontal sums; the probabilities are stored key-major for the V pass (add_values).
+// Summation order differs from attend_item_v's; exp_neg is within ~2 ulp of std::exp.
+template <int64_t kD, typename scalar_t, typename cache_t>
+void attend_item_lanes(const Problem& p, const Item& it, const scalar_t* q, const cache_t* cache,
+                       float* acc, float* m, float* l) {
+  using L = Lanes;
+  using F = L::F;
+  constexpr int W = L::W;
+  const int64_t BS = p.block_size;
+  const Span sp(p, it, kD);
+  const int64_t R = sp.R, groups = (R + W - 1) / W, Rp = groups * W;
+  const int64_t tok_stride = sp.tok_stride;
+  const int64_t row_bytes = kD * static_cast<int64_t>(sizeof(cache_t));
+  alignas(64) float qrows[kRowsPerItem * kD];
+  start_item(p, it, sp, q, kD, qrows, acc, m, l);
+  // qt[g][d][lane]: row g W + lane's d-th value (rows past R: 0); pos: a row's position (past R:
+  // -1, sees no key); m, l past R: scratch (the callers' arrays hold kRowsPerItem rows)
+  alignas(64) float qt[kLaneGroups * kD * W];
+  alignas(64) float pos[kLaneGroups * W];
+  for (int64_t r = 0; r < Rp; ++r) {
+    for (int64_t d = 0; d < kD; ++d) qt[((r / W) * kD + d) * W + r % W] = r < R ? qrows[r * kD + d] : 0.0f;
+    pos[r] = r < R ? static_cast<float>(sp.ctx + it.q0 + r / sp.G) : -1.0f;
+    m[r] = kNegInf;
+    l[r] = 0.0f;
+  }
+  alignas(64) float kbuf[kMaxBlockSize * kD], vbuf[kMaxBlockSize * kD];
+  alignas(64) float s[kMaxBlockSize * W];                 // one group's scores [t, W]
+  alignas(64) float probs[kMaxBlockSize * kRowsPerItem];  // [t, Rp]
+  alignas(64) float alpha[kRowsPerItem];
+  const F hidden = L::set1(kNegInf);
+  const F window = L::set1(static_cast<float>(p.window));
+  for (int64_t b = it.b0; b < it.b1; ++b) {
+    const int64_t key0 = b * BS, nk = sp.keys(p, b);
+    if (nk <= 0) break;
+    const cache_t* kblk = sp.k_rows(p, it, cache, b, kD);
+    const cache_t* vblk = kblk + sp.v_offset;
+    if (b + 1 < it.b1) {
+      const cache_t* knext = sp.k_rows(p, it, cache, b + 1, kD);
+      prefetch_block(knext, sp.keys(p, b + 1), tok_stride, row_bytes);
+      prefetch_block(knext + sp.v_offset, sp.keys(p, b + 1), tok_stride, row_bytes);
+    }
+    int64_t ks = 0, vs = 0;
+    const float* krows = block_rows<kD>(kblk, nk, tok_stride, kbuf, ks);
+    bool any = false;
+    for (int64_t g = 0; g < groups; ++g) {
+      int64_t t0 = 0;
+      for (; t0 + 8 <= nk; t0 += 8) group_scores<kD, 8>(qt + g * kD * W, krows, ks, t0, s);
+      for (; t0 < nk; ++t0) group_scores<kD, 1>(qt + g * kD * W, krows, ks, t0, s);
+      // key key0 + t is visible to a row at pos where key <= pos (and pos - window < key)
+      const F at = L::load(pos + g * W);
+      const auto visible = [&](int64_t t) {
+        const F key = L::set1(static_cast<float>(key0 + t));
+        const L::Mask causal = L::le(key, at);
+        return p.window > 0 ? L::both(causal, L::gt(key, L::sub(at, window))) : causal;
+      };
+      F top = hidden;
+      for (int64_t t = 0; t < nk; ++t) top = L::top(top, L::keep(visible(t), L::load(s + t * W), hidden));
+      const F m_old = L::load(m + g * W);
+      const F m_new = L::top(m_old, top);
+      const F base = L::keep(L::gt(m_new, hidden), m_new, L::zero());  // (-inf: no key yet)
+      const F a = L::keep(L::gt(m_old, hidden), L::exp_neg(L::sub(m_old, base)), L::zero());
+      F total = L::zero();
+      for (int64_t t = 0; t < nk; ++t) {
+        const F e = L::keep(visible(t), L::exp_neg(L::sub(L::load(s + t * W), base)), L::zero());
+        L::store(probs + t * Rp + g * W, e);
+        total = L::add(total, e);
+      }
+      any = any || L::max(top) > kNegInf;
+      L::store(l + g * W, L::fma(L::load(l + g * W), a, total));
+      L::store(m + g * W, m_new);
+      L::store(alpha + g * W, a);
+    }
+    for (int64_t r = 0; r < R; ++r) {  // the rows' accumulators rescaled to their new max
+      if (alpha[r] == 1.0f) continue;
+      const F a = L::set1(alpha[r]);
+      for (int64_t c = 0; c < kD; c += W) L::store(acc + r * kD + c, L::mul(L::load(acc + r * kD + c), a));
+    }
+    if (!any) continue;
+    const float* vrows = block_rows<kD>(vblk, nk, tok_stride, vbuf, vs);
+    constexpr int kPV = kD / W >= 8 ? 2 : 4;  // rows a V pass takes (registers: kPV x 4 sums)
+    for (int64_t r0 = 0; r0 < R; r0 += kPV) {
+      deja_cpu::with_rows<kPV>(R - r0, [&](auto rows) {
+        add_values<kD, decltype(rows)::value>(probs + r0, Rp, vrows, vs, nk, acc + r0 * kD);
+      });
+    }
+  }
+}
+#endif
+
 template <typename scalar_t, typename cache_t>
 void attend_any(const Problem& p, const Item& it, const scalar_t* q, const cache_t* cache,
                 float* acc, float* m, float* l) {
 #if defined(__AVX2__) && defined(__FMA__)
   if constexpr (!std::is_same_v<cache_t, uint8_t>) {
+    if ((it.q1 - it.q0) * p.group >= kLaneRows && p.soft_cap == 0.0f) {
+      if (p.head_dim == 64) return attend_item_lanes<64>(p, it, q, cache, acc, m, l);
+      if (p.head_dim == 128) return attend_item_lanes<128>(p, it, q, cache, acc, m, l);
+    }
     if (p.head_dim == 64) return attend_item_v<64>(p, it, q, cache, acc, m, l);
     if (p.head_dim == 128) return attend_item_v<128>(p, it, q, cache, acc, m, l);
   }
