@@ -593,6 +593,37 @@ inline void group_scores(const float* qt, const float* krows, int64_t ks, int64_
   for (int j = 0; j < kKeys; ++j) L::store(s + (t0 + j) * L::W, acc[j]);
 }
 
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+constexpr bool kBf16Dots = true;  // a bfloat16 cache's scores by vdpbf16ps (group_scores_bf16)
+#else
+constexpr bool kBf16Dots = false;
+#endif
+
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+// group_scores for bfloat16 rows and keys: qt2 [kD / 2, 16] holds the rows' pairs of values
+// (d, d + 1) as 32-bit lanes; a key's pairs are read from its cache row (`k`, `ks` apart) and
+// broadcast; each vdpbf16ps adds two exact products into float32 sums, which are then scaled by
+// `mul` (the softmax scale: the rows stay as stored).
+template <int64_t kD, int kKeys>
+inline void group_scores_bf16(const uint32_t* qt2, const at::BFloat16* k, int64_t ks, int64_t t0,
+                              float mul, float* s) {
+  __m512 acc[kKeys];
+#pragma GCC unroll 8
+  for (int j = 0; j < kKeys; ++j) acc[j] = _mm512_setzero_ps();
+  for (int64_t d = 0; d < kD; d += 2) {
+    const __m512bh qv = (__m512bh)_mm512_loadu_si512(qt2 + (d / 2) * 16);
+#pragma GCC unroll 8
+    for (int j = 0; j < kKeys; ++j) {
+      const auto* pair = reinterpret_cast<const deja_cpu::unaligned_i32*>(k + (t0 + j) * ks + d);
+      acc[j] = _mm512_dpbf16_ps(acc[j], qv, (__m512bh)_mm512_set1_epi32(*pair));
+    }
+  }
+  const __m512 scale = _mm512_set1_ps(mul);
+#pragma GCC unroll 8
+  for (int j = 0; j < kKeys; ++j) _mm512_storeu_ps(s + (t0 + j) * 16, _mm512_mul_ps(acc[j], scale));
+}
+#endif
+
 // The same item with its query rows in the vector lanes, W rows a vector, for items of many rows
 // (prefill chunks; no soft cap): the rows are transposed once; a key's scores for W rows are one
 // vector (FMAs over d, the key's values broadcast); the online softmax runs W rows at once,
@@ -613,10 +644,23 @@ void attend_item_lanes(const Problem& p, const Item& it, const scalar_t* q, cons
   start_item(p, it, sp, q, kD, qrows, acc, m, l);
   // qt[g][d][lane]: row g W + lane's d-th value (rows past R: 0); pos: a row's position (past R:
   // -1, sees no key); m, l past R: scratch (the callers' arrays hold kRowsPerItem rows)
+  // With bf16 dot products (a bfloat16 cache and queries): qt2[g][d / 2][lane], the row's raw
+  // pair (d, d + 1), and the K rows read as stored.
+  constexpr bool kDots =
+      kBf16Dots && std::is_same_v<cache_t, at::BFloat16> && std::is_same_v<scalar_t, at::BFloat16>;
   alignas(64) float qt[kLaneGroups * kD * W];
+  alignas(64) uint32_t qt2[kDots ? kLaneGroups * kD / 2 * W : 1];
   alignas(64) float pos[kLaneGroups * W];
   for (int64_t r = 0; r < Rp; ++r) {
-    for (int64_t d = 0; d < kD; ++d) qt[((r / W) * kD + d) * W + r % W] = r < R ? qrows[r * kD + d] : 0.0f;
+    if constexpr (kDots) {
+      const auto* row = reinterpret_cast<const deja_cpu::unaligned_i32*>(
+          q + (sp.qstart + it.q0 + r / sp.G) * p.q_stride_t + (it.head * sp.G + r % sp.G) * p.q_stride_h);
+      for (int64_t d = 0; d < kD; d += 2) {
+        qt2[((r / W) * kD / 2 + d / 2) * W + r % W] = r < R ? static_cast<uint32_t>(row[d / 2]) : 0u;
+      }
+    } else {
+      for (int64_t d = 0; d < kD; ++d) qt[((r / W) * kD + d) * W + r % W] = r < R ? qrows[r * kD + d] : 0.0f;
+    }
     pos[r] = r < R ? static_cast<float>(sp.ctx + it.q0 + r / sp.G) : -1.0f;
     m[r] = kNegInf;
     l[r] = 0.0f;
@@ -638,10 +682,18 @@ void attend_item_lanes(const Problem& p, const Item& it, const scalar_t* q, cons
       prefetch_block(knext + sp.v_offset, sp.keys(p, b + 1), tok_stride, row_bytes);
     }
     int64_t ks = 0, vs = 0;
-    const float* krows = block_rows<kD>(kblk, nk, tok_stride, kbuf, ks);
+    const float* krows = kDots ? nullptr : block_rows<kD>(kblk, nk, tok_stride, kbuf, ks);
     bool any = false;
     for (int64_t g = 0; g < groups; ++g) {
       int64_t t0 = 0;
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+      if constexpr (kDots) {
+        const float mul = p.scale * p.k_scale;
+        const uint32_t* qg = qt2 + g * kD / 2 * W;
+        for (; t0 + 8 <= nk; t0 += 8) group_scores_bf16<kD, 8>(qg, kblk, tok_stride, t0, mul, s);
+        for (; t0 < nk; ++t0) group_scores_bf16<kD, 1>(qg, kblk, tok_stride, t0, mul, s);
+      }
+#endif
       for (; t0 + 8 <= nk; t0 += 8) group_scores<kD, 8>(qt + g * kD * W, krows, ks, t0, s);
       for (; t0 < nk; ++t0) group_scores<kD, 1>(qt + g * kD * W, krows, ks, t0, s);
       // key key0 + t is visible to a row at pos where key <= pos (and pos - window < key)
