@@ -622,6 +622,63 @@ inline void group_scores_bf16(const uint32_t* qt2, const at::BFloat16* k, int64_
 #pragma GCC unroll 8
   for (int j = 0; j < kKeys; ++j) _mm512_storeu_ps(s + (t0 + j) * 16, _mm512_mul_ps(acc[j], scale));
 }
+
+// A block's nk V rows (`stride` apart) as pairs of keys for vdpbf16ps: vp[t / 2][d], a 32-bit
+// lane holding (v_t[d], v_t+1[d]) (a missing last key: 0).
+template <int64_t kD>
+inline void pair_values(const at::BFloat16* v, int64_t nk, int64_t stride, uint32_t* vp) {
+  const __m512i lo = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8,
+                                      39, 7, 38, 6, 37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
+  const __m512i hi = _mm512_add_epi16(lo, _mm512_set1_epi16(16));
+  for (int64_t t = 0; t < nk; t += 2) {
+    for (int64_t c = 0; c < kD; c += 32) {
+      const __m512i a = _mm512_loadu_si512(v + t * stride + c);
+      const __m512i b = t + 1 < nk ? _mm512_loadu_si512(v + (t + 1) * stride + c) : _mm512_setzero_si512();
+      _mm512_storeu_si512(vp + (t / 2) * kD + c, _mm512_permutex2var_epi16(a, lo, b));
+      _mm512_storeu_si512(vp + (t / 2) * kD + c + 16, _mm512_permutex2var_epi16(a, hi, b));
+    }
+  }
+}
+
+// Each row's probabilities of two keys as one bf16 pair: pp[lane] = (e0[lane], e1[lane]), rounded
+// to nearest even (as torch's flash attention rounds its probabilities for a bf16 V product).
+inline __m512i prob_pairs(__m512 e0, __m512 e1) {
+  const __m512i a = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(e0));
+  const __m512i b = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(e1));
+  return _mm512_or_si512(a, _mm512_slli_epi32(b, 16));
+}
+
+// add_values with bf16 pairs: acc[r] += sum over key pairs of pp[t / 2][r] . vp[t / 2] for kRows
+// rows (pp: [pairs, ldp] from prob_pairs; vp from pair_values; acc: [.., kD] float32).
+template <int64_t kD, int kRows>
+inline void add_values_bf16(const uint32_t* pp, int64_t ldp, const uint32_t* vp, int64_t pairs,
+                            float* acc) {
+  constexpr int64_t kC = kD / 16, kV = kC < 4 ? kC : 4;
+  for (int64_t c0 = 0; c0 < kC; c0 += kV) {
+    __m512 av[kRows][kV];
+#pragma GCC unroll 8
+    for (int r = 0; r < kRows; ++r) {
+#pragma GCC unroll 8
+      for (int64_t c = 0; c < kV; ++c) av[r][c] = _mm512_loadu_ps(acc + r * kD + 16 * (c0 + c));
+    }
+    for (int64_t t = 0; t < pairs; ++t) {
+      __m512bh vt[kV];
+#pragma GCC unroll 8
+      for (int64_t c = 0; c < kV; ++c) vt[c] = (__m512bh)_mm512_loadu_si512(vp + t * kD + 16 * (c0 + c));
+#pragma GCC unroll 8
+      for (int r = 0; r < kRows; ++r) {
+        const __m512bh pr = (__m512bh)_mm512_set1_epi32(static_cast<int32_t>(pp[t * ldp + r]));
+#pragma GCC unroll 8
+        for (int64_t c = 0; c < kV; ++c) av[r][c] = _mm512_dpbf16_ps(av[r][c], pr, vt[c]);
+      }
+    }
+#pragma GCC unroll 8
+    for (int r = 0; r < kRows; ++r) {
+#pragma GCC unroll 8
+      for (int64_t c = 0; c < kV; ++c) _mm512_storeu_ps(acc + r * kD + 16 * (c0 + c), av[r][c]);
+    }
+  }
+}
 #endif
 
 // The same item with its query rows in the vector lanes, W rows a vector, for items of many rows
@@ -668,6 +725,8 @@ void attend_item_lanes(const Problem& p, const Item& it, const scalar_t* q, cons
   alignas(64) float kbuf[kMaxBlockSize * kD], vbuf[kMaxBlockSize * kD];
   alignas(64) float s[kMaxBlockSize * W];                 // one group's scores [t, W]
   alignas(64) float probs[kMaxBlockSize * kRowsPerItem];  // [t, Rp]
+  alignas(64) uint32_t pp[kDots ? kMaxBlockSize / 2 * kRowsPerItem : 1];  // bf16 pairs [t / 2, Rp]
+  alignas(64) uint32_t vp[kDots ? kMaxBlockSize / 2 * kD : 1];            // pair_values
   alignas(64) float alpha[kRowsPerItem];
   const F hidden = L::set1(kNegInf);
   const F window = L::set1(static_cast<float>(p.window));
@@ -710,10 +769,23 @@ void attend_item_lanes(const Problem& p, const Item& it, const scalar_t* q, cons
       const F base = L::keep(L::gt(m_new, hidden), m_new, L::zero());  // (-inf: no key yet)
       const F a = L::keep(L::gt(m_old, hidden), L::exp_neg(L::sub(m_old, base)), L::zero());
       F total = L::zero();
-      for (int64_t t = 0; t < nk; ++t) {
-        const F e = L::keep(visible(t), L::exp_neg(L::sub(L::load(s + t * W), base)), L::zero());
-        L::store(probs + t * Rp + g * W, e);
-        total = L::add(total, e);
+      const auto prob = [&](int64_t t) {
+        return L::keep(visible(t), L::exp_neg(L::sub(L::load(s + t * W), base)), L::zero());
+      };
+      if constexpr (kDots) {
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+        for (int64_t t = 0; t < nk; t += 2) {
+          const F e0 = prob(t), e1 = t + 1 < nk ? prob(t + 1) : L::zero();
+          _mm512_storeu_si512(pp + (t / 2) * Rp + g * W, prob_pairs(e0, e1));
+          total = L::add(total, L::add(e0, e1));
+        }
+#endif
+      } else {
+        for (int64_t t = 0; t < nk; ++t) {
+          const F e = prob(t);
+          L::store(probs + t * Rp + g * W, e);
+          total = L::add(total, e);
+        }
       }
       any = any || L::max(top) > kNegInf;
       L::store(l + g * W, L::fma(L::load(l + g * W), a, total));
@@ -726,8 +798,19 @@ void attend_item_lanes(const Problem& p, const Item& it, const scalar_t* q, cons
       for (int64_t c = 0; c < kD; c += W) L::store(acc + r * kD + c, L::mul(L::load(acc + r * kD + c), a));
     }
     if (!any) continue;
-    const float* vrows = block_rows<kD>(vblk, nk, tok_stride, vbuf, vs);
     constexpr int kPV = kD / W >= 8 ? 2 : 4;  // rows a V pass takes (registers: kPV x 4 sums)
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+    if constexpr (kDots) {
+      pair_values<kD>(vblk, nk, tok_stride, vp);
+      for (int64_t r0 = 0; r0 < R; r0 += kPV) {
+        deja_cpu::with_rows<kPV>(R - r0, [&](auto rows) {
+          add_values_bf16<kD, decltype(rows)::value>(pp + r0, Rp, vp, (nk + 1) / 2, acc + r0 * kD);
+        });
+      }
+      continue;
+    }
+#endif
+    const float* vrows = block_rows<kD>(vblk, nk, tok_stride, vbuf, vs);
     for (int64_t r0 = 0; r0 < R; r0 += kPV) {
       deja_cpu::with_rows<kPV>(R - r0, [&](auto rows) {
         add_values<kD, decltype(rows)::value>(probs + r0, Rp, vrows, vs, nk, acc + r0 * kD);
