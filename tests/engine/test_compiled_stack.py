@@ -13,6 +13,8 @@ import torch
 
 from engine import LLM, SamplingParams
 from engine.testing.tiny_gguf import write_gguf
+from engine.testing.tiny_models import build_tiny_llama
+from engine.worker.attention import cpu_paged
 from engine.worker.attention.cpu_kernel import load_kernel
 from engine.worker.model_loader import model_fingerprint
 from engine.worker.models.compiled import CompiledStack
@@ -133,6 +135,44 @@ def test_stack_gives_the_modules_bits(
         assert check.widest >= slab_from
     kv = llm.engine.core.kv
     assert kv.num_free_blocks == kv.num_blocks
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_prefill_chunks_through_the_stack_give_the_modules_bits(
+    dtype: str, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """Head dim 64, which the attention kernel's vector path takes: prefill chunks stay with the
+    kernel (not SDPA), so the stack runs them too, with the same bits as the modules."""
+    base = build_tiny_llama(
+        tmp_path_factory.mktemp("d64"),
+        hidden_size=128,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+    )
+    file = write_gguf(base, tmp_path_factory.mktemp("gguf") / "d64.gguf", MIXED)
+    llm = LLM(
+        str(file),
+        dtype=dtype,
+        quantization="gguf",
+        block_size=16,
+        num_device_blocks=256,
+        max_num_batched_tokens=40,
+    )
+    model = _model(llm)
+    assert isinstance(model.compiled, CompiledStack)
+    cache = llm.engine.core.executor.driver.kv_cache
+    assert cache is not None
+    assert model.backend.sdpa_min_queries == cpu_paged.sdpa_min_queries(cache)
+    check = _Checked(model)
+    model.forward = check
+    prompts = shared_prefix_prompts(256, 6, 64, seed=5)
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
+    assert all(len(o.outputs[0].token_ids) == 6 for o in outs)
+    if model.backend.sdpa_min_queries == cpu_paged.NEVER:
+        assert check.module_steps == 0  # every step, chunks of 40 tokens included, in the stack
+        assert check.widest == 40
+    else:  # (a CPU where chunks go to SDPA: the modules take them)
+        assert check.module_steps >= 1
 
 
 def test_models_the_stack_does_not_take_keep_the_modules(

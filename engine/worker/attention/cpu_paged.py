@@ -9,16 +9,18 @@ is planned inside the kernel from the metadata; nothing is built per layer here.
 
 NOTE: prefill chunks go to the kernel too wherever its vector path takes the cache (a float32 or
 bfloat16 cache, head dim 64 or 128, AVX2 and FMA at least). There it is faster than gathering the
-chunk's K/V for torch's SDPA: on a 2-core Zen 5 EPYC (AVX-512), bfloat16, the kernel attends a
-512-token chunk over a 2,048-token cached prefix at ~115 GMAC/s where SDPA's flash kernel reaches
-~30 (demo model: TTFT of a fresh 512-token prompt 256 -> 173 ms, of 512 tokens over a cached
-2,048 698 -> 488 ms; float32 ~400 -> ~330 and ~840 -> 652 ms); with the AVX2 builds of both
-(the kernel compiled for Zen 3, torch held to AVX2) they are level (the kernel 3-6% ahead).
-Elsewhere, the sequences with SDPA_MIN_QUERIES or more new tokens (on layers without a window or
-soft cap) go to SDPA, all of them together through the torch backend's batched path (up to 4
-length groups, one gather + one SDPA call each, never a loop over sequences): where the kernel
-would take its scalar path (an fp8 cache, another head dim, no AVX2), and in bfloat16 or
-float16 on a CPU with AMX, where SDPA's flash kernel multiplies on AMX tiles (`sdpa_min_queries`).
+chunk's K/V for torch's SDPA: on a 2-core Zen 5 EPYC (AVX-512 with BF16), bfloat16, the kernel
+attends a 512-token chunk over a 2,048-token cached prefix at ~268 GMAC/s (its many-row path,
+attend_item_lanes) where SDPA's flash kernel reaches ~30; on the demo model the time to the first
+token of 512 new tokens over a cached 2,048 went 698 -> ~283 ms, of a fresh 512-token prompt
+256 -> ~150 ms (float32: ~840 -> 551-589 and ~400 -> 306-341 ms). With the AVX2 builds of both
+(the kernel compiled for Zen 3, torch held to AVX2) the kernel was 3-6% ahead before its many-row
+path. Elsewhere, the sequences with SDPA_MIN_QUERIES or more new tokens (on layers without a
+window or soft cap) go to SDPA, all of them together through the torch backend's batched path
+(up to 4 length groups, one gather + one SDPA call each, never a loop over sequences): where the
+kernel would take its scalar path (an fp8 cache, another head dim, no AVX2), and with a bfloat16
+cache on a CPU with AMX, where SDPA's flash kernel multiplies on AMX tiles (`sdpa_min_queries`;
+a choice not measured on such a CPU).
 Decode tokens and short chunks, the bulk of a serving step, never leave the cache.
 
 Supported per layer: float32 or bfloat16 queries over a cache of the same dtype or fp8

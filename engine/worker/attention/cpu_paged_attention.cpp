@@ -532,8 +532,8 @@ void attend_item_v(const Problem& p, const Item& it, const scalar_t* q, const ca
 #endif
 
 #if defined(__AVX2__) && defined(__FMA__)
-// Rows of an item from which attend_item_lanes takes it (prefill chunks; decode's few rows stay
-// with attend_item_v).
+// Rows of an item from which attend_item_lanes takes it: prefill chunks (and the decode rows of
+// a KV head with W or more query heads); fewer stay with attend_item_v.
 constexpr int64_t kLaneRows = Lanes::W;
 constexpr int64_t kLaneGroups = (kRowsPerItem + Lanes::W - 1) / Lanes::W;  // W-row groups at most
 
@@ -697,21 +697,30 @@ void attend_item_lanes(const Problem& p, const Item& it, const scalar_t* q, cons
   const int64_t R = sp.R, groups = (R + W - 1) / W, Rp = groups * W;
   const int64_t tok_stride = sp.tok_stride;
   const int64_t row_bytes = kD * static_cast<int64_t>(sizeof(cache_t));
-  alignas(64) float qrows[kRowsPerItem * kD];
-  start_item(p, it, sp, q, kD, qrows, acc, m, l);
-  // qt[g][d][lane]: row g W + lane's d-th value (rows past R: 0); pos: a row's position (past R:
-  // -1, sees no key); m, l past R: scratch (the callers' arrays hold kRowsPerItem rows)
-  // With bf16 dot products (a bfloat16 cache and queries): qt2[g][d / 2][lane], the row's raw
-  // pair (d, d + 1), and the K rows read as stored.
+  // With bf16 dot products (a bfloat16 cache and queries): qt2[g][d / 2][lane], a row's pair of
+  // values (d, d + 1) as stored, and the K and V rows read as stored; otherwise qt[g][d][lane],
+  // row g W + lane's d-th value times the scale (start_item's qrows). Rows past R: 0. pos: a
+  // row's position (past R: -1, sees no key; exact as a float below 2^24). m, l past R: scratch
+  // (the callers' arrays hold kRowsPerItem rows). The buffers a path does not use take 1 float.
   constexpr bool kDots =
       kBf16Dots && std::is_same_v<cache_t, at::BFloat16> && std::is_same_v<scalar_t, at::BFloat16>;
-  alignas(64) float qt[kLaneGroups * kD * W];
+  constexpr int64_t kFloats = kDots ? 1 : 0;  // (0: full size)
+  alignas(64) float qrows[kFloats ? kFloats : kRowsPerItem * kD];
+  if constexpr (kDots) {
+    std::fill(acc, acc + R * kD, 0.0f);
+  } else {
+    start_item(p, it, sp, q, kD, qrows, acc, m, l);
+  }
+  alignas(64) float qt[kFloats ? kFloats : kLaneGroups * kD * W];
   alignas(64) uint32_t qt2[kDots ? kLaneGroups * kD / 2 * W : 1];
   alignas(64) float pos[kLaneGroups * W];
   for (int64_t r = 0; r < Rp; ++r) {
     if constexpr (kDots) {
-      const auto* row = reinterpret_cast<const deja_cpu::unaligned_i32*>(
-          q + (sp.qstart + it.q0 + r / sp.G) * p.q_stride_t + (it.head * sp.G + r % sp.G) * p.q_stride_h);
+      const deja_cpu::unaligned_i32* row = nullptr;
+      if (r < R) {
+        row = reinterpret_cast<const deja_cpu::unaligned_i32*>(
+            q + (sp.qstart + it.q0 + r / sp.G) * p.q_stride_t + (it.head * sp.G + r % sp.G) * p.q_stride_h);
+      }
       for (int64_t d = 0; d < kD; d += 2) {
         qt2[((r / W) * kD / 2 + d / 2) * W + r % W] = r < R ? static_cast<uint32_t>(row[d / 2]) : 0u;
       }
@@ -722,9 +731,10 @@ void attend_item_lanes(const Problem& p, const Item& it, const scalar_t* q, cons
     m[r] = kNegInf;
     l[r] = 0.0f;
   }
-  alignas(64) float kbuf[kMaxBlockSize * kD], vbuf[kMaxBlockSize * kD];
-  alignas(64) float s[kMaxBlockSize * W];                 // one group's scores [t, W]
-  alignas(64) float probs[kMaxBlockSize * kRowsPerItem];  // [t, Rp]
+  alignas(64) float kbuf[kFloats ? kFloats : kMaxBlockSize * kD];
+  alignas(64) float vbuf[kFloats ? kFloats : kMaxBlockSize * kD];
+  alignas(64) float s[kMaxBlockSize * W];  // one group's scores [t, W]
+  alignas(64) float probs[kFloats ? kFloats : kMaxBlockSize * kRowsPerItem];  // [t, Rp]
   alignas(64) uint32_t pp[kDots ? kMaxBlockSize / 2 * kRowsPerItem : 1];  // bf16 pairs [t / 2, Rp]
   alignas(64) uint32_t vp[kDots ? kMaxBlockSize / 2 * kD : 1];            // pair_values
   alignas(64) float alpha[kRowsPerItem];

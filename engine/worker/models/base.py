@@ -269,7 +269,7 @@ class CausalLM(nn.Module):
         if kernels is not None:
             self.use_kernels(kernels)
             self.compiled, reason = CompiledStack.build(self, kernels)
-            compiled = "one C++ call a decode step" if self.compiled else reason
+            compiled = "one C++ call a step of few tokens" if self.compiled else reason
             logger.info("decoder stack: %s", compiled)
 
     def quantize_activations(self, kernels: Any) -> None:

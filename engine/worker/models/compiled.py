@@ -87,8 +87,8 @@ class CompiledStack:
         self, num_tokens: int, kv_cache: torch.Tensor, meta: AttentionMetadata
     ) -> torch.Tensor | None:
         """The step's cache slots [T] int64 when the stack runs this step; None when the modules
-        do (more tokens than the linears take without expanding a weight, a prefill chunk for
-        SDPA, padding, an fp8 cache or a KV observer)."""
+        do (more tokens than the linears take without expanding a weight, a prefill chunk the
+        backend sends to SDPA, padding, an fp8 cache or a KV observer)."""
         if (
             num_tokens > self.max_tokens
             or meta.max_query_len >= self.backend.sdpa_min_queries

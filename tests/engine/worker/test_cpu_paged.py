@@ -39,6 +39,9 @@ CASES = {
     "prefill": ([0, 0, 0], [40, 7, 130], 0),
     "cached_prefix": ([96, 300], [33, 5], 1),
     "mixed": ([0, 20, 45, 3, 16, 0, 129], [37, 1, 13, 1, 16, 1, 70], 3),
+    # one chunk of many rows over a long context: too few items for the threads, so split over
+    # key blocks and merged (the many-row path's parts)
+    "chunk_one_long": ([300], [12], 0),
 }
 TOL = {torch.float32: 2e-5, torch.bfloat16: 2e-2}
 
@@ -96,19 +99,31 @@ def test_kernel_matches_torch_backend(
     assert not got[num_queries:].any()  # padding tokens get zeros
 
 
+@pytest.mark.parametrize(
+    "layout",
+    [(32, torch.float32), (64, torch.float32), (64, torch.bfloat16)],
+    ids=lambda x: f"d{x[0]}-{x[1]}",
+)
 @pytest.mark.parametrize("options", [(1, None), (20, None), (None, 2.0), (40, 1.5)])
-@pytest.mark.parametrize("case", ["decode", "cached_prefix", "mixed"])
-def test_kernel_window_and_soft_cap(case: str, options: tuple[int | None, float | None]) -> None:
+@pytest.mark.parametrize("case", ["decode", "cached_prefix", "mixed", "chunk_one_long"])
+def test_kernel_window_and_soft_cap(
+    case: str, options: tuple[int | None, float | None], layout: tuple[int, torch.dtype]
+) -> None:
+    """Head dim 32 takes the scalar path; 64 the vector ones (the many-row path for chunks)."""
     window, cap = options
-    q, k, v, cache, meta = _batch(case, (4, 2), 16, 32, torch.float32)
+    head_dim, dtype = layout
+    q, k, v, cache, meta = _batch(case, (4, 2), 16, head_dim, dtype)
     outs = []
     for backend in (TorchAttentionBackend(), CpuPagedAttentionBackend(KERNEL.ops)):
         c = cache.clone()
         backend.bind_kv_cache(c.unsqueeze(0), None)
         outs.append(
-            backend.forward(q, k, v, c, meta, 32**-0.5, sliding_window=window, logits_soft_cap=cap)
+            backend.forward(
+                q, k, v, c, meta, head_dim**-0.5, sliding_window=window, logits_soft_cap=cap
+            )
         )
-    torch.testing.assert_close(outs[1], outs[0], atol=2e-5, rtol=2e-5)
+    tol = TOL[dtype]
+    torch.testing.assert_close(outs[1].float(), outs[0].float(), atol=tol, rtol=tol)
 
 
 def test_window_never_reads_released_blocks() -> None:
