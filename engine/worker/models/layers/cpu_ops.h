@@ -9,6 +9,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstring>
 #include <tuple>
 #include <type_traits>
 #include <utility>
@@ -163,29 +164,68 @@ inline __m512 fold16(const __m512 (&p)[16]) {
   }
   return _mm512_add_ps(_mm512_shuffle_ps(c[0], c[1], 0x44), _mm512_shuffle_ps(c[0], c[1], 0xEE));
 }
+#endif
+
+// How fold_rows folds vectors of type V: kWidth of them into one vector of their totals, row i's
+// sums go in slot(i) for its total to land in lane i, and store writes the first `live` lanes.
+template <typename V>
+struct Folding;
+#if defined(__AVX512F__)
+template <>
+struct Folding<__m512> {
+  static constexpr int kWidth = 16;
+  static int slot(int i) { return kFold16[i]; }
+  static __m512 fold(const __m512 (&p)[16]) { return fold16(p); }
+  static void store(float* o, __m512 v, int64_t live) {
+    _mm512_mask_storeu_ps(o, static_cast<__mmask16>(live == 16 ? 0xffff : (1u << live) - 1), v);
+  }
+};
+#endif
+#if defined(__AVX2__)
+template <>
+struct Folding<__m256> {
+  static constexpr int kWidth = 8;
+  static int slot(int i) { return i; }
+  static __m256 fold(const __m256 (&p)[8]) {  // (p[i]'s total in lane i)
+    const __m256 a0 = _mm256_hadd_ps(p[0], p[1]), a1 = _mm256_hadd_ps(p[2], p[3]);
+    const __m256 a2 = _mm256_hadd_ps(p[4], p[5]), a3 = _mm256_hadd_ps(p[6], p[7]);
+    const __m256 b0 = _mm256_hadd_ps(a0, a1), b1 = _mm256_hadd_ps(a2, a3);  // halves' sums
+    return _mm256_add_ps(_mm256_permute2f128_ps(b0, b1, 0x20), _mm256_permute2f128_ps(b0, b1, 0x31));
+  }
+  static void store(float* o, __m256 v, int64_t live) {
+    if (live == 8) {
+      _mm256_storeu_ps(o, v);
+    } else {  // (a copy: masked stores are slow on AMD)
+      alignas(32) float part[8];
+      _mm256_store_ps(part, v);
+      std::memcpy(o, part, live * sizeof(float));
+    }
+  }
+};
+#endif
 
 // out[r * ldo + n] for kRows rows r and the weight rows n in [n0, n1): row(n, sums) sets sums[r]
-// to a vector whose lanes add up to that output; each block of 16 weight rows is folded into one
-// vector a row (fold16) and stored at once, instead of a horizontal sum an output.
-template <int kRows, typename Row>
+// to a vector V whose lanes add up to that output; each block of a vector's width of weight rows
+// is folded into one vector a row and stored at once, instead of a horizontal sum an output
+// (whose latency the next row would wait behind).
+template <typename V, int kRows, typename Row>
 inline void fold_rows(float* out, int64_t ldo, int64_t n0, int64_t n1, Row&& row) {
-  __m512 part[kRows][16];
-  for (int64_t b0 = n0; b0 < n1; b0 += 16) {
-    const int64_t live = std::min<int64_t>(16, n1 - b0);
-    for (int i = 0; i < 16; ++i) {
-      __m512 sums[kRows];
+  using F = Folding<V>;
+  V part[kRows][F::kWidth];
+  for (int64_t b0 = n0; b0 < n1; b0 += F::kWidth) {
+    const int64_t live = std::min<int64_t>(F::kWidth, n1 - b0);
+    for (int i = 0; i < F::kWidth; ++i) {
+      V sums[kRows];
       if (i < live) {
         row(b0 + i, sums);
       } else {
-        for (auto& v : sums) v = _mm512_setzero_ps();
+        for (auto& v : sums) v = V{};
       }
-      for (int r = 0; r < kRows; ++r) part[r][kFold16[i]] = sums[r];
+      for (int r = 0; r < kRows; ++r) part[r][F::slot(i)] = sums[r];
     }
-    const __mmask16 mask = static_cast<__mmask16>(live == 16 ? 0xffff : (1u << live) - 1);
-    for (int r = 0; r < kRows; ++r) _mm512_mask_storeu_ps(out + r * ldo + b0, mask, fold16(part[r]));
+    for (int r = 0; r < kRows; ++r) F::store(out + r * ldo + b0, F::fold(part[r]), live);
   }
 }
-#endif
 
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
 std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::Tensor& h,

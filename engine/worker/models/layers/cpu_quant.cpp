@@ -54,7 +54,8 @@ inline vec vload(const float* p) { return _mm512_loadu_ps(p); }
 inline vec vset(float v) { return _mm512_set1_ps(v); }
 inline vec vmul(vec a, vec b) { return _mm512_mul_ps(a, b); }
 inline vec vfma(vec a, vec b, vec c) { return _mm512_fmadd_ps(a, b, c); }
-inline float vsum(vec a) { return _mm512_reduce_add_ps(a); }
+inline vec vadd(vec a, vec b) { return _mm512_add_ps(a, b); }
+inline vec vfirst(float v) { return _mm512_maskz_mov_ps(1, _mm512_set1_ps(v)); }  // (v, 0, ...)
 // One group's 32 weights as two vectors of 16, minus 8 (4-bit) or as they are (8-bit). A 4-bit
 // value picks its float from a 16-entry table (a permute reads the low 4 bits of each lane).
 inline void q4_group(const uint8_t* p, vec w[2]) {
@@ -85,12 +86,8 @@ inline vec vload(const float* p) { return _mm256_loadu_ps(p); }
 inline vec vset(float v) { return _mm256_set1_ps(v); }
 inline vec vmul(vec a, vec b) { return _mm256_mul_ps(a, b); }
 inline vec vfma(vec a, vec b, vec c) { return _mm256_fmadd_ps(a, b, c); }
-inline float vsum(vec a) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
+inline vec vadd(vec a, vec b) { return _mm256_add_ps(a, b); }
+inline vec vfirst(float v) { return _mm256_setr_ps(v, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f); }
 inline vec cvt8(__m128i bytes) { return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes)); }
 inline void q4_group(const uint8_t* p, vec w[4]) {
   const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
@@ -127,21 +124,25 @@ constexpr int kVecs = kGroup / kLanes;
 
 // out[m, n] for rows n0..n1 of the weight and kRows rows of x (x: float32 [rows, K]; xsum:
 // float32 [rows, K / 32], only read with zeros).
-// kSub: scales a group of 32 has (1; 2 for an 8-bit weight with 16-weight scales).
+// kSub: scales a group of 32 has (1; 2 for an 8-bit weight with 16-weight scales). One or two
+// rows alternate groups between two sets of sums, so their FMAs do not wait on each other.
 template <int kRows, bool kQ4, int kSub, typename sc_t>
 void rows_product(const float* x, const float* xsum, int64_t K, const void* qs, const sc_t* scale,
                   const sc_t* zero, float* out, int64_t ldo, int64_t n0, int64_t n1) {
   static_assert(kSub == 1 || (!kQ4 && kSub == 2 && kVecs % 2 == 0));
   const int64_t groups = K / kGroup;
+  constexpr int kSets = kRows <= 2 ? 2 : 1;
   std::vector<float> buf(std::is_same_v<sc_t, float> ? 0 : 2 * groups * kSub);
-  for (int64_t n = n0; n < n1; ++n) {
+  deja_cpu::fold_rows<vec, kRows>(out, ldo, n0, n1, [&](int64_t n, vec (&sums)[kRows]) {
     deja_cpu::prefetch_row(qs, kQ4 ? K / 2 : K, scale, zero, groups * kSub, n + deja_cpu::kAhead,
                            n1);
     const RowGroups rg = row_groups(scale, zero, n, groups * kSub, buf.data());
     const float* s = rg.scale;
-    vec acc[kRows];
-    for (int r = 0; r < kRows; ++r) acc[r] = vzero();
-    for (int64_t g = 0; g < groups; ++g) {
+    vec acc[kSets][kRows];
+    for (auto& set : acc) {
+      for (auto& a : set) a = vzero();
+    }
+    auto group = [&](int64_t g, auto set) {
       vec w[kVecs];
       if constexpr (kQ4) {
         q4_group(static_cast<const uint8_t*>(qs) + (n * groups + g) * (kGroup / 2), w);
@@ -155,24 +156,26 @@ void rows_product(const float* x, const float* xsum, int64_t K, const void* qs, 
           const float* xg = x + r * K + g * kGroup + h * kPart * kLanes;
           vec t = vmul(w[h * kPart], vload(xg));
           for (int i = 1; i < kPart; ++i) t = vfma(w[h * kPart + i], vload(xg + i * kLanes), t);
-          acc[r] = vfma(t, sg, acc[r]);
+          acc[set][r] = vfma(t, sg, acc[set][r]);
         }
       }
-    }
+    };
+    deja_cpu::in_turns<kSets - 1>(groups, group);
     for (int r = 0; r < kRows; ++r) {
+      vec sum = acc[0][r];
+      if constexpr (kSets == 2) sum = vadd(sum, acc[1][r]);
       if (rg.zero != nullptr) {  // + sum over groups of zero x sum(x): in vectors too
         const float* z = rg.zero;
         const float* xs = xsum + r * groups;
         int64_t g = 0;
-        for (; g + kLanes <= groups; g += kLanes) acc[r] = vfma(vload(z + g), vload(xs + g), acc[r]);
-        float y = vsum(acc[r]);
+        for (; g + kLanes <= groups; g += kLanes) sum = vfma(vload(z + g), vload(xs + g), sum);
+        float y = 0.f;
         for (; g < groups; ++g) y += z[g] * xs[g];
-        out[r * ldo + n] = y;
-      } else {
-        out[r * ldo + n] = vsum(acc[r]);
+        sum = vadd(sum, vfirst(y));
       }
+      sums[r] = sum;
     }
-  }
+  });
 }
 #if defined(__AVX512F__)
 // rows_product for a 4-bit weight on AVX-512: a group's 16 possible weights, fma(q - 8, s, z)
@@ -214,7 +217,7 @@ void rows_q4_table(const float* x, int64_t K, const uint8_t* qs, const sc_t* sca
       return {s, z};
     }
   };
-  deja_cpu::fold_rows<kRows>(out, ldo, n0, n1, [&](int64_t n, __m512 (&sums)[kRows]) {
+  deja_cpu::fold_rows<__m512, kRows>(out, ldo, n0, n1, [&](int64_t n, __m512 (&sums)[kRows]) {
     deja_cpu::prefetch_row(qs, K / 2, scale, zero, groups, n + deja_cpu::kAhead, n1);
     const auto [s, z] = row_scales(n);
     const uint8_t* wrow = qs + n * (K / 2);

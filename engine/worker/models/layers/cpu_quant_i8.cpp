@@ -15,7 +15,8 @@
 // (sum(q) once a group for all rows, then one vpmaddwd a row; 4-bit on AVX2: q's pair sums once
 // a group, times c by one vpmullw a row, added to the int16 pairs before their vpmaddwd). A row
 // sums its groups in four sets of lanes (two for 2-4 rows) so the FMAs do not wait on each
-// other, and reads a weight row's scales once for d dx and the zeros' share.
+// other, and reads a weight row's scales once for d dx and the zeros' share; the sums of each 8
+// weight rows are folded into 8 outputs at once (no horizontal sum a row).
 // It is not the dequantized weight's product: each activation is rounded to 8 bits (as
 // llama.cpp rounds them), so it is used only where asked (layers/quantized.py).
 // With AVX-512 VNNI, many rows take a tiled product (below) that reads a weight once for all.
@@ -247,11 +248,11 @@ void rows_i8(const int8_t* xq, const float* xd, const float* xsum, const int32_t
   std::vector<float> dm(2 * groups), dd(kReadsDd ? kRows * groups : 0);
   float* const d = dm.data();
   float* const m = d + groups;
-  for (int64_t n = n0; n < n1; ++n) {
+#if defined(__AVX2__)
+  deja_cpu::fold_rows<__m256, kRows>(out, ldo, n0, n1, [&](int64_t n, __m256 (&sums)[kRows]) {
     deja_cpu::prefetch_row(qs, kQ4 ? K / 2 : K, scale, kQ4 ? zero : nullptr, groups,
                            n + deja_cpu::kAhead, n1);
     float y[kRows] = {};
-#if defined(__AVX2__)
     // dd = d dx a group and row, and (4-bit) the zeros' share m dx sum(xq + c) summed in lanes
     // (mz) and past the last 8 groups (y), in one pass over the row's scales
     __m256 mz[kRows];
@@ -336,9 +337,15 @@ void rows_i8(const int8_t* xq, const float* xd, const float* xsum, const int32_t
       } else if constexpr (kSets == 2) {
         sum = _mm256_add_ps(sum, acc[1][r]);
       }
-      y[r] += hsum(_mm256_add_ps(sum, mz[r]));
+      // (y[r], the groups past the last 8, in lane 0)
+      sums[r] = _mm256_add_ps(_mm256_add_ps(sum, mz[r]), _mm256_setr_ps(y[r], 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f));
     }
+  });
 #else
+  for (int64_t n = n0; n < n1; ++n) {
+    deja_cpu::prefetch_row(qs, kQ4 ? K / 2 : K, scale, kQ4 ? zero : nullptr, groups,
+                           n + deja_cpu::kAhead, n1);
+    float y[kRows] = {};
     row_scales<kQ4>(scale + n * groups, kQ4 ? zero + n * groups : nullptr, groups, d, m);
     for (int64_t g = 0; g < groups; ++g) {
       for (int r = 0; r < kRows; ++r) {
@@ -361,9 +368,9 @@ void rows_i8(const int8_t* xq, const float* xd, const float* xsum, const int32_t
     for (int r = 0; r < kRows; ++r) {
       if constexpr (kQ4) y[r] += dot(m, xsum + r * groups, groups);  // + sum of m dx sum(xq + c)
     }
-#endif
     for (int r = 0; r < kRows; ++r) out[r * ldo + n] = y[r];
   }
+#endif
 }
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
@@ -407,7 +414,7 @@ void rows_i8_pairs(const int8_t* xq, const float* xd, const float* xsum, const i
   const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
   const __m512i twice = _mm512_set_epi64(3, 2, 3, 2, 1, 0, 1, 0);  // a group's 16 bytes, twice
   const __m512i first = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
-  deja_cpu::fold_rows<kRows>(out, ldo, n0, n1, [&](int64_t n, __m512 (&sums)[kRows]) {
+  deja_cpu::fold_rows<__m512, kRows>(out, ldo, n0, n1, [&](int64_t n, __m512 (&sums)[kRows]) {
     deja_cpu::prefetch_row(qs, row_bytes, scale, kQ4 ? zero : nullptr, groups, n + deja_cpu::kAhead,
                            n1);
     const uint8_t* wrow = static_cast<const uint8_t*>(qs) + n * row_bytes;
