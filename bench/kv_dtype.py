@@ -276,9 +276,5 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
-    return common.main("deja bench kv-dtype", __doc__, add_arguments, run, argv)
-
-
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(common.main("deja bench kv-dtype", __doc__, add_arguments, run))

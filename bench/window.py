@@ -114,9 +114,5 @@ def run(args: argparse.Namespace) -> int:
     return 0 if ok else 1
 
 
-def main(argv: list[str] | None = None) -> int:
-    return common.main("deja bench window", __doc__, add_arguments, run, argv)
-
-
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(common.main("deja bench window", __doc__, add_arguments, run))
