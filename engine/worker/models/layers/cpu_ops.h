@@ -166,14 +166,15 @@ inline __m512 fold16(const __m512 (&p)[16]) {
 }
 #endif
 
-// How fold_rows folds vectors of type V: kWidth of them into one vector of their totals, row i's
-// sums go in slot(i) for its total to land in lane i, and store writes the first `live` lanes.
-template <typename V>
+// How fold_rows folds vectors of kWidth floats (V): kWidth of them into one vector of their
+// totals, row i's sums go in slot(i) for its total to land in lane i, and store writes the first
+// `live` lanes.
+template <int kWidth>
 struct Folding;
 #if defined(__AVX512F__)
 template <>
-struct Folding<__m512> {
-  static constexpr int kWidth = 16;
+struct Folding<16> {
+  using V = __m512;
   static int slot(int i) { return kFold16[i]; }
   static __m512 fold(const __m512 (&p)[16]) { return fold16(p); }
   static void store(float* o, __m512 v, int64_t live) {
@@ -183,8 +184,8 @@ struct Folding<__m512> {
 #endif
 #if defined(__AVX2__)
 template <>
-struct Folding<__m256> {
-  static constexpr int kWidth = 8;
+struct Folding<8> {
+  using V = __m256;
   static int slot(int i) { return i; }
   static __m256 fold(const __m256 (&p)[8]) {  // (p[i]'s total in lane i)
     const __m256 a0 = _mm256_hadd_ps(p[0], p[1]), a1 = _mm256_hadd_ps(p[2], p[3]);
@@ -205,16 +206,17 @@ struct Folding<__m256> {
 #endif
 
 // out[r * ldo + n] for kRows rows r and the weight rows n in [n0, n1): row(n, sums) sets sums[r]
-// to a vector V whose lanes add up to that output; each block of a vector's width of weight rows
+// to a vector of kWidth floats whose lanes add up to that output; each block of kWidth weight rows
 // is folded into one vector a row and stored at once, instead of a horizontal sum an output
 // (whose latency the next row would wait behind).
-template <typename V, int kRows, typename Row>
+template <int kWidth, int kRows, typename Row>
 inline void fold_rows(float* out, int64_t ldo, int64_t n0, int64_t n1, Row&& row) {
-  using F = Folding<V>;
-  V part[kRows][F::kWidth];
-  for (int64_t b0 = n0; b0 < n1; b0 += F::kWidth) {
-    const int64_t live = std::min<int64_t>(F::kWidth, n1 - b0);
-    for (int i = 0; i < F::kWidth; ++i) {
+  using F = Folding<kWidth>;
+  using V = typename F::V;
+  V part[kRows][kWidth];
+  for (int64_t b0 = n0; b0 < n1; b0 += kWidth) {
+    const int64_t live = std::min<int64_t>(kWidth, n1 - b0);
+    for (int i = 0; i < kWidth; ++i) {
       V sums[kRows];
       if (i < live) {
         row(b0 + i, sums);

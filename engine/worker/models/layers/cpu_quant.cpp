@@ -133,7 +133,7 @@ void rows_product(const float* x, const float* xsum, int64_t K, const void* qs, 
   const int64_t groups = K / kGroup;
   constexpr int kSets = kRows <= 2 ? 2 : 1;
   std::vector<float> buf(std::is_same_v<sc_t, float> ? 0 : 2 * groups * kSub);
-  deja_cpu::fold_rows<vec, kRows>(out, ldo, n0, n1, [&](int64_t n, vec (&sums)[kRows]) {
+  deja_cpu::fold_rows<kLanes, kRows>(out, ldo, n0, n1, [&](int64_t n, vec (&sums)[kRows]) {
     deja_cpu::prefetch_row(qs, kQ4 ? K / 2 : K, scale, zero, groups * kSub, n + deja_cpu::kAhead,
                            n1);
     const RowGroups rg = row_groups(scale, zero, n, groups * kSub, buf.data());
@@ -217,7 +217,7 @@ void rows_q4_table(const float* x, int64_t K, const uint8_t* qs, const sc_t* sca
       return {s, z};
     }
   };
-  deja_cpu::fold_rows<__m512, kRows>(out, ldo, n0, n1, [&](int64_t n, __m512 (&sums)[kRows]) {
+  deja_cpu::fold_rows<16, kRows>(out, ldo, n0, n1, [&](int64_t n, __m512 (&sums)[kRows]) {
     deja_cpu::prefetch_row(qs, K / 2, scale, zero, groups, n + deja_cpu::kAhead, n1);
     const auto [s, z] = row_scales(n);
     const uint8_t* wrow = qs + n * (K / 2);

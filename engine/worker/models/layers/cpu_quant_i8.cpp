@@ -249,7 +249,7 @@ void rows_i8(const int8_t* xq, const float* xd, const float* xsum, const int32_t
   float* const d = dm.data();
   float* const m = d + groups;
 #if defined(__AVX2__)
-  deja_cpu::fold_rows<__m256, kRows>(out, ldo, n0, n1, [&](int64_t n, __m256 (&sums)[kRows]) {
+  deja_cpu::fold_rows<8, kRows>(out, ldo, n0, n1, [&](int64_t n, __m256 (&sums)[kRows]) {
     deja_cpu::prefetch_row(qs, kQ4 ? K / 2 : K, scale, kQ4 ? zero : nullptr, groups,
                            n + deja_cpu::kAhead, n1);
     float y[kRows] = {};
@@ -414,7 +414,7 @@ void rows_i8_pairs(const int8_t* xq, const float* xd, const float* xsum, const i
   const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
   const __m512i twice = _mm512_set_epi64(3, 2, 3, 2, 1, 0, 1, 0);  // a group's 16 bytes, twice
   const __m512i first = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
-  deja_cpu::fold_rows<__m512, kRows>(out, ldo, n0, n1, [&](int64_t n, __m512 (&sums)[kRows]) {
+  deja_cpu::fold_rows<16, kRows>(out, ldo, n0, n1, [&](int64_t n, __m512 (&sums)[kRows]) {
     deja_cpu::prefetch_row(qs, row_bytes, scale, kQ4 ? zero : nullptr, groups, n + deja_cpu::kAhead,
                            n1);
     const uint8_t* wrow = static_cast<const uint8_t*>(qs) + n * row_bytes;
