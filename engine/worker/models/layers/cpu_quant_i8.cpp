@@ -144,13 +144,6 @@ inline __m256i times(__m256i sums, int32_t c) {
   return _mm256_madd_epi16(sums, _mm256_set1_epi32(c & 0xffff));
 }
 
-inline float hsum(__m256 a) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
-
 // One group's weights as 32 bytes in x's order: 4-bit as unsigned 0..15 (byte j of the group
 // holds weights j and j + 16), 8-bit as they are.
 inline __m256i q4_bytes(const uint8_t* p) {
@@ -185,16 +178,10 @@ inline void row_scales(const sc_t* scale, const sc_t* zero, int64_t groups, floa
   }
 }
 
-// sum over g of a[g] b[g]
+// sum over g of a[g] b[g] (the scalar build's zeros' share; vector builds sum it in lanes)
 inline float dot(const float* a, const float* b, int64_t n) {
-  int64_t i = 0;
   float y = 0.f;
-#if defined(__AVX2__)
-  __m256 acc = _mm256_setzero_ps();
-  for (; i + 8 <= n; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
-  y = hsum(acc);
-#endif
-  for (; i < n; ++i) y += a[i] * b[i];
+  for (int64_t i = 0; i < n; ++i) y += a[i] * b[i];
   return y;
 }
 
