@@ -37,9 +37,6 @@ class SimSeq:
     computed: int = 0
     generated: int = 0
     cached_tokens: int = 0
-    device_hit_tokens: int = 0
-    cpu_hit_tokens: int = 0
-    first_token_at: float | None = None
     queued_hit: int = 0
     """While waiting: prompt tokens its device-tier prefix covered when it arrived."""
 
@@ -184,8 +181,6 @@ class SimReplica:
             dev, cpu = self._match(seq)
             hit = min((dev + cpu) * m.block_size, seq.prompt_len - 1)
             seq.cached_tokens = hit
-            seq.device_hit_tokens = min(dev * m.block_size, hit)
-            seq.cpu_hit_tokens = hit - seq.device_hit_tokens
             step.swap_blocks += cpu
             for h in seq.prompt_hashes[:dev]:
                 self.device.move_to_end(h)
@@ -215,7 +210,6 @@ class SimReplica:
             if not seq.in_prefill:
                 self._insert(seq.prompt_hashes)
                 seq.generated = 1
-                seq.first_token_at = now
                 self._on_first_token(seq, now)
                 if seq.generated >= seq.output_len:
                     done.append(seq)

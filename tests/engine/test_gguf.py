@@ -398,7 +398,7 @@ def test_sources_cut_for_a_rank_keep_whole_groups_only() -> None:
     rows6 = unpack_q6_k(QuantizedRows(q6, raw6, (8, 256)))
     four = unpack(rows4)
     whole: dict[str, Int4Rows | Q8Rows] = {"a": four, "b": four, "c": rows6, "d": rows6, "e": rows6}
-    sources = Int4Sources({n: r.shape for n, r in whole.items()}, whole.__getitem__)
+    sources = Int4Sources({n: r.q.shape for n, r in whole.items()}, whole.__getitem__)
     part = sources.sliced({"a": (0, 2, 4), "b": (1, 48, 32), "c": (1, 64, 128), "d": None})
     assert dict(part.shapes) == {"a": (4, 128), "c": (8, 128), "e": (8, 256)}
     a = part.unpack("a")

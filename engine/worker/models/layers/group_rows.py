@@ -44,11 +44,6 @@ class Int4Rows(NamedTuple):
     zero: np.ndarray
     """float32 [N, K / 32]."""
 
-    @property
-    def shape(self) -> tuple[int, int]:
-        n, k = self.q.shape
-        return n, k
-
 
 def unpack(rows: QuantizedRows) -> Int4Rows:
     """A Q4_0 or Q4_1 weight's rows in the int4 op's convention."""
@@ -99,11 +94,6 @@ class Q8Rows(NamedTuple):
     """int8 [N, K]."""
     scale: np.ndarray
     """float32 [N, K / 32], or [N, K / 16]."""
-
-    @property
-    def shape(self) -> tuple[int, int]:
-        n, k = self.q.shape
-        return n, k
 
 
 def unpack_q8_0(rows: QuantizedRows) -> Q8Rows:
