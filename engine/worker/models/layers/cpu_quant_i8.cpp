@@ -56,18 +56,31 @@ constexpr bool kReadsDd = true;  // (rows_i8's AVX2 path; the scalar one multipl
 constexpr bool kReadsDd = false;
 #endif
 
+// 4-bit weights' few-row product with AVX-512 VNNI takes x in blocks of four groups
+// (rows_i8_blocks): a block's 128 bytes hold its groups' first 16 values each, then their last 16.
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+constexpr bool kBlocks = true;
+#else
+constexpr bool kBlocks = false;
+#endif
+
 struct Int8Rows {
-  std::vector<int8_t> q;
+  std::vector<int8_t> q;  // a row is K bytes, or (in blocks) 128 a block of four groups
   std::vector<float> d, sum;
   std::vector<int32_t> c;
   std::vector<int32_t> c2;  // c in both int16 halves (where kReadsC2, else empty)
+  std::vector<int8_t> cb;   // in blocks only: c as 16 bytes a group, 64 a block, zeros past K
+  bool blocked = false;
 };
 
+inline int64_t blocks_of(int64_t K) { return (K / kGroup + 3) / 4; }
+
 // One group of 32: x = dx (q + c) with q = round(v / dx) - c (to nearest even, clamped to
-// -127..127), dx = (hi - lo) / 254 and c = round(lo / dx) + 127; writes q and c, returns dx and
-// sets `sum` to dx sum(q + c). (q stays within -127..127: the AVX2 8-bit product negates it,
-// and its pairs of products fit int16.)
-inline float quantize_group(const float* v, int8_t* q, float& sum, int32_t& c) {
+// -127..127), dx = (hi - lo) / 254 and c = round(lo / dx) + 127 (within -127..127 too, as
+// lo <= 0 <= hi); writes q's first 16 at q and its last 16 at q2, and c; returns dx and sets
+// `sum` to dx sum(q + c). (q stays within -127..127: the AVX2 8-bit product negates it, and its
+// pairs of products fit int16.)
+inline float quantize_group(const float* v, int8_t* q, int8_t* q2, float& sum, int32_t& c) {
 #if defined(__AVX512F__)
   const __m512 a = _mm512_loadu_ps(v), b = _mm512_loadu_ps(v + 16);
   const float lo = std::min(0.f, _mm512_reduce_min_ps(_mm512_min_ps(a, b)));
@@ -89,13 +102,13 @@ inline float quantize_group(const float* v, int8_t* q, float& sum, int32_t& c) {
   qa = _mm512_min_epi32(_mm512_max_epi32(qa, low), high);
   qb = _mm512_min_epi32(_mm512_max_epi32(qb, low), high);
   _mm_storeu_si128(reinterpret_cast<__m128i*>(q), _mm512_cvtepi32_epi8(qa));
-  _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 16), _mm512_cvtepi32_epi8(qb));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(q2), _mm512_cvtepi32_epi8(qb));
   total = _mm512_reduce_add_epi32(_mm512_add_epi32(qa, qb));
 #else
   for (int64_t j = 0; j < kGroup; ++j) {
-    const int32_t qj = static_cast<int32_t>(std::nearbyint(v[j] * inv)) - c;
-    q[j] = static_cast<int8_t>(std::clamp(qj, -127, 127));
-    total += q[j];
+    const int32_t qj = std::clamp(static_cast<int32_t>(std::nearbyint(v[j] * inv)) - c, -127, 127);
+    (j < 16 ? q[j] : q2[j - 16]) = static_cast<int8_t>(qj);
+    total += qj;
   }
 #endif
   // (an inf or NaN range keeps its dx: the products stay inf or NaN, as the float path's do)
@@ -104,12 +117,16 @@ inline float quantize_group(const float* v, int8_t* q, float& sum, int32_t& c) {
   return dx;
 }
 
-Int8Rows quantize_rows(const at::Tensor& x, int64_t K) {
+// blocked: x's rows in blocks of four groups, and their c as bytes (Int8Rows).
+Int8Rows quantize_rows(const at::Tensor& x, int64_t K, bool blocked) {
   const deja_cpu::FloatRows xf = deja_cpu::float_rows(x, K, false);
   const float* src = xf.x;
-  const int64_t M = x.size(0), groups = M * (K / kGroup);
+  const int64_t M = x.size(0), per_row = K / kGroup, groups = M * per_row;
+  const int64_t blocks = blocks_of(K);
   Int8Rows r;
-  r.q.resize(M * K);
+  r.blocked = blocked;
+  r.q.resize(blocked ? M * blocks * 128 : M * K);
+  r.cb.resize(blocked ? M * blocks * 64 : 0);
   r.d.resize(groups);
   r.sum.resize(groups);
   r.c.resize(groups);
@@ -117,7 +134,17 @@ Int8Rows quantize_rows(const at::Tensor& x, int64_t K) {
   // (a prefill's rows are worth a second thread; a decode step's few are not)
   at::parallel_for(0, groups, 2048, [&](int64_t g0, int64_t g1) {
     for (int64_t g = g0; g < g1; ++g) {
-      r.d[g] = quantize_group(src + g * kGroup, r.q.data() + g * kGroup, r.sum[g], r.c[g]);
+      int8_t* q = r.q.data() + g * kGroup;
+      int8_t* q2 = q + 16;
+      const int64_t row = g / per_row, block = (g % per_row) / 4, k = (g % per_row) % 4;
+      if (blocked) {
+        q = r.q.data() + (row * blocks + block) * 128 + 16 * k;
+        q2 = q + 64;
+      }
+      r.d[g] = quantize_group(src + g * kGroup, q, q2, r.sum[g], r.c[g]);
+      if (blocked) {
+        std::memset(r.cb.data() + (row * blocks + block) * 64 + 16 * k, r.c[g], 16);
+      }
       if constexpr (kReadsC2) {
         r.c2[g] = static_cast<int32_t>((static_cast<uint32_t>(r.c[g]) & 0xffffu) * 0x10001u);
       }
@@ -472,6 +499,77 @@ void rows_i8_pairs(const int8_t* xq, const float* xd, const float* xsum, const i
 #endif
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+// rows_i8 for 4-bit weights on AVX-512 VNNI, x in blocks (quantize_rows): four groups a 512-bit
+// vector, with no shuffle of the weights. A weight row's 64 bytes for four groups hold each
+// group's 16 bytes, low nibbles q[0..15] and high nibbles q[16..31]: masked, they are the four
+// groups' first 16 weights in one vector and their last 16 in another, the order x's block has.
+// A row's lane (four a group) sums q xq over both by one vpdpbusd each, and c sum(q) by a third,
+// of (low + high) against the block's c bytes; times its group's d dx (vpermps from 16 groups'
+// worth) it goes to the row's float sums. Per row and group: the same integer sum as rows_i8;
+// the float sum's order differs. A row's last block reads past the row's bytes where the weight
+// goes on (x's and c's zeros meet them); at the weight's end it loads only the row's own.
+template <int kRows, typename sc_t>
+void rows_i8_blocks(const int8_t* xq, const int8_t* xcb, const float* xd, const float* xsum,
+                    int64_t K, const void* qs, const sc_t* scale, const sc_t* zero, float* out,
+                    int64_t ldo, int64_t n0, int64_t n1) {
+  const int64_t groups = K / kGroup, row_bytes = K / 2, blocks = blocks_of(K);
+  constexpr int kSets = kRows <= 2 ? 2 : 1;  // (one row alone would wait on its FMA's latency)
+  const __m512i m15 = _mm512_set1_epi8(15);
+  const __m512i lanes = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
+  deja_cpu::fold_rows<16, kRows>(out, ldo, n0, n1, [&](int64_t n, __m512 (&sums)[kRows]) {
+    deja_cpu::prefetch_row(qs, row_bytes, scale, zero, groups, n + deja_cpu::kAhead, n1);
+    const uint8_t* wrow = static_cast<const uint8_t*>(qs) + n * row_bytes;
+    __m512 acc[kRows][kSets], mz[kRows];
+    for (int r = 0; r < kRows; ++r) {
+      mz[r] = _mm512_setzero_ps();
+      for (auto& a : acc[r]) a = _mm512_setzero_ps();
+    }
+    for (int64_t g0 = 0; g0 < groups; g0 += 16) {
+      const int64_t ng = std::min<int64_t>(16, groups - g0);
+      const __mmask16 live = static_cast<__mmask16>(ng == 16 ? 0xffff : (1u << ng) - 1);
+      const bool more = (ldo - n) * groups - g0 >= 16;  // (the scales hold ldo = N rows)
+      const __m512 d = scales16(scale + n * groups + g0, ng, more);
+      __m512 m = scales16(zero + n * groups + g0, ng, more);
+      if constexpr (std::is_same_v<sc_t, float>) m = _mm512_fnmadd_ps(_mm512_set1_ps(8.f), d, m);
+      __m512 dd[kRows];
+      for (int r = 0; r < kRows; ++r) {
+        const int64_t at = r * groups + g0;
+        dd[r] = _mm512_mul_ps(d, _mm512_maskz_loadu_ps(live, xd + at));
+        mz[r] = _mm512_fmadd_ps(m, _mm512_maskz_loadu_ps(live, xsum + at), mz[r]);
+      }
+      // block b of the 16 groups into set `set` of each row's sums
+      auto block = [&](int64_t b, auto set) {
+        const int64_t g = g0 + 4 * b, left = groups - g;
+        const uint8_t* p = wrow + g * 16;
+        const bool whole = (ldo - n) * row_bytes - g * 16 >= 64;  // (the weight holds ldo = N rows)
+        const __m512i v = whole || left >= 4
+                              ? _mm512_loadu_si512(p)
+                              : _mm512_maskz_loadu_epi8((__mmask64(1) << (16 * left)) - 1, p);
+        const __m512i lo = _mm512_and_si512(v, m15);
+        const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), m15);
+        const __m512i both = _mm512_add_epi8(lo, hi);
+        const __m512i idx = _mm512_add_epi32(lanes, _mm512_set1_epi32(static_cast<int>(4 * b)));
+        const int64_t at = g / 4;  // (the block's index in a row of x)
+        for (int r = 0; r < kRows; ++r) {
+          const int8_t* xb = xq + (r * blocks + at) * 128;
+          __m512i s = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, _mm512_loadu_si512(xb));
+          s = _mm512_dpbusd_epi32(s, hi, _mm512_loadu_si512(xb + 64));
+          s = _mm512_dpbusd_epi32(s, both, _mm512_loadu_si512(xcb + (r * blocks + at) * 64));
+          __m512& a = acc[r][set];
+          a = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_permutexvar_ps(idx, dd[r]), a);
+        }
+      };
+      deja_cpu::in_turns<kSets - 1>((ng + 3) / 4, block);
+    }
+    for (int r = 0; r < kRows; ++r) {
+      sums[r] = mz[r];
+      for (const auto& a : acc[r]) sums[r] = _mm512_add_ps(sums[r], a);
+    }
+  });
+}
+#endif
+
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
 // Many rows of x against a weight: tiles of 16 outputs, one output a vector lane, each group's
 // integer dot products by VNNI (vpdpbusd: four u8 times four s8 a lane), every tile's weights
 // read once for all rows. A tile's weights are first transposed into that layout (16 bytes of
@@ -642,6 +740,14 @@ void product_i8(const Int8Rows& x, int64_t M, int64_t K, const void* qs, const s
       float* om = out + m * N;
       deja_cpu::with_rows<kMaxRows>(M - m, [&](auto rows) {
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+        if constexpr (kQ4) {
+          if (x.blocked) {
+            const int64_t at = m * blocks_of(K);
+            rows_i8_blocks<decltype(rows)::value, sc_t>(x.q.data() + at * 128, x.cb.data() + at * 64,
+                                                        xd, xs, K, qs, scale, zero, om, N, n0, n1);
+            return;
+          }
+        }
         rows_i8_pairs<decltype(rows)::value, kQ4, sc_t>(xq, xd, xs, xc, K, qs, scale, zero, om, N,
                                                         n0, n1);
 #else
@@ -658,8 +764,8 @@ template <bool kQ4>
 at::Tensor linear_i8(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& scale,
                      const at::Tensor* zero) {
   const auto [N, K] = deja_cpu::check_weight(qs, kQ4, scale, zero);
-  const Int8Rows rows = quantize_rows(x, K);
   const int64_t M = x.size(0);
+  const Int8Rows rows = quantize_rows(x, K, kQ4 && kBlocks && M < kTileRows);
   deja_cpu::FloatOut out(x, M, N);
   deja_cpu::with_groups(scale, zero, [&](const auto* s, const auto* z) {
     product_i8<kQ4>(rows, M, K, qs.data_ptr(), s, z, out.dst, N);
