@@ -88,7 +88,7 @@ for n, k in [(40, 96), (72, 576), (24, 8224)]:  # (257 groups: a long row, odd a
     # (from linear_i8_tile_rows() rows, 16 for 8-bit, AVX-512 VNNI takes tiles of 16 outputs,
     # 8 rows a pass: 40 and 72 outputs end in a partial tile, 37 rows in a partial pass)
     assert ops.linear_i8_tile_rows() == int(sys.argv[2]), ops.linear_i8_tile_rows()
-    for m in (1, 3, 4, 7, 8, 9, 16, 37):
+    for m in (1, 2, 3, 4, 7, 8, 9, 16, 37):
         x = torch.randn(m, k)
         x[0, :32] = 0  # an all-zero group
         x[-1, 32:64] = x[-1, 32:64].abs() + 1  # one of a single sign, away from 0

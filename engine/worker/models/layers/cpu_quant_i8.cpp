@@ -19,7 +19,9 @@
 // weight rows are folded into 8 outputs at once (no horizontal sum a row).
 // It is not the dequantized weight's product: each activation is rounded to 8 bits (as
 // llama.cpp rounds them), so it is used only where asked (layers/quantized.py).
-// With AVX-512 VNNI, many rows take a tiled product (below) that reads a weight once for all.
+// With AVX-512 VNNI, a few rows of a 4-bit weight take four groups a vector, x quantized in
+// blocks of four groups (rows_i8_blocks), 8-bit weights two; many rows take a tiled product
+// (below) that reads a weight once for all.
 // Registered as torch.ops.deja_cpu_attn.q4_linear_i8 and q8_linear_i8; same arguments as
 // q4_linear and q8_linear.
 
@@ -43,7 +45,8 @@ namespace {
 constexpr int64_t kGroup = 32;
 constexpr int kMaxRows = 8;  // rows of x a pass over the weight serves
 
-// x's rows quantized: xq int8 [M, K], per group dx, dx sum(xq + c) and c [M, K / 32].
+// x's rows quantized: xq int8 [M, K] (or in blocks), per group dx, dx sum(xq + c) and c
+// [M, K / 32].
 // The few-row product reads Int8Rows::c2: 4-bit groups on AVX2 without VNNI (group_dot).
 #if defined(__AVX2__) && !(defined(__AVX512VNNI__) && defined(__AVX512VL__))
 constexpr bool kReadsC2 = true;
@@ -409,89 +412,64 @@ inline __m512 scales16(const sc_t* p, int64_t ng, bool more) {
   }
 }
 
-// rows_i8 on AVX-512 VNNI: two groups a 512-bit vector. A pair's 4-bit weights are unpacked in
-// one pass (32 bytes: each group's bytes twice, the second copy's high nibbles) into the order x
-// has (x's 64 bytes for the two groups are one load), and one vpdpbusd a row gives the pair's 16
-// lanes of sum(q (xq + c)), each started from its offset's share c sum(q) (vpmaddwd of sum(q)
-// against c, as times()); a lane's sum times d dx of its group (broadcast within the vector
-// from 16 groups' worth by vpermps) goes to the row's float sums. 8-bit weights are the s8
-// operand against x + 128 as u8, the offset then (c - 128) sum(q). Per row and group: the same
-// integer sums as rows_i8; the float sum's order differs.
-template <int kRows, bool kQ4, typename sc_t>
-void rows_i8_pairs(const int8_t* xq, const float* xd, const float* xsum, const int32_t* xc,
-                   int64_t K, const void* qs, const sc_t* scale, const sc_t* zero, float* out,
-                   int64_t ldo, int64_t n0, int64_t n1) {
+// rows_i8 on AVX-512 VNNI for 8-bit weights: two groups a 512-bit vector (a weight row's 64
+// bytes, in x's order). The weights are the s8 operand against x + 128 as u8, and one vpdpbusd a
+// row gives the pair's 16 lanes of sum(q (xq + c)), each started from its offset's share
+// (c - 128) sum(q) (vpmaddwd of sum(q) against it, as times()); a lane's sum times d dx of its
+// group (broadcast within the vector from 16 groups' worth by vpermps) goes to the row's float
+// sums. Per row and group: the same integer sums as rows_i8; the float sum's order differs.
+template <int kRows, typename sc_t>
+void rows_i8_pairs(const int8_t* xq, const float* xd, const int32_t* xc, int64_t K, const void* qs,
+                   const sc_t* scale, float* out, int64_t ldo, int64_t n0, int64_t n1) {
   const int64_t groups = K / kGroup;
-  const int64_t row_bytes = kQ4 ? K / 2 : K;
   constexpr int kSets = kRows <= 2 ? 2 : 1;  // (one row alone would wait on its FMA's latency)
-  const __m512i m15 = _mm512_set1_epi8(15), ones = _mm512_set1_epi8(1);
-  const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
-  const __m512i twice = _mm512_set_epi64(3, 2, 3, 2, 1, 0, 1, 0);  // a group's 16 bytes, twice
+  const __m512i ones = _mm512_set1_epi8(1), flip = _mm512_set1_epi8(static_cast<char>(0x80));
   const __m512i first = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
   deja_cpu::fold_rows<16, kRows>(out, ldo, n0, n1, [&](int64_t n, __m512 (&sums)[kRows]) {
-    deja_cpu::prefetch_row(qs, row_bytes, scale, kQ4 ? zero : nullptr, groups, n + deja_cpu::kAhead,
-                           n1);
-    const uint8_t* wrow = static_cast<const uint8_t*>(qs) + n * row_bytes;
-    __m512 acc[kRows][kSets], mz[kRows];
-    for (int r = 0; r < kRows; ++r) {
-      mz[r] = _mm512_setzero_ps();
-      for (auto& a : acc[r]) a = _mm512_setzero_ps();
+    deja_cpu::prefetch_row(qs, K, scale, static_cast<const sc_t*>(nullptr), groups,
+                           n + deja_cpu::kAhead, n1);
+    const uint8_t* wrow = static_cast<const uint8_t*>(qs) + n * K;
+    __m512 acc[kRows][kSets];
+    for (auto& row : acc) {
+      for (auto& a : row) a = _mm512_setzero_ps();
     }
     for (int64_t g0 = 0; g0 < groups; g0 += 16) {
       const int64_t ng = std::min<int64_t>(16, groups - g0);
       const __mmask16 live = static_cast<__mmask16>(ng == 16 ? 0xffff : (1u << ng) - 1);
       const bool more = (ldo - n) * groups - g0 >= 16;  // (the scales hold ldo = N rows)
       const __m512 d = scales16(scale + n * groups + g0, ng, more);
-      __m512 m = _mm512_setzero_ps();
-      if constexpr (kQ4) {
-        m = scales16(zero + n * groups + g0, ng, more);
-        if constexpr (std::is_same_v<sc_t, float>) m = _mm512_fnmadd_ps(_mm512_set1_ps(8.f), d, m);
-      }
       __m512 dd[kRows];
       __m512i cv[kRows];
       for (int r = 0; r < kRows; ++r) {
         const int64_t at = r * groups + g0;
         dd[r] = _mm512_mul_ps(d, _mm512_maskz_loadu_ps(live, xd + at));
-        cv[r] = _mm512_maskz_loadu_epi32(live, xc + at);
-        if constexpr (!kQ4) cv[r] = _mm512_sub_epi32(cv[r], _mm512_set1_epi32(128));
+        cv[r] = _mm512_sub_epi32(_mm512_maskz_loadu_epi32(live, xc + at), _mm512_set1_epi32(128));
         cv[r] = _mm512_and_si512(cv[r], _mm512_set1_epi32(0xffff));
-        if constexpr (kQ4) mz[r] = _mm512_fmadd_ps(m, _mm512_maskz_loadu_ps(live, xsum + at), mz[r]);
       }
-      const int64_t pairs = (ng + 1) / 2;
       // pair p of the 16 groups into set `set` of each row's sums
       auto pair = [&](int64_t p, auto set) {
         const int64_t g = g0 + 2 * p;
         const bool both = 2 * p + 1 < ng;  // (else the row's last group, alone)
         const __mmask64 bytes = both ? ~__mmask64(0) : (__mmask64(1) << 32) - 1;
-        __m512i w;
-        if constexpr (kQ4) {
-          const __m256i v =
-              both ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wrow + g * 16))
-                   : _mm256_zextsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wrow + g * 16)));
-          w = _mm512_permutexvar_epi64(twice, _mm512_castsi256_si512(v));
-          w = _mm512_and_si512(_mm512_mask_srli_epi16(w, 0xff00ff00u, w, 4), m15);
-        } else {  // (not masked loads: see scales16)
-          w = both ? _mm512_loadu_si512(wrow + g * kGroup)
-                   : _mm512_zextsi256_si512(
-                         _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wrow + g * kGroup)));
-        }
-        const __m512i qsum = kQ4 ? _mm512_dpbusd_epi32(_mm512_setzero_si512(), w, ones)
-                                 : _mm512_dpbusd_epi32(_mm512_setzero_si512(), ones, w);
+        // (not masked loads: see scales16)
+        const __m512i w = both ? _mm512_loadu_si512(wrow + g * kGroup)
+                               : _mm512_zextsi256_si512(_mm256_loadu_si256(
+                                     reinterpret_cast<const __m256i*>(wrow + g * kGroup)));
+        const __m512i qsum = _mm512_dpbusd_epi32(_mm512_setzero_si512(), ones, w);
         const __m512i idx = _mm512_add_epi32(first, _mm512_set1_epi32(static_cast<int>(2 * p)));
         for (int r = 0; r < kRows; ++r) {
           const int8_t* xg = xq + (r * groups + g) * kGroup;
           const __m512i x = both ? _mm512_loadu_si512(xg) : _mm512_maskz_loadu_epi8(bytes, xg);
           const __m512i start = _mm512_madd_epi16(qsum, _mm512_permutexvar_epi32(idx, cv[r]));
-          const __m512i s = kQ4 ? _mm512_dpbusd_epi32(start, w, x)
-                                : _mm512_dpbusd_epi32(start, _mm512_xor_si512(x, flip), w);
+          const __m512i s = _mm512_dpbusd_epi32(start, _mm512_xor_si512(x, flip), w);
           __m512& a = acc[r][set];
           a = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_permutexvar_ps(idx, dd[r]), a);
         }
       };
-      deja_cpu::in_turns<kSets - 1>(pairs, pair);
+      deja_cpu::in_turns<kSets - 1>((ng + 1) / 2, pair);
     }
     for (int r = 0; r < kRows; ++r) {
-      sums[r] = mz[r];
+      sums[r] = _mm512_setzero_ps();
       for (const auto& a : acc[r]) sums[r] = _mm512_add_ps(sums[r], a);
     }
   });
@@ -501,9 +479,9 @@ void rows_i8_pairs(const int8_t* xq, const float* xd, const float* xsum, const i
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
 // rows_i8 for 4-bit weights on AVX-512 VNNI, x in blocks (quantize_rows): four groups a 512-bit
 // vector, with no shuffle of the weights. A weight row's 64 bytes for four groups hold each
-// group's 16 bytes, low nibbles q[0..15] and high nibbles q[16..31]: masked, they are the four
-// groups' first 16 weights in one vector and their last 16 in another, the order x's block has.
-// A row's lane (four a group) sums q xq over both by one vpdpbusd each, and c sum(q) by a third,
+// group's 16 bytes, low nibbles q[0..15] and high nibbles q[16..31]: ANDed with 15 (the high
+// ones after a shift), they are the four groups' first 16 weights in one vector and their last
+// 16 in another, the order x's block has. A row's lane (four a group) sums q xq over both by one vpdpbusd each, and c sum(q) by a third,
 // of (low + high) against the block's c bytes; times its group's d dx (vpermps from 16 groups'
 // worth) it goes to the row's float sums. Per row and group: the same integer sum as rows_i8;
 // the float sum's order differs. A row's last block reads past the row's bytes where the weight
@@ -717,14 +695,21 @@ void tiled(const Int8Rows& x, int64_t M, int64_t K, const void* qs, const sc_t* 
   });
 }
 #else
-constexpr int64_t kTileRows = 0;  // (no tiles in this build)
+constexpr int64_t kTileRows = 0, kTileRows8 = 0;  // (no tiles in this build)
 #endif
+
+// M rows of x take the tiled product (else the few-row kernels, whose 4-bit one takes x in
+// blocks where VNNI is: quantize_rows).
+template <bool kQ4>
+constexpr bool takes_tiles(int64_t M) {
+  return kTileRows > 0 && M >= (kQ4 ? kTileRows : kTileRows8);
+}
 
 template <bool kQ4, typename sc_t>
 void product_i8(const Int8Rows& x, int64_t M, int64_t K, const void* qs, const sc_t* scale,
                 const sc_t* zero, float* out, int64_t N) {
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
-  if (M >= (kQ4 ? kTileRows : kTileRows8)) {
+  if (takes_tiles<kQ4>(M)) {
     tiled<kQ4>(x, M, K, qs, scale, zero, out, N);
     return;
   }
@@ -741,15 +726,12 @@ void product_i8(const Int8Rows& x, int64_t M, int64_t K, const void* qs, const s
       deja_cpu::with_rows<kMaxRows>(M - m, [&](auto rows) {
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
         if constexpr (kQ4) {
-          if (x.blocked) {
-            const int64_t at = m * blocks_of(K);
-            rows_i8_blocks<decltype(rows)::value, sc_t>(x.q.data() + at * 128, x.cb.data() + at * 64,
-                                                        xd, xs, K, qs, scale, zero, om, N, n0, n1);
-            return;
-          }
+          const int64_t at = m * blocks_of(K);
+          rows_i8_blocks<decltype(rows)::value, sc_t>(x.q.data() + at * 128, x.cb.data() + at * 64,
+                                                      xd, xs, K, qs, scale, zero, om, N, n0, n1);
+        } else {
+          rows_i8_pairs<decltype(rows)::value, sc_t>(xq, xd, xc, K, qs, scale, om, N, n0, n1);
         }
-        rows_i8_pairs<decltype(rows)::value, kQ4, sc_t>(xq, xd, xs, xc, K, qs, scale, zero, om, N,
-                                                        n0, n1);
 #else
         const int32_t* xc2 = kReadsC2 ? x.c2.data() + m * groups : nullptr;
         rows_i8<decltype(rows)::value, kQ4, sc_t>(xq, xd, xs, xc, xc2, K, qs, scale, zero, om, N, n0,
@@ -765,7 +747,7 @@ at::Tensor linear_i8(const at::Tensor& x, const at::Tensor& qs, const at::Tensor
                      const at::Tensor* zero) {
   const auto [N, K] = deja_cpu::check_weight(qs, kQ4, scale, zero);
   const int64_t M = x.size(0);
-  const Int8Rows rows = quantize_rows(x, K, kQ4 && kBlocks && M < kTileRows);
+  const Int8Rows rows = quantize_rows(x, K, kQ4 && kBlocks && !takes_tiles<kQ4>(M));
   deja_cpu::FloatOut out(x, M, N);
   deja_cpu::with_groups(scale, zero, [&](const auto* s, const auto* z) {
     product_i8<kQ4>(rows, M, K, qs.data_ptr(), s, z, out.dst, N);
