@@ -20,7 +20,7 @@
 // It is not the dequantized weight's product: each activation is rounded to 8 bits (as
 // llama.cpp rounds them), so it is used only where asked (layers/quantized.py).
 // With AVX-512 VNNI, a few rows of a 4-bit weight take four groups a vector, x quantized in
-// blocks of four groups (rows_i8_blocks), 8-bit weights two; many rows take a tiled product
+// blocks of four groups, 8-bit weights two (rows_i8_vnni); many rows take a tiled product
 // (below) that reads a weight once for all.
 // Registered as torch.ops.deja_cpu_attn.q4_linear_i8 and q8_linear_i8; same arguments as
 // q4_linear and q8_linear.
@@ -60,7 +60,7 @@ constexpr bool kReadsDd = false;
 #endif
 
 // 4-bit weights' few-row product with AVX-512 VNNI takes x in blocks of four groups
-// (rows_i8_blocks): a block's 128 bytes hold its groups' first 16 values each, then their last 16.
+// (rows_i8_vnni): a block's 128 bytes hold its groups' first 16 values each, then their last 16.
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
 constexpr bool kBlocks = true;
 #else
@@ -73,7 +73,6 @@ struct Int8Rows {
   std::vector<int32_t> c;
   std::vector<int32_t> c2;  // c in both int16 halves (where kReadsC2, else empty)
   std::vector<int8_t> cb;   // in blocks only: c as 16 bytes a group, 64 a block, zeros past K
-  bool blocked = false;
 };
 
 inline int64_t blocks_of(int64_t K) { return (K / kGroup + 3) / 4; }
@@ -127,7 +126,6 @@ Int8Rows quantize_rows(const at::Tensor& x, int64_t K, bool blocked) {
   const int64_t M = x.size(0), per_row = K / kGroup, groups = M * per_row;
   const int64_t blocks = blocks_of(K);
   Int8Rows r;
-  r.blocked = blocked;
   r.q.resize(blocked ? M * blocks * 128 : M * K);
   r.cb.resize(blocked ? M * blocks * 64 : 0);
   r.d.resize(groups);
@@ -137,16 +135,14 @@ Int8Rows quantize_rows(const at::Tensor& x, int64_t K, bool blocked) {
   // (a prefill's rows are worth a second thread; a decode step's few are not)
   at::parallel_for(0, groups, 2048, [&](int64_t g0, int64_t g1) {
     for (int64_t g = g0; g < g1; ++g) {
-      int8_t* q = r.q.data() + g * kGroup;
-      int8_t* q2 = q + 16;
-      const int64_t row = g / per_row, block = (g % per_row) / 4, k = (g % per_row) % 4;
-      if (blocked) {
-        q = r.q.data() + (row * blocks + block) * 128 + 16 * k;
-        q2 = q + 64;
-      }
-      r.d[g] = quantize_group(src + g * kGroup, q, q2, r.sum[g], r.c[g]);
-      if (blocked) {
-        std::memset(r.cb.data() + (row * blocks + block) * 64 + 16 * k, r.c[g], 16);
+      if (blocked) {  // (group k of block b of a row: b 128 bytes of x and 64 of c bytes)
+        const int64_t b = (g / per_row) * blocks + (g % per_row) / 4, k = (g % per_row) % 4;
+        int8_t* q = r.q.data() + b * 128 + 16 * k;
+        r.d[g] = quantize_group(src + g * kGroup, q, q + 64, r.sum[g], r.c[g]);
+        std::memset(r.cb.data() + b * 64 + 16 * k, r.c[g], 16);
+      } else {
+        int8_t* q = r.q.data() + g * kGroup;
+        r.d[g] = quantize_group(src + g * kGroup, q, q + 16, r.sum[g], r.c[g]);
       }
       if constexpr (kReadsC2) {
         r.c2[g] = static_cast<int32_t>((static_cast<uint32_t>(r.c[g]) & 0xffffu) * 0x10001u);
@@ -412,90 +408,41 @@ inline __m512 scales16(const sc_t* p, int64_t ng, bool more) {
   }
 }
 
-// rows_i8 on AVX-512 VNNI for 8-bit weights: two groups a 512-bit vector (a weight row's 64
-// bytes, in x's order). The weights are the s8 operand against x + 128 as u8, and one vpdpbusd a
-// row gives the pair's 16 lanes of sum(q (xq + c)), each started from its offset's share
-// (c - 128) sum(q) (vpmaddwd of sum(q) against it, as times()); a lane's sum times d dx of its
-// group (broadcast within the vector from 16 groups' worth by vpermps) goes to the row's float
-// sums. Per row and group: the same integer sums as rows_i8; the float sum's order differs.
-template <int kRows, typename sc_t>
-void rows_i8_pairs(const int8_t* xq, const float* xd, const int32_t* xc, int64_t K, const void* qs,
-                   const sc_t* scale, float* out, int64_t ldo, int64_t n0, int64_t n1) {
-  const int64_t groups = K / kGroup;
+// rows_i8 on AVX-512 VNNI. Each 16 groups of a weight row: their d (and for 4-bit weights the
+// zeros' share m dx sum(xq + c)) once for all rows; then, per step, a lane's share of
+// sum(q (xq + c)) times its group's d dx (vpermps from the 16 groups' worth) goes to the row's
+// float sums. Per row and group: the same integer sums as rows_i8; the float sum's order differs.
+// - 8-bit weights, two groups a 512-bit vector (a weight row's 64 bytes, in x's order): the
+//   weights are the s8 operand against x + 128 as u8, and one vpdpbusd a row gives the pair's 16
+//   lanes, each started from its offset's share (c - 128) sum(q) (vpmaddwd of sum(q) against it,
+//   as times()).
+// - 4-bit weights, four groups a vector with no shuffle, x in blocks (quantize_rows): a weight
+//   row's 64 bytes for four groups hold each group's 16 bytes, low nibbles q[0..15] and high
+//   nibbles q[16..31]; ANDed with 15 (the high ones after a shift) they are the four groups'
+//   first 16 weights in one vector and their last 16 in another, the order x's block has. A
+//   row's lane (four a group) sums q xq over both by one vpdpbusd each, and c sum(q) by a third,
+//   of (low + high) against the block's c bytes. A row's last block reads past the row's bytes
+//   where the weight goes on (x's and c's zeros meet them); at the weight's end it loads only
+//   the row's own.
+template <int kRows, bool kQ4, typename sc_t>
+void rows_i8_vnni(const Int8Rows& x, int64_t m0, int64_t K, const void* qs, const sc_t* scale,
+                  const sc_t* zero, float* out, int64_t ldo, int64_t n0, int64_t n1) {
+  const int64_t groups = K / kGroup, row_bytes = kQ4 ? K / 2 : K, blocks = blocks_of(K);
+  const float* xd = x.d.data() + m0 * groups;
+  const float* xsum = x.sum.data() + m0 * groups;
+  const int32_t* xc = x.c.data() + m0 * groups;
+  const int8_t* xq = x.q.data() + m0 * (kQ4 ? blocks * 128 : K);
+  const int8_t* xcb = kQ4 ? x.cb.data() + m0 * blocks * 64 : nullptr;
   constexpr int kSets = kRows <= 2 ? 2 : 1;  // (one row alone would wait on its FMA's latency)
-  const __m512i ones = _mm512_set1_epi8(1), flip = _mm512_set1_epi8(static_cast<char>(0x80));
-  const __m512i first = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
+  constexpr int kStep = kQ4 ? 4 : 2;  // groups a step
+  const __m512i m15 = _mm512_set1_epi8(15), ones = _mm512_set1_epi8(1);
+  const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
+  // a step's lanes: the index of their group among the step's
+  const __m512i lanes = kQ4 ? _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0)
+                            : _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
   deja_cpu::fold_rows<16, kRows>(out, ldo, n0, n1, [&](int64_t n, __m512 (&sums)[kRows]) {
-    deja_cpu::prefetch_row(qs, K, scale, static_cast<const sc_t*>(nullptr), groups,
-                           n + deja_cpu::kAhead, n1);
-    const uint8_t* wrow = static_cast<const uint8_t*>(qs) + n * K;
-    __m512 acc[kRows][kSets];
-    for (auto& row : acc) {
-      for (auto& a : row) a = _mm512_setzero_ps();
-    }
-    for (int64_t g0 = 0; g0 < groups; g0 += 16) {
-      const int64_t ng = std::min<int64_t>(16, groups - g0);
-      const __mmask16 live = static_cast<__mmask16>(ng == 16 ? 0xffff : (1u << ng) - 1);
-      const bool more = (ldo - n) * groups - g0 >= 16;  // (the scales hold ldo = N rows)
-      const __m512 d = scales16(scale + n * groups + g0, ng, more);
-      __m512 dd[kRows];
-      __m512i cv[kRows];
-      for (int r = 0; r < kRows; ++r) {
-        const int64_t at = r * groups + g0;
-        dd[r] = _mm512_mul_ps(d, _mm512_maskz_loadu_ps(live, xd + at));
-        cv[r] = _mm512_sub_epi32(_mm512_maskz_loadu_epi32(live, xc + at), _mm512_set1_epi32(128));
-        cv[r] = _mm512_and_si512(cv[r], _mm512_set1_epi32(0xffff));
-      }
-      // pair p of the 16 groups into set `set` of each row's sums
-      auto pair = [&](int64_t p, auto set) {
-        const int64_t g = g0 + 2 * p;
-        const bool both = 2 * p + 1 < ng;  // (else the row's last group, alone)
-        const __mmask64 bytes = both ? ~__mmask64(0) : (__mmask64(1) << 32) - 1;
-        // (not masked loads: see scales16)
-        const __m512i w = both ? _mm512_loadu_si512(wrow + g * kGroup)
-                               : _mm512_zextsi256_si512(_mm256_loadu_si256(
-                                     reinterpret_cast<const __m256i*>(wrow + g * kGroup)));
-        const __m512i qsum = _mm512_dpbusd_epi32(_mm512_setzero_si512(), ones, w);
-        const __m512i idx = _mm512_add_epi32(first, _mm512_set1_epi32(static_cast<int>(2 * p)));
-        for (int r = 0; r < kRows; ++r) {
-          const int8_t* xg = xq + (r * groups + g) * kGroup;
-          const __m512i x = both ? _mm512_loadu_si512(xg) : _mm512_maskz_loadu_epi8(bytes, xg);
-          const __m512i start = _mm512_madd_epi16(qsum, _mm512_permutexvar_epi32(idx, cv[r]));
-          const __m512i s = _mm512_dpbusd_epi32(start, _mm512_xor_si512(x, flip), w);
-          __m512& a = acc[r][set];
-          a = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_permutexvar_ps(idx, dd[r]), a);
-        }
-      };
-      deja_cpu::in_turns<kSets - 1>((ng + 1) / 2, pair);
-    }
-    for (int r = 0; r < kRows; ++r) {
-      sums[r] = _mm512_setzero_ps();
-      for (const auto& a : acc[r]) sums[r] = _mm512_add_ps(sums[r], a);
-    }
-  });
-}
-#endif
-
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
-// rows_i8 for 4-bit weights on AVX-512 VNNI, x in blocks (quantize_rows): four groups a 512-bit
-// vector, with no shuffle of the weights. A weight row's 64 bytes for four groups hold each
-// group's 16 bytes, low nibbles q[0..15] and high nibbles q[16..31]: ANDed with 15 (the high
-// ones after a shift), they are the four groups' first 16 weights in one vector and their last
-// 16 in another, the order x's block has. A row's lane (four a group) sums q xq over both by one vpdpbusd each, and c sum(q) by a third,
-// of (low + high) against the block's c bytes; times its group's d dx (vpermps from 16 groups'
-// worth) it goes to the row's float sums. Per row and group: the same integer sum as rows_i8;
-// the float sum's order differs. A row's last block reads past the row's bytes where the weight
-// goes on (x's and c's zeros meet them); at the weight's end it loads only the row's own.
-template <int kRows, typename sc_t>
-void rows_i8_blocks(const int8_t* xq, const int8_t* xcb, const float* xd, const float* xsum,
-                    int64_t K, const void* qs, const sc_t* scale, const sc_t* zero, float* out,
-                    int64_t ldo, int64_t n0, int64_t n1) {
-  const int64_t groups = K / kGroup, row_bytes = K / 2, blocks = blocks_of(K);
-  constexpr int kSets = kRows <= 2 ? 2 : 1;  // (one row alone would wait on its FMA's latency)
-  const __m512i m15 = _mm512_set1_epi8(15);
-  const __m512i lanes = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
-  deja_cpu::fold_rows<16, kRows>(out, ldo, n0, n1, [&](int64_t n, __m512 (&sums)[kRows]) {
-    deja_cpu::prefetch_row(qs, row_bytes, scale, zero, groups, n + deja_cpu::kAhead, n1);
+    deja_cpu::prefetch_row(qs, row_bytes, scale, kQ4 ? zero : nullptr, groups, n + deja_cpu::kAhead,
+                           n1);
     const uint8_t* wrow = static_cast<const uint8_t*>(qs) + n * row_bytes;
     __m512 acc[kRows][kSets], mz[kRows];
     for (int r = 0; r < kRows; ++r) {
@@ -507,37 +454,67 @@ void rows_i8_blocks(const int8_t* xq, const int8_t* xcb, const float* xd, const 
       const __mmask16 live = static_cast<__mmask16>(ng == 16 ? 0xffff : (1u << ng) - 1);
       const bool more = (ldo - n) * groups - g0 >= 16;  // (the scales hold ldo = N rows)
       const __m512 d = scales16(scale + n * groups + g0, ng, more);
-      __m512 m = scales16(zero + n * groups + g0, ng, more);
-      if constexpr (std::is_same_v<sc_t, float>) m = _mm512_fnmadd_ps(_mm512_set1_ps(8.f), d, m);
+      __m512 m = _mm512_setzero_ps();
+      if constexpr (kQ4) {
+        m = scales16(zero + n * groups + g0, ng, more);
+        if constexpr (std::is_same_v<sc_t, float>) m = _mm512_fnmadd_ps(_mm512_set1_ps(8.f), d, m);
+      }
       __m512 dd[kRows];
+      __m512i cv[kRows];
       for (int r = 0; r < kRows; ++r) {
         const int64_t at = r * groups + g0;
         dd[r] = _mm512_mul_ps(d, _mm512_maskz_loadu_ps(live, xd + at));
-        mz[r] = _mm512_fmadd_ps(m, _mm512_maskz_loadu_ps(live, xsum + at), mz[r]);
+        if constexpr (kQ4) {
+          mz[r] = _mm512_fmadd_ps(m, _mm512_maskz_loadu_ps(live, xsum + at), mz[r]);
+        } else {
+          cv[r] = _mm512_sub_epi32(_mm512_maskz_loadu_epi32(live, xc + at), _mm512_set1_epi32(128));
+          cv[r] = _mm512_and_si512(cv[r], _mm512_set1_epi32(0xffff));
+        }
       }
-      // block b of the 16 groups into set `set` of each row's sums
-      auto block = [&](int64_t b, auto set) {
-        const int64_t g = g0 + 4 * b, left = groups - g;
-        const uint8_t* p = wrow + g * 16;
-        const bool whole = (ldo - n) * row_bytes - g * 16 >= 64;  // (the weight holds ldo = N rows)
-        const __m512i v = whole || left >= 4
-                              ? _mm512_loadu_si512(p)
-                              : _mm512_maskz_loadu_epi8((__mmask64(1) << (16 * left)) - 1, p);
-        const __m512i lo = _mm512_and_si512(v, m15);
-        const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), m15);
-        const __m512i both = _mm512_add_epi8(lo, hi);
-        const __m512i idx = _mm512_add_epi32(lanes, _mm512_set1_epi32(static_cast<int>(4 * b)));
-        const int64_t at = g / 4;  // (the block's index in a row of x)
+      // step i of the 16 groups (kStep of them from g) into set `set` of each row's sums
+      auto step = [&](int64_t i, auto set) {
+        const int64_t g = g0 + kStep * i;
+        const __m512i idx = _mm512_add_epi32(lanes, _mm512_set1_epi32(static_cast<int>(kStep * i)));
+        __m512i s[kRows];
+        if constexpr (kQ4) {
+          const uint8_t* p = wrow + g * 16;
+          const int64_t left = groups - g;
+          const bool whole = (ldo - n) * row_bytes - g * 16 >= 64;  // (the weight: ldo = N rows)
+          const __m512i v = whole || left >= 4
+                                ? _mm512_loadu_si512(p)
+                                : _mm512_maskz_loadu_epi8((__mmask64(1) << (16 * left)) - 1, p);
+          const __m512i lo = _mm512_and_si512(v, m15);
+          const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), m15);
+          const __m512i both = _mm512_add_epi8(lo, hi);
+          const int64_t at = g / 4;  // (the block's index in a row of x)
+          for (int r = 0; r < kRows; ++r) {
+            const int8_t* xb = xq + (r * blocks + at) * 128;
+            s[r] = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, _mm512_loadu_si512(xb));
+            s[r] = _mm512_dpbusd_epi32(s[r], hi, _mm512_loadu_si512(xb + 64));
+            const __m512i c = _mm512_loadu_si512(xcb + (r * blocks + at) * 64);
+            s[r] = _mm512_dpbusd_epi32(s[r], both, c);
+          }
+        } else {
+          const bool both = g + 1 < g0 + ng;  // (else the row's last group, alone)
+          const __mmask64 bytes = both ? ~__mmask64(0) : (__mmask64(1) << 32) - 1;
+          // (not masked loads: see scales16)
+          const __m512i w = both ? _mm512_loadu_si512(wrow + g * kGroup)
+                                 : _mm512_zextsi256_si512(_mm256_loadu_si256(
+                                       reinterpret_cast<const __m256i*>(wrow + g * kGroup)));
+          const __m512i qsum = _mm512_dpbusd_epi32(_mm512_setzero_si512(), ones, w);
+          for (int r = 0; r < kRows; ++r) {
+            const int8_t* xg = xq + (r * groups + g) * kGroup;
+            const __m512i xv = both ? _mm512_loadu_si512(xg) : _mm512_maskz_loadu_epi8(bytes, xg);
+            const __m512i start = _mm512_madd_epi16(qsum, _mm512_permutexvar_epi32(idx, cv[r]));
+            s[r] = _mm512_dpbusd_epi32(start, _mm512_xor_si512(xv, flip), w);
+          }
+        }
         for (int r = 0; r < kRows; ++r) {
-          const int8_t* xb = xq + (r * blocks + at) * 128;
-          __m512i s = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, _mm512_loadu_si512(xb));
-          s = _mm512_dpbusd_epi32(s, hi, _mm512_loadu_si512(xb + 64));
-          s = _mm512_dpbusd_epi32(s, both, _mm512_loadu_si512(xcb + (r * blocks + at) * 64));
           __m512& a = acc[r][set];
-          a = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_permutexvar_ps(idx, dd[r]), a);
+          a = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s[r]), _mm512_permutexvar_ps(idx, dd[r]), a);
         }
       };
-      deja_cpu::in_turns<kSets - 1>((ng + 3) / 4, block);
+      deja_cpu::in_turns<kSets - 1>((ng + kStep - 1) / kStep, step);
     }
     for (int r = 0; r < kRows; ++r) {
       sums[r] = mz[r];
@@ -715,24 +692,19 @@ void product_i8(const Int8Rows& x, int64_t M, int64_t K, const void* qs, const s
   }
 #endif
   const int64_t grain = std::max<int64_t>(16, N / (4 * at::get_num_threads()));
-  const int64_t groups = K / kGroup;
   at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {
     for (int64_t m = 0; m < M; m += kMaxRows) {
-      const int8_t* xq = x.q.data() + m * K;
-      const float* xd = x.d.data() + m * groups;
-      const float* xs = x.sum.data() + m * groups;
-      const int32_t* xc = x.c.data() + m * groups;
       float* om = out + m * N;
       deja_cpu::with_rows<kMaxRows>(M - m, [&](auto rows) {
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
-        if constexpr (kQ4) {
-          const int64_t at = m * blocks_of(K);
-          rows_i8_blocks<decltype(rows)::value, sc_t>(x.q.data() + at * 128, x.cb.data() + at * 64,
-                                                      xd, xs, K, qs, scale, zero, om, N, n0, n1);
-        } else {
-          rows_i8_pairs<decltype(rows)::value, sc_t>(xq, xd, xc, K, qs, scale, om, N, n0, n1);
-        }
+        rows_i8_vnni<decltype(rows)::value, kQ4, sc_t>(x, m, K, qs, scale, zero, om, N, n0,
+                                                       n1);
 #else
+        const int64_t groups = K / kGroup;
+        const int8_t* xq = x.q.data() + m * K;
+        const float* xd = x.d.data() + m * groups;
+        const float* xs = x.sum.data() + m * groups;
+        const int32_t* xc = x.c.data() + m * groups;
         const int32_t* xc2 = kReadsC2 ? x.c2.data() + m * groups : nullptr;
         rows_i8<decltype(rows)::value, kQ4, sc_t>(xq, xd, xs, xc, xc2, K, qs, scale, zero, om, N, n0,
                                                   n1);
