@@ -16,7 +16,9 @@
 // a group, times c by one vpmullw a row, added to the int16 pairs before their vpmaddwd). A row
 // sums its groups in four sets of lanes (two for 2-4 rows) so the FMAs do not wait on each
 // other, and reads a weight row's scales once for d dx and the zeros' share; the sums of each 8
-// weight rows are folded into 8 outputs at once (no horizontal sum a row).
+// weight rows are folded into 8 outputs at once (no horizontal sum a row). A 4-bit weight at
+// 1-4 rows takes eight weight rows a pass instead, a row in each 32-bit lane (rows_q4_lanes): no
+// horizontal sums, one conversion and two FMAs (d dx's and the zeros') for eight rows' group.
 // It is not the dequantized weight's product: each activation is rounded to 8 bits (as
 // llama.cpp rounds them), so it is used only where asked (layers/quantized.py).
 // With AVX-512 VNNI, a few rows of a 4-bit weight take four groups a vector, x quantized in
@@ -389,8 +391,8 @@ void rows_i8(const int8_t* xq, const float* xd, const float* xsum, const int32_t
 #if defined(__AVX2__) && defined(__F16C__) && !(defined(__AVX512VNNI__) && defined(__AVX512BW__))
 // 4-bit weights, 1-4 rows of x, without VNNI: eight weight rows a pass, weight row n0 + l in
 // 32-bit lane l of every vector, so a group ends as one vector of eight rows' integer sums (one
-// float conversion and FMA for eight rows, and no horizontal sum; rows_i8 takes one of each a
-// row and group). Per group the eight rows' 16 bytes are transposed in registers (vector k, lane
+// float conversion and two FMAs for eight rows, and no horizontal sum; rows_i8 takes those a row
+// and group). Per group the eight rows' 16 bytes are transposed in registers (vector k, lane
 // l: bytes 4k .. 4k + 3 of row l), split into nibbles (weights 4k .. 4k + 3 and 16 + 4k ..
 // 16 + 4k + 3) and multiplied against broadcasts of x's 4 matching bytes; the 8 products of u8
 // q and s8 xq a lane's int16 half sums stay within 8 x 2 x 15 x 127. The offset's share c sum(q)
@@ -452,11 +454,12 @@ void scale_columns(const sc_t* scale, const sc_t* zero, int64_t n, int64_t group
 }
 
 // out[r, n] for weight rows n0 .. n1 (a multiple of 8 of them) and kRows rows of quantized x
-// (rows_i8's arguments).
+// (rows_i8's arguments but c2).
 template <int kRows, typename sc_t>
-void rows_q4_lanes(const int8_t* xq, const float* xd, const float* xsum, const int32_t* xc2,
+void rows_q4_lanes(const int8_t* xq, const float* xd, const float* xsum, const int32_t* xc,
                    int64_t K, const uint8_t* qs, const sc_t* scale, const sc_t* zero, float* out,
                    int64_t ldo, int64_t n0, int64_t n1) {
+  if (n1 <= n0) return;
   const int64_t groups = K / kGroup, row_bytes = K / 2;
   std::vector<float> cols(2 * kLaneBlock * groups);
   float* const dcol = cols.data();
@@ -466,8 +469,8 @@ void rows_q4_lanes(const int8_t* xq, const float* xd, const float* xsum, const i
   for (int64_t n = n0; n < n1; n += kLaneBlock) {
     // the block two ahead, asked for a group's share at a time (a burst of prefetches at the
     // block's start made a product streamed from memory ~1.7x slower on an AVX2 EPYC)
-    const int64_t next = n + 2 * kLaneBlock;
-    const bool ahead = next + kLaneBlock <= n1;
+    const bool ahead = n + 3 * kLaneBlock <= n1;
+    const int64_t next = ahead ? n + 2 * kLaneBlock : n;
     const char* wa = reinterpret_cast<const char*>(qs + next * row_bytes);
     const sc_t* sa = scale + next * groups;
     const sc_t* za = zero + next * groups;
@@ -515,8 +518,8 @@ void rows_q4_lanes(const int8_t* xq, const float* xd, const float* xsum, const i
                                                  _mm256_maddubs_epi16(hi[1], x4(20))));
         s = _mm256_add_epi16(s, _mm256_add_epi16(_mm256_maddubs_epi16(hi[2], x4(24)),
                                                  _mm256_maddubs_epi16(hi[3], x4(28))));
-        const __m256i sums = _mm256_add_epi32(_mm256_madd_epi16(s, ones16),
-                                              _mm256_madd_epi16(qsum, _mm256_set1_epi32(xc2[at_g])));
+        const __m256i c = _mm256_set1_epi16(static_cast<int16_t>(xc[at_g]));
+        const __m256i sums = _mm256_add_epi32(_mm256_madd_epi16(s, ones16), _mm256_madd_epi16(qsum, c));
         acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums),
                                  _mm256_mul_ps(dg, _mm256_broadcast_ss(xd + at_g)), acc[r]);
         mz[r] = _mm256_fmadd_ps(mg, _mm256_broadcast_ss(xsum + at_g), mz[r]);
@@ -852,7 +855,7 @@ void product_i8(const Int8Rows& x, int64_t M, int64_t K, const void* qs, const s
 #if defined(__AVX2__) && defined(__F16C__)
         if constexpr (kQ4 && kRows <= kLaneMaxRows) {  // whole blocks of 8 weight rows
           n = n0 + (n1 - n0) / kLaneBlock * kLaneBlock;
-          rows_q4_lanes<kRows>(xq, xd, xs, xc2, K, static_cast<const uint8_t*>(qs), scale, zero,
+          rows_q4_lanes<kRows>(xq, xd, xs, xc, K, static_cast<const uint8_t*>(qs), scale, zero,
                                om, N, n0, n);
         }
 #endif
